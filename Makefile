@@ -1,0 +1,30 @@
+# Two entry points, both from a fresh clone:  `make demo`  and  `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# torch is pinned here (dev/CI only) so pip takes the CPU wheel that lies on this machine's disk.
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: setup demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/asynctron demo
+
+test: setup
+	$(VENV)/bin/ruff check asynctron tests bench
+	$(PY) -m pytest -q
+
+bench: setup
+	$(VENV)/bin/asynctron bench save
+
+clean:
+	rm -rf $(VENV) demo-out .pytest_cache

@@ -1,0 +1,43 @@
+"""asynctron: an asyncio-first I/O engine for large-model training.
+
+`await engine.save(state_dict, path)` writes a checkpoint while the loop keeps running;
+`await engine.load(path)` reads it back.
+"""
+
+from asynctron.engine import (
+    BackgroundEngine,
+    Engine,
+    EngineConfig,
+    SaveResult,
+    SaveTask,
+    load,
+    save,
+)
+from asynctron.errors import (
+    AsynctronError,
+    BusyError,
+    CheckpointNotFoundError,
+    ClosedError,
+    CorruptCheckpointError,
+    PeerError,
+    StorageError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsynctronError",
+    "BackgroundEngine",
+    "BusyError",
+    "CheckpointNotFoundError",
+    "ClosedError",
+    "CorruptCheckpointError",
+    "Engine",
+    "EngineConfig",
+    "PeerError",
+    "SaveResult",
+    "SaveTask",
+    "StorageError",
+    "load",
+    "save",
+]

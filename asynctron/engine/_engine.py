@@ -1,0 +1,267 @@
+"""`Engine`: the checkpoint engine bound to one running event loop.
+
+It owns the bounded executor (the only door for blocking calls), the staging pool under the
+memory budget, the CUDA copy streams, and every save task it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from asynctron.engine._budget import ByteBudget
+from asynctron.engine._load import Loader
+from asynctron.engine._save import Committer, SaveJob, prepare_save, uncancellable
+from asynctron.engine._staging import SlabPool, Stager
+from asynctron.engine._task import SaveResult, SaveTask
+from asynctron.errors import BusyError, ClosedError
+from asynctron.storage._layout import ALIGN_BYTES
+from asynctron.storage._reader import CheckpointReader
+from asynctron.storage._sysio import FileIO, LocalFileIO
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineConfig:
+    """The engine's knobs, validated at construction."""
+
+    num_workers: int = 4
+    """Threads in the engine's executor: every file syscall, memcpy and CUDA wait runs there."""
+    num_bins: int = 2
+    """Files written per save (per rank), each by its own writer task."""
+    memory_budget_bytes: int = 2048 * MiB
+    """Most bytes of staging slabs held at once; a bigger state dict streams through in waves."""
+    slab_bytes: int = 64 * MiB
+    """Size of one staging slab = one write call = one read call."""
+    keep_last: int | None = None
+    """Keep this many newest checkpoints beside each saved one (None: keep all)."""
+    pin_memory: bool | None = None
+    """Pin staging slabs (page-locked, for fast D2H/H2D); None: when CUDA is available."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_workers", "num_bins"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected an int >= 1, found {value!r}")
+        if not isinstance(self.slab_bytes, int) or self.slab_bytes < ALIGN_BYTES or (
+                self.slab_bytes % ALIGN_BYTES):
+            raise ValueError(f"slab_bytes: expected a multiple of {ALIGN_BYTES} >= "
+                             f"{ALIGN_BYTES}, found {self.slab_bytes!r}")
+        if not isinstance(self.memory_budget_bytes, int) or (
+                self.memory_budget_bytes < self.slab_bytes):
+            raise ValueError(f"memory_budget_bytes: expected an int >= slab_bytes "
+                             f"({self.slab_bytes}), found {self.memory_budget_bytes!r}; "
+                             "lower slab_bytes or raise the budget")
+        if self.keep_last is not None and (not isinstance(self.keep_last, int)
+                                           or self.keep_last < 1):
+            raise ValueError(f"keep_last: expected None or an int >= 1, found "
+                             f"{self.keep_last!r}")
+
+
+class Engine:
+    """The asynctron checkpoint engine. Use as `async with Engine(...) as engine:`.
+
+    Binds to the running loop on entry. Keyword arguments are `EngineConfig` fields;
+    `file_io` replaces the local filesystem's data path (fault-injecting fakes in tests).
+
+    Concurrency: any number of saves and loads may be in flight; two saves to one path raise
+    BusyError.
+    """
+
+    def __init__(self, *, file_io: FileIO | None = None, **config: Any) -> None:
+        self.config = EngineConfig(**config)
+        self._fio = file_io or LocalFileIO()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._saves: dict[str, asyncio.Task[SaveResult]] = {}
+        self._seq = 0
+        self._closed = False
+        pin = self.config.pin_memory
+        self._pin = torch.cuda.is_available() if pin is None else pin
+        self.budget = ByteBudget(self.config.memory_budget_bytes)
+        self._pool = SlabPool(self.budget, self.config.slab_bytes, self._pin, self.run_blocking)
+        self._stager = Stager(self._pool, self.run_blocking)
+        self._committer = Committer(self.run_blocking, self.config.keep_last)
+
+    async def __aenter__(self) -> Engine:
+        self.start()
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            for task in self._saves.values():
+                task.cancel()
+        await self.aclose()
+
+    def start(self) -> None:
+        """Bind to the running loop and start the executor (done by `async with`)."""
+        if self._closed:
+            raise ClosedError("engine: closed; create a new Engine")
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._executor = ThreadPoolExecutor(self.config.num_workers,
+                                                thread_name_prefix="asynctron-io")
+            logger.debug("engine started: %s", self.config)
+
+    async def aclose(self) -> None:
+        """Wait for every save in flight, then stop the executor and free the staging pool.
+
+        Cancellation: the saves in flight are cancelled (their tmp dirs removed) and the
+        executor still shuts down.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._saves:
+                await asyncio.wait(list(self._saves.values()))
+        except asyncio.CancelledError:
+            for task in self._saves.values():
+                task.cancel()
+            await uncancellable(asyncio.ensure_future(asyncio.wait(list(self._saves.values()))))
+            raise
+        finally:
+            self._pool.trim()
+            if self._executor is not None:
+                # Every run_blocking caller waits for its thread, so none is busy for long;
+                # waiting here would block the loop.
+                self._executor.shutdown(wait=False)
+                self._executor = None
+
+    def _check_open(self) -> asyncio.AbstractEventLoop:
+        if self._closed:
+            raise ClosedError("engine: closed; create a new Engine")
+        if self._loop is None:
+            raise RuntimeError("engine: not started; use `async with Engine() as engine`")
+        return self._loop
+
+    async def run_blocking(self, fn: Callable[..., T], /, *args: Any) -> T:
+        """Run blocking `fn(*args)` on the engine's executor; the loop stays free.
+
+        Cancellation: the thread cannot be interrupted; the call finishes, then the
+        cancellation is raised (so no buffer is reused while a thread still touches it).
+        """
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError("engine: not started; use `async with Engine() as engine`")
+        if self._executor is None:
+            raise ClosedError("engine: closed; create a new Engine")
+        future = loop.run_in_executor(self._executor, functools.partial(fn, *args))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            await uncancellable(future)
+            if not future.cancelled():
+                future.exception()  # the cancellation wins; mark the thread's error as seen
+            raise
+
+    def save(self, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
+             snapshot: bool = True) -> SaveTask:
+        """Start saving `state_dict` to the new directory `path`; returns at once.
+
+        Args:
+            state_dict: nested dicts/lists/tuples of tensors (CPU or CUDA), numpy arrays,
+                bytes, and JSON values (str, int, float, bool, None).
+            path: the checkpoint directory to create; its parent gets a `latest` pointer.
+            snapshot: copy tensors out (True), so they may change after `await task.staged`;
+                False writes CPU tensors in place, and they must not change until `await task`.
+
+        Returns:
+            a `SaveTask`: `await task.staged`, then `await task` for the `SaveResult`.
+
+        Raises:
+            TypeError, ValueError: bad keys, leaves or dtypes (nothing is started).
+            BusyError: a save to the same path is already in flight.
+            ClosedError: the engine is closed.
+        The task raises FileExistsError if `path` exists, StorageError on I/O failure.
+
+        Memory: staging holds at most `memory_budget_bytes` (shared by all saves).
+        """
+        loop = self._check_open()
+        target = os.path.abspath(os.fspath(path))
+        if target in self._saves:
+            raise BusyError(f"checkpoint {target}: a save to this path is already in flight; "
+                            "await it first or save to another path")
+        request = prepare_save(state_dict, target, num_bins=self.config.num_bins, rank=0,
+                               snapshot=snapshot)
+        self._seq += 1
+        staged: asyncio.Future[None] = loop.create_future()
+
+        def on_staged() -> None:
+            if not staged.done():
+                staged.set_result(None)
+
+        job = SaveJob(request, seq=self._seq, stager=self._stager, fio=self._fio,
+                      run_blocking=self.run_blocking, committer=self._committer,
+                      batch_nbytes=self.config.slab_bytes, on_staged=on_staged)
+        task = loop.create_task(self._run_save(job, staged), name=f"asynctron-save:{target}")
+        self._saves[target] = task
+        return SaveTask(task, staged, loop, target)
+
+    async def _run_save(self, job: SaveJob, staged: asyncio.Future[None]) -> SaveResult:
+        try:
+            return await job.run()
+        except BaseException as error:
+            if not staged.done():
+                if isinstance(error, asyncio.CancelledError):
+                    staged.cancel()
+                else:
+                    staged.set_exception(error)
+                    staged.exception()  # retrieved here; the SaveTask carries it to the caller
+            raise
+        finally:
+            del self._saves[job.request.path]
+
+    async def load(self, path: str | os.PathLike[str], *, into: Mapping[str, Any] | None = None,
+                   mmap: bool = False, verify: bool | None = None) -> Any:
+        """Load the checkpoint at `path` (or the one `path/latest` names).
+
+        Args:
+            into: a state dict whose tensors (CPU or CUDA) and arrays are filled in place;
+                the result mirrors its structure, with non-tensor values from the checkpoint.
+            mmap: return tensors backed by copy-on-write maps of the files (nothing is read
+                until touched; writes never reach the files). Exclusive with `into`.
+            verify: check every item's crc32c; default True, but False with `mmap` (checking
+                would read every byte).
+
+        Raises:
+            CheckpointNotFoundError: nothing committed at `path`.
+            CorruptCheckpointError: a bad manifest, a short file or a checksum mismatch,
+                naming file, key and offset. With `into`, tensors may be partly overwritten.
+            ValueError: `into` does not match the checkpoint (naming the key).
+
+        Cancellation: reads in flight finish; `into` tensors may be partly filled.
+        Memory: fresh tensors as saved; CUDA/strided `into` targets stage through slabs.
+        """
+        self._check_open()
+        if mmap and into is not None:
+            raise ValueError("load: mmap=True and into= are exclusive; choose one")
+        reader = CheckpointReader(self._fio, os.fspath(path), self.run_blocking)
+        try:
+            manifest = await reader.open()
+            loader = Loader(reader, manifest, pool=self._pool, stager=self._stager,
+                            run_blocking=self.run_blocking, call_nbytes=self.config.slab_bytes,
+                            verify=(not mmap) if verify is None else verify)
+            if mmap:
+                return await loader.mapped()
+            if into is not None:
+                return await loader.into(into)
+            return await loader.fresh()
+        finally:
+            await reader.aclose()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("running" if self._loop else "not started")
+        return f"<Engine {state}, {len(self._saves)} saves in flight, {self.budget!r}>"

@@ -1,0 +1,300 @@
+"""Loading a committed checkpoint: fresh CPU tensors, in place into the caller's tensors, or mmap.
+
+Reads run one task per file, items in file order, each read split into calls of at most one
+slab. Fresh and contiguous-CPU targets are read straight into their memory; CUDA and
+non-contiguous targets go through budgeted slabs (H2D on the copy stream, waited off the loop).
+Nothing is ever unpickled: the structure is JSON and bytes items come back as `bytes`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from asynctron.engine._save import first_error
+from asynctron.engine._staging import SlabPool, Stager, flat_range_views
+from asynctron.errors import CorruptCheckpointError
+from asynctron.storage._dtypes import NUMPY_DTYPES, TORCH_DTYPES
+from asynctron.storage._manifest import ItemRecord, Manifest
+from asynctron.storage._plan import Structure, flatten, unflatten
+from asynctron.storage._reader import CheckpointReader
+from asynctron.storage._sysio import RunBlocking, crc32c_update
+
+
+def _torch_dtype(record: ItemRecord) -> torch.dtype:
+    assert record.dtype is not None
+    return (TORCH_DTYPES if record.kind == "tensor" else NUMPY_DTYPES)[record.dtype]
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _is_whole(record: ItemRecord) -> bool:
+    return record.shape == record.global_shape and not any(record.chunk_offsets or ())
+
+
+def _chunk_view(tensor: torch.Tensor, record: ItemRecord) -> torch.Tensor:
+    """The part of a full tensor that `record`'s chunk covers."""
+    assert record.shape is not None and record.chunk_offsets is not None
+    view = tensor
+    for dim, (offset, size) in enumerate(zip(record.chunk_offsets, record.shape, strict=True)):
+        view = view.narrow(dim, offset, size)
+    return view
+
+
+def _values_by_key(structure: Structure) -> dict[str, Any]:
+    """Every JSON value in a structure, by the flat key it would have as an item."""
+    values: dict[str, Any] = {}
+    stack: list[tuple[str, Structure]] = [("", structure)]
+    while stack:
+        path, node = stack.pop()
+        (tag, body), = node.items()
+        if tag == "value":
+            values[path] = body
+        elif tag == "dict":
+            stack.extend((f"{path}.{k}" if path else str(k), child) for k, child in body)
+        elif tag in ("list", "tuple"):
+            stack.extend((f"{path}.{i}" if path else str(i), c) for i, c in enumerate(body))
+    return values
+
+
+class Loader:
+    """Loads one checkpoint through an open `CheckpointReader`.
+
+    Not constructed directly; `Engine.load` makes one.
+    """
+
+    def __init__(self, reader: CheckpointReader, manifest: Manifest, *, pool: SlabPool,
+                 stager: Stager, run_blocking: RunBlocking, call_nbytes: int, verify: bool):
+        self._reader = reader
+        self._manifest = manifest
+        self._pool = pool
+        self._stager = stager
+        self._run_blocking = run_blocking
+        self._call_nbytes = call_nbytes
+        self._verify = verify
+
+    async def _read_all(self, jobs: list[tuple[ItemRecord, Any]]) -> None:
+        """Run reads grouped by file (one task per file, file order within it).
+
+        Each job is (record, destination) with destination a memoryview or a tensor that
+        needs slab staging (CUDA / non-contiguous)."""
+        by_file: dict[str, list[tuple[ItemRecord, Any]]] = {}
+        for job in jobs:
+            by_file.setdefault(job[0].file, []).append(job)
+
+        async def read_file(file_jobs: list[tuple[ItemRecord, Any]]) -> None:
+            for record, destination in sorted(file_jobs, key=lambda job: job[0].offset):
+                if isinstance(destination, memoryview):
+                    await self._reader.read_into(record, destination, verify=self._verify,
+                                                 call_nbytes=self._call_nbytes)
+                else:
+                    await self._read_through_slabs(record, destination)
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for file_jobs in by_file.values():
+                    group.create_task(read_file(file_jobs))
+        except BaseExceptionGroup as error:
+            raise first_error(error) from None
+
+    async def _read_through_slabs(self, record: ItemRecord, target: torch.Tensor) -> None:
+        """Read `record` slab by slab and copy each piece into `target` (CUDA or strided)."""
+        itemsize = target.dtype.itemsize
+        piece_nbytes = self._pool.slab_nbytes // itemsize * itemsize
+        path = self._reader.file_path(record)
+        crc = 0
+        for start in range(0, record.nbytes, piece_nbytes):
+            nbytes = min(piece_nbytes, record.nbytes - start)
+            slab = await self._pool.acquire()
+            try:
+                part = slab.view[:nbytes]
+                piece = ItemRecord(record.key, "bytes", None, None, None, None, record.file,
+                                   record.offset + start, nbytes, 0)
+                await self._reader.read_into(piece, part, verify=False,
+                                             call_nbytes=self._call_nbytes)
+                if self._verify:
+                    crc = await self._run_blocking(crc32c_update, crc, part)
+                typed = slab.tensor[:nbytes].view(target.dtype)
+                views = flat_range_views(target, start // itemsize, (start + nbytes) // itemsize)
+                if target.device.type == "cuda":
+                    stream = self._stager.copy_stream(target.device)
+                    with torch.cuda.stream(stream):
+                        event = _copy_views(views, typed, non_blocking=True)
+                    await self._run_blocking(event.synchronize)
+                else:
+                    await self._run_blocking(_copy_views, views, typed, False)
+            finally:
+                self._pool.release(slab)
+        if self._verify and crc != record.crc32c:
+            raise CorruptCheckpointError(
+                f"item {record.key!r} in {path} at offset {record.offset}: expected crc32c "
+                f"{record.crc32c:#010x}, found {crc:#010x}; the file changed after commit",
+                path=path, key=record.key, offset=record.offset)
+
+    async def fresh(self) -> Any:
+        """The saved structure with fresh CPU tensors, numpy arrays and bytes."""
+        items: dict[str, Any] = {}
+        jobs: list[tuple[ItemRecord, Any]] = []
+        partial: list[tuple[torch.Tensor, ItemRecord, torch.Tensor]] = []
+        for key, records in self._manifest.by_key().items():
+            first = records[0]
+            if first.kind == "bytes":
+                buffer = bytearray(first.nbytes)
+                items[key] = buffer
+                jobs.append((first, memoryview(buffer)))
+                continue
+            assert first.global_shape is not None
+            if len(records) == 1 and _is_whole(first):
+                tensor = torch.empty(first.global_shape, dtype=_torch_dtype(first))
+                jobs.append((first, _tensor_bytes(tensor)))
+            else:
+                tensor = torch.empty(first.global_shape, dtype=_torch_dtype(first))
+                for record in records:
+                    assert record.shape is not None
+                    chunk = torch.empty(record.shape, dtype=_torch_dtype(record))
+                    jobs.append((record, _tensor_bytes(chunk)))
+                    partial.append((tensor, record, chunk))
+            items[key] = tensor
+        await self._read_all(jobs)
+        for tensor, record, chunk in partial:
+            _chunk_view(tensor, record).copy_(chunk)
+        return unflatten(self._manifest.structure, self._finish(items))
+
+    def _finish(self, items: dict[str, Any]) -> dict[str, Any]:
+        """Turn loaded payloads into what the caller saved (ndarray, bytes)."""
+        kinds = {record.key: record.kind for record in self._manifest.items}
+        for key, value in items.items():
+            if kinds[key] == "bytes":
+                items[key] = bytes(value)
+            elif kinds[key] == "ndarray":
+                items[key] = value.numpy()
+        return items
+
+    async def mapped(self) -> Any:
+        """The saved structure with tensors backed by copy-on-write maps of the files."""
+        items: dict[str, Any] = {}
+        for key, records in self._manifest.by_key().items():
+            first = records[0]
+            if len(records) != 1 or (first.kind != "bytes" and not _is_whole(first)):
+                raise ValueError(
+                    f"item {key!r}: sharded ({len(records)} chunks) and cannot be mapped as one "
+                    "tensor; load it with mmap=False")
+            view = await self._reader.map(first) if first.nbytes else memoryview(b"")
+            if self._verify:
+                crc = await self._run_blocking(crc32c_update, 0, view)
+                if crc != first.crc32c:
+                    path = self._reader.file_path(first)
+                    raise CorruptCheckpointError(
+                        f"item {key!r} in {path} at offset {first.offset}: expected crc32c "
+                        f"{first.crc32c:#010x}, found {crc:#010x}; the file changed after commit",
+                        path=path, key=key, offset=first.offset)
+            if first.kind == "bytes":
+                items[key] = bytes(view)
+            elif first.nbytes == 0:
+                assert first.shape is not None
+                items[key] = torch.empty(first.shape, dtype=_torch_dtype(first))
+            else:
+                assert first.shape is not None
+                items[key] = torch.frombuffer(view, dtype=_torch_dtype(first)).view(first.shape)
+        return unflatten(self._manifest.structure, self._finish(items))
+
+    async def into(self, target: Mapping[str, Any]) -> Any:
+        """Fill `target`'s tensors and arrays in place; return `target`'s structure with
+        non-tensor values (and bytes) taken from the checkpoint.
+
+        Raises:
+            ValueError: a key of `target` missing from the checkpoint, or a dtype, shape or
+                kind that differs (names the key).
+        """
+        flat = flatten(target)
+        by_key = self._manifest.by_key()
+        saved_values = _values_by_key(self._manifest.structure)
+        items: dict[str, Any] = {}
+        jobs: list[tuple[ItemRecord, Any]] = []
+        partial: list[tuple[torch.Tensor, ItemRecord, torch.Tensor]] = []
+        for key, leaf in flat.leaves.items():
+            records = by_key.get(key)
+            if records is None:
+                raise ValueError(f"key {key!r}: expected in checkpoint {self._reader.path}, "
+                                 "found no such item; load without `into` to see its keys")
+            first = records[0]
+            if leaf.kind == "bytes" or first.kind == "bytes":
+                if leaf.kind != first.kind:
+                    raise ValueError(f"key {key!r}: expected {leaf.kind} (as in `into`), "
+                                     f"found {first.kind} in the checkpoint")
+                buffer = bytearray(first.nbytes)
+                jobs.append((first, memoryview(buffer)))
+                items[key] = buffer
+                continue
+            tensor = leaf.value
+            assert isinstance(tensor, torch.Tensor)
+            saved_dtype = _torch_dtype(first)
+            if tensor.dtype != saved_dtype or tuple(tensor.shape) != first.global_shape:
+                raise ValueError(
+                    f"key {key!r}: expected {saved_dtype} {list(first.global_shape or ())} as "
+                    f"saved, found {tensor.dtype} {list(tensor.shape)} in `into`; load into a "
+                    "matching tensor or without `into`")
+            for record in records:
+                destination = tensor if _is_whole(record) else _chunk_view(tensor, record)
+                if (destination.device.type == "cpu" and destination.is_contiguous()
+                        and math.prod(destination.shape) * destination.dtype.itemsize
+                        == record.nbytes):
+                    jobs.append((record, _tensor_bytes(destination)))
+                elif destination.device.type == "cpu" and not _is_whole(record):
+                    assert record.shape is not None
+                    chunk = torch.empty(record.shape, dtype=saved_dtype)
+                    jobs.append((record, _tensor_bytes(chunk)))
+                    partial.append((tensor, record, chunk))
+                else:
+                    jobs.append((record, destination))
+            items[key] = leaf.value if leaf.kind == "tensor" else leaf.value.numpy()
+        await self._read_all(jobs)
+        for tensor, record, chunk in partial:
+            _chunk_view(tensor, record).copy_(chunk)
+        for key, value in items.items():
+            if isinstance(value, bytearray):
+                items[key] = bytes(value)
+        return _rebuild(flat.structure, items, saved_values, self._reader.path)
+
+
+def _copy_views(views: list[torch.Tensor], source: torch.Tensor,
+                non_blocking: bool) -> torch.cuda.Event | None:
+    """Copy consecutive elements of 1-D `source` into `views`; on CUDA, return an event."""
+    cursor = 0
+    for view in views:
+        count = view.numel()
+        view.copy_(source[cursor:cursor + count].view(view.shape), non_blocking=non_blocking)
+        cursor += count
+    if non_blocking:
+        event = torch.cuda.Event()
+        event.record()
+        return event
+    return None
+
+
+def _rebuild(structure: Structure, items: dict[str, Any], saved_values: dict[str, Any],
+             path: str, prefix: str = "") -> Any:
+    """`into`'s structure with its JSON values replaced by the checkpoint's."""
+    (tag, body), = structure.items()
+    if tag == "item":
+        return items[body]
+    if tag == "value":
+        if prefix not in saved_values:
+            raise ValueError(f"key {prefix!r}: expected a value in checkpoint {path}, "
+                             "found none; load without `into` to see its keys")
+        return saved_values[prefix]
+
+    def child(key: Any) -> str:
+        return f"{prefix}.{key}" if prefix else str(key)
+
+    if tag == "dict":
+        return {k: _rebuild(node, items, saved_values, path, child(k)) for k, node in body}
+    nodes = [_rebuild(node, items, saved_values, path, child(i)) for i, node in enumerate(body)]
+    return nodes if tag == "list" else tuple(nodes)

@@ -1,0 +1,93 @@
+"""Every exception asynctron raises on purpose; the type says who must act.
+
+- `ClosedError`: you closed the engine; open a new one.
+- `StorageError`: the storage failed (ENOSPC, EIO, ...); `__cause__` is the `OSError`.
+- `BusyError`: two tasks used a one-at-a-time resource (e.g. two saves to one path).
+- `CorruptCheckpointError`: the bytes on disk are not what was committed. Never retried.
+- `PeerError`: another rank failed.
+- `CheckpointNotFoundError`: no committed checkpoint at the path (also a `FileNotFoundError`).
+- `WouldBlock`: raised only by `*_nowait` calls that would have to wait.
+
+Bad arguments raise `ValueError` / `TypeError` at call time, before any work starts.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AsynctronError",
+    "BusyError",
+    "CheckpointNotFoundError",
+    "ClosedError",
+    "CorruptCheckpointError",
+    "PeerError",
+    "StorageError",
+    "WouldBlock",
+]
+
+
+class AsynctronError(Exception):
+    """Root of every asynctron error."""
+
+
+class ClosedError(AsynctronError):
+    """The engine (or another resource) was closed by its owner."""
+
+
+class StorageError(AsynctronError):
+    """The storage failed underneath us; the original `OSError` is `__cause__`.
+
+    Attributes:
+        path: the file or directory the failing operation touched.
+        errno: the OS error number (e.g. `errno.ENOSPC`), or None.
+    """
+
+    def __init__(self, message: str, *, path: str, errno: int | None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.errno = errno
+
+
+class BusyError(AsynctronError):
+    """Two tasks used a resource that admits one at a time."""
+
+
+class CorruptCheckpointError(AsynctronError):
+    """Checkpoint bytes differ from what was committed (checksum, magic, truncation, bad manifest).
+
+    Attributes:
+        path: the file at fault.
+        key: the item at fault, or None when the fault is in the file as a whole.
+        offset: the byte offset in `path` where the fault is, or None.
+    """
+
+    def __init__(
+        self, message: str, *, path: str, key: str | None = None, offset: int | None = None
+    ) -> None:
+        super().__init__(message)
+        self.path = path
+        self.key = key
+        self.offset = offset
+
+
+class PeerError(AsynctronError):
+    """Another rank failed; `rank` says which."""
+
+    def __init__(self, message: str, *, rank: int) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class CheckpointNotFoundError(AsynctronError, FileNotFoundError):
+    """No committed checkpoint at the given path."""
+
+    def __init__(self, message: str, *, path: str) -> None:
+        AsynctronError.__init__(self, message)
+        self.path = path
+        self.filename = path
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class WouldBlock(AsynctronError):
+    """A `*_nowait` call would have had to wait."""

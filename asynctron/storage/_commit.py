@@ -1,0 +1,118 @@
+"""The commit protocol: a checkpoint becomes visible all at once, or not at all.
+
+Stages (all blocking; run on the engine's executor):
+1. the writers fsync every data file in the tmp dir `.<name>.tmp-<host>-<pid>-<token>`;
+2. `commit_dir`: write + fsync `manifest.json`, fsync the tmp dir, rename it to `<name>`
+   (never over an existing path), fsync the parent;
+3. `point_latest`: replace `<parent>/latest` atomically with the new name;
+4. `prune_checkpoints`: delete the oldest committed checkpoints beyond `keep_last`,
+   never the one `latest` names.
+A crash before the rename leaves only a tmp dir, which no reader takes for a checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+
+from asynctron.errors import CheckpointNotFoundError
+from asynctron.storage import _sysio
+from asynctron.storage._manifest import MANIFEST_NAME, Manifest
+
+LATEST_NAME = "latest"
+_TMP_MARK = ".tmp-"
+
+
+def tmp_dir_for(final_path: str) -> str:
+    """A fresh tmp dir name beside `final_path`, unique per host, process and call."""
+    parent, name = os.path.split(os.path.abspath(final_path))
+    host = socket.gethostname().replace("-", "_")
+    return os.path.join(parent, f".{name}{_TMP_MARK}{host}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def is_tmp_dir_name(name: str) -> bool:
+    return name.startswith(".") and _TMP_MARK in name
+
+
+def commit_dir(tmp_dir: str, final_path: str, manifest: Manifest) -> None:
+    """Publish `tmp_dir` as the checkpoint `final_path` (data files already fsynced).
+
+    Raises:
+        FileExistsError: `final_path` appeared meanwhile; the tmp dir is left for the caller.
+        StorageError: a write, fsync or rename failed.
+    """
+    _sysio.write_small_file(os.path.join(tmp_dir, MANIFEST_NAME), manifest.to_json())
+    _sysio.fsync_dir(tmp_dir)
+    _sysio.rename_no_replace(tmp_dir, final_path)
+    _sysio.fsync_dir(os.path.dirname(os.path.abspath(final_path)))
+
+
+def point_latest(final_path: str) -> None:
+    """Atomically make `<parent>/latest` name the checkpoint at `final_path`."""
+    parent, name = os.path.split(os.path.abspath(final_path))
+    pointer = os.path.join(parent, LATEST_NAME)
+    staging = f"{pointer}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    _sysio.write_small_file(staging, (name + "\n").encode())
+    _sysio.replace_file(staging, pointer)
+    _sysio.fsync_dir(parent)
+
+
+def read_latest(root: str) -> str | None:
+    """The checkpoint path `<root>/latest` names, or None if there is no pointer."""
+    pointer = os.path.join(root, LATEST_NAME)
+    if not _sysio.is_file(pointer):
+        return None
+    name = _sysio.read_small_file(pointer, 4096).decode(errors="replace").strip()
+    if not name or "/" in name or name in (".", "..") or "\x00" in name:
+        raise CheckpointNotFoundError(
+            f"pointer {pointer}: expected a checkpoint name, found {name!r}; rewrite or remove it",
+            path=pointer,
+        )
+    return os.path.join(root, name)
+
+
+def resolve_checkpoint(path: str) -> str:
+    """The committed checkpoint at `path`, or the one `path/latest` names.
+
+    Raises:
+        CheckpointNotFoundError: neither `path/manifest.json` nor a `latest` pointer exists.
+    """
+    if _sysio.is_file(os.path.join(path, MANIFEST_NAME)):
+        return path
+    latest = read_latest(path) if os.path.isdir(path) else None
+    if latest is not None and _sysio.is_file(os.path.join(latest, MANIFEST_NAME)):
+        return latest
+    raise CheckpointNotFoundError(
+        f"checkpoint {path}: expected a committed checkpoint ({MANIFEST_NAME}) or a "
+        f"'{LATEST_NAME}' pointer, found neither; the save may not have committed",
+        path=path,
+    )
+
+
+def prune_checkpoints(root: str, keep_last: int, protect: str) -> list[str]:
+    """Delete committed checkpoints in `root` beyond the `keep_last` newest; returns them.
+
+    Only directories holding an asynctron manifest are candidates; `protect` (the newest good
+    checkpoint) and whatever `latest` names are never deleted.
+    """
+    keep = {os.path.abspath(protect)}
+    latest = read_latest(root)
+    if latest is not None:
+        keep.add(os.path.abspath(latest))
+    committed = []
+    for name in _sysio.list_dir(root):
+        candidate = os.path.join(root, name)
+        manifest = os.path.join(candidate, MANIFEST_NAME)
+        if not is_tmp_dir_name(name) and _sysio.is_file(manifest):
+            committed.append((os.stat(manifest).st_mtime_ns, os.path.abspath(candidate)))
+    committed.sort(reverse=True)
+    doomed = [path for _, path in committed[keep_last:] if path not in keep]
+    for path in doomed:
+        # Rename first, so a crash mid-delete never leaves a damaged dir that looks committed.
+        graveyard = tmp_dir_for(path)
+        _sysio.replace_file(path, graveyard)
+        _sysio.remove_tree(graveyard)
+    if doomed:
+        _sysio.fsync_dir(root)
+    return doomed

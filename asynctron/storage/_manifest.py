@@ -1,0 +1,214 @@
+"""The manifest: the JSON description of a committed checkpoint, and its validation.
+
+A manifest is data from disk, so loading treats it as hostile: every field is type- and
+range-checked, file names must be bin file names inside the checkpoint, dtypes come from a
+closed table, and nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from asynctron.errors import CorruptCheckpointError
+from asynctron.storage._dtypes import NUMPY_DTYPES, TORCH_DTYPES
+from asynctron.storage._plan import ItemKind, Structure
+
+MANIFEST_NAME = "manifest.json"
+FORMAT = "asynctron"
+VERSION = 1
+#: A manifest larger than this is refused before parsing.
+MAX_MANIFEST_BYTES = 512 << 20
+_BIN_FILE = re.compile(r"__\d{1,9}_\d{1,9}\.distcp")
+_STRUCTURE_TAGS = frozenset({"dict", "list", "tuple", "item", "value"})
+
+
+@dataclass(frozen=True, slots=True)
+class ItemRecord:
+    """Where one item (a tensor chunk, ndarray or bytes) lives and how to check it.
+
+    `shape` is the stored (local chunk) shape; `global_shape` and `chunk_offsets` place the chunk
+    in the full tensor (equal to `shape` and zeros for an unsharded tensor). Bytes items have
+    `dtype`, shapes and offsets set to None.
+    """
+
+    key: str
+    kind: ItemKind
+    dtype: str | None
+    shape: tuple[int, ...] | None
+    global_shape: tuple[int, ...] | None
+    chunk_offsets: tuple[int, ...] | None
+    file: str
+    offset: int
+    nbytes: int
+    crc32c: int
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """A committed checkpoint: its structure, its items and its files (name -> size in bytes)."""
+
+    structure: Structure
+    items: tuple[ItemRecord, ...]
+    files: dict[str, int]
+    created_unix_s: float
+
+    def to_json(self) -> bytes:
+        body = {
+            "format": FORMAT,
+            "version": VERSION,
+            "created_unix_s": self.created_unix_s,
+            "checksum": "crc32c",
+            "files": self.files,
+            "items": [asdict(item) for item in self.items],
+            "structure": self.structure,
+        }
+        return json.dumps(body, separators=(",", ":")).encode()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for item in self.items)
+
+    def by_key(self) -> dict[str, list[ItemRecord]]:
+        """Items grouped by key (a sharded tensor has one record per chunk)."""
+        grouped: dict[str, list[ItemRecord]] = {}
+        for item in self.items:
+            grouped.setdefault(item.key, []).append(item)
+        return grouped
+
+
+def parse_manifest(data: bytes, path: str) -> Manifest:
+    """Parse and validate manifest bytes read from `path`.
+
+    Raises:
+        CorruptCheckpointError: anything malformed, naming the field at fault.
+    """
+
+    def fail(what: str, key: str | None = None) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"manifest {path}: {what}; the checkpoint is damaged "
+                                      "or not an asynctron checkpoint", path=path, key=key)
+
+    try:
+        body = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise fail(f"expected JSON, found {type(exc).__name__}: {exc}") from exc
+    if not isinstance(body, dict):
+        raise fail(f"expected a JSON object, found {type(body).__name__}")
+    if body.get("format") != FORMAT:
+        raise fail(f"expected format {FORMAT!r}, found {body.get('format')!r}")
+    if body.get("version") != VERSION:
+        raise fail(f"expected version {VERSION}, found {body.get('version')!r} "
+                   "(a newer asynctron may read it)")
+    files = body.get("files")
+    if not isinstance(files, dict):
+        raise fail("field 'files': expected an object")
+    for name, size in files.items():
+        if not _BIN_FILE.fullmatch(name):
+            raise fail(f"file name {name!r}: expected __<rank>_<bin>.distcp")
+        if not _is_count(size):
+            raise fail(f"size of file {name!r}: expected a non-negative integer, found {size!r}")
+    raw_items = body.get("items")
+    if not isinstance(raw_items, list):
+        raise fail("field 'items': expected a list")
+    items = tuple(_parse_item(raw, files, fail) for raw in raw_items)
+    seen = set()
+    for item in items:
+        ident = (item.key, item.chunk_offsets)
+        if ident in seen:
+            raise fail(f"item {item.key!r} at chunk {item.chunk_offsets}: listed twice", item.key)
+        seen.add(ident)
+    created = body.get("created_unix_s")
+    if not isinstance(created, int | float):
+        raise fail(f"field 'created_unix_s': expected a number, found {created!r}")
+    structure = body.get("structure")
+    _check_structure(structure, {item.key for item in items}, fail)
+    return Manifest(structure=structure, items=items, files=files, created_unix_s=created)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _parse_shape(value: Any) -> tuple[int, ...] | None:
+    if isinstance(value, list) and all(_is_count(v) for v in value):
+        return tuple(value)
+    return None
+
+
+def _parse_item(raw: Any, files: dict[str, int], fail: Any) -> ItemRecord:
+    if not isinstance(raw, dict):
+        raise fail(f"item: expected an object, found {type(raw).__name__}")
+    key = raw.get("key")
+    if not isinstance(key, str) or "\x00" in key:
+        raise fail(f"item key {key!r}: expected a string without NUL")
+    kind = raw.get("kind")
+    file, offset, nbytes, crc = raw.get("file"), raw.get("offset"), raw.get("nbytes"), raw.get(
+        "crc32c")
+    if kind not in ("tensor", "ndarray", "bytes"):
+        raise fail(f"item {key!r} kind {kind!r}: expected tensor, ndarray or bytes", key)
+    if file not in files:
+        raise fail(f"item {key!r} file {file!r}: expected one of the manifest's files", key)
+    if not (_is_count(offset) and _is_count(nbytes)) or offset + nbytes > files[file]:
+        raise fail(f"item {key!r} bytes [{offset!r}, +{nbytes!r}): expected inside {file} "
+                   f"({files[file]} bytes)", key)
+    if not (_is_count(crc) and crc < 2**32):
+        raise fail(f"item {key!r} crc32c {crc!r}: expected a 32-bit unsigned integer", key)
+    if kind == "bytes":
+        return ItemRecord(key, kind, None, None, None, None, file, offset, nbytes, crc)
+    dtype = raw.get("dtype")
+    table = TORCH_DTYPES if kind == "tensor" else NUMPY_DTYPES
+    if dtype not in table:
+        raise fail(f"item {key!r} dtype {dtype!r}: expected one of {sorted(table)}", key)
+    shape = _parse_shape(raw.get("shape"))
+    global_shape = _parse_shape(raw.get("global_shape"))
+    chunk_offsets = _parse_shape(raw.get("chunk_offsets"))
+    if shape is None or global_shape is None or chunk_offsets is None or not (
+            len(shape) == len(global_shape) == len(chunk_offsets)):
+        raise fail(f"item {key!r}: expected shape, global_shape and chunk_offsets as lists of "
+                   "non-negative integers of one length", key)
+    if any(o + s > g for o, s, g in zip(chunk_offsets, shape, global_shape, strict=True)):
+        raise fail(f"item {key!r} chunk at {chunk_offsets} of shape {shape}: expected inside "
+                   f"global shape {global_shape}", key)
+    expected = math.prod(shape) * table[dtype].itemsize
+    if expected != nbytes:
+        raise fail(f"item {key!r}: expected {expected} bytes for {dtype} {list(shape)}, "
+                   f"found nbytes {nbytes}", key)
+    return ItemRecord(key, kind, dtype, shape, global_shape, chunk_offsets, file, offset,
+                      nbytes, crc)
+
+
+def _check_structure(structure: Any, keys: set[str], fail: Any) -> None:
+    """Walk the structure iteratively (hostile nesting cannot overflow the stack)."""
+    referenced: set[str] = set()
+    stack = [structure]
+    while stack:
+        node = stack.pop()
+        if not (isinstance(node, dict) and len(node) == 1):
+            raise fail(f"structure node {str(node)[:80]!r}: expected an object with one tag")
+        (tag, body), = node.items()
+        if tag not in _STRUCTURE_TAGS:
+            raise fail(f"structure tag {tag!r}: expected one of {sorted(_STRUCTURE_TAGS)}")
+        if tag == "item":
+            if body not in keys:
+                raise fail(f"structure references item {body!r}, which the manifest lacks")
+            referenced.add(body)
+        elif tag == "dict":
+            if not isinstance(body, list):
+                raise fail("structure dict: expected a list of [key, node] pairs")
+            for pair in body:
+                if not (isinstance(pair, list) and len(pair) == 2 and isinstance(
+                        pair[0], str | int) and not isinstance(pair[0], bool)):
+                    raise fail(f"structure dict entry {str(pair)[:80]!r}: expected [key, node]")
+                stack.append(pair[1])
+        elif tag in ("list", "tuple"):
+            if not isinstance(body, list):
+                raise fail(f"structure {tag}: expected a list")
+            stack.extend(body)
+        elif tag == "value" and isinstance(body, dict | list):
+            raise fail("structure value: expected a JSON scalar")
+    if referenced != keys:
+        missing = sorted(keys - referenced)[:3]
+        raise fail(f"items {missing} are not referenced by the structure")

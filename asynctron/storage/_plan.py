@@ -1,0 +1,198 @@
+"""The save plan: a nested state dict flattened into items, planned with DCP's planner types.
+
+Stages: `flatten` walks dicts/lists/tuples, turning tensors, numpy arrays and bytes into *items*
+keyed by their dotted path and keeping every other leaf (str, int, float, bool, None) as a JSON
+value in the *structure*; `plan_save` hands the items to torch.distributed.checkpoint's
+`DefaultSavePlanner`, so sharded tensors (DTensor) and deduplication come from DCP.
+Keys are names, never paths: no key ever becomes part of a file name.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+from asynctron.storage._dtypes import dtype_name, numpy_dtype_name
+
+ItemKind = Literal["tensor", "ndarray", "bytes"]
+
+#: JSON encoding of the nested structure: {"dict": [[key, node], ...]} | {"list": [...]} |
+#: {"tuple": [...]} | {"item": flat_key} | {"value": json_value}.
+Structure = dict[str, Any]
+
+_JSON_LEAVES = (str, int, float, bool, type(None))
+
+
+@dataclass(frozen=True, slots=True)
+class Leaf:
+    """One item's payload: a CPU/CUDA tensor (numpy arrays are viewed as tensors) or bytes."""
+
+    kind: ItemKind
+    value: torch.Tensor | bytes
+    numpy_dtype: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FlatStateDict:
+    """A state dict as a structure tree plus its items by flat key."""
+
+    structure: Structure
+    leaves: dict[str, Leaf]
+
+
+def _join(prefix: str, key: str | int) -> str:
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def flatten(state_dict: Mapping[str, Any]) -> FlatStateDict:
+    """Split `state_dict` into a JSON structure and the items that need bytes on storage.
+
+    Raises:
+        TypeError: a key or a leaf of an unsupported type (names the key path).
+        ValueError: a key with a NUL character, two paths that flatten to one key, or a cycle.
+    """
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(
+            f"state_dict: expected a dict, found {type(state_dict).__name__}; "
+            "wrap the value in a dict"
+        )
+    leaves: dict[str, Leaf] = {}
+    active: set[int] = set()
+
+    def walk(node: Any, path: str) -> Structure:
+        if isinstance(node, torch.Tensor):
+            return _add_leaf(path, Leaf("tensor", node.detach()))
+        if isinstance(node, np.ndarray):
+            return _add_leaf(path, _ndarray_leaf(node, path))
+        if isinstance(node, bytes | bytearray | memoryview):
+            return _add_leaf(path, Leaf("bytes", bytes(node)))
+        if isinstance(node, _JSON_LEAVES):
+            return {"value": node}
+        if id(node) in active:
+            raise ValueError(f"state dict at key {path!r}: contains itself; remove the cycle")
+        if isinstance(node, Mapping):
+            active.add(id(node))
+            entries = [[key, walk(value, _join(path, _check_key(key, path)))]
+                       for key, value in node.items()]
+            active.discard(id(node))
+            return {"dict": entries}
+        if type(node) in (list, tuple):
+            active.add(id(node))
+            children = [walk(value, _join(path, i)) for i, value in enumerate(node)]
+            active.discard(id(node))
+            return {type(node).__name__: children}
+        raise TypeError(
+            f"value at key {path!r}: expected a tensor, ndarray, bytes, str, int, float, bool, "
+            f"None, dict, list or tuple, found {type(node).__module__}.{type(node).__qualname__}; "
+            "convert it to one of these before saving"
+        )
+
+    def _add_leaf(path: str, leaf: Leaf) -> Structure:
+        if path in leaves:
+            raise ValueError(
+                f"state dict key {path!r}: two different paths flatten to this key; "
+                "rename one (keys are joined with '.')"
+            )
+        leaves[path] = leaf
+        return {"item": path}
+
+    structure = walk(state_dict, "")
+    return FlatStateDict(structure=structure, leaves=leaves)
+
+
+def _check_key(key: object, path: str) -> str | int:
+    if isinstance(key, bool) or not isinstance(key, str | int):
+        raise TypeError(
+            f"state dict key {key!r} under {path or '<root>'!r}: expected str or int, "
+            f"found {type(key).__name__}"
+        )
+    if isinstance(key, str) and "\x00" in key:
+        raise ValueError(f"state dict key {key!r} under {path or '<root>'!r}: contains NUL")
+    return key
+
+
+def _ndarray_leaf(array: np.ndarray, path: str) -> Leaf:
+    name = numpy_dtype_name(array.dtype, path)
+    with warnings.catch_warnings():
+        # A read-only array is only ever read from; torch warns about writes we never do.
+        warnings.simplefilter("ignore", UserWarning)
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+    return Leaf("ndarray", tensor, numpy_dtype=name)
+
+
+def unflatten(structure: Structure, items: Mapping[str, Any]) -> Any:
+    """Rebuild the nested object from `structure`, taking item payloads from `items`."""
+    (tag, body), = structure.items()
+    if tag == "value":
+        return body
+    if tag == "item":
+        return items[body]
+    if tag == "dict":
+        return {key: unflatten(node, items) for key, node in body}
+    if tag == "list":
+        return [unflatten(node, items) for node in body]
+    if tag == "tuple":
+        return tuple(unflatten(node, items) for node in body)
+    raise ValueError(f"structure node tag {tag!r}: expected dict, list, tuple, item or value")
+
+
+def item_nbytes(item: WriteItem, leaf: Leaf) -> int:
+    """Bytes of this item on storage: its LOCAL chunk (Megatron's fix), not the global tensor."""
+    if item.type == WriteItemType.BYTE_IO:
+        assert isinstance(leaf.value, bytes)
+        return len(leaf.value)
+    assert item.tensor_data is not None
+    itemsize = item.tensor_data.properties.dtype.itemsize
+    return math.prod(item.tensor_data.chunk.sizes) * itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    """What one rank writes: DCP write items, their payloads and the global DCP metadata."""
+
+    flat: FlatStateDict
+    items: list[WriteItem]
+    metadata: Metadata
+    planner: DefaultSavePlanner
+
+    def payload(self, item: WriteItem) -> torch.Tensor | bytes:
+        """The tensor (local shard for DTensor) or bytes to write for `item`."""
+        if item.type == WriteItemType.BYTE_IO:
+            return self.flat.leaves[item.index.fqn].value
+        tensor = self.planner.resolve_data(item)
+        assert isinstance(tensor, torch.Tensor)
+        return tensor.detach()
+
+
+def plan_save(flat: FlatStateDict) -> SavePlan:
+    """Plan a single-process save with DCP's DefaultSavePlanner (local → global → finish).
+
+    Raises:
+        TypeError: a tensor dtype asynctron cannot store (names the key).
+    """
+    for key, leaf in flat.leaves.items():
+        if isinstance(leaf.value, torch.Tensor):
+            dtype_name(leaf.value.dtype, key)
+            if leaf.value.is_sparse or leaf.value.layout != torch.strided:
+                raise TypeError(
+                    f"tensor at key {key!r}: expected a strided (dense) tensor, found layout "
+                    f"{leaf.value.layout}; call .to_dense() before saving"
+                )
+    planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=True)
+    planner.set_up_planner(
+        {key: leaf.value for key, leaf in flat.leaves.items()}, storage_meta=None,
+        is_coordinator=True,
+    )
+    local_plan = planner.create_local_plan()
+    global_plans, metadata = planner.create_global_plan([local_plan])
+    final = planner.finish_plan(global_plans[0])
+    return SavePlan(flat=flat, items=list(final.items), metadata=metadata, planner=planner)

@@ -1,0 +1,260 @@
+"""Blocking system calls: the only module in storage that touches files.
+
+Every function here blocks and must run on the engine's executor (`RunBlocking`), never on the
+event loop thread. `FileIO` is the seam fault-injecting fakes (`asynctron.testing`) plug into;
+directory operations are plain functions. `OSError` becomes `StorageError` in one place:
+`translate_os_errors`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno as errno_codes
+import os
+import shutil
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import Protocol, TypeVar, runtime_checkable
+
+import crc32c
+
+from asynctron.errors import CorruptCheckpointError, StorageError
+
+T = TypeVar("T")
+
+#: Linux caps one read/write at 2 GiB - 4 KiB; calls are made no larger than this.
+MAX_IO_CALL_BYTES = 0x7FFFF000
+#: POSIX guarantees at least this many iovecs per pwritev/preadv call.
+MAX_IOVECS = 1024
+
+
+class RunBlocking(Protocol):
+    """Runs a blocking callable off the loop thread and awaits it (the engine's executor door)."""
+
+    def __call__(self, fn: Callable[..., T], /, *args: object) -> Awaitable[T]: ...
+
+
+@runtime_checkable
+class FileIO(Protocol):
+    """Data-path file operations. All block; all raise `OSError` on failure.
+
+    Durability: bytes written with `pwritev` are durable only after `fsync` returns.
+    Atomicity: none; a crash may leave any prefix of a file. Commit makes files visible atomically.
+    """
+
+    def open_new(self, path: str) -> int:
+        """Create `path` exclusively for writing; fails if it exists."""
+        ...
+
+    def open_read(self, path: str) -> int:
+        """Open an existing file for reading."""
+        ...
+
+    def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        """Write the buffers at `offset`; may write fewer bytes than asked (a short write)."""
+        ...
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        """Read into the buffers from `offset`; returns fewer bytes at end of file."""
+        ...
+
+    def fsync(self, fd: int) -> None:
+        """Make every byte written to `fd` durable."""
+        ...
+
+    def close(self, fd: int) -> None:
+        """Release `fd`."""
+        ...
+
+
+class LocalFileIO:
+    """`FileIO` over the local (POSIX) filesystem."""
+
+    def open_new(self, path: str) -> int:
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+
+    def open_read(self, path: str) -> int:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        return os.pwritev(fd, buffers, offset)
+
+    def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        return os.preadv(fd, buffers, offset)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def translate_os_errors(what: str, path: str) -> Iterator[None]:
+    """Re-raise `OSError` as `StorageError` naming `what` was done to `path`."""
+    try:
+        yield
+    except OSError as exc:
+        code = errno_codes.errorcode.get(exc.errno or 0, str(exc.errno))
+        raise StorageError(
+            f"{what} {path!r} failed: {code} ({exc.strerror}); check the storage and retry",
+            path=path,
+            errno=exc.errno,
+        ) from exc
+
+
+def _advance(buffers: list[memoryview], nbytes: int) -> list[memoryview]:
+    """Drop the first `nbytes` from a buffer list (after a short write or read)."""
+    while nbytes and buffers:
+        head = buffers[0]
+        if nbytes >= head.nbytes:
+            nbytes -= head.nbytes
+            buffers.pop(0)
+        else:
+            buffers[0] = head[nbytes:]
+            nbytes = 0
+    return buffers
+
+
+def write_fully(fio: FileIO, fd: int, buffers: Sequence[memoryview], offset: int, path: str) -> int:
+    """pwritev all of `buffers` at `offset`, looping over short writes. Returns bytes written."""
+    pending = [b for b in buffers if b.nbytes]
+    total = 0
+    with translate_os_errors("writing", path):
+        while pending:
+            call = pending[:MAX_IOVECS]
+            written = fio.pwritev(fd, call, offset + total)
+            if written <= 0:
+                raise OSError(errno_codes.EIO, "pwritev wrote no bytes")
+            total += written
+            pending = _advance(pending, written)
+    return total
+
+
+def read_fully(
+    fio: FileIO, fd: int, buffers: Sequence[memoryview], offset: int, path: str, key: str
+) -> None:
+    """preadv into all of `buffers` from `offset`; a file that ends early is corrupt."""
+    pending = [b for b in buffers if b.nbytes]
+    done = 0
+    with translate_os_errors("reading", path):
+        while pending:
+            got = fio.preadv(fd, pending[:MAX_IOVECS], offset + done)
+            if got == 0:
+                raise CorruptCheckpointError(
+                    f"item {key!r} in {path} at offset {offset}: expected "
+                    f"{done + sum(b.nbytes for b in pending)} more bytes, found end of file "
+                    f"after {done}; the file was truncated",
+                    path=path,
+                    key=key,
+                    offset=offset + done,
+                )
+            done += got
+            pending = _advance(pending, got)
+
+
+def crc32c_update(crc: int, data: memoryview) -> int:
+    """Continue a CRC-32C over `data` (releases the GIL for large buffers)."""
+    return crc32c.crc32c(data, crc)
+
+
+def open_new(fio: FileIO, path: str) -> int:
+    with translate_os_errors("creating", path):
+        return fio.open_new(path)
+
+
+def open_read(fio: FileIO, path: str) -> int:
+    with translate_os_errors("opening", path):
+        return fio.open_read(path)
+
+
+def fsync(fio: FileIO, fd: int, path: str) -> None:
+    with translate_os_errors("fsyncing", path):
+        fio.fsync(fd)
+
+
+def close(fio: FileIO, fd: int, path: str) -> None:
+    with translate_os_errors("closing", path):
+        fio.close(fd)
+
+
+def make_dir(path: str) -> None:
+    """Create a directory (and its parents); the leaf must not exist."""
+    with translate_os_errors("creating directory", path):
+        parent = os.path.dirname(path) or "."
+        os.makedirs(parent, exist_ok=True)
+        os.mkdir(path)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (creations, renames) durable."""
+    with translate_os_errors("fsyncing directory", path):
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def rename_no_replace(src: str, dst: str) -> None:
+    """Rename `src` to `dst`; fails with FileExistsError if `dst` exists (never overwrites)."""
+    if os.path.lexists(dst):
+        raise FileExistsError(errno_codes.EEXIST, "checkpoint exists", dst)
+    with translate_os_errors("renaming into", dst):
+        os.rename(src, dst)
+
+
+def replace_file(src: str, dst: str) -> None:
+    """Atomically replace `dst` by `src` (same directory)."""
+    with translate_os_errors("replacing", dst):
+        os.replace(src, dst)
+
+
+def write_small_file(path: str, data: bytes) -> None:
+    """Create `path` with `data` and fsync it (manifests, pointers)."""
+    with translate_os_errors("writing", path):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        try:
+            view = memoryview(data)
+            while view.nbytes:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def read_small_file(path: str, max_bytes: int) -> bytes:
+    """Read a whole small file; larger than `max_bytes` is corrupt (hostile manifests)."""
+    with translate_os_errors("reading", path), open(path, "rb") as f:
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise CorruptCheckpointError(
+            f"file {path}: expected at most {max_bytes} bytes, found more; not an asynctron file",
+            path=path,
+        )
+    return data
+
+
+def file_size(path: str) -> int:
+    with translate_os_errors("stat of", path):
+        return os.stat(path).st_size
+
+
+def exists(path: str) -> bool:
+    return os.path.lexists(path)
+
+
+def is_file(path: str) -> bool:
+    return os.path.isfile(path)
+
+
+def list_dir(path: str) -> list[str]:
+    with translate_os_errors("listing", path):
+        return os.listdir(path)
+
+
+def remove_tree(path: str) -> None:
+    """Remove a directory tree; a missing tree is not an error."""
+    if not os.path.lexists(path):
+        return
+    with translate_os_errors("removing", path):
+        shutil.rmtree(path)

@@ -1,0 +1,87 @@
+"""The per-bin writer: one file, written batch by batch in file order, with a CRC-32C per item.
+
+Each `write` is one executor call that checksums the batch's item segments and pwritev's the
+batch (looping over short writes), so the loop thread never touches file bytes. `_write_batch`
+is the blocking half.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+from asynctron.storage import _sysio
+from asynctron.storage._layout import Batch, BinLayout
+from asynctron.storage._sysio import FileIO, RunBlocking
+
+
+class BinWriter:
+    """Writes one bin file; owned by one writer task (not safe for concurrent `write`s).
+
+    Durability: the file's bytes are durable once `finish` returns.
+    """
+
+    def __init__(self, fio: FileIO, path: str, layout: BinLayout, run_blocking: RunBlocking):
+        self.path = path
+        self.layout = layout
+        self._fio = fio
+        self._run_blocking = run_blocking
+        self._fd: int | None = None
+        self._next_offset = 0
+        self.crcs: dict[int, int] = {p.item_index: 0 for p in layout.placements}
+
+    async def open(self) -> None:
+        self._fd = await self._run_blocking(_sysio.open_new, self._fio, self.path)
+
+    async def write(
+        self, batch: Batch, buffers: Sequence[memoryview], segment_views: Sequence[memoryview]
+    ) -> None:
+        """Write `batch` from `buffers` (covering all its bytes, padding included);
+        `segment_views[i]` holds the bytes of `batch.segments[i]`, for the checksum.
+
+        Cancellation: the executor call runs to completion; the file is then incomplete and
+        the caller discards the whole tmp dir.
+        """
+        assert self._fd is not None, "open() first"
+        assert batch.file_offset == self._next_offset, "batches must be written in file order"
+        await self._run_blocking(
+            _write_batch, self._fio, self._fd, self.path, batch, buffers, segment_views, self.crcs
+        )
+        self._next_offset = batch.file_offset + batch.nbytes
+
+    async def finish(self) -> None:
+        """fsync and close the file. Raises StorageError if the file is short or fsync fails."""
+        assert self._fd is not None
+        assert self._next_offset == self.layout.nbytes, "finish() before every batch was written"
+        fd, self._fd = self._fd, None
+        try:
+            await self._run_blocking(_sysio.fsync, self._fio, fd, self.path)
+        finally:
+            await self._run_blocking(_sysio.close, self._fio, fd, self.path)
+
+    async def aclose(self) -> None:
+        """Close the file if still open (after a failure); never raises StorageError."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            await self._run_blocking(_close_quietly, self._fio, fd)
+
+
+def _write_batch(
+    fio: FileIO,
+    fd: int,
+    path: str,
+    batch: Batch,
+    buffers: Sequence[memoryview],
+    segment_views: Sequence[memoryview],
+    crcs: dict[int, int],
+) -> None:
+    """Blocks: checksum the batch's segments, then write the batch at its file offset."""
+    for segment, view in zip(batch.segments, segment_views, strict=True):
+        crcs[segment.item_index] = _sysio.crc32c_update(crcs[segment.item_index], view)
+    written = _sysio.write_fully(fio, fd, buffers, batch.file_offset, path)
+    assert written == batch.nbytes, f"wrote {written} bytes of a {batch.nbytes}-byte batch"
+
+
+def _close_quietly(fio: FileIO, fd: int) -> None:
+    with contextlib.suppress(OSError):
+        fio.close(fd)
