@@ -102,7 +102,7 @@ class Loader:
                 for file_jobs in by_file.values():
                     group.create_task(read_file(file_jobs))
         except BaseExceptionGroup as error:
-            raise first_error(error) from None
+            raise first_error(error)  # noqa: B904 (the group stays as __context__)
 
     async def _read_through_slabs(self, record: ItemRecord, target: torch.Tensor) -> None:
         """Read `record` slab by slab and copy each piece into `target` (CUDA or strided)."""
@@ -233,8 +233,11 @@ class Loader:
                 jobs.append((first, memoryview(buffer)))
                 items[key] = buffer
                 continue
-            tensor = leaf.value
-            assert isinstance(tensor, torch.Tensor)
+            assert isinstance(leaf.value, torch.Tensor)
+            tensor = leaf.value.detach()
+            if leaf.kind == "ndarray" and tensor.data_ptr() != leaf.original.ctypes.data:
+                raise ValueError(f"key {key!r}: an ndarray with negative strides cannot be "
+                                 "filled in place; pass a view with positive strides")
             saved_dtype = _torch_dtype(first)
             if tensor.dtype != saved_dtype or tuple(tensor.shape) != first.global_shape:
                 raise ValueError(
@@ -254,7 +257,7 @@ class Loader:
                     partial.append((tensor, record, chunk))
                 else:
                     jobs.append((record, destination))
-            items[key] = leaf.value if leaf.kind == "tensor" else leaf.value.numpy()
+            items[key] = leaf.original
         await self._read_all(jobs)
         for tensor, record, chunk in partial:
             _chunk_view(tensor, record).copy_(chunk)

@@ -198,7 +198,7 @@ class SaveJob:
                     for writer in writers:
                         group.create_task(self._save_bin(writer))
             except BaseExceptionGroup as group_error:
-                raise first_error(group_error) from None
+                raise first_error(group_error)  # noqa: B904 (the group stays as __context__)
             if not request.snapshot:
                 self._mark_staged()
             t_written = time.perf_counter()

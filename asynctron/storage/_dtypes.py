@@ -13,7 +13,7 @@ _TORCH_NAMES = (
     "float64", "float32", "float16", "bfloat16",
     "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
     "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool",
-    "complex32", "complex64", "complex128",
+    "complex64", "complex128",
 )  # fmt: skip
 
 TORCH_DTYPES: dict[str, torch.dtype] = {

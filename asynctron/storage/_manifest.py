@@ -118,7 +118,8 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
     for item in items:
         ident = (item.key, item.chunk_offsets)
         if ident in seen:
-            raise fail(f"item {item.key!r} at chunk {item.chunk_offsets}: listed twice", item.key)
+            raise fail(f"item {item.key!r} at chunk {list(item.chunk_offsets or ())}: listed "
+                       "twice", item.key)
         seen.add(ident)
     created = body.get("created_unix_s")
     if not isinstance(created, int | float):
@@ -170,8 +171,8 @@ def _parse_item(raw: Any, files: dict[str, int], fail: Any) -> ItemRecord:
         raise fail(f"item {key!r}: expected shape, global_shape and chunk_offsets as lists of "
                    "non-negative integers of one length", key)
     if any(o + s > g for o, s, g in zip(chunk_offsets, shape, global_shape, strict=True)):
-        raise fail(f"item {key!r} chunk at {chunk_offsets} of shape {shape}: expected inside "
-                   f"global shape {global_shape}", key)
+        raise fail(f"item {key!r} chunk at {list(chunk_offsets)} of shape {list(shape)}: "
+                   f"expected inside global shape {list(global_shape)}", key)
     expected = math.prod(shape) * table[dtype].itemsize
     if expected != nbytes:
         raise fail(f"item {key!r}: expected {expected} bytes for {dtype} {list(shape)}, "

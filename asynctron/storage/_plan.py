@@ -39,6 +39,8 @@ class Leaf:
     kind: ItemKind
     value: torch.Tensor | bytes
     numpy_dtype: str | None = None
+    original: Any = None
+    """The caller's own object (tensor or ndarray) that `value` views, for in-place loads."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +72,7 @@ def flatten(state_dict: Mapping[str, Any]) -> FlatStateDict:
 
     def walk(node: Any, path: str) -> Structure:
         if isinstance(node, torch.Tensor):
-            return _add_leaf(path, Leaf("tensor", node.detach()))
+            return _add_leaf(path, Leaf("tensor", node, original=node))
         if isinstance(node, np.ndarray):
             return _add_leaf(path, _ndarray_leaf(node, path))
         if isinstance(node, bytes | bytearray | memoryview):
@@ -122,11 +124,12 @@ def _check_key(key: object, path: str) -> str | int:
 
 def _ndarray_leaf(array: np.ndarray, path: str) -> Leaf:
     name = numpy_dtype_name(array.dtype, path)
+    viewable = array if all(stride >= 0 for stride in array.strides) else array.copy()
     with warnings.catch_warnings():
         # A read-only array is only ever read from; torch warns about writes we never do.
         warnings.simplefilter("ignore", UserWarning)
-        tensor = torch.from_numpy(np.ascontiguousarray(array))
-    return Leaf("ndarray", tensor, numpy_dtype=name)
+        tensor = torch.from_numpy(viewable)
+    return Leaf("ndarray", tensor, numpy_dtype=name, original=array)
 
 
 def unflatten(structure: Structure, items: Mapping[str, Any]) -> Any:

@@ -1,0 +1,358 @@
+"""The `asynctron` command: inspect and verify checkpoints, run the demo trainer, run benchmarks.
+
+Subcommands:
+- `inspect PATH`: the manifest as a table (or `--json`); reads the manifest and file sizes only.
+- `verify PATH`: re-reads every item and checks its crc32c. Items are read one after another,
+  in file order, by a `CheckpointReader` on an `Engine`'s executor into one reused buffer sized
+  for the largest item. Memory therefore stays bounded by one item, where `asynctron.load(path)`
+  would hold the whole checkpoint, and every corrupt item is reported, not only the first.
+- `demo`: trains a small MLP on one uvloop loop, checkpointing every K steps while training
+  goes on, then loads the newest checkpoint back and compares it bit for bit.
+- `bench SCENARIO ARGS...`: runs `bench/<scenario>.py` from a source checkout.
+
+PATH is a checkpoint directory or a root whose `latest` pointer names one.
+Exit status: 0 success; 1 corrupt checkpoint or failed round trip; 2 not found, unreadable, or
+bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import dataclasses
+import datetime
+import importlib
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import uvloop
+from tqdm import tqdm
+
+from asynctron.engine import Engine, SaveResult, SaveTask
+from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from asynctron.storage import LocalFileIO, Manifest, read_manifest, resolve_checkpoint
+from asynctron.storage._reader import CheckpointReader
+from asynctron.testing import LoopWatchdog
+
+#: Benchmark scenario -> module under the source checkout's `bench/` directory.
+BENCH_SCENARIOS = {"save": "bench.save_throughput"}
+_DEMO_BATCH = 32
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the `asynctron` command line with `argv` (default: `sys.argv[1:]`); returns the exit
+    status. Bad usage exits 2 through argparse."""
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except CorruptCheckpointError as exc:
+        print(f"asynctron {args.command}: {exc}", file=sys.stderr)
+        return 1
+    except (CheckpointNotFoundError, StorageError) as exc:
+        print(f"asynctron {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, found {value}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asynctron", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    inspect = commands.add_parser("inspect", help="print a checkpoint's items")
+    inspect.add_argument("path", help="a checkpoint directory or a root with a `latest` pointer")
+    inspect.add_argument("--json", action="store_true", help="print the items as JSON")
+    inspect.set_defaults(run=_inspect)
+
+    verify = commands.add_parser("verify", help="check every item's crc32c")
+    verify.add_argument("path", help="a checkpoint directory or a root with a `latest` pointer")
+    verify.set_defaults(run=_verify)
+
+    demo = commands.add_parser("demo", help="train a small model while checkpointing it")
+    demo.add_argument("--out", help="directory for the checkpoints (new or empty); "
+                                    "default: a fresh ./demo-out/<timestamp>-*")
+    demo.add_argument("--steps", type=_positive_int, default=40, help="training steps")
+    demo.add_argument("--save-every", type=_positive_int, default=10, metavar="K",
+                      help="save after every K-th step")
+    demo.add_argument("--hidden", type=_positive_int, default=1024,
+                      help="width of the 4 Linear layers")
+    demo.add_argument("--keep-last", type=_positive_int, default=None, metavar="N",
+                      help="keep only the N newest checkpoints (default: all)")
+    demo.set_defaults(run=_demo)
+
+    bench = commands.add_parser("bench", help="run a benchmark (source checkout only)")
+    bench.add_argument("scenario", choices=sorted(BENCH_SCENARIOS))
+    bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the scenario")
+    bench.set_defaults(run=_bench)
+    return parser
+
+
+# inspect ---------------------------------------------------------------------------------------
+
+def format_nbytes(nbytes: int) -> str:
+    """`nbytes` for people: `512 B`, `4.0 KiB`, `1.5 GiB`."""
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    value = float(nbytes)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        value /= 1024
+        if value < 1024 or unit == "TiB":
+            break
+    return f"{value:.1f} {unit}"
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    path = resolve_checkpoint(args.path)
+    manifest = read_manifest(path)
+    if args.json:
+        print(json.dumps([dataclasses.asdict(item) for item in manifest.items], indent=2))
+        return 0
+    header = ("key", "kind", "dtype", "shape", "nbytes", "file", "offset")
+    rows = [(item.key, item.kind, item.dtype or "-",
+             "-" if item.shape is None else str(list(item.shape)),
+             format_nbytes(item.nbytes), item.file, str(item.offset))
+            for item in manifest.items]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    right = {4, 6}  # numbers
+    print(f"checkpoint {path}")
+    for row in [header, *rows]:
+        print("  ".join(cell.rjust(w) if i in right else cell.ljust(w)
+                        for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip())
+    created = datetime.datetime.fromtimestamp(manifest.created_unix_s).astimezone()
+    print(f"{len(manifest.items)} items, {format_nbytes(manifest.nbytes)} ({manifest.nbytes} "
+          f"bytes) in {len(manifest.files)} files, created {created.isoformat(timespec='seconds')}")
+    return 0
+
+
+# verify ----------------------------------------------------------------------------------------
+
+def _verify(args: argparse.Namespace) -> int:
+    path, manifest, failures = uvloop.run(verify_checkpoint(args.path))
+    for failure in failures:
+        print(f"asynctron verify: {failure}", file=sys.stderr)
+    if failures:
+        print(f"checkpoint {path}: {len(failures)} of {len(manifest.items)} items corrupt")
+        return 1
+    print(f"checkpoint {path}: {len(manifest.items)} items, {format_nbytes(manifest.nbytes)} in "
+          f"{len(manifest.files)} files: crc32c ok")
+    return 0
+
+
+async def verify_checkpoint(path: str) -> tuple[str, Manifest, list[CorruptCheckpointError]]:
+    """Read every item of the checkpoint at `path` and check its crc32c.
+
+    Returns:
+        the resolved checkpoint path, its manifest, and one error per corrupt item.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed at `path`.
+        CorruptCheckpointError: a bad manifest or a file of the wrong size (nothing is read).
+        StorageError: a file could not be opened or read.
+
+    Memory: one buffer the size of the largest item.
+    """
+    async with Engine(num_workers=2) as engine:
+        reader = CheckpointReader(LocalFileIO(), path, engine.run_blocking)
+        try:
+            manifest = await reader.open()
+            records = sorted(manifest.items, key=lambda record: (record.file, record.offset))
+            buffer = memoryview(bytearray(max((r.nbytes for r in records), default=0)))
+            failures: list[CorruptCheckpointError] = []
+            with tqdm(total=manifest.nbytes, unit="B", unit_scale=True, unit_divisor=1024,
+                      desc="verify", file=sys.stderr, disable=None) as progress:
+                for record in records:
+                    try:
+                        await reader.read_into(record, buffer[:record.nbytes], verify=True,
+                                               call_nbytes=engine.config.slab_bytes)
+                    except CorruptCheckpointError as exc:
+                        failures.append(exc)
+                    progress.update(record.nbytes)
+        finally:
+            await reader.aclose()
+    return reader.path, manifest, failures
+
+
+# demo ------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class DemoReport:
+    """What `run_demo` measured."""
+
+    num_steps: int
+    num_params: int
+    train_s: float
+    """From the first step until the last step finished (saves may still be writing)."""
+    longest_step_s: float
+    """The slowest training step: the loop is busy for that long, so it bounds the delay."""
+    saves: tuple[SaveResult, ...]
+    blocked_s: float
+    """Sum over saves of request -> `task.staged`: the time training waited for checkpoints."""
+    worst_loop_delay_s: float
+    mismatch: str | None
+    """None if the newest checkpoint loaded back bit-exact, else the first difference."""
+
+
+def _demo(args: argparse.Namespace) -> int:
+    out = args.out or _fresh_demo_dir()
+    if os.path.isdir(out) and os.listdir(out):
+        print(f"asynctron demo: output directory {out!r}: expected a new or empty directory, "
+              f"found {len(os.listdir(out))} entries; pass a fresh --out", file=sys.stderr)
+        return 2
+    if args.save_every > args.steps:
+        print(f"asynctron demo: --save-every: expected at most --steps ({args.steps}), found "
+              f"{args.save_every}; nothing would be saved", file=sys.stderr)
+        return 2
+    print(f"asynctron demo: writing checkpoints to {out}")
+    report = uvloop.run(run_demo(out, steps=args.steps, save_every=args.save_every,
+                                 hidden=args.hidden, keep_last=args.keep_last))
+    total_nbytes = sum(result.nbytes for result in report.saves)
+    committed_s = sum(result.total_s for result in report.saves)
+    kept = "" if args.keep_last is None else f" (newest {args.keep_last} kept)"
+    print(f"trained {report.num_steps} steps of a {report.num_params / 1e6:.1f}M-parameter MLP "
+          f"in {report.train_s:.2f} s: {report.num_steps / report.train_s:.1f} steps/s")
+    print(f"checkpoints: {len(report.saves)} saved{kept}, {format_nbytes(total_nbytes)} in all")
+    print(f"blocked on checkpoints: {report.blocked_s:.3f} s (sum of request -> staged)")
+    print(f"checkpoint time: {committed_s:.3f} s (sum of request -> committed)")
+    print(f"loop worst delay: {report.worst_loop_delay_s * 1e3:.1f} ms (longest training step "
+          f"{report.longest_step_s * 1e3:.1f} ms, run on the loop)")
+    if report.mismatch is not None:
+        print(f"round trip: FAILED: {report.mismatch}")
+        return 1
+    print("round trip: bit-exact")
+    return 0
+
+
+def _fresh_demo_dir() -> str:
+    os.makedirs("demo-out", exist_ok=True)
+    return tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir="demo-out")
+
+
+async def run_demo(out: str, *, steps: int, save_every: int, hidden: int,
+                   keep_last: int | None) -> DemoReport:
+    """Train a 4-layer MLP with AdamW for `steps` steps, saving to `out/step_<n>` after every
+    `save_every`-th step. Training waits only for `task.staged`, then goes on while the write
+    runs; the newest checkpoint is loaded back from `out` and compared with a deep copy of the
+    state taken at its save request.
+
+    Raises:
+        StorageError, FileExistsError: a save failed (the other saves are cancelled).
+    """
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(hidden, hidden), torch.nn.GELU()]
+    model = torch.nn.Sequential(*layers[:-1])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.Generator().manual_seed(0)
+    last_save_step = steps - steps % save_every
+    expected: dict[str, Any] = {}
+    tasks: list[SaveTask] = []
+    blocked_s = longest_step_s = 0.0
+    async with Engine(keep_last=keep_last) as engine, LoopWatchdog() as watchdog:
+        t_start = time.perf_counter()
+        for step in range(1, steps + 1):
+            t_step = time.perf_counter()
+            inputs = torch.randn(_DEMO_BATCH, hidden, generator=data)
+            targets = torch.randn(_DEMO_BATCH, hidden, generator=data)
+            loss = torch.nn.functional.mse_loss(model(inputs), targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            longest_step_s = max(longest_step_s, time.perf_counter() - t_step)
+            if step % save_every == 0:
+                state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "step": step}
+                if step == last_save_step:
+                    expected = copy.deepcopy(state)
+                t_request = time.perf_counter()
+                task = engine.save(state, os.path.join(out, f"step_{step}"))
+                await task.staged  # the next optimizer step may now change the tensors
+                blocked_s += time.perf_counter() - t_request
+                tasks.append(task)
+            await asyncio.sleep(0)  # let the engine's writes progress between steps
+        train_s = time.perf_counter() - t_start
+        saves = tuple([await task for task in tasks])
+        loaded = await engine.load(out)
+    return DemoReport(
+        num_steps=steps,
+        num_params=sum(p.numel() for p in model.parameters()),
+        train_s=train_s,
+        longest_step_s=longest_step_s,
+        saves=saves,
+        blocked_s=blocked_s,
+        worst_loop_delay_s=watchdog.report().worst_delay_s,
+        mismatch=first_difference(expected, loaded),
+    )
+
+
+def first_difference(expected: Any, found: Any, key: str = "") -> str | None:
+    """The first place where `found` is not bit-identical to `expected`, or None.
+
+    Any two mappings compare by their keys in order (a checkpoint loads an OrderedDict as a
+    dict); tensors compare by dtype, shape and raw bytes.
+    """
+    where = key or "<root>"
+    if isinstance(expected, Mapping) and isinstance(found, Mapping):
+        if list(expected) != list(found):
+            return f"key {where!r}: expected keys {list(expected)}, found {list(found)}"
+        children: Sequence[tuple[Any, Any, Any]] = [
+            (k, expected[k], found[k]) for k in expected]
+    elif type(expected) in (list, tuple) and type(found) is type(expected):
+        if len(expected) != len(found):
+            return f"key {where!r}: expected {len(expected)} entries, found {len(found)}"
+        children = [(i, a, b) for i, (a, b) in enumerate(zip(expected, found, strict=True))]
+    elif isinstance(expected, torch.Tensor) and isinstance(found, torch.Tensor):
+        if (expected.dtype, expected.shape) != (found.dtype, found.shape):
+            return (f"key {where!r}: expected {expected.dtype} {list(expected.shape)}, found "
+                    f"{found.dtype} {list(found.shape)}")
+        if not torch.equal(_raw_bytes(expected), _raw_bytes(found)):
+            return f"key {where!r}: expected the saved bytes, found different bytes"
+        return None
+    elif type(expected) is not type(found) or expected != found:
+        return f"key {where!r}: expected {expected!r}, found {found!r}"
+    else:
+        return None
+    for child, a, b in children:
+        difference = first_difference(a, b, f"{key}.{child}" if key else str(child))
+        if difference is not None:
+            return difference
+    return None
+
+
+def _raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+# bench -----------------------------------------------------------------------------------------
+
+def _bench(args: argparse.Namespace) -> int:
+    root = Path(__file__).resolve().parent.parent
+    module_name = BENCH_SCENARIOS[args.scenario]
+    if not (root / "bench").is_dir():
+        print(f"asynctron bench {args.scenario}: expected a source checkout with bench/ beside "
+              f"the asynctron package, found none in {root}; benchmarks run from a git clone "
+              "installed with `pip install -e .[bench]`", file=sys.stderr)
+        return 2
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        print(f"asynctron bench {args.scenario}: importing {module_name} failed: {exc}; "
+              "install the extras with `pip install -e .[bench]`", file=sys.stderr)
+        return 2
+    scenario_main: Callable[[list[str]], int] = module.main
+    return scenario_main(args.args)

@@ -1,0 +1,54 @@
+"""Test setup: every async test runs on uvloop; helpers shared across test files."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import uvloop
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> Mapping[str, Any]:
+    return {"uvloop": uvloop.new_event_loop}
+
+
+@pytest.fixture
+def shm_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A fresh directory in RAM (/dev/shm) when available, for tests that write many bytes."""
+    if not os.path.isdir("/dev/shm"):
+        yield str(tmp_path_factory.mktemp("shm"))
+        return
+    path = tempfile.mkdtemp(prefix="asynctron-test-", dir="/dev/shm")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def assert_same(expected: Any, found: Any, path: str = "") -> None:
+    """Structural, bit-exact equality of two state dicts (types, dtypes, shapes, bytes)."""
+    assert type(expected) is type(found) or (
+        isinstance(expected, torch.Tensor) and isinstance(found, torch.Tensor)
+    ), f"{path}: {type(expected)} vs {type(found)}"
+    if isinstance(expected, dict):
+        assert list(expected) == list(found), f"{path}: keys {list(expected)} vs {list(found)}"
+        for key in expected:
+            assert_same(expected[key], found[key], f"{path}.{key}")
+    elif isinstance(expected, list | tuple):
+        assert len(expected) == len(found), path
+        for i, (a, b) in enumerate(zip(expected, found, strict=True)):
+            assert_same(a, b, f"{path}.{i}")
+    elif isinstance(expected, torch.Tensor):
+        assert expected.dtype == found.dtype and expected.shape == found.shape, path
+        a, b = (t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+                .view(torch.uint8) for t in (expected, found))
+        assert torch.equal(a, b), f"{path}: bytes differ"
+    elif isinstance(expected, np.ndarray):
+        assert expected.dtype == found.dtype and expected.shape == found.shape, path
+        assert expected.tobytes() == found.tobytes(), path
+    else:
+        assert expected == found or (expected != expected and found != found), path

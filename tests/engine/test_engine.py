@@ -1,0 +1,211 @@
+"""Engine save/load round trips: every dtype and shape, snapshots, in-place and mmap loads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import asynctron
+from asynctron import BusyError, ClosedError, Engine
+from asynctron.storage._dtypes import TORCH_DTYPES
+from tests.conftest import assert_same
+
+SMALL = {"slab_bytes": 64 << 10, "memory_budget_bytes": 256 << 10}
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Arbitrary bytes of `dtype` (every bit pattern, NaNs included)."""
+    numel = int(np.prod(shape)) if shape else 1
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=g)
+    if dtype == torch.bool:
+        raw = raw % 2
+    return raw.view(dtype).reshape(shape)
+
+
+def _every_kind_of_tensor() -> dict:
+    base = torch.arange(60, dtype=torch.float32).reshape(6, 10)
+    state = {f"dtype_{name}": _random((3, 5), dtype, i)
+             for i, (name, dtype) in enumerate(TORCH_DTYPES.items())}
+    state.update({
+        "zero_dim": torch.tensor(3.5),
+        "zero_elements": torch.empty(0, 7),
+        "slice_view": base[2:4],  # contiguous view into a bigger storage
+        "transposed": base.t(),
+        "strided": base[::2, 1::3],
+        "expanded": torch.arange(4.0).expand(3, 4),  # stride 0
+        "conj": torch.randn(3, dtype=torch.complex64).conj(),
+        "param": torch.nn.Parameter(torch.ones(2, 2)),
+        "shared_a": base,
+        "shared_b": base,  # the same storage twice
+        "big": _random((300_000,), torch.float32, 99),  # spans many 64 KiB slabs
+        "np_array": np.arange(12, dtype=np.int16).reshape(3, 4),
+        "np_readonly": np.frombuffer(b"\x01\x02\x03\x04", dtype=np.uint8),
+        "blob": b"\x00bytes\xff",
+        "nested": {"list": [1, 2.5, None, True, "s"], "tuple": (1, (2, 3)), 7: {"deep": [[]]}},
+        "nan": float("nan"),
+    })
+    return state
+
+
+@pytest.mark.parametrize("num_bins", [1, 3])
+@pytest.mark.parametrize("snapshot", [True, False])
+async def test_round_trip_is_bit_exact(shm_path: str, num_bins: int, snapshot: bool) -> None:
+    state = _every_kind_of_tensor()
+    path = os.path.join(shm_path, "step_1")
+    async with Engine(num_bins=num_bins, **SMALL) as engine:
+        result = await engine.save(state, path, snapshot=snapshot)
+        loaded = await engine.load(path)
+        mapped = await engine.load(path, mmap=True)
+    assert result.path == path and result.num_items == len(TORCH_DTYPES) + 14
+    assert 0 < result.stage_s <= result.write_s <= result.total_s
+    assert_same(state, loaded)
+    assert_same(state, mapped)
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert all(item["offset"] % 4096 == 0 for item in manifest["items"])
+    assert len(manifest["files"]) == num_bins
+
+
+async def test_mutating_after_staged_does_not_change_the_checkpoint(shm_path: str) -> None:
+    weights = torch.ones(200_000)
+    async with Engine(**SMALL) as engine:
+        task = engine.save({"w": weights}, os.path.join(shm_path, "a"))
+        await task.staged
+        weights.fill_(7.0)  # the trainer's next step
+        await task
+        loaded = await engine.load(os.path.join(shm_path, "a"))
+    assert torch.equal(loaded["w"], torch.ones(200_000))
+
+
+async def test_load_into_fills_tensors_in_place(shm_path: str) -> None:
+    state = {"model": {"w": torch.randn(50, 50), "t": torch.randn(8, 8)}, "step": 10,
+             "arr": np.arange(5.0)}
+    async with Engine(**SMALL) as engine:
+        await engine.save(state, shm_path + "/c")
+        target = {"model": {"w": torch.zeros(50, 50), "t": torch.zeros(8, 8).t()}, "step": 0,
+                  "arr": np.zeros(5)}
+        w, t, arr = target["model"]["w"], target["model"]["t"], target["arr"]
+        result = await engine.load(shm_path + "/c", into=target)
+    assert result["model"]["w"] is w and torch.equal(w, state["model"]["w"])
+    assert torch.equal(t, state["model"]["t"])  # a strided target, filled through slabs
+    assert np.array_equal(arr, state["arr"]) and result["step"] == 10
+
+
+async def test_load_into_rejects_mismatches_by_key(shm_path: str) -> None:
+    async with Engine(**SMALL) as engine:
+        await engine.save({"w": torch.zeros(4, 4)}, shm_path + "/c")
+        with pytest.raises(ValueError, match=r"^key 'w': expected torch\.float32 \[4, 4\] as "
+                                             r"saved, found torch\.float32 \[4, 5\] in `into`"):
+            await engine.load(shm_path + "/c", into={"w": torch.zeros(4, 5)})
+        with pytest.raises(ValueError, match=r"^key 'v': expected in checkpoint .*found no"):
+            await engine.load(shm_path + "/c", into={"v": torch.zeros(4, 4)})
+        with pytest.raises(ValueError, match=r"^load: mmap=True and into= are exclusive"):
+            await engine.load(shm_path + "/c", into={}, mmap=True)
+
+
+async def test_mmap_tensors_are_copy_on_write(shm_path: str) -> None:
+    async with Engine(**SMALL) as engine:
+        await engine.save({"w": torch.zeros(1000)}, shm_path + "/c")
+        mapped = await engine.load(shm_path + "/c", mmap=True)
+        mapped["w"].fill_(1.0)
+        again = await engine.load(shm_path + "/c")
+    assert torch.equal(again["w"], torch.zeros(1000))
+
+
+async def test_latest_follows_the_newest_commit_and_keep_last_prunes(shm_path: str) -> None:
+    async with Engine(keep_last=2, **SMALL) as engine:
+        for step in range(4):
+            await engine.save({"step": step, "w": torch.full((10,), step)},
+                              f"{shm_path}/step_{step}")
+        latest = await engine.load(shm_path)
+    assert latest["step"] == 3
+    assert sorted(os.listdir(shm_path)) == ["latest", "step_2", "step_3"]
+
+
+async def test_existing_target_and_duplicate_in_flight_path(shm_path: str) -> None:
+    async with Engine(**SMALL) as engine:
+        await engine.save({"a": 1}, shm_path + "/c")
+        with pytest.raises(FileExistsError, match=r"checkpoint .*/c: expected a new path"):
+            await engine.save({"a": 2}, shm_path + "/c")
+        first = engine.save({"w": torch.zeros(100_000)}, shm_path + "/d")
+        with pytest.raises(BusyError, match=r"a save to this path is already in flight"):
+            engine.save({"a": 1}, shm_path + "/d")
+        await first
+        assert (await engine.load(shm_path + "/c"))["a"] == 1
+    assert sorted(os.listdir(shm_path)) == ["c", "d", "latest"]
+
+
+async def test_many_saves_in_flight_share_the_budget(shm_path: str) -> None:
+    states = [{"w": torch.full((100_000,), float(i))} for i in range(5)]
+    async with Engine(**SMALL) as engine:
+        tasks = [engine.save(s, f"{shm_path}/s{i}") for i, s in enumerate(states)]
+        results = await asyncio.gather(*tasks)
+        assert engine.budget.statistics().peak_borrowed_bytes <= SMALL["memory_budget_bytes"]
+        assert engine.budget.borrowed_bytes == 0
+        for i, result in enumerate(results):
+            assert torch.equal((await engine.load(result.path))["w"], states[i]["w"])
+
+
+async def test_closed_engine_refuses_work(shm_path: str) -> None:
+    engine = Engine(**SMALL)
+    async with engine:
+        pass
+    with pytest.raises(ClosedError, match=r"^engine: closed; create a new Engine$"):
+        engine.save({"a": 1}, shm_path + "/x")
+
+
+async def test_result_on_the_loop_thread_is_refused(shm_path: str) -> None:
+    async with Engine(**SMALL) as engine:
+        task = engine.save({"a": torch.ones(3)}, shm_path + "/x")
+        with pytest.raises(RuntimeError, match=r"called on the event loop thread"):
+            task.result()
+        await task
+
+
+def test_background_engine_serves_a_sync_trainer(shm_path: str) -> None:
+    weights = torch.ones(100_000)
+    with asynctron.BackgroundEngine(**SMALL) as engine:
+        task = engine.save({"w": weights}, shm_path + "/bg")
+        task.staged.result(timeout=30)
+        weights.zero_()
+        result = task.result(timeout=30)
+        loaded = engine.load(shm_path + "/bg")
+    assert result.nbytes == 400_000 and torch.equal(loaded["w"], torch.ones(100_000))
+
+
+def test_one_call_helpers(shm_path: str) -> None:
+    result = asynctron.save({"x": torch.arange(5)}, shm_path + "/one")
+    assert result.files == ("__0_0.distcp",)
+    assert torch.equal(asynctron.load(shm_path)["x"], torch.arange(5))
+
+
+async def test_one_call_helpers_refuse_a_running_loop(shm_path: str) -> None:
+    with pytest.raises(RuntimeError, match=r"inside a running event loop"):
+        asynctron.save({"x": 1}, shm_path + "/one")
+
+
+def test_config_errors_name_the_field() -> None:
+    with pytest.raises(ValueError, match=r"^num_bins: expected an int >= 1, found 0$"):
+        Engine(num_bins=0)
+    with pytest.raises(ValueError, match=r"^slab_bytes: expected a multiple of 4096"):
+        Engine(slab_bytes=1000)
+    with pytest.raises(ValueError, match=r"^memory_budget_bytes: expected an int >= slab_bytes"):
+        Engine(slab_bytes=1 << 20, memory_budget_bytes=1 << 10)
+
+
+@pytest.mark.slow
+async def test_tensor_larger_than_2_gib(shm_path: str) -> None:
+    """Single tensors over the 2 GiB syscall limit stream through slabs and read back."""
+    huge = torch.empty((2 << 30) + 4096 * 3 + 5, dtype=torch.uint8)
+    huge[:: 1 << 20] = 7
+    huge[-5:] = torch.arange(5, dtype=torch.uint8)
+    async with Engine(memory_budget_bytes=256 << 20) as engine:
+        await engine.save({"huge": huge}, shm_path + "/h")
+        loaded = await engine.load(shm_path + "/h")
+    assert torch.equal(loaded["huge"], huge)

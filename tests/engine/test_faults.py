@@ -1,0 +1,72 @@
+"""Storage faults during a save: the error is clear, nothing is left behind, the engine lives on."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from asynctron import Engine, StorageError
+from asynctron.testing import FaultyFileIO
+from tests.conftest import assert_same
+
+SMALL = {"slab_bytes": 64 << 10, "memory_budget_bytes": 256 << 10}
+
+
+def _state(value: float) -> dict:
+    return {"w": torch.full((500_000,), value), "b": torch.full((1000,), value), "step": value}
+
+
+def _leftovers(root: str) -> list[str]:
+    return sorted(name for name in os.listdir(root) if ".tmp-" in name)
+
+
+@pytest.mark.parametrize(
+    ("fault", "code"),
+    [
+        ({"enospc_after_bytes": 1 << 20}, errno.ENOSPC),
+        ({"eio_after_bytes": 300 << 10}, errno.EIO),
+        ({"fail_fsync": True}, errno.EIO),
+    ],
+)
+async def test_failed_save_keeps_the_previous_checkpoint(
+        shm_path: str, fault: dict, code: int) -> None:
+    good = _state(1.0)
+    async with Engine(**SMALL) as engine:
+        await engine.save(good, f"{shm_path}/step_1")
+    faulty = FaultyFileIO(**fault)
+    async with Engine(file_io=faulty, **SMALL) as engine:
+        task = engine.save(_state(2.0), f"{shm_path}/step_2")
+        with pytest.raises(StorageError, match=r"failed: E[A-Z]+ \(.*\); check the storage") as e:
+            await task
+        assert e.value.errno == code and isinstance(e.value.__cause__, OSError)
+        assert ".tmp-" in e.value.path and e.value.path.startswith(shm_path)
+        assert engine.budget.borrowed_bytes == 0
+        with pytest.raises(StorageError):
+            await task.staged  # staging may or may not have finished; either way it says why
+        # The engine keeps working once the storage recovers.
+        faulty.enospc_after_bytes = faulty.eio_after_bytes = None
+        faulty.fail_fsync = False
+        await engine.save(_state(3.0), f"{shm_path}/step_3")
+        assert_same(good, await engine.load(f"{shm_path}/step_1"))
+        assert (await engine.load(shm_path))["step"] == 3.0
+    assert _leftovers(shm_path) == [] and not os.path.exists(f"{shm_path}/step_2")
+
+
+async def test_short_writes_are_completed(shm_path: str) -> None:
+    faulty = FaultyFileIO(max_write_bytes=10_000)
+    state = _state(5.0)
+    async with Engine(file_io=faulty, **SMALL) as engine:
+        await engine.save(state, f"{shm_path}/s")
+        assert_same(state, await engine.load(f"{shm_path}/s"))
+    assert faulty.num_short_writes > 100
+
+
+async def test_read_errors_are_storage_errors(shm_path: str) -> None:
+    async with Engine(**SMALL) as engine:
+        await engine.save(_state(1.0), f"{shm_path}/s")
+    async with Engine(file_io=FaultyFileIO(eio_on_read=True), **SMALL) as engine:
+        with pytest.raises(StorageError, match=r"^reading '.*__0_\d\.distcp' failed: EIO"):
+            await engine.load(f"{shm_path}/s")

@@ -1,0 +1,138 @@
+"""Damaged or hostile checkpoints: every load raises an error naming the file, key and offset."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from asynctron import CheckpointNotFoundError, CorruptCheckpointError, Engine
+
+SMALL = {"slab_bytes": 64 << 10, "memory_budget_bytes": 256 << 10}
+
+
+async def _save(root: str) -> tuple[str, dict]:
+    path = f"{root}/ckpt"
+    async with Engine(num_bins=1, **SMALL) as engine:
+        await engine.save({"a": torch.arange(1000.0), "b": torch.ones(5000), "n": 1}, path)
+    with open(f"{path}/manifest.json") as f:
+        return path, json.load(f)
+
+
+def _item(manifest: dict, key: str) -> dict:
+    return next(item for item in manifest["items"] if item["key"] == key)
+
+
+async def _load(path: str, **kwargs: object) -> object:
+    async with Engine(**SMALL) as engine:
+        return await engine.load(path, **kwargs)
+
+
+async def test_flipped_byte_names_file_key_and_offset(shm_path: str) -> None:
+    path, manifest = await _save(shm_path)
+    b = _item(manifest, "b")
+    with open(f"{path}/{b['file']}", "r+b") as f:
+        f.seek(b["offset"] + 1234)
+        byte = f.read(1)
+        f.seek(b["offset"] + 1234)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(CorruptCheckpointError,
+                       match=rf"^item 'b' in {path}/__0_0\.distcp at offset {b['offset']}: "
+                             r"expected crc32c 0x[0-9a-f]{8}, found 0x[0-9a-f]{8}; the file "
+                             r"changed after commit$") as e:
+        await _load(path)
+    assert (e.value.key, e.value.offset) == ("b", b["offset"])
+    await _load(path, verify=False)  # the caller may choose to skip verification
+    with pytest.raises(CorruptCheckpointError, match=r"^item 'b'"):
+        await _load(path, mmap=True, verify=True)
+
+
+async def test_truncated_file_names_the_cut_items(shm_path: str) -> None:
+    path, manifest = await _save(shm_path)
+    os.truncate(f"{path}/__0_0.distcp", _item(manifest, "b")["offset"] + 10)
+    with pytest.raises(CorruptCheckpointError,
+                       match=rf"^file {path}/__0_0\.distcp: expected \d+ bytes, found \d+; "
+                             r"items \['b'\] are cut") as e:
+        await _load(path)
+    assert e.value.key == "b"
+
+
+async def test_missing_file_and_missing_checkpoint(shm_path: str) -> None:
+    path, _ = await _save(shm_path)
+    with pytest.raises(CheckpointNotFoundError, match=r"^checkpoint .*/nope: expected a "
+                                                      r"committed checkpoint"):
+        await _load(f"{shm_path}/nope")
+    os.remove(f"{path}/__0_0.distcp")
+    with pytest.raises(CorruptCheckpointError, match=r"expected \d+ bytes, found no file"):
+        await _load(path)
+
+
+def _rewrite(path: str, manifest: dict) -> None:
+    with open(f"{path}/manifest.json", "w") as f:
+        json.dump(manifest, f)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: m.update(format="pickle"), r"expected format 'asynctron', found 'pickle'"),
+        (lambda m: m.update(version=99), r"expected version 1, found 99"),
+        (lambda m: m["files"].update({"../../etc/passwd": 10}),
+         r"file name '\.\./\.\./etc/passwd': expected __<rank>_<bin>\.distcp"),
+        (lambda m: m["items"][0].update(file="/etc/passwd"),
+         r"item 'a' file '/etc/passwd': expected one of the manifest's files"),
+        (lambda m: m["items"][0].update(offset=10**15),
+         r"item 'a' bytes \[1000000000000000, \+4000\): expected inside __0_0\.distcp"),
+        (lambda m: m["items"][0].update(dtype="os.system"), r"item 'a' dtype 'os\.system'"),
+        (lambda m: m["items"][0].update(shape=[10**6], global_shape=[10**6]),
+         r"item 'a': expected 4000000 bytes for float32 \[1000000\], found nbytes 4000"),
+        (lambda m: m["items"][0].update(crc32c=-1), r"item 'a' crc32c -1"),
+        (lambda m: m["items"].append(dict(m["items"][0])),
+         r"item 'a' at chunk \[0\]: listed twice"),
+        (lambda m: m.update(structure={"item": "ghost"}),
+         r"structure references item 'ghost', which the manifest lacks"),
+        (lambda m: m.update(structure={"eval": "x"}), r"structure tag 'eval'"),
+    ],
+)
+async def test_hostile_manifest_is_refused(shm_path: str, edit: object, message: str) -> None:
+    path, manifest = await _save(shm_path)
+    edit(manifest)  # type: ignore[operator]
+    _rewrite(path, manifest)
+    with pytest.raises(CorruptCheckpointError,
+                       match=rf"^manifest {path}/manifest\.json: {message}"):
+        await _load(path)
+
+
+@pytest.mark.parametrize("payload", [b"{", b"[]", b'{"a": ' * 100_000, b"\xff\xfe"])
+async def test_garbage_manifest_is_refused(shm_path: str, payload: bytes) -> None:
+    path, _ = await _save(shm_path)
+    with open(f"{path}/manifest.json", "wb") as f:
+        f.write(payload)
+    with pytest.raises(CorruptCheckpointError, match=r"^manifest .*: expected "):
+        await _load(path)
+
+
+async def test_keys_are_names_never_paths(shm_path: str) -> None:
+    """Keys like '../x' or '/etc/passwd' are stored as data; nothing is written outside."""
+    hostile = {"../../escape": torch.ones(3), "/etc/passwd": b"root", "..": {"/": 1},
+               "a/b/../../c": torch.zeros(2)}
+    root = f"{shm_path}/inner"
+    os.mkdir(root)
+    async with Engine(**SMALL) as engine:
+        await engine.save(hostile, f"{root}/ckpt")
+        loaded = await engine.load(f"{root}/ckpt")
+    assert sorted(os.listdir(shm_path)) == ["inner"]
+    assert sorted(os.listdir(root)) == ["ckpt", "latest"]
+    assert loaded["/etc/passwd"] == b"root" and loaded[".."] == {"/": 1}
+    assert torch.equal(loaded["../../escape"], torch.ones(3))
+
+
+async def test_bad_latest_pointer(shm_path: str) -> None:
+    await _save(shm_path)
+    with open(f"{shm_path}/latest", "w") as f:
+        f.write("../../etc")
+    with pytest.raises(CheckpointNotFoundError, match=r"expected a checkpoint name, found "
+                                                      r"'\.\./\.\./etc'"):
+        await _load(shm_path)

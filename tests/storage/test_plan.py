@@ -1,0 +1,66 @@
+"""Flattening: what may be saved, and clear errors for what may not."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from asynctron.storage._plan import flatten, plan_save, unflatten
+
+
+def test_structure_round_trips_containers_and_json_leaves() -> None:
+    state = {"a": {"b": [1, 2.5, (True, None)], 3: "x"}, "t": torch.zeros(2), "raw": b"\x00\x01"}
+    flat = flatten(state)
+    assert sorted(flat.leaves) == ["raw", "t"]
+    rebuilt = unflatten(flat.structure, {k: leaf.value for k, leaf in flat.leaves.items()})
+    assert rebuilt["a"] == {"b": [1, 2.5, (True, None)], 3: "x"}
+    assert isinstance(rebuilt["a"]["b"][2], tuple)
+    assert list(rebuilt["a"]) == ["b", 3]
+
+
+@pytest.mark.parametrize(
+    ("state", "error", "message"),
+    [
+        ({"x": {1, 2}}, TypeError, r"^value at key 'x': expected a tensor, .* found builtins\.set"),
+        ({"a": {"b": object()}}, TypeError, r"^value at key 'a\.b': .*found builtins\.object"),
+        ({(1, 2): 3}, TypeError, r"^state dict key \(1, 2\) under '<root>': expected str or int"),
+        ({"bad\x00key": 1}, ValueError, r"contains NUL$"),
+        ({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}, ValueError,
+         r"^state dict key 'a\.b': two different paths flatten to this key"),
+        ([1, 2], TypeError, r"^state_dict: expected a dict, found list"),
+    ],
+)
+def test_bad_input_names_the_key(state: object, error: type, message: str) -> None:
+    with pytest.raises(error, match=message):
+        flatten(state)  # type: ignore[arg-type]
+
+
+def test_cycles_are_refused() -> None:
+    state: dict = {"a": {}}
+    state["a"]["self"] = state["a"]
+    with pytest.raises(ValueError, match=r"^state dict at key 'a\.self': contains itself"):
+        flatten(state)
+
+
+def test_unsupported_dtypes_and_layouts_name_the_key() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # quantized tensors are deprecated
+        quantized = torch.quantize_per_tensor(torch.ones(2), 1.0, 0, torch.qint8)
+    with pytest.raises(TypeError, match=r"^tensor at key 'q': dtype torch\.qint8 cannot be saved"):
+        plan_save(flatten({"q": quantized}))
+    with pytest.raises(TypeError, match=r"^tensor at key 's': expected a strided"):
+        plan_save(flatten({"s": torch.eye(2).to_sparse()}))
+    with pytest.raises(TypeError, match=r"^ndarray at key 'o': dtype '\|O' cannot be saved"):
+        flatten({"o": np.array([object()])})
+    with pytest.raises(TypeError, match=r"^ndarray at key 'be': dtype '>f4' cannot be saved"):
+        flatten({"be": np.zeros(2, dtype=">f4")})
+
+
+def test_plan_items_use_local_chunks() -> None:
+    plan = plan_save(flatten({"w": torch.zeros(4, 8), "b": b"xyz"}))
+    by_key = {item.index.fqn: item for item in plan.items}
+    assert tuple(by_key["w"].tensor_data.chunk.sizes) == (4, 8)
+    assert plan.payload(by_key["b"]) == b"xyz"
