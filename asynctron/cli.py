@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointNotFoundError, StorageError) as exc:
         print(f"asynctron {args.command}: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `asynctron inspect ... | head`: the reader went away
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 1
 
 
 def _positive_int(text: str) -> int:
@@ -118,7 +121,8 @@ def _inspect(args: argparse.Namespace) -> int:
     path = resolve_checkpoint(args.path)
     manifest = read_manifest(path)
     if args.json:
-        print(json.dumps([dataclasses.asdict(item) for item in manifest.items], indent=2))
+        lines = [json.dumps(dataclasses.asdict(item)) for item in manifest.items]
+        print("[\n  " + ",\n  ".join(lines) + "\n]" if lines else "[]")
         return 0
     header = ("key", "kind", "dtype", "shape", "nbytes", "file", "offset")
     rows = [(item.key, item.kind, item.dtype or "-",
@@ -206,14 +210,14 @@ class DemoReport:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.save_every > args.steps:
+        print(f"asynctron demo: --save-every: expected at most --steps ({args.steps}), found "
+              f"{args.save_every}; nothing would be saved", file=sys.stderr)
+        return 2
     out = args.out or _fresh_demo_dir()
     if os.path.isdir(out) and os.listdir(out):
         print(f"asynctron demo: output directory {out!r}: expected a new or empty directory, "
               f"found {len(os.listdir(out))} entries; pass a fresh --out", file=sys.stderr)
-        return 2
-    if args.save_every > args.steps:
-        print(f"asynctron demo: --save-every: expected at most --steps ({args.steps}), found "
-              f"{args.save_every}; nothing would be saved", file=sys.stderr)
         return 2
     print(f"asynctron demo: writing checkpoints to {out}")
     report = uvloop.run(run_demo(out, steps=args.steps, save_every=args.save_every,

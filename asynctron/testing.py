@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -49,6 +51,8 @@ class FaultyFileIO(LocalFileIO):
     def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
         wanted = sum(b.nbytes for b in buffers)
         allowed = wanted if self.max_write_bytes is None else min(wanted, self.max_write_bytes)
+        if allowed < wanted and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            allowed = max(4096, allowed // 4096 * 4096)  # O_DIRECT writes whole blocks
         with self._lock:
             for limit, code in ((self.enospc_after_bytes, errno.ENOSPC),
                                 (self.eio_after_bytes, errno.EIO)):

@@ -49,6 +49,9 @@ class EngineConfig:
     """Keep this many newest checkpoints beside each saved one (None: keep all)."""
     pin_memory: bool | None = None
     """Pin staging slabs (page-locked, for fast D2H/H2D); None: when CUDA is available."""
+    direct_io: bool = True
+    """Write whole slabs with O_DIRECT (bypassing the page cache) where the filesystem allows
+    it; elsewhere (tmpfs) and for unaligned tails, buffered writes are used."""
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "num_bins"):
@@ -205,7 +208,8 @@ class Engine:
 
         job = SaveJob(request, seq=self._seq, stager=self._stager, fio=self._fio,
                       run_blocking=self.run_blocking, committer=self._committer,
-                      batch_nbytes=self.config.slab_bytes, on_staged=on_staged)
+                      batch_nbytes=self.config.slab_bytes, direct_io=self.config.direct_io,
+                      on_staged=on_staged)
         task = loop.create_task(self._run_save(job, staged), name=f"asynctron-save:{target}")
         self._saves[target] = task
         return SaveTask(task, staged, loop, target)

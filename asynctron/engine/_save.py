@@ -159,7 +159,7 @@ class SaveJob:
 
     def __init__(self, request: SaveRequest, *, seq: int, stager: Stager, fio: FileIO,
                  run_blocking: RunBlocking, committer: Committer, batch_nbytes: int,
-                 on_staged: Callable[[], None]) -> None:
+                 direct_io: bool, on_staged: Callable[[], None]) -> None:
         self.request = request
         self.seq = seq
         self._stager = stager
@@ -168,6 +168,7 @@ class SaveJob:
         self._run_blocking = run_blocking
         self._committer = committer
         self._batch_nbytes = batch_nbytes
+        self._direct_io = direct_io
         self._on_staged = on_staged
         self._bins_left_to_stage = len(request.layouts)
         self._write_gate = asyncio.Event()
@@ -188,7 +189,8 @@ class SaveJob:
         try:
             await self._run_blocking(_prepare_tmp_dir, request.path, tmp_dir)
             writers = [BinWriter(self._fio, os.path.join(tmp_dir, layout.file_name), layout,
-                                 self._run_blocking) for layout in request.layouts]
+                                 self._run_blocking, direct_io=self._direct_io)
+                       for layout in request.layouts]
             if not writers or not request.snapshot:
                 self._write_gate.set()
             if not writers and request.snapshot:

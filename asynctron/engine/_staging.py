@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -31,13 +32,22 @@ from asynctron.storage._sysio import RunBlocking
 
 
 class Slab:
-    """One staging buffer of `nbytes` (uint8), with numpy and memoryview faces."""
+    """One page-aligned staging buffer of `nbytes` (uint8), with numpy and memoryview faces.
 
-    __slots__ = ("array", "nbytes", "tensor", "view")
+    Page alignment lets writes of whole slabs bypass the page cache (O_DIRECT). Pinned slabs
+    come from CUDA's host allocator (page-aligned); others from an anonymous mmap.
+    """
+
+    __slots__ = ("_mapping", "array", "nbytes", "tensor", "view")
 
     def __init__(self, nbytes: int, pin_memory: bool) -> None:
         self.nbytes = nbytes
-        self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin_memory)
+        if pin_memory:
+            self._mapping = None
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        else:
+            self._mapping = mmap.mmap(-1, nbytes)
+            self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self.array = self.tensor.numpy()
         self.view = memoryview(self.array)
 

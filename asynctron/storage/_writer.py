@@ -21,8 +21,11 @@ class BinWriter:
     Durability: the file's bytes are durable once `finish` returns.
     """
 
-    def __init__(self, fio: FileIO, path: str, layout: BinLayout, run_blocking: RunBlocking):
+    def __init__(self, fio: FileIO, path: str, layout: BinLayout, run_blocking: RunBlocking, *,
+                 direct_io: bool):
         self.path = path
+        self._want_direct = direct_io
+        self._direct: _sysio.DirectIO | None = None
         self.layout = layout
         self._fio = fio
         self._run_blocking = run_blocking
@@ -31,7 +34,10 @@ class BinWriter:
         self.crcs: dict[int, int] = {p.item_index: 0 for p in layout.placements}
 
     async def open(self) -> None:
-        self._fd = await self._run_blocking(_sysio.open_new, self._fio, self.path)
+        """Create the file (with O_DIRECT if asked for and the filesystem allows it)."""
+        self._fd, direct = await self._run_blocking(_sysio.open_new, self._fio, self.path,
+                                                    self._want_direct)
+        self._direct = _sysio.DirectIO(self._fd, self.path) if direct else None
 
     async def write(
         self, batch: Batch, buffers: Sequence[memoryview], segment_views: Sequence[memoryview]
@@ -44,9 +50,8 @@ class BinWriter:
         """
         assert self._fd is not None, "open() first"
         assert batch.file_offset == self._next_offset, "batches must be written in file order"
-        await self._run_blocking(
-            _write_batch, self._fio, self._fd, self.path, batch, buffers, segment_views, self.crcs
-        )
+        await self._run_blocking(_write_batch, self._fio, self._fd, self.path, batch, buffers,
+                                 segment_views, self.crcs, self._direct)
         self._next_offset = batch.file_offset + batch.nbytes
 
     async def finish(self) -> None:
@@ -74,12 +79,21 @@ def _write_batch(
     buffers: Sequence[memoryview],
     segment_views: Sequence[memoryview],
     crcs: dict[int, int],
+    direct: _sysio.DirectIO | None,
 ) -> None:
-    """Blocks: checksum the batch's segments, then write the batch at its file offset."""
+    """Blocks: checksum the batch's segments, then write the batch at its file offset
+    (a one-buffer batch with an unaligned end goes O_DIRECT up to its last full block)."""
     for segment, view in zip(batch.segments, segment_views, strict=True):
         crcs[segment.item_index] = _sysio.crc32c_update(crcs[segment.item_index], view)
-    written = _sysio.write_fully(fio, fd, buffers, batch.file_offset, path)
+    calls = [list(buffers)]
+    head_nbytes = batch.nbytes // _sysio.DIRECT_IO_ALIGN_BYTES * _sysio.DIRECT_IO_ALIGN_BYTES
+    if direct is not None and len(buffers) == 1 and 0 < head_nbytes < batch.nbytes:
+        calls = [[buffers[0][:head_nbytes]], [buffers[0][head_nbytes:]]]
+    written = 0
+    for call in calls:
+        written += _sysio.write_fully(fio, fd, call, batch.file_offset + written, path, direct)
     assert written == batch.nbytes, f"wrote {written} bytes of a {batch.nbytes}-byte batch"
+    _sysio.start_writeback(fd, batch.file_offset, batch.nbytes)
 
 
 def _close_quietly(fio: FileIO, fd: int) -> None:
