@@ -117,8 +117,7 @@ class Committer:
                 self._newest[root] = seq
                 await self._run_blocking(_commit.point_latest, final_path)
             if self._keep_last is not None:
-                await self._run_blocking(_commit.prune_checkpoints, root, self._keep_last,
-                                         final_path)
+                await self._run_blocking(_commit.prune_checkpoints, root, self._keep_last)
 
 
 async def uncancellable(awaitable: asyncio.Future[Any]) -> None:
@@ -173,6 +172,7 @@ class SaveJob:
         self._bins_left_to_stage = len(request.layouts)
         self._write_gate = asyncio.Event()
         self._t_request = time.perf_counter()
+        self._requested_unix_s = time.time()
         self._t_staged: float | None = None
 
     def _mark_staged(self) -> None:
@@ -209,7 +209,7 @@ class SaveJob:
                 structure=request.plan.flat.structure,
                 items=tuple(_with_crc(r, crcs.get(i, 0)) for i, r in enumerate(request.records)),
                 files={layout.file_name: layout.nbytes for layout in request.layouts},
-                created_unix_s=time.time(),
+                created_unix_s=self._requested_unix_s,
             )
             await self._committer.commit(tmp_dir, request.path, manifest, self.seq)
         except BaseException:

@@ -5,8 +5,8 @@ Stages (all blocking; run on the engine's executor):
 2. `commit_dir`: write + fsync `manifest.json`, fsync the tmp dir, rename it to `<name>`
    (never over an existing path), fsync the parent;
 3. `point_latest`: replace `<parent>/latest` atomically with the new name;
-4. `prune_checkpoints`: delete the oldest committed checkpoints beyond `keep_last`,
-   never the one `latest` names.
+4. `prune_checkpoints`: delete the oldest (by request time) committed checkpoints beyond
+   `keep_last`, never the one `latest` names.
 A crash before the rename leaves only a tmp dir, which no reader takes for a checkpoint.
 """
 
@@ -16,9 +16,9 @@ import os
 import secrets
 import socket
 
-from asynctron.errors import CheckpointNotFoundError
+from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError
 from asynctron.storage import _sysio
-from asynctron.storage._manifest import MANIFEST_NAME, Manifest
+from asynctron.storage._manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
 LATEST_NAME = "latest"
 _TMP_MARK = ".tmp-"
@@ -90,24 +90,29 @@ def resolve_checkpoint(path: str) -> str:
     )
 
 
-def prune_checkpoints(root: str, keep_last: int, protect: str) -> list[str]:
+def prune_checkpoints(root: str, keep_last: int) -> list[str]:
     """Delete committed checkpoints in `root` beyond the `keep_last` newest; returns them.
 
-    Only directories holding an asynctron manifest are candidates; `protect` (the newest good
-    checkpoint) and whatever `latest` names are never deleted.
+    "Newest" is by when each save was requested (the manifest's `created_unix_s`), not when it
+    committed, so a slow older save cannot push out a newer one. Only directories holding an
+    asynctron manifest are candidates; whatever `latest` names is never deleted.
     """
-    keep = {os.path.abspath(protect)}
     latest = read_latest(root)
-    if latest is not None:
-        keep.add(os.path.abspath(latest))
+    keep = {os.path.abspath(latest)} if latest is not None else set()
     committed = []
     for name in _sysio.list_dir(root):
-        candidate = os.path.join(root, name)
-        manifest = os.path.join(candidate, MANIFEST_NAME)
-        if not is_tmp_dir_name(name) and _sysio.is_file(manifest):
-            committed.append((os.stat(manifest).st_mtime_ns, os.path.abspath(candidate)))
+        candidate = os.path.abspath(os.path.join(root, name))
+        manifest_path = os.path.join(candidate, MANIFEST_NAME)
+        if is_tmp_dir_name(name) or not _sysio.is_file(manifest_path):
+            continue
+        try:
+            manifest = parse_manifest(_sysio.read_small_file(manifest_path, MAX_MANIFEST_BYTES),
+                                      manifest_path)
+        except CorruptCheckpointError:
+            continue  # not ours to judge, and never ours to delete
+        committed.append((manifest.created_unix_s, name, candidate))
     committed.sort(reverse=True)
-    doomed = [path for _, path in committed[keep_last:] if path not in keep]
+    doomed = [path for _, _, path in committed[keep_last:] if path not in keep]
     for path in doomed:
         # Rename first, so a crash mid-delete never leaves a damaged dir that looks committed.
         graveyard = tmp_dir_for(path)

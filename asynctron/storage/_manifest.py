@@ -49,7 +49,10 @@ class ItemRecord:
 
 @dataclass(frozen=True, slots=True)
 class Manifest:
-    """A committed checkpoint: its structure, its items and its files (name -> size in bytes)."""
+    """A committed checkpoint: its structure, its items and its files (name -> size in bytes).
+
+    `created_unix_s` is when the save was requested: the time the state is from.
+    """
 
     structure: Structure
     items: tuple[ItemRecord, ...]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 import asynctron
 from asynctron import BusyError, ClosedError, Engine
+from asynctron.storage import LocalFileIO
 from asynctron.storage._dtypes import TORCH_DTYPES
 from tests.conftest import assert_same
 
@@ -209,3 +211,33 @@ async def test_tensor_larger_than_2_gib(shm_path: str) -> None:
         await engine.save({"huge": huge}, shm_path + "/h")
         loaded = await engine.load(shm_path + "/h")
     assert torch.equal(loaded["huge"], huge)
+
+
+class _SlowFor(LocalFileIO):
+    """Delays the fsync of files whose path contains `marker` (one save commits late)."""
+
+    def __init__(self, marker: str, delay_s: float) -> None:
+        self.marker, self.delay_s, self.slow_fds = marker, delay_s, set()
+
+    def open_new(self, path: str, direct: bool) -> int:
+        fd = super().open_new(path, direct)
+        if self.marker in path:
+            self.slow_fds.add(fd)
+        return fd
+
+    def fsync(self, fd: int) -> None:
+        if fd in self.slow_fds:
+            time.sleep(self.delay_s)
+        super().fsync(fd)
+
+
+@pytest.mark.parametrize("keep_last", [1, 2])
+async def test_keep_last_ranks_by_request_not_commit_order(shm_path: str, keep_last: int) -> None:
+    """An older save that commits last neither survives nor evicts newer checkpoints."""
+    async with Engine(keep_last=keep_last, file_io=_SlowFor("step_2", 0.3), **SMALL) as engine:
+        tasks = [engine.save({"s": s}, f"{shm_path}/step_{s}") for s in (2, 4, 6)]
+        await asyncio.gather(*tasks)
+    expected = ["step_4", "step_6"][-keep_last:]
+    assert sorted(os.listdir(shm_path)) == ["latest", *expected]
+    with open(f"{shm_path}/latest") as f:
+        assert f.read().strip() == "step_6"

@@ -70,3 +70,17 @@ async def test_read_errors_are_storage_errors(shm_path: str) -> None:
     async with Engine(file_io=FaultyFileIO(eio_on_read=True), **SMALL) as engine:
         with pytest.raises(StorageError, match=r"^reading '.*__0_\d\.distcp' failed: EIO"):
             await engine.load(f"{shm_path}/s")
+
+
+@pytest.mark.parametrize("max_write_bytes", [None, 10_000])
+async def test_round_trip_on_disk_with_o_direct(tmp_path: object, max_write_bytes: int | None
+                                                ) -> None:
+    """On a real filesystem, whole slabs go O_DIRECT and unaligned tails buffered; short
+    writes under O_DIRECT are completed too."""
+    state = {"a": torch.randn(300_001), "b": torch.arange(7, dtype=torch.int8), "c": b"x" * 5000}
+    faulty = FaultyFileIO(max_write_bytes=max_write_bytes)
+    async with Engine(file_io=faulty, **SMALL) as engine:
+        await engine.save(state, f"{tmp_path}/ckpt")
+        assert_same(state, await engine.load(f"{tmp_path}/ckpt"))
+    if max_write_bytes is not None:
+        assert faulty.num_short_writes > 0

@@ -1,0 +1,50 @@
+"""The public surface, frozen: any change to an `__all__` shows up here, in review."""
+
+from __future__ import annotations
+
+import asynctron
+import asynctron.engine
+import asynctron.errors
+import asynctron.storage
+import asynctron.testing
+
+
+def test_top_level() -> None:
+    assert set(asynctron.__all__) == {
+        "AsynctronError", "BackgroundEngine", "BusyError", "CheckpointNotFoundError",
+        "ClosedError", "CorruptCheckpointError", "Engine", "EngineConfig", "PeerError",
+        "SaveResult", "SaveTask", "StorageError", "load", "save",
+    }
+
+
+def test_subpackages() -> None:
+    assert set(asynctron.engine.__all__) == {
+        "BackgroundEngine", "BudgetStatistics", "ByteBudget", "Engine", "EngineConfig",
+        "Milestone", "SaveResult", "SaveTask", "load", "save",
+    }
+    assert set(asynctron.storage.__all__) == {
+        "FileIO", "ItemRecord", "LocalFileIO", "Manifest", "read_manifest",
+        "resolve_checkpoint", "split_by_size_and_type",
+    }
+    assert set(asynctron.errors.__all__) == {
+        "AsynctronError", "BusyError", "CheckpointNotFoundError", "ClosedError",
+        "CorruptCheckpointError", "PeerError", "StorageError", "WouldBlock",
+    }
+    assert set(asynctron.testing.__all__) == {"FaultyFileIO", "LoopWatchdog",
+                                              "LoopWatchdogReport"}
+
+
+def test_every_exported_name_exists() -> None:
+    for module in (asynctron, asynctron.engine, asynctron.errors, asynctron.storage,
+                   asynctron.testing):
+        for name in module.__all__:
+            assert hasattr(module, name), f"{module.__name__}.{name}"
+
+
+def test_storage_never_imports_the_engine() -> None:
+    """Data flows one way: engine → storage; nothing in storage imports engine."""
+    import pathlib
+
+    storage = pathlib.Path(asynctron.storage.__file__).parent
+    for source in storage.rglob("*.py"):
+        assert "asynctron.engine" not in source.read_text(), source
