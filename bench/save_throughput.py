@@ -67,11 +67,12 @@ def _fresh(path: str) -> str:
 
 
 def _asynctron_save(engine: Engine, loop: asyncio.AbstractEventLoop, state: dict, path: str,
-                    record: dict[str, list[float]]) -> None:
+                    record: dict[str, list[float]], snapshot: bool) -> None:
     async def run() -> None:
         async with LoopWatchdog() as dog:
-            result = await engine.save(state, path)
-        record.setdefault("asynctron.staged", []).append(result.stage_s)
+            result = await engine.save(state, path, snapshot=snapshot)
+        if snapshot:
+            record.setdefault("asynctron.staged", []).append(result.stage_s)
         record.setdefault("asynctron.loop_worst_delay", []).append(dog.report().worst_delay_s)
 
     loop.run_until_complete(run())
@@ -85,7 +86,9 @@ def _methods(engine: Engine, loop: asyncio.AbstractEventLoop, scenario: Scenario
     methods: dict[str, Callable[[], None]] = {
         "raw pwrite+fsync": lambda: _peers.raw_pwrite_fsync(buffers, _fresh(f"{base}/raw.bin")),
         "asynctron": lambda: _asynctron_save(engine, loop, state, _fresh(f"{base}/asynctron"),
-                                             record),
+                                             record, snapshot=True),
+        "asynctron (in place)": lambda: _asynctron_save(
+            engine, loop, state, _fresh(f"{base}/asynctron-in-place"), record, snapshot=False),
         "torch.save": lambda: _peers.save_torch(state, _fresh(f"{base}/torch.pt")),
         "dcp (1 thread)": lambda: _peers.save_dcp(state, _fresh(f"{base}/dcp1"), 1),
         "dcp (4 threads)": lambda: _peers.save_dcp(state, _fresh(f"{base}/dcp4"), 4),
@@ -221,17 +224,20 @@ def report(scenarios: list[Scenario], budget: dict[str, float]) -> dict[str, Any
     out: dict[str, Any] = {"scenarios": []}
     for s in scenarios:
         ours = _median(s.timings["asynctron"])
+        in_place = _median(s.timings["asynctron (in place)"])
         print(f"\n== {s.label}: {s.nbytes / GiB:.2f} GiB, {len(s.state)} tensors ==")
-        print(f"{'method':<34}{'median s':>10}{'GB/s':>8}{'asynctron/method':>18}")
+        print(f"{'method':<34}{'median s':>10}{'GB/s':>8}{'asynctron/it':>14}"
+              f"{'in place/it':>13}")
         rows = {}
         for name, values in s.timings.items():
             if name.startswith(("load", "raw memcpy", "crc32c")):
                 continue
             median = _median(values)
-            ratio = median / ours
             rows[name] = {"median_s": median, "gb_per_s": s.nbytes / median / 1e9,
-                          "asynctron_speedup": ratio, "samples_s": values}
-            print(f"{name:<34}{median:>10.3f}{s.nbytes / median / 1e9:>8.2f}{ratio:>17.2f}x")
+                          "asynctron_speedup": median / ours,
+                          "asynctron_in_place_speedup": median / in_place, "samples_s": values}
+            print(f"{name:<34}{median:>10.3f}{s.nbytes / median / 1e9:>8.2f}"
+                  f"{median / ours:>13.2f}x{median / in_place:>12.2f}x")
         samples = s.extra.get("samples", {})
         staged = _median(samples.get("asynctron.staged", []))
         memcpy = _median(s.timings["raw memcpy"])
@@ -273,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="size of the single large tensor (0: skip that state dict)")
     parser.add_argument("--targets", default=f"/dev/shm,{os.getcwd()}",
                         help="comma-separated directories to save into")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke)")
     parser.add_argument("--out", default=None, help="JSON results path")
     args = parser.parse_args(argv)

@@ -1,0 +1,54 @@
+"""CUDA paths: D2H staging on the copy stream, H2D loads into device tensors. Skip without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asynctron import Engine
+from tests.conftest import assert_same
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+SMALL = {"slab_bytes": 1 << 20, "memory_budget_bytes": 4 << 20}
+
+
+def _cuda_state() -> dict:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return {
+        "w": torch.randn(1024, 1024, device="cuda", generator=g),  # 4 MiB: spans slabs
+        "bf16": torch.randn(333, device="cuda", generator=g).to(torch.bfloat16),
+        "t": torch.randn(64, 32, device="cuda", generator=g).t(),  # strided on device
+        "cpu": torch.arange(10),
+        "step": 3,
+    }
+
+
+async def test_cuda_round_trip_and_in_place_load(shm_path: str) -> None:
+    state = _cuda_state()
+    async with Engine(**SMALL) as engine:
+        await engine.save(state, f"{shm_path}/c")
+        loaded = await engine.load(f"{shm_path}/c")
+        assert_same(state, loaded)
+        target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
+                  for k, v in state.items()}
+        target["t"] = torch.zeros(32, 64, device="cuda").t()
+        await engine.load(f"{shm_path}/c", into=target)
+    for key in ("w", "bf16", "t"):
+        assert target[key].is_cuda and torch.equal(target[key], state[key])
+
+
+async def test_save_copies_the_state_as_of_the_request(shm_path: str) -> None:
+    """Work queued on the compute stream after `save()` is not copied; after `staged`, the
+    trainer may overwrite its tensors."""
+    w = torch.zeros(4 << 20, device="cuda")
+    async with Engine(**SMALL) as engine:
+        task = engine.save({"w": w}, f"{shm_path}/c")
+        await task.staged
+        w.fill_(1.0)
+        await task
+        loaded = await engine.load(f"{shm_path}/c")
+    assert torch.count_nonzero(loaded["w"]) == 0
