@@ -17,11 +17,10 @@ import torch
 
 from asynctron.engine._save import first_error
 from asynctron.engine._staging import SlabPool, Stager, flat_range_views
-from asynctron.errors import CorruptCheckpointError
 from asynctron.storage._dtypes import NUMPY_DTYPES, TORCH_DTYPES
 from asynctron.storage._manifest import ItemRecord, Manifest
 from asynctron.storage._plan import Structure, flatten, unflatten
-from asynctron.storage._reader import CheckpointReader
+from asynctron.storage._reader import CheckpointReader, check_crc
 from asynctron.storage._sysio import RunBlocking, crc32c_update
 
 
@@ -132,11 +131,8 @@ class Loader:
                     await self._run_blocking(_copy_views, views, typed, False)
             finally:
                 self._pool.release(slab)
-        if self._verify and crc != record.crc32c:
-            raise CorruptCheckpointError(
-                f"item {record.key!r} in {path} at offset {record.offset}: expected crc32c "
-                f"{record.crc32c:#010x}, found {crc:#010x}; the file changed after commit",
-                path=path, key=record.key, offset=record.offset)
+        if self._verify:
+            check_crc(record, crc, path)
 
     async def fresh(self) -> Any:
         """The saved structure with fresh CPU tensors, numpy arrays and bytes."""
@@ -163,8 +159,7 @@ class Loader:
                     partial.append((tensor, record, chunk))
             items[key] = tensor
         await self._read_all(jobs)
-        for tensor, record, chunk in partial:
-            _chunk_view(tensor, record).copy_(chunk)
+        await self._run_blocking(_place_chunks, partial)
         return unflatten(self._manifest.structure, self._finish(items))
 
     def _finish(self, items: dict[str, Any]) -> dict[str, Any]:
@@ -189,12 +184,7 @@ class Loader:
             view = await self._reader.map(first) if first.nbytes else memoryview(b"")
             if self._verify:
                 crc = await self._run_blocking(crc32c_update, 0, view)
-                if crc != first.crc32c:
-                    path = self._reader.file_path(first)
-                    raise CorruptCheckpointError(
-                        f"item {key!r} in {path} at offset {first.offset}: expected crc32c "
-                        f"{first.crc32c:#010x}, found {crc:#010x}; the file changed after commit",
-                        path=path, key=key, offset=first.offset)
+                check_crc(first, crc, self._reader.file_path(first))
             if first.kind == "bytes":
                 items[key] = bytes(view)
             elif first.nbytes == 0:
@@ -259,12 +249,17 @@ class Loader:
                     jobs.append((record, destination))
             items[key] = leaf.original
         await self._read_all(jobs)
-        for tensor, record, chunk in partial:
-            _chunk_view(tensor, record).copy_(chunk)
+        await self._run_blocking(_place_chunks, partial)
         for key, value in items.items():
             if isinstance(value, bytearray):
                 items[key] = bytes(value)
         return _rebuild(flat.structure, items, saved_values, self._reader.path)
+
+
+def _place_chunks(partial: list[tuple[torch.Tensor, ItemRecord, torch.Tensor]]) -> None:
+    """Blocks: copy each chunk read on its own into its place in the full tensor."""
+    for tensor, record, chunk in partial:
+        _chunk_view(tensor, record).copy_(chunk)
 
 
 def _copy_views(views: list[torch.Tensor], source: torch.Tensor,

@@ -103,11 +103,8 @@ class CheckpointReader:
             crc = await self._run_blocking(
                 _read_part, self._fio, fd, path, record.key, record.offset + start, part, crc,
                 verify)
-        if verify and crc != record.crc32c:
-            raise CorruptCheckpointError(
-                f"item {record.key!r} in {path} at offset {record.offset}: expected crc32c "
-                f"{record.crc32c:#010x}, found {crc:#010x}; the file changed after commit",
-                path=path, key=record.key, offset=record.offset)
+        if verify:
+            check_crc(record, crc, path)
 
     async def map(self, record: ItemRecord) -> memoryview:
         """A copy-on-write memory map of the item's bytes; no byte is read until touched."""
@@ -122,6 +119,15 @@ class CheckpointReader:
         fds, self._fds = self._fds, {}
         for name, fd in fds.items():
             await self._run_blocking(_sysio.close, self._fio, fd, name)
+
+
+def check_crc(record: ItemRecord, crc: int, path: str) -> None:
+    """Raise CorruptCheckpointError (naming file, key and offset) unless `crc` is the item's."""
+    if crc != record.crc32c:
+        raise CorruptCheckpointError(
+            f"item {record.key!r} in {path} at offset {record.offset}: expected crc32c "
+            f"{record.crc32c:#010x}, found {crc:#010x}; the file changed after commit",
+            path=path, key=record.key, offset=record.offset)
 
 
 def _read_part(fio: FileIO, fd: int, path: str, key: str, offset: int, part: memoryview,
