@@ -79,7 +79,7 @@ def _asynctron_save(engine: Engine, loop: asyncio.AbstractEventLoop, state: dict
 
 
 def _methods(engine: Engine, loop: asyncio.AbstractEventLoop, scenario: Scenario,
-             base: str, quick: bool) -> dict[str, Callable[[], None]]:
+             base: str, quick: bool, megatron: bool) -> dict[str, Callable[[], None]]:
     state = scenario.state
     buffers = _peers.state_dict_buffers(state)
     record = scenario.extra.setdefault("samples", {})
@@ -98,7 +98,7 @@ def _methods(engine: Engine, loop: asyncio.AbstractEventLoop, scenario: Scenario
     if quick:
         for name in ("dcp (4 threads)", "dcp async_save"):
             methods.pop(name)
-    reason = _peers.megatron_available()
+    reason = _peers.megatron_available() if megatron else "skipped (--skip-megatron)"
     if reason is None:
         methods["megatron FileSystemWriterAsync"] = lambda: _peers.save_megatron_async(
             state, _fresh(f"{base}/mcore"), thread_count=2)
@@ -108,10 +108,10 @@ def _methods(engine: Engine, loop: asyncio.AbstractEventLoop, scenario: Scenario
 
 
 def run_saves(engine: Engine, loop: asyncio.AbstractEventLoop, scenario: Scenario,
-              repeats: int, quick: bool) -> None:
+              repeats: int, quick: bool, megatron: bool) -> None:
     base = tempfile.mkdtemp(prefix="asynctron-bench-", dir=scenario.target)
     try:
-        methods = _methods(engine, loop, scenario, base, quick)
+        methods = _methods(engine, loop, scenario, base, quick, megatron)
         for round_index in range(repeats + 1):  # round 0 warms pages, caches and imports
             for name, method in methods.items():
                 os.sync()
@@ -282,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke)")
     parser.add_argument("--out", default=None, help="JSON results path")
+    parser.add_argument("--skip-megatron", action="store_true",
+                        help="do not run Megatron's writer even where megatron-core imports")
     args = parser.parse_args(argv)
     if args.quick:
         args.size_gib, args.large_gib, args.repeats = 0.03, 0.02, 1
@@ -302,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
             for label, state in states:
                 nbytes = sum(t.numel() * t.element_size() for t in state.values())
                 scenario = Scenario(target, f"{kind}: {label}", state, nbytes)
-                run_saves(engine, loop, scenario, args.repeats, args.quick)
+                run_saves(engine, loop, scenario, args.repeats, args.quick,
+                          not args.skip_megatron)
                 scenarios.append(scenario)
         budget = run_budget(targets[0], int(min(args.size_gib, 1.0) * GiB))
     finally:

@@ -1,0 +1,29 @@
+"""Smoke test: the save benchmark runs end to end at a tiny size and writes its JSON report.
+Only the structure is checked, never the speed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import save_throughput
+
+
+@pytest.mark.slow
+def test_quick_run_writes_a_complete_report(shm_path: str, tmp_path: object,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out = f"{tmp_path}/result.json"
+    assert save_throughput.main(["--quick", "--targets", shm_path, "--out", out,
+                                 "--skip-megatron"]) == 0
+    with open(out) as f:
+        results = json.load(f)
+    assert [s["label"] for s in results["scenarios"]] == ["shm: mixed", "shm: 0.02 GiB tensor"]
+    for scenario in results["scenarios"]:
+        assert {"raw pwrite+fsync", "asynctron", "asynctron (in place)", "torch.save",
+                "dcp (1 thread)", "safetensors"} <= set(scenario["saves"])
+        assert scenario["blocking_vs_memcpy"] > 0 and scenario["loop_worst_delay_s"] >= 0
+        assert set(scenario["loads_s"]) >= {"load: raw read", "load: asynctron",
+                                             "load: asynctron mmap"}
+    assert results["budget"]["peak_borrowed_bytes"] <= results["budget"]["budget_bytes"]
+    assert "blocking (await staged)" in capsys.readouterr().out
