@@ -19,6 +19,7 @@ import torch
 
 from asynctron.engine._budget import ByteBudget
 from asynctron.engine._load import Loader
+from asynctron.engine._plan_cache import PlanCache
 from asynctron.engine._save import Committer, SaveJob, prepare_save, uncancellable
 from asynctron.engine._staging import SlabPool, Stager
 from asynctron.engine._task import SaveResult, SaveTask
@@ -97,6 +98,7 @@ class Engine:
         self._pool = SlabPool(self.budget, self.config.slab_bytes, self._pin, self.run_blocking)
         self._stager = Stager(self._pool, self.run_blocking)
         self._committer = Committer(self.run_blocking, self.config.keep_last)
+        self.plan_cache = PlanCache(max_entries=8)
 
     async def __aenter__(self) -> Engine:
         self.start()
@@ -198,7 +200,7 @@ class Engine:
             raise BusyError(f"checkpoint {target}: a save to this path is already in flight; "
                             "await it first or save to another path")
         request = prepare_save(state_dict, target, num_bins=self.config.num_bins, rank=0,
-                               snapshot=snapshot)
+                               snapshot=snapshot, cache=self.plan_cache)
         self._seq += 1
         staged: asyncio.Future[None] = loop.create_future()
 

@@ -2,7 +2,8 @@
 
 Stages:
 1. `prepare_save` (on the caller's call, so bad input raises at once): flatten, plan with
-   DCP's planner, split items onto bins, lay out each bin file;
+   DCP's planner, split items onto bins, lay out each bin file (or reuse the file plan of
+   an unchanged structure from the `PlanCache`);
 2. `SaveJob.run`, per bin, a stager task and a writer task joined by a queue: the stager copies
    batch after batch into slabs (bounded by the memory budget), the writer checksums and
    pwritev's them in file order, then fsyncs. Writers hold back until staging is done or the
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+from asynctron.engine._plan_cache import FilePlan, PlanCache, structure_signature
 from asynctron.engine._staging import ItemSource, SlabPool, StagedBatch, Stager
 from asynctron.engine._task import SaveResult
 from asynctron.errors import AsynctronError
@@ -30,7 +32,7 @@ from asynctron.storage import _commit, _sysio
 from asynctron.storage._dtypes import dtype_name
 from asynctron.storage._layout import BinLayout, bin_file_name, layout_bin
 from asynctron.storage._manifest import ItemRecord, Manifest
-from asynctron.storage._plan import SavePlan, flatten, item_nbytes, plan_save
+from asynctron.storage._plan import SavePlan, Structure, flatten, item_nbytes, plan_save
 from asynctron.storage._split import split_by_size_and_type
 from asynctron.storage._sysio import FileIO, RunBlocking
 from asynctron.storage._writer import BinWriter
@@ -41,27 +43,56 @@ class SaveRequest:
     """A planned save: everything decided before any byte moves."""
 
     path: str
-    plan: SavePlan
-    layouts: tuple[BinLayout, ...]
+    structure: Structure
+    """The state dict's nesting and JSON values, as the manifest stores them."""
+    plan: FilePlan
     sources: tuple[ItemSource, ...]
-    records: tuple[ItemRecord, ...]
-    """Per item index, its manifest record with crc32c still 0."""
+    """Per item index, where its bytes come from."""
     ready: dict[torch.device, torch.cuda.Event]
     snapshot: bool
 
     @property
+    def layouts(self) -> tuple[BinLayout, ...]:
+        return self.plan.layouts
+
+    @property
+    def records(self) -> tuple[ItemRecord, ...]:
+        return self.plan.records
+
+    @property
     def nbytes(self) -> int:
-        return sum(record.nbytes for record in self.records)
+        return sum(record.nbytes for record in self.plan.records)
 
 
 def prepare_save(state_dict: Mapping[str, Any], path: str, *, num_bins: int, rank: int,
-                 snapshot: bool) -> SaveRequest:
+                 snapshot: bool, cache: PlanCache) -> SaveRequest:
     """Plan a save of `state_dict` to `path`. Runs on the caller's thread; cheap (no copies).
+    A structure seen recently reuses its file plan from `cache`.
 
     Raises:
         TypeError, ValueError: unsupported leaves, keys or dtypes (naming the key).
     """
-    plan = plan_save(flatten(state_dict))
+    flat = flatten(state_dict)
+    signature = structure_signature(flat, num_bins, rank)
+    plan = cache.lookup(signature) if signature is not None else None
+    if plan is None:
+        save_plan = plan_save(flat)
+        plan = _file_plan(save_plan, num_bins, rank)
+        sources = tuple(ItemSource(save_plan.payload(item)) for item in save_plan.items)
+        if signature is not None:
+            cache.store(signature, plan)
+    else:
+        sources = tuple(ItemSource(_plain_payload(flat.leaves[key].value)) for key in plan.keys)
+    return SaveRequest(path=os.path.abspath(path), structure=flat.structure, plan=plan,
+                       sources=sources, ready=Stager.mark_ready(sources), snapshot=snapshot)
+
+
+def _plain_payload(value: torch.Tensor | bytes) -> torch.Tensor | bytes:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _file_plan(plan: SavePlan, num_bins: int, rank: int) -> FilePlan:
+    """Split the planned items onto bins (seed 000) and lay out each bin file."""
     items = plan.items
     nbytes = [item_nbytes(item, plan.flat.leaves[item.index.fqn]) for item in items]
     index_of = {id(item): i for i, item in enumerate(items)}
@@ -73,9 +104,8 @@ def prepare_save(state_dict: Mapping[str, Any], path: str, *, num_bins: int, ran
     placed = {p.item_index: (layout.file_name, p.offset)
               for layout in layouts for p in layout.placements}
     records = tuple(_record(plan, item, placed[i], nbytes[i]) for i, item in enumerate(items))
-    sources = tuple(ItemSource(plan.payload(item)) for item in items)
-    return SaveRequest(path=os.path.abspath(path), plan=plan, layouts=layouts, sources=sources,
-                       records=records, ready=Stager.mark_ready(sources), snapshot=snapshot)
+    return FilePlan(keys=tuple(item.index.fqn for item in items), layouts=layouts,
+                    records=records)
 
 
 def _record(plan: SavePlan, item: WriteItem, place: tuple[str, int], nbytes: int) -> ItemRecord:
@@ -206,7 +236,7 @@ class SaveJob:
             t_written = time.perf_counter()
             crcs = {i: crc for writer in writers for i, crc in writer.crcs.items()}
             manifest = Manifest(
-                structure=request.plan.flat.structure,
+                structure=request.structure,
                 items=tuple(_with_crc(r, crcs.get(i, 0)) for i, r in enumerate(request.records)),
                 files={layout.file_name: layout.nbytes for layout in request.layouts},
                 created_unix_s=self._requested_unix_s,
