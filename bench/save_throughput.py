@@ -107,9 +107,22 @@ def _methods(engine: Engine, loop: asyncio.AbstractEventLoop, scenario: Scenario
     return methods
 
 
+_RUN_PREFIX = "asynctron-bench-"
+
+
+def _remove_stale_runs(target: str) -> None:
+    """Remove scratch dirs of earlier runs that died (killed runs leave GBs behind in RAM)."""
+    for name in os.listdir(target):
+        if name.startswith(_RUN_PREFIX):
+            pid = name[len(_RUN_PREFIX):].split("-")[0]
+            if pid.isdigit() and not psutil.pid_exists(int(pid)):
+                shutil.rmtree(os.path.join(target, name), ignore_errors=True)
+
+
 def run_saves(engine: Engine, loop: asyncio.AbstractEventLoop, scenario: Scenario,
               repeats: int, quick: bool, megatron: bool) -> None:
-    base = tempfile.mkdtemp(prefix="asynctron-bench-", dir=scenario.target)
+    base = tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}-", dir=scenario.target)
+    scenario.extra["num_tensors"] = len(scenario.state)
     try:
         methods = _methods(engine, loop, scenario, base, quick, megatron)
         for round_index in range(repeats + 1):  # round 0 warms pages, caches and imports
@@ -189,7 +202,7 @@ def run_budget(target: str, nbytes: int) -> dict[str, float]:
     state = _peers.make_state_dict(nbytes, seed=7)
     budget = nbytes // 4
     process = psutil.Process()
-    base = tempfile.mkdtemp(prefix="asynctron-bench-", dir=target)
+    base = tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}-", dir=target)
     peak = 0
     stop = threading.Event()
 
@@ -225,7 +238,7 @@ def report(scenarios: list[Scenario], budget: dict[str, float]) -> dict[str, Any
     for s in scenarios:
         ours = _median(s.timings["asynctron"])
         in_place = _median(s.timings["asynctron (in place)"])
-        print(f"\n== {s.label}: {s.nbytes / GiB:.2f} GiB, {len(s.state)} tensors ==")
+        print(f"\n== {s.label}: {s.nbytes / GiB:.2f} GiB, {s.extra['num_tensors']} tensors ==")
         print(f"{'method':<34}{'median s':>10}{'GB/s':>8}{'asynctron/it':>14}"
               f"{'in place/it':>13}")
         rows = {}
@@ -258,7 +271,8 @@ def report(scenarios: list[Scenario], budget: dict[str, float]) -> dict[str, Any
             print(f"megatron: {s.extra['megatron']}")
         out["scenarios"].append({
             "label": s.label, "target": s.target, "nbytes": s.nbytes,
-            "num_tensors": len(s.state), "saves": rows, "staged_s": staged, "memcpy_s": memcpy,
+            "num_tensors": s.extra["num_tensors"], "saves": rows, "staged_s": staged,
+            "memcpy_s": memcpy,
             "blocking_vs_memcpy": staged / memcpy, "loop_worst_delay_s": worst,
             "crc32c_1thread_s": crc, "loads_s": loads, "load_cold": s.extra.get("load_cold"),
             "notes": {k: v for k, v in s.extra.items() if k == "megatron"},
@@ -294,19 +308,26 @@ def main(argv: list[str] | None = None) -> int:
     scenarios = []
     started = time.time()
     try:
-        states = [("mixed", _peers.make_state_dict(int(args.size_gib * GiB), seed=1))]
-        if args.large_gib > 0:
-            states.append((f"{args.large_gib:g} GiB tensor", _peers.make_state_dict(
-                int((0.25 * args.size_gib + args.large_gib) * GiB), seed=2,
-                large_tensor_bytes=int(args.large_gib * GiB))))
         for target in targets:
-            kind = "shm" if target.startswith("/dev/shm") else "disk"
-            for label, state in states:
-                nbytes = sum(t.numel() * t.element_size() for t in state.values())
+            _remove_stale_runs(target)
+        plans = [("mixed", int(args.size_gib * GiB), None, args.repeats)]
+        if args.large_gib > 0:
+            plans.append((f"{args.large_gib:g} GiB tensor",
+                          int((0.25 * args.size_gib + args.large_gib) * GiB),
+                          int(args.large_gib * GiB), max(1, args.repeats - 2)))
+        for seed, (label, total_bytes, large_bytes, repeats) in enumerate(plans, start=1):
+            state = _peers.make_state_dict(total_bytes, seed=seed, large_tensor_bytes=large_bytes)
+            nbytes = sum(t.numel() * t.element_size() for t in state.values())
+            for target in targets:
+                kind = "shm" if target.startswith("/dev/shm") else "disk"
                 scenario = Scenario(target, f"{kind}: {label}", state, nbytes)
-                run_saves(engine, loop, scenario, args.repeats, args.quick,
-                          not args.skip_megatron)
+                run_saves(engine, loop, scenario, repeats, args.quick, not args.skip_megatron)
                 scenarios.append(scenario)
+                engine.free_idle_staging()
+            for scenario in scenarios:
+                scenario.state = {}  # keep the figures, free the tensors
+            del state
+            gc.collect()
         budget = run_budget(targets[0], int(min(args.size_gib, 1.0) * GiB))
     finally:
         loop.run_until_complete(engine.aclose())

@@ -138,12 +138,17 @@ class Engine:
             await uncancellable(asyncio.ensure_future(asyncio.wait(list(self._saves.values()))))
             raise
         finally:
-            self._pool.trim()
+            self.free_idle_staging()
             if self._executor is not None:
                 # Every run_blocking caller waits for its thread, so none is busy for long;
                 # waiting here would block the loop.
                 self._executor.shutdown(wait=False)
                 self._executor = None
+
+    def free_idle_staging(self) -> None:
+        """Free the staging slabs no save is using (they are otherwise kept for reuse, so later
+        saves touch warm pages)."""
+        self._pool.trim()
 
     def _check_open(self) -> asyncio.AbstractEventLoop:
         if self._closed:
