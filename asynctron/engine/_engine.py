@@ -17,10 +17,11 @@ from typing import Any, TypeVar
 
 import torch
 
+from asynctron._concurrency import uncancellable
 from asynctron.engine._budget import ByteBudget
 from asynctron.engine._load import Loader
 from asynctron.engine._plan_cache import PlanCache
-from asynctron.engine._save import Committer, SaveJob, prepare_save, uncancellable
+from asynctron.engine._save import Committer, SaveJob, prepare_save
 from asynctron.engine._staging import SlabPool, Stager
 from asynctron.engine._task import SaveResult, SaveTask
 from asynctron.errors import BusyError, ClosedError

@@ -15,13 +15,13 @@ from typing import Any
 
 import torch
 
-from asynctron.engine._save import first_error
+from asynctron._concurrency import RunBlocking, first_error
 from asynctron.engine._staging import SlabPool, Stager, flat_range_views
 from asynctron.storage._dtypes import NUMPY_DTYPES, TORCH_DTYPES
 from asynctron.storage._manifest import ItemRecord, Manifest
 from asynctron.storage._plan import Structure, flatten, unflatten
 from asynctron.storage._reader import CheckpointReader, check_crc
-from asynctron.storage._sysio import RunBlocking, crc32c_update
+from asynctron.storage._sysio import crc32c_update
 
 
 def _torch_dtype(record: ItemRecord) -> torch.dtype:

@@ -24,17 +24,17 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+from asynctron._concurrency import RunBlocking, first_error, uncancellable
 from asynctron.engine._plan_cache import FilePlan, PlanCache, structure_signature
 from asynctron.engine._staging import ItemSource, SlabPool, StagedBatch, Stager
 from asynctron.engine._task import SaveResult
-from asynctron.errors import AsynctronError
 from asynctron.storage import _commit, _sysio
 from asynctron.storage._dtypes import dtype_name
 from asynctron.storage._layout import BinLayout, bin_file_name, layout_bin
 from asynctron.storage._manifest import ItemRecord, Manifest
 from asynctron.storage._plan import SavePlan, Structure, flatten, item_nbytes, plan_save
 from asynctron.storage._split import split_by_size_and_type
-from asynctron.storage._sysio import FileIO, RunBlocking
+from asynctron.storage._sysio import FileIO
 from asynctron.storage._writer import BinWriter
 
 
@@ -148,39 +148,6 @@ class Committer:
                 await self._run_blocking(_commit.point_latest, final_path)
             if self._keep_last is not None:
                 await self._run_blocking(_commit.prune_checkpoints, root, self._keep_last)
-
-
-async def uncancellable(awaitable: asyncio.Future[Any]) -> None:
-    """Wait for `awaitable` to finish even if we are cancelled meanwhile; re-raise the
-    cancellation afterwards. For cleanup that must not be cut short."""
-    cancelled = False
-    while not awaitable.done():
-        try:
-            await asyncio.wait([awaitable])
-        except asyncio.CancelledError:
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
-
-
-def first_error(error: BaseException) -> BaseException:
-    """The one error to raise for a failed task group: the first asynctron error, else the
-    first error; bare cancellation only if nothing else failed."""
-    if not isinstance(error, BaseExceptionGroup):
-        return error
-    leaves: list[BaseException] = []
-    stack = [error]
-    while stack:
-        exc = stack.pop(0)
-        if isinstance(exc, BaseExceptionGroup):
-            stack.extend(exc.exceptions)
-        else:
-            leaves.append(exc)
-    for kind in (AsynctronError, Exception, BaseException):
-        for leaf in leaves:
-            if isinstance(leaf, kind) and not isinstance(leaf, asyncio.CancelledError):
-                return leaf
-    return leaves[0]
 
 
 class SaveJob:

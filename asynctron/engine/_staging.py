@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asynctron._concurrency import RunBlocking
 from asynctron.engine._budget import ByteBudget
 from asynctron.errors import WouldBlock
 from asynctron.storage._layout import Batch
-from asynctron.storage._sysio import RunBlocking
 
 
 class Slab:

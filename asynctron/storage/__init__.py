@@ -1,6 +1,7 @@
 """Storage: plan and split, per-bin writers, readers, the manifest and the commit protocol.
 
-Never imports the engine; blocking calls run through the `RunBlocking` the engine passes in.
+Never imports the engine; blocking calls run through the `RunBlocking` door
+(`asynctron._concurrency`) that the engine passes in.
 """
 
 from asynctron.storage._commit import resolve_checkpoint

@@ -11,6 +11,7 @@ from __future__ import annotations
 import mmap
 import os
 
+from asynctron._concurrency import RunBlocking
 from asynctron.errors import CorruptCheckpointError
 from asynctron.storage import _sysio
 from asynctron.storage._commit import resolve_checkpoint
@@ -21,7 +22,7 @@ from asynctron.storage._manifest import (
     Manifest,
     parse_manifest,
 )
-from asynctron.storage._sysio import FileIO, RunBlocking
+from asynctron.storage._sysio import FileIO
 
 
 def read_manifest(checkpoint: str) -> Manifest:

@@ -15,15 +15,13 @@ import errno as errno_codes
 import fcntl
 import os
 import shutil
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from typing import Protocol, TypeVar, runtime_checkable
+from collections.abc import Iterator, Sequence
+from typing import Protocol, runtime_checkable
 
 import crc32c
 import numpy as np
 
 from asynctron.errors import CorruptCheckpointError, StorageError
-
-T = TypeVar("T")
 
 #: Linux caps one read/write at 2 GiB - 4 KiB; calls are made no larger than this.
 MAX_IO_CALL_BYTES = 0x7FFFF000
@@ -31,12 +29,6 @@ MAX_IO_CALL_BYTES = 0x7FFFF000
 MAX_IOVECS = 1024
 #: O_DIRECT needs offsets, lengths and memory aligned to the logical block; 4 KiB covers all.
 DIRECT_IO_ALIGN_BYTES = 4096
-
-
-class RunBlocking(Protocol):
-    """Runs a blocking callable off the loop thread and awaits it (the engine's executor door)."""
-
-    def __call__(self, fn: Callable[..., T], /, *args: object) -> Awaitable[T]: ...
 
 
 @runtime_checkable

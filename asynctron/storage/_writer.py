@@ -10,9 +10,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 
+from asynctron._concurrency import RunBlocking
 from asynctron.storage import _sysio
 from asynctron.storage._layout import Batch, BinLayout
-from asynctron.storage._sysio import FileIO, RunBlocking
+from asynctron.storage._sysio import FileIO
 
 
 class BinWriter:
