@@ -2,9 +2,9 @@
 
 Subcommands:
 - `inspect PATH`: the manifest as a table (or `--json`); reads the manifest and file sizes only.
-- `verify PATH`: re-reads every item and checks its crc32c. Items are read one after another,
-  in file order, by a `CheckpointReader` on an `Engine`'s executor into one reused buffer sized
-  for the largest item. Memory therefore stays bounded by one item, where `asynctron.load(path)`
+- `verify PATH`: re-reads every item and checks its checksum. A `CheckpointReader` on an
+  `Engine`'s executor reads each file in batched calls into one reused buffer per file and
+  hashes as it goes, so memory stays bounded by one call per file, where `asynctron.load(path)`
   would hold the whole checkpoint, and every corrupt item is reported, not only the first.
 - `demo`: trains a small MLP on one uvloop loop, checkpointing every K steps while training
   goes on, then loads the newest checkpoint back and compares it bit for bit.
@@ -36,7 +36,7 @@ from asynctron._demo import run_demo
 from asynctron.engine import Engine
 from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from asynctron.storage import LocalFileIO, Manifest, read_manifest, resolve_checkpoint
-from asynctron.storage._reader import CheckpointReader
+from asynctron.storage._reader import CheckpointReader, ReadJob
 
 #: Benchmark scenario -> module under the source checkout's `bench/` directory.
 BENCH_SCENARIOS = {"save": "bench.save_throughput"}
@@ -75,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="print the items as JSON")
     inspect.set_defaults(run=_inspect)
 
-    verify = commands.add_parser("verify", help="check every item's crc32c")
+    verify = commands.add_parser("verify", help="check every item's checksum")
     verify.add_argument("path", help="a checkpoint directory or a root with a `latest` pointer")
     verify.set_defaults(run=_verify)
 
@@ -145,13 +145,16 @@ def _verify(args: argparse.Namespace) -> int:
     if failures:
         print(f"checkpoint {path}: {len(failures)} of {len(manifest.items)} items corrupt")
         return 1
+    if manifest.checksum is None:
+        print(f"checkpoint {path}: saved without checksums; nothing to verify")
+        return 0
     print(f"checkpoint {path}: {len(manifest.items)} items, {format_nbytes(manifest.nbytes)} in "
-          f"{len(manifest.files)} files: crc32c ok")
+          f"{len(manifest.files)} files: {manifest.checksum} ok")
     return 0
 
 
 async def verify_checkpoint(path: str) -> tuple[str, Manifest, list[CorruptCheckpointError]]:
-    """Read every item of the checkpoint at `path` and check its crc32c.
+    """Read every item of the checkpoint at `path` and check its checksum.
 
     Returns:
         the resolved checkpoint path, its manifest, and one error per corrupt item.
@@ -161,24 +164,17 @@ async def verify_checkpoint(path: str) -> tuple[str, Manifest, list[CorruptCheck
         CorruptCheckpointError: a bad manifest or a file of the wrong size (nothing is read).
         StorageError: a file could not be opened or read.
 
-    Memory: one buffer the size of the largest item.
+    Memory: one buffer of `slab_bytes` per data file.
     """
     async with Engine(num_workers=2) as engine:
         reader = CheckpointReader(LocalFileIO(), path, engine.run_blocking)
         try:
             manifest = await reader.open()
-            records = sorted(manifest.items, key=lambda record: (record.file, record.offset))
-            buffer = memoryview(bytearray(max((r.nbytes for r in records), default=0)))
-            failures: list[CorruptCheckpointError] = []
             with tqdm(total=manifest.nbytes, unit="B", unit_scale=True, unit_divisor=1024,
                       desc="verify", file=sys.stderr, disable=None) as progress:
-                for record in records:
-                    try:
-                        await reader.read_into(record, buffer[:record.nbytes], verify=True,
-                                               call_nbytes=engine.config.slab_bytes)
-                    except CorruptCheckpointError as exc:
-                        failures.append(exc)
-                    progress.update(record.nbytes)
+                failures = await reader.read(
+                    [ReadJob(record, None) for record in manifest.items], verify=True,
+                    call_nbytes=engine.config.slab_bytes, progress=progress.update)
         finally:
             await reader.aclose()
     return reader.path, manifest, failures

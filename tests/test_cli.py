@@ -72,7 +72,7 @@ def test_verify_names_file_key_and_offset_of_a_flipped_byte(
     captured = capsys.readouterr()
     assert re.search(
         rf"^asynctron verify: item 'model\.w' in {re.escape(str(data_file))} at offset "
-        rf"{record.offset}: expected crc32c 0x[0-9a-f]{{8}}, found 0x[0-9a-f]{{8}}; the file "
+        rf"{record.offset}: expected xxh3_64 [0-9a-f]{{16}}, found [0-9a-f]{{16}}; the file "
         r"changed after commit$", captured.err, re.MULTILINE), captured.err
     assert "1 of 3 items corrupt" in captured.out
 

@@ -21,11 +21,13 @@ from asynctron._concurrency import uncancellable
 from asynctron.engine._budget import ByteBudget
 from asynctron.engine._load import Loader
 from asynctron.engine._plan_cache import PlanCache
-from asynctron.engine._save import Committer, SaveJob, prepare_save
+from asynctron.engine._save import Committer, SaveJob, SaveOptions
 from asynctron.engine._staging import SlabPool, Stager
 from asynctron.engine._task import SaveResult, SaveTask
 from asynctron.errors import BusyError, ClosedError
+from asynctron.storage._checksum import ALGORITHMS, XXH3_64
 from asynctron.storage._layout import ALIGN_BYTES
+from asynctron.storage._plan import flatten
 from asynctron.storage._reader import CheckpointReader
 from asynctron.storage._sysio import FileIO, LocalFileIO
 
@@ -54,6 +56,9 @@ class EngineConfig:
     direct_io: bool = True
     """Write whole slabs with O_DIRECT (bypassing the page cache) where the filesystem allows
     it; elsewhere (tmpfs) and for unaligned tails, buffered writes are used."""
+    checksum: str | None = XXH3_64
+    """Digest every item while staging it (`"xxh3_64"`), or `None` for no checksums (loads
+    then have nothing to verify)."""
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "num_bins"):
@@ -69,6 +74,9 @@ class EngineConfig:
             raise ValueError(f"memory_budget_bytes: expected an int >= slab_bytes "
                              f"({self.slab_bytes}), found {self.memory_budget_bytes!r}; "
                              "lower slab_bytes or raise the budget")
+        if self.checksum not in ALGORITHMS:
+            raise ValueError(f"checksum: expected one of {sorted(map(str, ALGORITHMS))}, "
+                             f"found {self.checksum!r}")
         if self.keep_last is not None and (not isinstance(self.keep_last, int)
                                            or self.keep_last < 1):
             raise ValueError(f"keep_last: expected None or an int >= 1, found "
@@ -205,8 +213,11 @@ class Engine:
         if target in self._saves:
             raise BusyError(f"checkpoint {target}: a save to this path is already in flight; "
                             "await it first or save to another path")
-        request = prepare_save(state_dict, target, num_bins=self.config.num_bins, rank=0,
-                               snapshot=snapshot, cache=self.plan_cache)
+        flat = flatten(state_dict)
+        ready = Stager.mark_ready(leaf.value for leaf in flat.leaves.values())
+        options = SaveOptions(num_bins=self.config.num_bins, rank=0, snapshot=snapshot,
+                              batch_nbytes=self.config.slab_bytes,
+                              direct_io=self.config.direct_io, checksum=self.config.checksum)
         self._seq += 1
         staged: asyncio.Future[None] = loop.create_future()
 
@@ -214,9 +225,9 @@ class Engine:
             if not staged.done():
                 staged.set_result(None)
 
-        job = SaveJob(request, seq=self._seq, stager=self._stager, fio=self._fio,
-                      run_blocking=self.run_blocking, committer=self._committer,
-                      batch_nbytes=self.config.slab_bytes, direct_io=self.config.direct_io,
+        job = SaveJob(flat, target, seq=self._seq, options=options, ready=ready,
+                      stager=self._stager, fio=self._fio, run_blocking=self.run_blocking,
+                      committer=self._committer, plan_cache=self.plan_cache,
                       on_staged=on_staged)
         task = loop.create_task(self._run_save(job, staged), name=f"asynctron-save:{target}")
         self._saves[target] = task
@@ -234,7 +245,7 @@ class Engine:
                     staged.exception()  # retrieved here; the SaveTask carries it to the caller
             raise
         finally:
-            del self._saves[job.request.path]
+            del self._saves[job.path]
 
     async def load(self, path: str | os.PathLike[str], *, into: Mapping[str, Any] | None = None,
                    mmap: bool = False, verify: bool | None = None) -> Any:
@@ -244,9 +255,10 @@ class Engine:
             into: a state dict whose tensors (CPU or CUDA) and arrays are filled in place;
                 the result mirrors its structure, with non-tensor values from the checkpoint.
             mmap: return tensors backed by copy-on-write maps of the files (nothing is read
-                until touched; writes never reach the files). Exclusive with `into`.
-            verify: check every item's crc32c; default True, but False with `mmap` (checking
-                would read every byte).
+                until touched; writes never reach the files). Items stored as several chunks
+                (sharded, or cut to spread over bins) are read instead. Exclusive with `into`.
+            verify: check every item's checksum; default True, but False with `mmap` (checking
+                would read every byte). A checkpoint saved without checksums has none to check.
 
         Raises:
             CheckpointNotFoundError: nothing committed at `path`.

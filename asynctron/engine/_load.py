@@ -1,27 +1,30 @@
 """Loading a committed checkpoint: fresh CPU tensors, in place into the caller's tensors, or mmap.
 
-Reads run one task per file, items in file order, each read split into calls of at most one
-slab. Fresh and contiguous-CPU targets are read straight into their memory; CUDA and
-non-contiguous targets go through budgeted slabs (H2D on the copy stream, waited off the loop).
-Nothing is ever unpickled: the structure is JSON and bytes items come back as `bytes`.
+Every destination that is contiguous CPU memory (a fresh tensor, a row chunk of one, a
+contiguous `into` target) is read straight into, in batched calls (`CheckpointReader.read`:
+one task per file). CUDA and non-contiguous targets go through budgeted slabs (H2D on the copy
+stream, waited off the loop). Nothing is ever unpickled: the structure is JSON and bytes items
+come back as `bytes`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 from asynctron._concurrency import RunBlocking, first_error
 from asynctron.engine._staging import SlabPool, Stager, flat_range_views
+from asynctron.storage._checksum import ItemHasher
 from asynctron.storage._dtypes import NUMPY_DTYPES, TORCH_DTYPES
 from asynctron.storage._manifest import ItemRecord, Manifest
 from asynctron.storage._plan import Structure, flatten, unflatten
-from asynctron.storage._reader import CheckpointReader, check_crc
-from asynctron.storage._sysio import crc32c_update
+from asynctron.storage._reader import CheckpointReader, ReadJob
+
+#: A chunk read on its own, then copied into its place in the full tensor.
+_Placement = tuple[torch.Tensor, ItemRecord, torch.Tensor]
 
 
 def _torch_dtype(record: ItemRecord) -> torch.dtype:
@@ -77,29 +80,32 @@ class Loader:
         self._stager = stager
         self._run_blocking = run_blocking
         self._call_nbytes = call_nbytes
-        self._verify = verify
+        self._verify = verify and reader.verifiable
 
-    async def _read_all(self, jobs: list[tuple[ItemRecord, Any]]) -> None:
-        """Run reads grouped by file (one task per file, file order within it).
+    async def _read_all(self, jobs: Sequence[ReadJob],
+                        staged: Sequence[tuple[ItemRecord, torch.Tensor]] = ()) -> None:
+        """Read `jobs` straight into their destinations and `staged` (record, CUDA or strided
+        target) through slabs, one task per file for each; raise the first corrupt item."""
+        by_file: dict[str, list[tuple[ItemRecord, torch.Tensor]]] = {}
+        for record, target in staged:
+            by_file.setdefault(record.file, []).append((record, target))
 
-        Each job is (record, destination) with destination a memoryview or a tensor that
-        needs slab staging (CUDA / non-contiguous)."""
-        by_file: dict[str, list[tuple[ItemRecord, Any]]] = {}
-        for job in jobs:
-            by_file.setdefault(job[0].file, []).append(job)
+        async def read_direct() -> None:
+            errors = await self._reader.read(jobs, verify=self._verify,
+                                             call_nbytes=self._call_nbytes)
+            if errors:
+                raise errors[0]
 
-        async def read_file(file_jobs: list[tuple[ItemRecord, Any]]) -> None:
-            for record, destination in sorted(file_jobs, key=lambda job: job[0].offset):
-                if isinstance(destination, memoryview):
-                    await self._reader.read_into(record, destination, verify=self._verify,
-                                                 call_nbytes=self._call_nbytes)
-                else:
-                    await self._read_through_slabs(record, destination)
+        async def read_staged(file_jobs: list[tuple[ItemRecord, torch.Tensor]]) -> None:
+            for record, target in sorted(file_jobs, key=lambda job: job[0].offset):
+                await self._read_through_slabs(record, target)
 
         try:
             async with asyncio.TaskGroup() as group:
+                if jobs:
+                    group.create_task(read_direct())
                 for file_jobs in by_file.values():
-                    group.create_task(read_file(file_jobs))
+                    group.create_task(read_staged(file_jobs))
         except BaseExceptionGroup as error:
             raise first_error(error)  # noqa: B904 (the group stays as __context__)
 
@@ -107,57 +113,65 @@ class Loader:
         """Read `record` slab by slab and copy each piece into `target` (CUDA or strided)."""
         itemsize = target.dtype.itemsize
         piece_nbytes = self._pool.slab_nbytes // itemsize * itemsize
-        path = self._reader.file_path(record)
-        crc = 0
+        hasher = ItemHasher() if self._verify else None
         for start in range(0, record.nbytes, piece_nbytes):
             nbytes = min(piece_nbytes, record.nbytes - start)
             slab = await self._pool.acquire()
             try:
-                part = slab.view[:nbytes]
-                piece = ItemRecord(record.key, "bytes", None, None, None, None, record.file,
-                                   record.offset + start, nbytes, 0)
-                await self._reader.read_into(piece, part, verify=False,
-                                             call_nbytes=self._call_nbytes)
-                if self._verify:
-                    crc = await self._run_blocking(crc32c_update, crc, part)
+                await self._reader.read_range(record, start, slab.view[:nbytes], hasher)
                 typed = slab.tensor[:nbytes].view(target.dtype)
                 views = flat_range_views(target, start // itemsize, (start + nbytes) // itemsize)
                 if target.device.type == "cuda":
-                    stream = self._stager.copy_stream(target.device)
-                    with torch.cuda.stream(stream):
-                        event = _copy_views(views, typed, non_blocking=True)
-                    await self._run_blocking(event.synchronize)
+                    await self._run_blocking(self._copy_to_cuda, views, typed, target.device)
                 else:
-                    await self._run_blocking(_copy_views, views, typed, False)
+                    await self._run_blocking(_copy_views, views, typed)
             finally:
                 self._pool.release(slab)
-        if self._verify:
-            check_crc(record, crc, path)
+        if hasher is not None:
+            error = self._reader.digest_error(record, hasher.hexdigest())
+            if error is not None:
+                raise error
+
+    def _copy_to_cuda(self, views: list[torch.Tensor], source: torch.Tensor,
+                      device: torch.device) -> None:
+        """Blocks: H2D on the device's copy stream, waited for in this thread."""
+        stream = self._stager.copy_stream(device)
+        with torch.cuda.stream(stream):
+            _copy_views(views, source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(stream)
+        event.synchronize()
+
+    def _fresh_jobs(self, records: list[ItemRecord], jobs: list[ReadJob],
+                    partial: list[_Placement]) -> torch.Tensor:
+        """A new tensor for the key `records` hold, and the reads that fill it: straight into
+        it where a chunk's part of it is contiguous (whole items, row chunks), else into a
+        chunk of its own placed afterwards."""
+        first = records[0]
+        assert first.global_shape is not None
+        tensor = torch.empty(first.global_shape, dtype=_torch_dtype(first))
+        for record in records:
+            view = tensor if _is_whole(record) else _chunk_view(tensor, record)
+            if view.is_contiguous():
+                jobs.append(ReadJob(record, _tensor_bytes(view)))
+            else:
+                assert record.shape is not None
+                chunk = torch.empty(record.shape, dtype=_torch_dtype(record))
+                jobs.append(ReadJob(record, _tensor_bytes(chunk)))
+                partial.append((tensor, record, chunk))
+        return tensor
 
     async def fresh(self) -> Any:
         """The saved structure with fresh CPU tensors, numpy arrays and bytes."""
         items: dict[str, Any] = {}
-        jobs: list[tuple[ItemRecord, Any]] = []
-        partial: list[tuple[torch.Tensor, ItemRecord, torch.Tensor]] = []
+        jobs: list[ReadJob] = []
+        partial: list[_Placement] = []
         for key, records in self._manifest.by_key().items():
-            first = records[0]
-            if first.kind == "bytes":
-                buffer = bytearray(first.nbytes)
-                items[key] = buffer
-                jobs.append((first, memoryview(buffer)))
-                continue
-            assert first.global_shape is not None
-            if len(records) == 1 and _is_whole(first):
-                tensor = torch.empty(first.global_shape, dtype=_torch_dtype(first))
-                jobs.append((first, _tensor_bytes(tensor)))
+            if records[0].kind == "bytes":
+                items[key] = bytearray(records[0].nbytes)
+                jobs.append(ReadJob(records[0], memoryview(items[key])))
             else:
-                tensor = torch.empty(first.global_shape, dtype=_torch_dtype(first))
-                for record in records:
-                    assert record.shape is not None
-                    chunk = torch.empty(record.shape, dtype=_torch_dtype(record))
-                    jobs.append((record, _tensor_bytes(chunk)))
-                    partial.append((tensor, record, chunk))
-            items[key] = tensor
+                items[key] = self._fresh_jobs(records, jobs, partial)
         await self._read_all(jobs)
         await self._run_blocking(_place_chunks, partial)
         return unflatten(self._manifest.structure, self._finish(items))
@@ -173,18 +187,22 @@ class Loader:
         return items
 
     async def mapped(self) -> Any:
-        """The saved structure with tensors backed by copy-on-write maps of the files."""
+        """The saved structure with tensors backed by copy-on-write maps of the files.
+
+        An item stored as several chunks (a sharded tensor, or one cut into chunks to spread
+        over bins) cannot be one map: it is read into a fresh tensor instead.
+        """
         items: dict[str, Any] = {}
+        jobs: list[ReadJob] = []
+        partial: list[_Placement] = []
         for key, records in self._manifest.by_key().items():
             first = records[0]
-            if len(records) != 1 or (first.kind != "bytes" and not _is_whole(first)):
-                raise ValueError(
-                    f"item {key!r}: sharded ({len(records)} chunks) and cannot be mapped as one "
-                    "tensor; load it with mmap=False")
+            if first.kind != "bytes" and (len(records) != 1 or not _is_whole(first)):
+                items[key] = self._fresh_jobs(records, jobs, partial)
+                continue
             view = await self._reader.map(first) if first.nbytes else memoryview(b"")
             if self._verify:
-                crc = await self._run_blocking(crc32c_update, 0, view)
-                check_crc(first, crc, self._reader.file_path(first))
+                await self._reader.check_mapped(first, view)
             if first.kind == "bytes":
                 items[key] = bytes(view)
             elif first.nbytes == 0:
@@ -193,6 +211,8 @@ class Loader:
             else:
                 assert first.shape is not None
                 items[key] = torch.frombuffer(view, dtype=_torch_dtype(first)).view(first.shape)
+        await self._read_all(jobs)
+        await self._run_blocking(_place_chunks, partial)
         return unflatten(self._manifest.structure, self._finish(items))
 
     async def into(self, target: Mapping[str, Any]) -> Any:
@@ -207,8 +227,9 @@ class Loader:
         by_key = self._manifest.by_key()
         saved_values = _values_by_key(self._manifest.structure)
         items: dict[str, Any] = {}
-        jobs: list[tuple[ItemRecord, Any]] = []
-        partial: list[tuple[torch.Tensor, ItemRecord, torch.Tensor]] = []
+        jobs: list[ReadJob] = []
+        staged: list[tuple[ItemRecord, torch.Tensor]] = []
+        partial: list[_Placement] = []
         for key, leaf in flat.leaves.items():
             records = by_key.get(key)
             if records is None:
@@ -219,9 +240,8 @@ class Loader:
                 if leaf.kind != first.kind:
                     raise ValueError(f"key {key!r}: expected {leaf.kind} (as in `into`), "
                                      f"found {first.kind} in the checkpoint")
-                buffer = bytearray(first.nbytes)
-                jobs.append((first, memoryview(buffer)))
-                items[key] = buffer
+                items[key] = bytearray(first.nbytes)
+                jobs.append(ReadJob(first, memoryview(items[key])))
                 continue
             assert isinstance(leaf.value, torch.Tensor)
             tensor = leaf.value.detach()
@@ -236,19 +256,17 @@ class Loader:
                     "matching tensor or without `into`")
             for record in records:
                 destination = tensor if _is_whole(record) else _chunk_view(tensor, record)
-                if (destination.device.type == "cpu" and destination.is_contiguous()
-                        and math.prod(destination.shape) * destination.dtype.itemsize
-                        == record.nbytes):
-                    jobs.append((record, _tensor_bytes(destination)))
+                if destination.device.type == "cpu" and destination.is_contiguous():
+                    jobs.append(ReadJob(record, _tensor_bytes(destination)))
                 elif destination.device.type == "cpu" and not _is_whole(record):
                     assert record.shape is not None
                     chunk = torch.empty(record.shape, dtype=saved_dtype)
-                    jobs.append((record, _tensor_bytes(chunk)))
+                    jobs.append(ReadJob(record, _tensor_bytes(chunk)))
                     partial.append((tensor, record, chunk))
                 else:
-                    jobs.append((record, destination))
+                    staged.append((record, destination))
             items[key] = leaf.original
-        await self._read_all(jobs)
+        await self._read_all(jobs, staged)
         await self._run_blocking(_place_chunks, partial)
         for key, value in items.items():
             if isinstance(value, bytearray):
@@ -256,25 +274,20 @@ class Loader:
         return _rebuild(flat.structure, items, saved_values, self._reader.path)
 
 
-def _place_chunks(partial: list[tuple[torch.Tensor, ItemRecord, torch.Tensor]]) -> None:
+def _place_chunks(partial: Sequence[_Placement]) -> None:
     """Blocks: copy each chunk read on its own into its place in the full tensor."""
     for tensor, record, chunk in partial:
         _chunk_view(tensor, record).copy_(chunk)
 
 
 def _copy_views(views: list[torch.Tensor], source: torch.Tensor,
-                non_blocking: bool) -> torch.cuda.Event | None:
-    """Copy consecutive elements of 1-D `source` into `views`; on CUDA, return an event."""
+                non_blocking: bool = False) -> None:
+    """Copy consecutive elements of 1-D `source` into `views`."""
     cursor = 0
     for view in views:
         count = view.numel()
         view.copy_(source[cursor:cursor + count].view(view.shape), non_blocking=non_blocking)
         cursor += count
-    if non_blocking:
-        event = torch.cuda.Event()
-        event.record()
-        return event
-    return None
 
 
 def _rebuild(structure: Structure, items: dict[str, Any], saved_values: dict[str, Any],

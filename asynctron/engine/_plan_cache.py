@@ -1,20 +1,22 @@
 """`PlanCache`: reuse the plan of a state dict whose structure did not change (seed 002).
 
-A *file plan* is everything a save's structure decides: which items exist, how they are split
-onto bins, and where each lands in its file. Trainers save the same structure again and again,
-so a save whose keys, kinds, dtypes, shapes and devices match a recent one skips DCP's planner
-(about 60 µs per tensor, on the caller's thread) and takes that plan, with the new tensors.
+A *file plan* is everything a save's structure decides: which items exist (and which tensors are
+cut into chunks), how they are split onto bins, where each lands in its file, and the batches
+each bin is staged and written in. Trainers save the same structure again and again, so a save
+whose keys, kinds, dtypes, shapes and devices match a recent one skips DCP's planner (about
+60 µs per tensor) and takes that plan, with the new tensors.
 """
 
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 
-from asynctron.storage._layout import BinLayout
+from asynctron.storage._layout import Batch, BinLayout
 from asynctron.storage._manifest import ItemRecord
 from asynctron.storage._plan import FlatStateDict
 
@@ -23,12 +25,14 @@ _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 @dataclass(frozen=True, slots=True)
 class FilePlan:
-    """Items in plan order (their keys), their bins' layouts, and their manifest records."""
+    """Per item (in plan order): its key, the dim-0 rows of the key's payload it holds (None:
+    all), and its manifest record (checksum still None); per bin: its layout and batches."""
 
     keys: tuple[str, ...]
-    layouts: tuple[BinLayout, ...]
+    rows: tuple[tuple[int, int] | None, ...]
     records: tuple[ItemRecord, ...]
-    """Per item, with crc32c still 0."""
+    layouts: tuple[BinLayout, ...]
+    batches: tuple[tuple[Batch, ...], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,10 +42,11 @@ class PlanCacheStatistics:
     num_entries: int
 
 
-def structure_signature(flat: FlatStateDict, num_bins: int, rank: int) -> Hashable | None:
+def structure_signature(flat: FlatStateDict, *, num_bins: int, rank: int,
+                        batch_nbytes: int) -> Hashable | None:
     """What a file plan depends on; None when the state holds tensors whose plan must be made
     fresh each time (DTensor and other subclasses: their sharding may change)."""
-    parts: list[Hashable] = [num_bins, rank]
+    parts: list[Hashable] = [num_bins, rank, batch_nbytes]
     for key, leaf in flat.leaves.items():
         value = leaf.value
         if isinstance(value, bytes):
@@ -57,7 +62,7 @@ def structure_signature(flat: FlatStateDict, num_bins: int, rank: int) -> Hashab
 class PlanCache:
     """The file plans of the last `max_entries` distinct structures, least recently used out.
 
-    Concurrency: one event loop; not thread-safe.
+    Concurrency: thread-safe (saves plan on the engine's executor threads).
     """
 
     def __init__(self, max_entries: int) -> None:
@@ -67,24 +72,28 @@ class PlanCache:
         self._plans: collections.OrderedDict[Hashable, FilePlan] = collections.OrderedDict()
         self._num_hits = 0
         self._num_misses = 0
+        self._lock = threading.Lock()
 
     def lookup(self, signature: Hashable) -> FilePlan | None:
-        plan = self._plans.get(signature)
-        if plan is None:
-            self._num_misses += 1
-            return None
-        self._num_hits += 1
-        self._plans.move_to_end(signature)
-        return plan
+        with self._lock:
+            plan = self._plans.get(signature)
+            if plan is None:
+                self._num_misses += 1
+                return None
+            self._num_hits += 1
+            self._plans.move_to_end(signature)
+            return plan
 
     def store(self, signature: Hashable, plan: FilePlan) -> None:
-        self._plans[signature] = plan
-        self._plans.move_to_end(signature)
-        while len(self._plans) > self.max_entries:
-            self._plans.popitem(last=False)
+        with self._lock:
+            self._plans[signature] = plan
+            self._plans.move_to_end(signature)
+            while len(self._plans) > self.max_entries:
+                self._plans.popitem(last=False)
 
     def statistics(self) -> PlanCacheStatistics:
-        return PlanCacheStatistics(self._num_hits, self._num_misses, len(self._plans))
+        with self._lock:
+            return PlanCacheStatistics(self._num_hits, self._num_misses, len(self._plans))
 
     def __repr__(self) -> str:
         s = self.statistics()

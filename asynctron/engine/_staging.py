@@ -4,11 +4,13 @@ A *slab* is a reusable byte buffer (pinned when CUDA is in use) holding one batc
 file. `SlabPool` hands out slabs under a `ByteBudget` and keeps released ones for reuse, so
 a steady stream of saves re-touches warm pages instead of faulting new ones.
 
-Copies, per segment of a batch:
-- contiguous CPU tensor or bytes: a memcpy (numpy, GIL released) on the engine's executor;
+A batch is staged by ONE executor call (`stage_batch`), whatever its number of segments, so
+the loop's work per batch is constant. Copies, per segment:
+- contiguous CPU tensor or bytes: a memcpy (numpy, GIL released) fused with the item's hash,
+  piece by piece while each piece is in cache;
 - any CUDA tensor: `copy_(non_blocking=True)` launched on a per-device copy stream that first
-  waits for the stream the save was requested on; the batch's CUDA event is then waited on
-  the executor, never on the loop;
+  waits for the stream the save was requested on; the batch's CUDA event is then waited in
+  the same executor call, never on the loop, and the staged bytes hashed;
 - non-contiguous (or conjugate/negative-bit) tensors: the segment's flat element range is cut
   into at most 2·ndim+1 strided views copied straight into the slab, so no full contiguous
   temporary is ever made.
@@ -17,9 +19,11 @@ Copies, per segment of a batch:
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import mmap
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +32,8 @@ import torch
 from asynctron._concurrency import RunBlocking
 from asynctron.engine._budget import ByteBudget
 from asynctron.errors import WouldBlock
-from asynctron.storage._layout import Batch
+from asynctron.storage._checksum import ItemHasher
+from asynctron.storage._layout import Batch, Segment
 
 
 class Slab:
@@ -125,12 +130,6 @@ class ItemSource:
     def is_cuda(self) -> bool:
         return self.tensor is not None and self.tensor.device.type == "cuda"
 
-    def direct_view(self, start: int, nbytes: int) -> memoryview | None:
-        """The item's own bytes [start, +nbytes), if they can be written in place."""
-        if self.flat is None:
-            return None
-        return memoryview(self.flat[start:start + nbytes])
-
 
 def flat_range_views(tensor: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
     """Strided views of `tensor` that, concatenated, are `tensor.flatten()[start:stop]`.
@@ -157,51 +156,113 @@ def flat_range_views(tensor: torch.Tensor, start: int, stop: int) -> list[torch.
     return views
 
 
-@dataclass(frozen=True, slots=True)
-class _Copy:
-    """Item bytes [item_offset, +nbytes) of `source` → slab bytes [slab_offset, +nbytes)."""
-
-    source: ItemSource
-    item_offset: int
-    slab_offset: int
-    nbytes: int
+#: Fused copy+hash works in pieces this large: each is hashed while still in cache.
+_HASH_PIECE_BYTES = 1 << 20
 
 
-def _copy_into_slab(slab: Slab, copy: _Copy, non_blocking: bool) -> None:
-    src = copy.source
-    lo, hi = copy.slab_offset, copy.slab_offset + copy.nbytes
-    if src.flat is not None:
-        np.copyto(slab.array[lo:hi], src.flat[copy.item_offset:copy.item_offset + copy.nbytes])
+def _copy_and_hash(destination: np.ndarray, source: np.ndarray,
+                   hasher: ItemHasher | None) -> None:
+    """memcpy `source` into `destination`, hashing each piece right after copying it."""
+    if hasher is None:
+        np.copyto(destination, source)
         return
-    assert src.tensor is not None
-    typed = slab.tensor[lo:hi].view(src.tensor.dtype)
-    start = copy.item_offset // src.itemsize
+    for lo in range(0, source.nbytes, _HASH_PIECE_BYTES):
+        piece = destination[lo:lo + _HASH_PIECE_BYTES]
+        np.copyto(piece, source[lo:lo + _HASH_PIECE_BYTES])
+        hasher.update(piece)
+
+
+def _copy_strided(typed: torch.Tensor, tensor: torch.Tensor, start: int, stop: int,
+                  non_blocking: bool) -> None:
+    """Copy elements [start, stop) of `tensor` (flattened order) into 1-D `typed`."""
     cursor = 0
-    for view in flat_range_views(src.tensor, start, start + copy.nbytes // src.itemsize):
+    for view in flat_range_views(tensor, start, stop):
         count = view.numel()
         typed[cursor:cursor + count].view(view.shape).copy_(view, non_blocking=non_blocking)
         cursor += count
 
 
-def _stage_cpu(slab: Slab, copies: Sequence[_Copy], zero_ranges: Sequence[tuple[int, int]],
-               wait_cuda: Callable[[], None] | None) -> None:
-    """Blocks: memcpy the CPU segments, zero the padding, then wait for the CUDA copies."""
-    for copy in copies:
-        _copy_into_slab(slab, copy, non_blocking=False)
-    for lo, hi in zero_ranges:
-        slab.array[lo:hi] = 0
-    if wait_cuda is not None:
-        wait_cuda()
+def stage_batch(batch: Batch, sources: Sequence[ItemSource],
+                hashers: Sequence[ItemHasher] | None, slab: Slab | None, *, snapshot: bool,
+                ready: Mapping[torch.device, torch.cuda.Event],
+                copy_stream: Callable[[torch.device], torch.cuda.Stream]) -> list[memoryview]:
+    """Blocks: copy `batch` out of its sources into `slab`, hashing every segment; returns the
+    buffers to write (covering the whole batch, padding included).
+
+    Without `snapshot`, contiguous CPU bytes are not copied: their buffers are the sources'
+    own memory. CUDA segments are copied first, on each device's copy stream after the event
+    the save was requested at, and waited for here, so CPU copies overlap them.
+    """
+    views: list[memoryview] = []
+    cuda: dict[torch.device, list[tuple[Segment, ItemSource]]] = {}
+    in_place = False
+    for segment in batch.segments:
+        source = sources[segment.item_index]
+        hasher = hashers[segment.item_index] if hashers is not None else None
+        lo, hi = segment.item_offset, segment.item_offset + segment.nbytes
+        if source.flat is not None and not snapshot:
+            in_place = True
+            views.append(memoryview(source.flat[lo:hi]))
+            if hasher is not None:
+                hasher.update(views[-1])
+            continue
+        assert slab is not None, "a copied segment needs a slab"
+        at = segment.batch_offset
+        views.append(slab.view[at:at + segment.nbytes])
+        if source.flat is not None:
+            _copy_and_hash(slab.array[at:at + segment.nbytes], source.flat[lo:hi], hasher)
+        elif source.is_cuda:
+            assert source.tensor is not None
+            cuda.setdefault(source.tensor.device, []).append((segment, source))
+        else:
+            assert source.tensor is not None
+            typed = slab.tensor[at:at + segment.nbytes].view(source.tensor.dtype)
+            _copy_strided(typed, source.tensor, lo // source.itemsize, hi // source.itemsize,
+                          non_blocking=False)
+            if hasher is not None:
+                hasher.update(views[-1])
+    events = [_launch_d2h(slab, copies, ready[device], copy_stream(device))
+              for device, copies in cuda.items()]
+    if slab is not None:
+        for lo, hi in _gaps(batch):
+            slab.array[lo:hi] = 0
+    for event in events:
+        event.synchronize()
+    if hashers is not None:
+        for copies in cuda.values():
+            for segment, _ in copies:
+                at = segment.batch_offset
+                hashers[segment.item_index].update(slab.view[at:at + segment.nbytes])
+    if slab is not None and not in_place:
+        return [slab.view[:batch.nbytes]]
+    return _with_padding(batch, views)
+
+
+def _launch_d2h(slab: Slab | None, copies: Sequence[tuple[Segment, ItemSource]],
+                ready: torch.cuda.Event, stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """Queue the device-to-host copies on `stream` (returns at once); returns their event."""
+    assert slab is not None
+    with torch.cuda.stream(stream):
+        stream.wait_event(ready)
+        for segment, source in copies:
+            assert source.tensor is not None
+            at = segment.batch_offset
+            typed = slab.tensor[at:at + segment.nbytes].view(source.tensor.dtype)
+            _copy_strided(typed, source.tensor, segment.item_offset // source.itemsize,
+                          (segment.item_offset + segment.nbytes) // source.itemsize,
+                          non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
 
 
 @dataclass(slots=True)
 class StagedBatch:
-    """A batch ready to write: `buffers` cover all its bytes; `segment_views[i]` holds
-    segment i's bytes (for the checksum); `slab` (if any) goes back to the pool once written."""
+    """A batch ready to write: `buffers` cover all its bytes; `slab` (if any) goes back to the
+    pool once written."""
 
     batch: Batch
     buffers: list[memoryview]
-    segment_views: list[memoryview]
     slab: Slab | None
 
 
@@ -215,86 +276,49 @@ class Stager:
         self.pool = pool
         self._run_blocking = run_blocking
         self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._streams_lock = threading.Lock()
 
     def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
-        if device not in self._copy_streams:
-            self._copy_streams[device] = torch.cuda.Stream(device=device)
-        return self._copy_streams[device]
+        """The engine's copy stream for `device` (thread-safe; created on first use)."""
+        with self._streams_lock:
+            if device not in self._copy_streams:
+                self._copy_streams[device] = torch.cuda.Stream(device=device)
+            return self._copy_streams[device]
 
     @staticmethod
-    def mark_ready(sources: Sequence[ItemSource]) -> dict[torch.device, torch.cuda.Event]:
-        """Record, on each device's current stream, the point the save must copy from.
+    def mark_ready(tensors: Iterable[torch.Tensor | bytes]
+                   ) -> dict[torch.device, torch.cuda.Event]:
+        """Record, on each device's current stream, the point a save must copy from.
 
-        Called when the save is requested, so work queued later by the caller is not copied.
+        Called when the save is requested, so work the caller queues later is not copied.
         """
         events: dict[torch.device, torch.cuda.Event] = {}
-        for source in sources:
-            if source.is_cuda:
-                assert source.tensor is not None
-                device = source.tensor.device
-                if device not in events:
-                    events[device] = torch.cuda.Event()
-                    events[device].record(torch.cuda.current_stream(device))
+        for tensor in tensors:
+            if (isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda"
+                    and tensor.device not in events):
+                events[tensor.device] = torch.cuda.Event()
+                events[tensor.device].record(torch.cuda.current_stream(tensor.device))
         return events
 
-    async def stage(self, batch: Batch, sources: Sequence[ItemSource], *, snapshot: bool,
-                    ready: dict[torch.device, torch.cuda.Event]) -> StagedBatch:
-        """Copy out `batch`; when `snapshot` is False, contiguous CPU bytes are written in place.
+    async def stage(self, batch: Batch, sources: Sequence[ItemSource],
+                    hashers: Sequence[ItemHasher] | None, *, needs_slab: bool, snapshot: bool,
+                    ready: Mapping[torch.device, torch.cuda.Event]) -> StagedBatch:
+        """Copy out (and hash) `batch`: one executor call, whatever its number of segments.
 
-        Memory: borrows one slab from the pool unless every segment is written in place.
-        Cancellation: copies already running finish first; the slab goes back to the pool.
+        Memory: borrows one slab from the pool when `needs_slab`.
+        Cancellation: the copy in flight finishes; the slab goes back to the pool.
         """
-        direct = [None if snapshot else sources[s.item_index].direct_view(s.item_offset, s.nbytes)
-                  for s in batch.segments]
-        if batch.segments and all(view is not None for view in direct):
-            return StagedBatch(batch, _with_padding(batch, direct), direct, None)
-        slab = await self.pool.acquire()
+        slab = await self.pool.acquire() if needs_slab else None
         try:
-            await self._fill(slab, batch, sources, direct, ready)
+            buffers = await self._run_blocking(
+                functools.partial(stage_batch, snapshot=snapshot, ready=ready,
+                                  copy_stream=self.copy_stream),
+                batch, sources, hashers, slab)
         except BaseException:
-            self.pool.release(slab)
+            if slab is not None:
+                self.pool.release(slab)
             raise
-        slab_views = [slab.view[s.batch_offset:s.batch_offset + s.nbytes] for s in batch.segments]
-        views = [d if d is not None else v for d, v in zip(direct, slab_views, strict=True)]
-        buffers = ([slab.view[:batch.nbytes]] if all(d is None for d in direct)
-                   else _with_padding(batch, views))
-        return StagedBatch(batch, buffers, views, slab)
-
-    async def _fill(self, slab: Slab, batch: Batch, sources: Sequence[ItemSource],
-                    direct: Sequence[memoryview | None],
-                    ready: dict[torch.device, torch.cuda.Event]) -> None:
-        cpu_copies, cuda_copies = [], []
-        for segment, view in zip(batch.segments, direct, strict=True):
-            if view is None:
-                source = sources[segment.item_index]
-                copy = _Copy(source, segment.item_offset, segment.batch_offset, segment.nbytes)
-                (cuda_copies if source.is_cuda else cpu_copies).append(copy)
-        wait_cuda = self._launch_cuda(slab, cuda_copies, ready) if cuda_copies else None
-        await self._run_blocking(_stage_cpu, slab, cpu_copies, _gaps(batch), wait_cuda)
-
-    def _launch_cuda(self, slab: Slab, copies: Sequence[_Copy],
-                     ready: dict[torch.device, torch.cuda.Event]) -> Callable[[], None]:
-        """Queue the D2H copies (returns at once); returns the blocking wait for them."""
-        events = []
-        by_device: dict[torch.device, list[_Copy]] = {}
-        for copy in copies:
-            assert copy.source.tensor is not None
-            by_device.setdefault(copy.source.tensor.device, []).append(copy)
-        for device, device_copies in by_device.items():
-            stream = self.copy_stream(device)
-            with torch.cuda.stream(stream):
-                stream.wait_event(ready[device])
-                for copy in device_copies:
-                    _copy_into_slab(slab, copy, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-            events.append(event)
-
-        def wait() -> None:
-            for event in events:
-                event.synchronize()
-
-        return wait
+        return StagedBatch(batch, buffers, slab)
 
 
 def _gaps(batch: Batch) -> list[tuple[int, int]]:

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from asynctron.errors import CorruptCheckpointError
+from asynctron.storage._checksum import ALGORITHMS, is_digest
 from asynctron.storage._dtypes import NUMPY_DTYPES, TORCH_DTYPES
 from asynctron.storage._plan import ItemKind, Structure
 
@@ -32,7 +33,8 @@ class ItemRecord:
 
     `shape` is the stored (local chunk) shape; `global_shape` and `chunk_offsets` place the chunk
     in the full tensor (equal to `shape` and zeros for an unsharded tensor). Bytes items have
-    `dtype`, shapes and offsets set to None.
+    `dtype`, shapes and offsets set to None. `checksum` is the item's digest (see
+    `Manifest.checksum` for the algorithm), or None in a checkpoint saved without checksums.
     """
 
     key: str
@@ -44,27 +46,29 @@ class ItemRecord:
     file: str
     offset: int
     nbytes: int
-    crc32c: int
+    checksum: str | None
 
 
 @dataclass(frozen=True, slots=True)
 class Manifest:
     """A committed checkpoint: its structure, its items and its files (name -> size in bytes).
 
-    `created_unix_s` is when the save was requested: the time the state is from.
+    `created_unix_s` is when the save was requested: the time the state is from. `checksum`
+    names the per-item digest algorithm (`"xxh3_64"`), or is None when items carry none.
     """
 
     structure: Structure
     items: tuple[ItemRecord, ...]
     files: dict[str, int]
     created_unix_s: float
+    checksum: str | None
 
     def to_json(self) -> bytes:
         body = {
             "format": FORMAT,
             "version": VERSION,
             "created_unix_s": self.created_unix_s,
-            "checksum": "crc32c",
+            "checksum": self.checksum,
             "files": self.files,
             "items": [asdict(item) for item in self.items],
             "structure": self.structure,
@@ -113,10 +117,14 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
             raise fail(f"file name {name!r}: expected __<rank>_<bin>.distcp")
         if not _is_count(size):
             raise fail(f"size of file {name!r}: expected a non-negative integer, found {size!r}")
+    algorithm = body.get("checksum")
+    if algorithm not in ALGORITHMS:
+        raise fail(f"field 'checksum': expected one of {sorted(map(str, ALGORITHMS))}, found "
+                   f"{algorithm!r}")
     raw_items = body.get("items")
     if not isinstance(raw_items, list):
         raise fail("field 'items': expected a list")
-    items = tuple(_parse_item(raw, files, fail) for raw in raw_items)
+    items = tuple(_parse_item(raw, files, algorithm, fail) for raw in raw_items)
     seen = set()
     for item in items:
         ident = (item.key, item.chunk_offsets)
@@ -129,7 +137,8 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
         raise fail(f"field 'created_unix_s': expected a number, found {created!r}")
     structure = body.get("structure")
     _check_structure(structure, {item.key for item in items}, fail)
-    return Manifest(structure=structure, items=items, files=files, created_unix_s=created)
+    return Manifest(structure=structure, items=items, files=files, created_unix_s=created,
+                    checksum=algorithm)
 
 
 def _is_count(value: Any) -> bool:
@@ -142,15 +151,15 @@ def _parse_shape(value: Any) -> tuple[int, ...] | None:
     return None
 
 
-def _parse_item(raw: Any, files: dict[str, int], fail: Any) -> ItemRecord:
+def _parse_item(raw: Any, files: dict[str, int], algorithm: str | None, fail: Any) -> ItemRecord:
     if not isinstance(raw, dict):
         raise fail(f"item: expected an object, found {type(raw).__name__}")
     key = raw.get("key")
     if not isinstance(key, str) or "\x00" in key:
         raise fail(f"item key {key!r}: expected a string without NUL")
     kind = raw.get("kind")
-    file, offset, nbytes, crc = raw.get("file"), raw.get("offset"), raw.get("nbytes"), raw.get(
-        "crc32c")
+    file, offset, nbytes = raw.get("file"), raw.get("offset"), raw.get("nbytes")
+    checksum = raw.get("checksum")
     if kind not in ("tensor", "ndarray", "bytes"):
         raise fail(f"item {key!r} kind {kind!r}: expected tensor, ndarray or bytes", key)
     if file not in files:
@@ -158,10 +167,11 @@ def _parse_item(raw: Any, files: dict[str, int], fail: Any) -> ItemRecord:
     if not (_is_count(offset) and _is_count(nbytes)) or offset + nbytes > files[file]:
         raise fail(f"item {key!r} bytes [{offset!r}, +{nbytes!r}): expected inside {file} "
                    f"({files[file]} bytes)", key)
-    if not (_is_count(crc) and crc < 2**32):
-        raise fail(f"item {key!r} crc32c {crc!r}: expected a 32-bit unsigned integer", key)
+    if not (is_digest(checksum) if algorithm is not None else checksum is None):
+        expected = "16 lowercase hex digits" if algorithm is not None else "null"
+        raise fail(f"item {key!r} checksum {checksum!r}: expected {expected} ({algorithm})", key)
     if kind == "bytes":
-        return ItemRecord(key, kind, None, None, None, None, file, offset, nbytes, crc)
+        return ItemRecord(key, kind, None, None, None, None, file, offset, nbytes, checksum)
     dtype = raw.get("dtype")
     table = TORCH_DTYPES if kind == "tensor" else NUMPY_DTYPES
     if dtype not in table:
@@ -181,7 +191,7 @@ def _parse_item(raw: Any, files: dict[str, int], fail: Any) -> ItemRecord:
         raise fail(f"item {key!r}: expected {expected} bytes for {dtype} {list(shape)}, "
                    f"found nbytes {nbytes}", key)
     return ItemRecord(key, kind, dtype, shape, global_shape, chunk_offsets, file, offset,
-                      nbytes, crc)
+                      nbytes, checksum)
 
 
 def _check_structure(structure: Any, keys: set[str], fail: Any) -> None:

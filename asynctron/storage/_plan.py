@@ -59,7 +59,8 @@ def flatten(state_dict: Mapping[str, Any]) -> FlatStateDict:
     """Split `state_dict` into a JSON structure and the items that need bytes on storage.
 
     Raises:
-        TypeError: a key or a leaf of an unsupported type (names the key path).
+        TypeError: a key, a leaf or a tensor dtype/layout asynctron cannot store (names the key
+            path).
         ValueError: a key with a NUL character, two paths that flatten to one key, or a cycle.
     """
     if not isinstance(state_dict, Mapping):
@@ -72,7 +73,7 @@ def flatten(state_dict: Mapping[str, Any]) -> FlatStateDict:
 
     def walk(node: Any, path: str) -> Structure:
         if isinstance(node, torch.Tensor):
-            return _add_leaf(path, Leaf("tensor", node, original=node))
+            return _add_leaf(path, _tensor_leaf(node, path))
         if isinstance(node, np.ndarray):
             return _add_leaf(path, _ndarray_leaf(node, path))
         if isinstance(node, bytes | bytearray | memoryview):
@@ -120,6 +121,16 @@ def _check_key(key: object, path: str) -> str | int:
     if isinstance(key, str) and "\x00" in key:
         raise ValueError(f"state dict key {key!r} under {path or '<root>'!r}: contains NUL")
     return key
+
+
+def _tensor_leaf(tensor: torch.Tensor, path: str) -> Leaf:
+    dtype_name(tensor.dtype, path)
+    if tensor.layout != torch.strided:
+        raise TypeError(
+            f"tensor at key {path!r}: expected a strided (dense) tensor, found layout "
+            f"{tensor.layout}; call .to_dense() before saving"
+        )
+    return Leaf("tensor", tensor, original=tensor)
 
 
 def _ndarray_leaf(array: np.ndarray, path: str) -> Leaf:
@@ -178,18 +189,7 @@ class SavePlan:
 
 def plan_save(flat: FlatStateDict) -> SavePlan:
     """Plan a single-process save with DCP's DefaultSavePlanner (local → global → finish).
-
-    Raises:
-        TypeError: a tensor dtype asynctron cannot store (names the key).
-    """
-    for key, leaf in flat.leaves.items():
-        if isinstance(leaf.value, torch.Tensor):
-            dtype_name(leaf.value.dtype, key)
-            if leaf.value.is_sparse or leaf.value.layout != torch.strided:
-                raise TypeError(
-                    f"tensor at key {key!r}: expected a strided (dense) tensor, found layout "
-                    f"{leaf.value.layout}; call .to_dense() before saving"
-                )
+    Blocks (CPU-bound: about 60 µs per item); `flatten` already validated every leaf."""
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=True)
     planner.set_up_planner(
         {key: leaf.value for key, leaf in flat.leaves.items()}, storage_meta=None,

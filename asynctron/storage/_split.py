@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import WriteItemType
 
-Item = TypeVar("Item", bound=WriteItem)
+
+class _Typed(Protocol):
+    @property
+    def type(self) -> WriteItemType: ...
+
+
+Item = TypeVar("Item", bound=_Typed)
 
 
 def split_by_size_and_type(

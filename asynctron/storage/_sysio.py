@@ -15,10 +15,9 @@ import errno as errno_codes
 import fcntl
 import os
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
-import crc32c
 import numpy as np
 
 from asynctron.errors import CorruptCheckpointError, StorageError
@@ -134,20 +133,21 @@ def write_fully(fio: FileIO, fd: int, buffers: Sequence[memoryview], offset: int
     return total
 
 
-def read_fully(
-    fio: FileIO, fd: int, buffers: Sequence[memoryview], offset: int, path: str, key: str
-) -> None:
-    """preadv into all of `buffers` from `offset`; a file that ends early is corrupt."""
+def read_fully(fio: FileIO, fd: int, buffers: Sequence[memoryview], offset: int, path: str,
+               key_at: Callable[[int], str]) -> None:
+    """preadv into all of `buffers` from `offset`; a file that ends early is corrupt (the error
+    names the item `key_at(file_offset)` says is cut)."""
     pending = [b for b in buffers if b.nbytes]
     done = 0
     with translate_os_errors("reading", path):
         while pending:
             got = fio.preadv(fd, pending[:MAX_IOVECS], offset + done)
             if got == 0:
+                key = key_at(offset + done)
                 raise CorruptCheckpointError(
-                    f"item {key!r} in {path} at offset {offset}: expected "
-                    f"{done + sum(b.nbytes for b in pending)} more bytes, found end of file "
-                    f"after {done}; the file was truncated",
+                    f"item {key!r} in {path} at offset {offset + done}: expected "
+                    f"{sum(b.nbytes for b in pending)} more bytes, found end of file; the "
+                    "file was truncated",
                     path=path,
                     key=key,
                     offset=offset + done,
@@ -169,11 +169,6 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     where the call is missing or refused, this does nothing."""
     if _sync_file_range is not None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
-
-
-def crc32c_update(crc: int, data: memoryview) -> int:
-    """Continue a CRC-32C over `data` (releases the GIL for large buffers)."""
-    return crc32c.crc32c(data, crc)
 
 
 def open_new(fio: FileIO, path: str, direct: bool) -> tuple[int, bool]:

@@ -1,8 +1,8 @@
-"""The per-bin writer: one file, written batch by batch in file order, with a CRC-32C per item.
+"""The per-bin writer: one file, written batch by batch in file order.
 
-Each `write` is one executor call that checksums the batch's item segments and pwritev's the
-batch (looping over short writes), so the loop thread never touches file bytes. `_write_batch`
-is the blocking half.
+Each `write` is one executor call that pwritev's the batch (looping over short writes, with
+O_DIRECT for the aligned part where the file has it), so the loop thread never touches file
+bytes. Items were hashed while staged; the writer only writes.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ class BinWriter:
         self._run_blocking = run_blocking
         self._fd: int | None = None
         self._next_offset = 0
-        self.crcs: dict[int, int] = {p.item_index: 0 for p in layout.placements}
 
     async def open(self) -> None:
         """Create the file (with O_DIRECT if asked for and the filesystem allows it)."""
@@ -40,11 +39,8 @@ class BinWriter:
                                                     self._want_direct)
         self._direct = _sysio.DirectIO(self._fd, self.path) if direct else None
 
-    async def write(
-        self, batch: Batch, buffers: Sequence[memoryview], segment_views: Sequence[memoryview]
-    ) -> None:
-        """Write `batch` from `buffers` (covering all its bytes, padding included);
-        `segment_views[i]` holds the bytes of `batch.segments[i]`, for the checksum.
+    async def write(self, batch: Batch, buffers: Sequence[memoryview]) -> None:
+        """Write `batch` from `buffers` (covering all its bytes, padding included).
 
         Cancellation: the executor call runs to completion; the file is then incomplete and
         the caller discards the whole tmp dir.
@@ -52,11 +48,11 @@ class BinWriter:
         assert self._fd is not None, "open() first"
         assert batch.file_offset == self._next_offset, "batches must be written in file order"
         await self._run_blocking(_write_batch, self._fio, self._fd, self.path, batch, buffers,
-                                 segment_views, self.crcs, self._direct)
+                                 self._direct)
         self._next_offset = batch.file_offset + batch.nbytes
 
     async def finish(self) -> None:
-        """fsync and close the file. Raises StorageError if the file is short or fsync fails."""
+        """fsync and close the file. Raises StorageError if fsync fails."""
         assert self._fd is not None
         assert self._next_offset == self.layout.nbytes, "finish() before every batch was written"
         fd, self._fd = self._fd, None
@@ -72,20 +68,10 @@ class BinWriter:
             await self._run_blocking(_close_quietly, self._fio, fd)
 
 
-def _write_batch(
-    fio: FileIO,
-    fd: int,
-    path: str,
-    batch: Batch,
-    buffers: Sequence[memoryview],
-    segment_views: Sequence[memoryview],
-    crcs: dict[int, int],
-    direct: _sysio.DirectIO | None,
-) -> None:
-    """Blocks: checksum the batch's segments, then write the batch at its file offset
-    (a one-buffer batch with an unaligned end goes O_DIRECT up to its last full block)."""
-    for segment, view in zip(batch.segments, segment_views, strict=True):
-        crcs[segment.item_index] = _sysio.crc32c_update(crcs[segment.item_index], view)
+def _write_batch(fio: FileIO, fd: int, path: str, batch: Batch, buffers: Sequence[memoryview],
+                 direct: _sysio.DirectIO | None) -> None:
+    """Blocks: write the batch at its file offset (a one-buffer batch with an unaligned end goes
+    O_DIRECT up to its last full block, then buffered)."""
     calls = [list(buffers)]
     head_nbytes = batch.nbytes // _sysio.DIRECT_IO_ALIGN_BYTES * _sysio.DIRECT_IO_ALIGN_BYTES
     if direct is not None and len(buffers) == 1 and 0 < head_nbytes < batch.nbytes:

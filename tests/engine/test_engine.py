@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 
 import numpy as np
@@ -207,10 +208,65 @@ async def test_tensor_larger_than_2_gib(shm_path: str) -> None:
     huge = torch.empty((2 << 30) + 4096 * 3 + 5, dtype=torch.uint8)
     huge[:: 1 << 20] = 7
     huge[-5:] = torch.arange(5, dtype=torch.uint8)
-    async with Engine(memory_budget_bytes=256 << 20) as engine:
+    async with Engine(memory_budget_bytes=256 << 20, num_bins=1) as engine:  # one item
         await engine.save({"huge": huge}, shm_path + "/h")
         loaded = await engine.load(shm_path + "/h")
     assert torch.equal(loaded["huge"], huge)
+
+
+async def test_a_large_tensor_spreads_over_bins_and_loads_every_way(shm_path: str) -> None:
+    """A tensor larger than its share of the bins is cut into row chunks, one per file; fresh,
+    in-place (contiguous and strided targets) and mmap loads all assemble it bit-exact."""
+    state = {"big": _random((40, 1 << 19), torch.float32, 5), "small": torch.ones(3)}
+    async with Engine(num_bins=2) as engine:
+        await engine.save(state, f"{shm_path}/c")
+        fresh = await engine.load(f"{shm_path}/c")
+        mapped = await engine.load(f"{shm_path}/c", mmap=True)
+        contiguous = {"big": torch.zeros(40, 1 << 19), "small": torch.zeros(3)}
+        await engine.load(f"{shm_path}/c", into=contiguous)
+        strided = {"big": torch.zeros(1 << 19, 40).t(), "small": torch.zeros(3)}
+        await engine.load(f"{shm_path}/c", into=strided)
+    with open(f"{shm_path}/c/manifest.json") as f:
+        chunks = [item for item in json.load(f)["items"] if item["key"] == "big"]
+    assert [(c["shape"][0], c["chunk_offsets"][0]) for c in chunks] == [(20, 0), (20, 20)]
+    assert len({c["file"] for c in chunks}) == 2
+    for loaded in (fresh, mapped, contiguous, strided):
+        assert_same(state, loaded)
+
+
+async def test_saving_without_checksums(shm_path: str) -> None:
+    """`checksum=None` stores no digests; loads and `verify` have nothing to check."""
+    state = {"w": torch.arange(1000.0)}
+    async with Engine(checksum=None, **SMALL) as engine:
+        await engine.save(state, f"{shm_path}/n")
+        with open(f"{shm_path}/n/manifest.json") as f:
+            manifest = json.load(f)
+        assert manifest["checksum"] is None and manifest["items"][0]["checksum"] is None
+        assert_same(state, await engine.load(f"{shm_path}/n"))
+    with pytest.raises(ValueError, match=r"^checksum: expected one of \['None', 'xxh3_64'\], "
+                                         r"found 'crc32'$"):
+        Engine(checksum="crc32")
+
+
+async def test_planning_runs_off_the_loop_thread(shm_path: str,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """DCP planning (CPU-bound, ~60 us per tensor) runs on the engine's executor, never on the
+    loop: `save()` itself only validates the state dict."""
+    from asynctron.engine import _save_plan
+
+    threads: list[str] = []
+    real_plan_save = _save_plan.plan_save
+
+    def recording_plan_save(flat: object) -> object:
+        threads.append(threading.current_thread().name)
+        return real_plan_save(flat)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_save_plan, "plan_save", recording_plan_save)
+    async with Engine(**SMALL) as engine:
+        task = engine.save({"w": torch.ones(3)}, f"{shm_path}/p")
+        assert threads == []  # nothing planned on the caller's thread
+        await task
+    assert len(threads) == 1 and threads[0].startswith("asynctron-io")
 
 
 class _SlowFor(LocalFileIO):

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 
-import crc32c
 import torch
 
 from asynctron import Engine
 from asynctron.storage import ItemRecord, Manifest
+from asynctron.storage._checksum import XXH3_64, digest
 
 
 def _write_chunked_checkpoint(path: str, full: torch.Tensor) -> None:
@@ -21,11 +21,13 @@ def _write_chunked_checkpoint(path: str, full: torch.Tensor) -> None:
         raw = part.numpy().tobytes()
         data[offset:offset + len(raw)] = raw
         records.append(ItemRecord("w", "tensor", "float32", tuple(part.shape), tuple(full.shape),
-                                  (rows, 0), "__0_0.distcp", offset, len(raw), crc32c.crc32c(raw)))
+                                  (rows, 0), "__0_0.distcp", offset, len(raw),
+                                  digest(memoryview(raw))))
     with open(f"{path}/__0_0.distcp", "wb") as f:
         f.write(data)
     manifest = Manifest(structure={"dict": [["w", {"item": "w"}]]}, items=tuple(records),
-                        files={"__0_0.distcp": len(data)}, created_unix_s=0.0)
+                        files={"__0_0.distcp": len(data)}, created_unix_s=0.0,
+                        checksum=XXH3_64)
     with open(f"{path}/manifest.json", "wb") as f:
         f.write(manifest.to_json())
 

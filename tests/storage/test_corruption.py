@@ -40,7 +40,7 @@ async def test_flipped_byte_names_file_key_and_offset(shm_path: str) -> None:
         f.write(bytes([byte[0] ^ 0x01]))
     with pytest.raises(CorruptCheckpointError,
                        match=rf"^item 'b' in {path}/__0_0\.distcp at offset {b['offset']}: "
-                             r"expected crc32c 0x[0-9a-f]{8}, found 0x[0-9a-f]{8}; the file "
+                             r"expected xxh3_64 [0-9a-f]{16}, found [0-9a-f]{16}; the file "
                              r"changed after commit$") as e:
         await _load(path)
     assert (e.value.key, e.value.offset) == ("b", b["offset"])
@@ -88,7 +88,8 @@ def _rewrite(path: str, manifest: dict) -> None:
         (lambda m: m["items"][0].update(dtype="os.system"), r"item 'a' dtype 'os\.system'"),
         (lambda m: m["items"][0].update(shape=[10**6], global_shape=[10**6]),
          r"item 'a': expected 4000000 bytes for float32 \[1000000\], found nbytes 4000"),
-        (lambda m: m["items"][0].update(crc32c=-1), r"item 'a' crc32c -1"),
+        (lambda m: m["items"][0].update(checksum=-1), r"item 'a' checksum -1: expected 16 "),
+        (lambda m: m.update(checksum="md5"), r"field 'checksum': expected one of"),
         (lambda m: m["items"].append(dict(m["items"][0])),
          r"item 'a' at chunk \[0\]: listed twice"),
         (lambda m: m.update(structure={"item": "ghost"}),
@@ -102,6 +103,16 @@ async def test_hostile_manifest_is_refused(shm_path: str, edit: object, message:
     _rewrite(path, manifest)
     with pytest.raises(CorruptCheckpointError,
                        match=rf"^manifest {path}/manifest\.json: {message}"):
+        await _load(path)
+
+
+async def test_overlapping_items_are_refused(shm_path: str) -> None:
+    path, manifest = await _save(shm_path)
+    _item(manifest, "b").update(offset=_item(manifest, "a")["offset"] + 8)
+    _rewrite(path, manifest)
+    with pytest.raises(CorruptCheckpointError,
+                       match=rf"^manifest {path}/manifest\.json: items '[ab]' and '[ab]' "
+                             r"overlap in __0_0\.distcp at offset \d+; "):
         await _load(path)
 
 

@@ -1,0 +1,142 @@
+"""Planning one save: a flat state dict becomes a `SaveRequest`, everything decided before any
+byte moves.
+
+Stages (`build_request`, blocking and CPU-bound; the engine runs it on its executor so that a
+state dict of thousands of tensors never stalls the event loop):
+1. DCP's `DefaultSavePlanner` turns the leaves into write items (`storage._plan`);
+2. tensors larger than their fair share of the bins are cut into dim-0 chunks
+   (`storage._chunking`);
+3. Megatron's splitter deals the items onto bins (`storage._split`);
+4. each bin file is laid out (4 KiB-aligned items) and cut into batches (`storage._layout`).
+Steps 1-4 depend only on the state dict's structure, so an unchanged structure takes them from
+the `PlanCache` (seed 002). Per save remain the item sources, which batches need a staging
+slab, and a fresh hasher per item.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.planner import WriteItemType
+
+from asynctron.engine._plan_cache import FilePlan, PlanCache, structure_signature
+from asynctron.engine._staging import ItemSource
+from asynctron.storage._checksum import ItemHasher
+from asynctron.storage._chunking import PlannedItem, chunk_large_items
+from asynctron.storage._dtypes import dtype_name
+from asynctron.storage._layout import Batch, bin_file_name, layout_bin
+from asynctron.storage._manifest import ItemRecord, Manifest
+from asynctron.storage._plan import FlatStateDict, SavePlan, Structure, item_nbytes, plan_save
+from asynctron.storage._split import split_by_size_and_type
+
+
+@dataclass(frozen=True, slots=True)
+class SaveRequest:
+    """A planned save. Not constructed directly; `build_request` makes one."""
+
+    path: str
+    structure: Structure
+    """The state dict's nesting and JSON values, as the manifest stores them."""
+    plan: FilePlan
+    sources: tuple[ItemSource, ...]
+    """Per item, where its bytes come from."""
+    needs_slab: tuple[tuple[bool, ...], ...]
+    """Per bin and batch: False where every segment is written in place (no copy)."""
+    hashers: tuple[ItemHasher, ...] | None
+    """Per item, its running digest; None when the engine saves without checksums."""
+    snapshot: bool
+
+    @property
+    def nbytes(self) -> int:
+        return sum(record.nbytes for record in self.plan.records)
+
+    def manifest(self, created_unix_s: float, checksum: str | None) -> Manifest:
+        """The manifest to commit, once every item has been staged (its digest is final)."""
+        records = self.plan.records
+        if self.hashers is not None:
+            records = tuple(dataclasses.replace(record, checksum=hasher.hexdigest())
+                            for record, hasher in zip(records, self.hashers, strict=True))
+        return Manifest(structure=self.structure, items=records,
+                        files={layout.file_name: layout.nbytes for layout in self.plan.layouts},
+                        created_unix_s=created_unix_s, checksum=checksum)
+
+
+def build_request(flat: FlatStateDict, path: str, *, num_bins: int, rank: int, snapshot: bool,
+                  batch_nbytes: int, checksum: bool, cache: PlanCache) -> SaveRequest:
+    """Blocks (CPU-bound): plan a save of `flat` to `path`, reusing a cached file plan when the
+    structure is unchanged."""
+    signature = structure_signature(flat, num_bins=num_bins, rank=rank,
+                                    batch_nbytes=batch_nbytes)
+    plan = cache.lookup(signature) if signature is not None else None
+    if plan is None:
+        save_plan = plan_save(flat)
+        planned = chunk_large_items(
+            save_plan.items,
+            [item_nbytes(item, flat.leaves[item.index.fqn]) for item in save_plan.items],
+            num_bins)
+        plan = _file_plan(save_plan, planned, num_bins=num_bins, rank=rank,
+                          batch_nbytes=batch_nbytes)
+        payloads = [save_plan.payload(item.write_item) for item in planned]
+        if signature is not None:
+            cache.store(signature, plan)
+    else:
+        payloads = [_plain_payload(flat.leaves[key].value) for key in plan.keys]
+    sources = tuple(ItemSource(_rows(payload, rows))
+                    for payload, rows in zip(payloads, plan.rows, strict=True))
+    needs_slab = tuple(tuple(snapshot or any(sources[s.item_index].flat is None
+                                             for s in batch.segments)
+                             for batch in batches)
+                       for batches in plan.batches)
+    hashers = tuple(ItemHasher() for _ in plan.records) if checksum else None
+    return SaveRequest(path=os.path.abspath(path), structure=flat.structure, plan=plan,
+                       sources=sources, needs_slab=needs_slab, hashers=hashers,
+                       snapshot=snapshot)
+
+
+def _plain_payload(value: torch.Tensor | bytes) -> torch.Tensor | bytes:
+    return value.detach() if isinstance(value, torch.Tensor) else value
+
+
+def _rows(payload: torch.Tensor | bytes, rows: tuple[int, int] | None) -> torch.Tensor | bytes:
+    if rows is None:
+        return payload
+    assert isinstance(payload, torch.Tensor)
+    return payload.narrow(0, rows[0], rows[1] - rows[0])
+
+
+def _file_plan(plan: SavePlan, items: list[PlannedItem], *, num_bins: int, rank: int,
+               batch_nbytes: int) -> FilePlan:
+    """Split the planned items onto bins (seed 000), lay out each bin file, cut it into
+    batches."""
+    index_of = {id(item): i for i, item in enumerate(items)}
+    nbytes = [item.nbytes for item in items]
+    bins = split_by_size_and_type(num_bins, items, lambda item: item.nbytes)
+    layouts = tuple(
+        layout_bin(bin_file_name(rank, b), [index_of[id(item)] for item in bin_items], nbytes)
+        for b, bin_items in enumerate(bins) if bin_items
+    )
+    placed = {p.item_index: (layout.file_name, p.offset)
+              for layout in layouts for p in layout.placements}
+    records = tuple(_record(plan, item, *placed[i]) for i, item in enumerate(items))
+    batches: tuple[tuple[Batch, ...], ...] = tuple(
+        tuple(layout.batches(batch_nbytes)) for layout in layouts)
+    return FilePlan(keys=tuple(item.key for item in items),
+                    rows=tuple(item.rows for item in items), records=records,
+                    layouts=layouts, batches=batches)
+
+
+def _record(plan: SavePlan, item: PlannedItem, file: str, offset: int) -> ItemRecord:
+    key = item.key
+    if item.type == WriteItemType.BYTE_IO:
+        return ItemRecord(key, "bytes", None, None, None, None, file, offset, item.nbytes, None)
+    leaf = plan.flat.leaves[key]
+    data = item.write_item.tensor_data
+    assert data is not None
+    dtype = leaf.numpy_dtype if leaf.kind == "ndarray" else dtype_name(
+        data.properties.dtype, key)
+    shape, offsets = item.chunk()
+    return ItemRecord(key, leaf.kind, dtype, shape, tuple(data.size), offsets, file, offset,
+                      item.nbytes, None)
