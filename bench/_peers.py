@@ -62,10 +62,12 @@ Run ``python bench/_peers.py`` for a self-check that runs every function on ~64 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import functools
 import importlib
 import importlib.metadata
 import logging
+import mmap
 import multiprocessing
 import os
 import random
@@ -78,11 +80,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import TypeAlias
 
+import crc32c
 import numpy as np
+import psutil
 import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import xxhash
 from torch.distributed.checkpoint.utils import _get_failure_dict
 
 logger = logging.getLogger(__name__)
@@ -314,6 +319,62 @@ def raw_pwrite_fsync(
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def raw_direct_pwrite_fsync(nbytes: int, path: str, call_bytes: int = DEFAULT_CALL_BYTES) -> None:
+    """Physical ceiling of the storage: one thread writes ``nbytes`` with ``O_DIRECT`` from one
+    page-aligned ``call_bytes`` buffer (written again and again; content does not matter to
+    the device), then fsyncs. Raises ``OSError(EINVAL)`` where the filesystem refuses
+    ``O_DIRECT`` (tmpfs)."""
+    buffer = mmap.mmap(-1, call_bytes)
+    buffer.write(b"\x5a" * call_bytes)
+    view = memoryview(buffer)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_DIRECT, 0o644)
+    try:
+        offset = 0
+        while offset < nbytes:
+            size = min(call_bytes, nbytes - offset)
+            if size % _PAGE_BYTES:  # the unaligned tail goes through the page cache
+                flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
+            written = os.pwrite(fd, view[:size], offset)
+            if written <= 0:
+                raise OSError(f"raw_direct_pwrite_fsync: pwrite wrote {written} bytes to {path}")
+            offset += written
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        view.release()
+        buffer.close()
+
+
+def warm_guest_memory(reserve_bytes: int = 4 * GIB, chunk_bytes: int = GIB) -> int:
+    """Touch (then free) all available memory but ``reserve_bytes``; returns the bytes touched.
+
+    On a VM whose host backs guest memory lazily, the first touch of a guest page is several
+    times slower than any later one (0.22 GB/s against 10 GB/s on this project's VM), so the
+    first method to allocate memory would look slow for reasons that have nothing to do with
+    it. Touching the memory once up front gives every method the same, warm, memory.
+    """
+    target = max(0, psutil.virtual_memory().available - reserve_bytes)
+    chunks = []
+    for _ in range(target // chunk_bytes):
+        chunk = np.empty(chunk_bytes, dtype=np.uint8)
+        chunk[::_PAGE_BYTES] = 1
+        chunks.append(chunk)
+    touched = len(chunks) * chunk_bytes
+    del chunks
+    return touched
+
+
+def hash_all(buffers: Sequence[np.ndarray], algorithm: str) -> None:
+    """One thread hashes every buffer whole: ``"crc32c"`` or ``"xxh3_64"``."""
+    for buffer in buffers:
+        view = _byte_view(buffer)
+        if algorithm == "crc32c":
+            crc32c.crc32c(view)
+        else:
+            xxhash.xxh3_64_intdigest(view)
 
 
 def _prefaulted(array: np.ndarray) -> np.ndarray:

@@ -10,6 +10,8 @@ import asyncio
 import functools
 import logging
 import os
+import sys
+import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -59,6 +61,10 @@ class EngineConfig:
     checksum: str | None = XXH3_64
     """Digest every item while staging it (`"xxh3_64"`), or `None` for no checksums (loads
     then have nothing to verify)."""
+    worker_nice_increment: int = 10
+    """How much lower the CPU priority of the executor's threads is than the thread that
+    starts the engine (added to its nice value, Linux only): when the event loop or training
+    wakes up, it gets a core before checkpoint copies and writes do. 0 leaves it alone."""
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "num_bins"):
@@ -74,6 +80,10 @@ class EngineConfig:
             raise ValueError(f"memory_budget_bytes: expected an int >= slab_bytes "
                              f"({self.slab_bytes}), found {self.memory_budget_bytes!r}; "
                              "lower slab_bytes or raise the budget")
+        if not isinstance(self.worker_nice_increment, int) or not (
+                0 <= self.worker_nice_increment <= 19):
+            raise ValueError(f"worker_nice_increment: expected an int in [0, 19], found "
+                             f"{self.worker_nice_increment!r}")
         if self.checksum not in ALGORITHMS:
             raise ValueError(f"checksum: expected one of {sorted(map(str, ALGORITHMS))}, "
                              f"found {self.checksum!r}")
@@ -125,8 +135,10 @@ class Engine:
             raise ClosedError("engine: closed; create a new Engine")
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-            self._executor = ThreadPoolExecutor(self.config.num_workers,
-                                                thread_name_prefix="asynctron-io")
+            self._executor = ThreadPoolExecutor(
+                self.config.num_workers, thread_name_prefix="asynctron-io",
+                initializer=_lower_thread_priority,
+                initargs=(self.config.worker_nice_increment,))
             logger.debug("engine started: %s", self.config)
 
     async def aclose(self) -> None:
@@ -289,3 +301,12 @@ class Engine:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("running" if self._loop else "not started")
         return f"<Engine {state}, {len(self._saves)} saves in flight, {self.budget!r}>"
+
+
+def _lower_thread_priority(increment: int) -> None:
+    """Raise the calling thread's nice value by `increment` (Linux, where it is per thread;
+    elsewhere it would be the whole process's, so nothing is done)."""
+    if increment and sys.platform == "linux":
+        thread = threading.get_native_id()
+        nice = os.getpriority(os.PRIO_PROCESS, thread)
+        os.setpriority(os.PRIO_PROCESS, thread, min(19, nice + increment))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import sys
 import threading
 import time
 
@@ -200,6 +201,22 @@ def test_config_errors_name_the_field() -> None:
         Engine(slab_bytes=1000)
     with pytest.raises(ValueError, match=r"^memory_budget_bytes: expected an int >= slab_bytes"):
         Engine(slab_bytes=1 << 20, memory_budget_bytes=1 << 10)
+    with pytest.raises(ValueError, match=r"^worker_nice_increment: expected an int in \[0, 19\], "
+                                         r"found -5$"):
+        Engine(worker_nice_increment=-5)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+async def test_worker_threads_yield_the_cpu_to_the_loop() -> None:
+    """The executor's threads run at a lower CPU priority than the thread that started the
+    engine, so a waking event loop gets a core before checkpoint copies do."""
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async with Engine(worker_nice_increment=7) as engine:
+        assert await engine.run_blocking(nice) == min(19, nice() + 7)
+    async with Engine(worker_nice_increment=0) as engine:
+        assert await engine.run_blocking(nice) == nice()
 
 
 @pytest.mark.slow
