@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+import asynctron
 from asynctron import Engine, StorageError
 from asynctron.testing import FaultyFileIO
 from tests.conftest import assert_same
@@ -84,3 +85,43 @@ async def test_round_trip_on_disk_with_o_direct(tmp_path: object, max_write_byte
         assert_same(state, await engine.load(f"{tmp_path}/ckpt"))
     if max_write_bytes is not None:
         assert faulty.num_short_writes > 0
+
+
+REAL_LIMIT_CHILD = """
+import resource, signal, sys, uvloop, torch
+from asynctron import Engine, StorageError
+
+async def main(root):
+    async with Engine(slab_bytes=1 << 20, memory_budget_bytes=8 << 20) as engine:
+        await engine.save({"w": torch.ones(1000)}, f"{root}/step_1")
+        # From now on no file of this process may grow past 1 MiB: the kernel refuses the
+        # write (EFBIG), as a full disk refuses it (ENOSPC).
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+        try:
+            await engine.save({"w": torch.ones(4 << 20)}, f"{root}/step_2")
+        except StorageError as error:
+            print("raised:", error.errno, error)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY,) * 2)
+        await engine.save({"w": torch.full((3,), 3.0)}, f"{root}/step_3")
+
+uvloop.run(main(sys.argv[1]))
+"""
+
+
+@pytest.mark.slow
+def test_the_kernel_refusing_a_write_keeps_the_previous_checkpoint(tmp_path: object) -> None:
+    """A real write failure from the kernel (a file-size limit: EFBIG), not an injected one:
+    a clear StorageError, no debris, the previous checkpoint intact, the engine goes on."""
+    import subprocess
+    import sys
+
+    root = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", REAL_LIMIT_CHILD, root], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"raised: {errno.EFBIG} writing '{root}/.step_2.tmp-" in done.stdout
+    assert "failed: EFBIG (File too large); check the storage and retry" in done.stdout
+    assert _leftovers(root) == [] and not os.path.exists(f"{root}/step_2")
+    assert sorted(os.listdir(root)) == ["latest", "step_1", "step_3"]
+    assert_same({"w": torch.ones(1000)}, asynctron.load(f"{root}/step_1"))

@@ -1,0 +1,129 @@
+"""CUDA staging benchmark: asynctron's device-to-host staging and host-to-device load against a
+raw pinned `copy_` of the same tensors, in one process (needs a GPU; exits 0 saying so without).
+
+- D2H: `await task.staged` of `engine.save(gpu_state, ...)` (copies on the engine's copy stream
+  into pinned slabs, hashed as they land) against a raw loop of `pinned.copy_(t,
+  non_blocking=True)` into preallocated pinned buffers plus one synchronize. Target: asynctron
+  >= 0.8x the raw bandwidth.
+- H2D: `engine.load(path, into=gpu_state)` from /dev/shm against a raw pinned->device copy.
+
+Run: `python -m bench.cuda_staging` (or `asynctron bench cuda`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+import uvloop
+
+from asynctron import Engine
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def _gpu_state(total_bytes: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Mixed sizes, as a model's parameters and optimizer state are: 1 to 256 MiB tensors."""
+    sizes, left, size = [], total_bytes, 256 * MiB
+    while left > 0:
+        sizes.append(min(size, left))
+        left -= sizes[-1]
+        size = max(MiB, size // 2) if len(sizes) % 3 == 0 else size
+    return {f"t{i}": torch.randn(n // 4, device=device) for i, n in enumerate(sizes)}
+
+
+def raw_d2h(state: dict[str, torch.Tensor], pinned: list[torch.Tensor]) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for tensor, host in zip(state.values(), pinned, strict=True):
+        host.copy_(tensor, non_blocking=True)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def raw_h2d(state: dict[str, torch.Tensor], pinned: list[torch.Tensor]) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for tensor, host in zip(state.values(), pinned, strict=True):
+        tensor.copy_(host, non_blocking=True)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="asynctron bench cuda",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--size-gib", type=float, default=4.0)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--target", default="/dev/shm")
+    parser.add_argument("--out", default=None, help="JSON results path")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("asynctron bench cuda: no CUDA device; nothing to measure")
+        return 0
+    device = torch.device("cuda", torch.cuda.current_device())
+    state = _gpu_state(int(args.size_gib * GiB), device)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    pinned = [torch.empty(t.numel() * t.element_size(), dtype=torch.uint8, pin_memory=True)
+              .view(t.dtype).view(t.shape) for t in state.values()]
+    base = tempfile.mkdtemp(prefix="asynctron-cuda-bench-", dir=args.target)
+    timings: dict[str, list[float]] = {}
+
+    async def run() -> None:
+        budget = (nbytes + 64 * MiB) // (64 * MiB) * (64 * MiB)
+        async with Engine(memory_budget_bytes=budget, pin_memory=True) as engine:
+            for round_index in range(args.repeats + 1):
+                path = f"{base}/step_{round_index}"
+                d2h = raw_d2h(state, pinned)
+                task = engine.save(state, path)
+                await task.staged
+                result = await task
+                h2d = raw_h2d(state, pinned)
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                await engine.load(path, into=state)
+                load_s = time.perf_counter() - start
+                shutil.rmtree(path)
+                if round_index:  # round 0 warms slabs, streams and the page cache
+                    for name, value in (("raw pinned D2H", d2h),
+                                        ("asynctron staging", result.stage_s),
+                                        ("raw pinned H2D", h2d),
+                                        ("asynctron load into GPU", load_s),
+                                        ("asynctron save total", result.total_s)):
+                        timings.setdefault(name, []).append(value)
+
+    try:
+        uvloop.run(run())
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    medians = {name: statistics.median(values) for name, values in timings.items()}
+    print(f"{torch.cuda.get_device_name(device)}: {nbytes / GiB:.2f} GiB in {len(state)} "
+          "tensors")
+    for name, median in medians.items():
+        print(f"{name:<28}{median:>9.3f} s{nbytes / median / 1e9:>8.2f} GB/s")
+    d2h_ratio = medians["raw pinned D2H"] / medians["asynctron staging"]
+    h2d_ratio = medians["raw pinned H2D"] / medians["asynctron load into GPU"]
+    print(f"D2H staging vs raw pinned copy_: {d2h_ratio:.2f}x (target >= 0.8x)")
+    print(f"load into GPU (from {args.target}) vs raw pinned H2D: {h2d_ratio:.2f}x")
+    path = args.out or os.path.join(os.path.dirname(__file__), "results",
+                                    f"cuda_staging_{platform.node()}_{time.strftime('%Y%m%d')}"
+                                    ".json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(device), "nbytes": nbytes,
+                   "timings_s": timings, "d2h_vs_raw": d2h_ratio, "h2d_vs_raw": h2d_ratio,
+                   "args": vars(args)}, f, indent=1)
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
