@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from asynctron._concurrency import RunBlocking, first_error
 from asynctron.engine._staging import SlabPool, Stager, flat_range_views
 from asynctron.storage._checksum import ItemHasher
+from asynctron.storage._dcp import decode_blob, tensor_of
 from asynctron.storage._dtypes import NUMPY_DTYPES, TORCH_DTYPES
 from asynctron.storage._manifest import ItemRecord, Manifest
 from asynctron.storage._plan import Structure, flatten, unflatten
@@ -25,6 +27,16 @@ from asynctron.storage._reader import CheckpointReader, ReadJob
 
 #: A chunk read on its own, then copied into its place in the full tensor.
 _Placement = tuple[torch.Tensor, ItemRecord, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class _Decode:
+    """A `torch.save` blob (stock DCP item) read into `buffer`: decoded after the reads, then
+    copied into `target`, or (no target) kept as the value of `key`."""
+
+    record: ItemRecord
+    buffer: bytearray
+    target: torch.Tensor | None
 
 
 def _torch_dtype(record: ItemRecord) -> torch.dtype:
@@ -143,16 +155,25 @@ class Loader:
         event.synchronize()
 
     def _fresh_jobs(self, records: list[ItemRecord], jobs: list[ReadJob],
-                    partial: list[_Placement]) -> torch.Tensor:
+                    partial: list[_Placement], decodes: list[_Decode]) -> Any:
         """A new tensor for the key `records` hold, and the reads that fill it: straight into
         it where a chunk's part of it is contiguous (whole items, row chunks), else into a
-        chunk of its own placed afterwards."""
+        chunk of its own placed afterwards. `torch.save` blobs are read whole and decoded
+        (a whole one becomes the value itself: None is returned for it)."""
         first = records[0]
+        if first.encoding == "torch_save" and len(records) == 1 and (
+                first.kind == "object" or _is_whole(first)):
+            decodes.append(_Decode(first, bytearray(first.nbytes), None))
+            jobs.append(ReadJob(first, memoryview(decodes[-1].buffer)))
+            return None
         assert first.global_shape is not None
         tensor = torch.empty(first.global_shape, dtype=_torch_dtype(first))
         for record in records:
             view = tensor if _is_whole(record) else _chunk_view(tensor, record)
-            if view.is_contiguous():
+            if record.encoding == "torch_save":
+                decodes.append(_Decode(record, bytearray(record.nbytes), view))
+                jobs.append(ReadJob(record, memoryview(decodes[-1].buffer)))
+            elif view.is_contiguous():
                 jobs.append(ReadJob(record, _tensor_bytes(view)))
             else:
                 assert record.shape is not None
@@ -166,15 +187,38 @@ class Loader:
         items: dict[str, Any] = {}
         jobs: list[ReadJob] = []
         partial: list[_Placement] = []
+        decodes: list[_Decode] = []
         for key, records in self._manifest.by_key().items():
             if records[0].kind == "bytes":
                 items[key] = bytearray(records[0].nbytes)
                 jobs.append(ReadJob(records[0], memoryview(items[key])))
             else:
-                items[key] = self._fresh_jobs(records, jobs, partial)
+                items[key] = self._fresh_jobs(records, jobs, partial, decodes)
         await self._read_all(jobs)
-        await self._run_blocking(_place_chunks, partial)
+        await self._finish_reads(items, partial, decodes)
         return unflatten(self._manifest.structure, self._finish(items))
+
+    async def _finish_reads(self, items: dict[str, Any], partial: Sequence[_Placement],
+                            decodes: Sequence[_Decode]) -> None:
+        """After the reads: place chunks read apart, decode `torch.save` blobs (off the loop)."""
+        await self._run_blocking(_place_chunks, partial)
+        if decodes:
+            items.update(await self._run_blocking(self._decode_all, decodes))
+
+    def _decode_all(self, decodes: Sequence[_Decode]) -> dict[str, Any]:
+        """Blocks: decode every blob; copy tensors into their targets; return the values of
+        blobs without a target, by key."""
+        values: dict[str, Any] = {}
+        for decode in decodes:
+            record, path = decode.record, self._reader.file_path(decode.record)
+            value = decode_blob(memoryview(decode.buffer), key=record.key, path=path)
+            if record.kind == "tensor":
+                value = tensor_of(value, record, path)
+            if decode.target is None:
+                values[record.key] = value
+            else:
+                decode.target.copy_(value)
+        return values
 
     def _finish(self, items: dict[str, Any]) -> dict[str, Any]:
         """Turn loaded payloads into what the caller saved (ndarray, bytes)."""
@@ -195,10 +239,12 @@ class Loader:
         items: dict[str, Any] = {}
         jobs: list[ReadJob] = []
         partial: list[_Placement] = []
+        decodes: list[_Decode] = []
         for key, records in self._manifest.by_key().items():
             first = records[0]
-            if first.kind != "bytes" and (len(records) != 1 or not _is_whole(first)):
-                items[key] = self._fresh_jobs(records, jobs, partial)
+            if first.encoding == "torch_save" or (
+                    first.kind != "bytes" and (len(records) != 1 or not _is_whole(first))):
+                items[key] = self._fresh_jobs(records, jobs, partial, decodes)
                 continue
             view = await self._reader.map(first) if first.nbytes else memoryview(b"")
             if self._verify:
@@ -212,7 +258,7 @@ class Loader:
                 assert first.shape is not None
                 items[key] = torch.frombuffer(view, dtype=_torch_dtype(first)).view(first.shape)
         await self._read_all(jobs)
-        await self._run_blocking(_place_chunks, partial)
+        await self._finish_reads(items, partial, decodes)
         return unflatten(self._manifest.structure, self._finish(items))
 
     async def into(self, target: Mapping[str, Any]) -> Any:
@@ -226,16 +272,27 @@ class Loader:
         flat = flatten(target)
         by_key = self._manifest.by_key()
         saved_values = _values_by_key(self._manifest.structure)
+        # A stock DCP checkpoint keeps non-tensor values as pickled items: decode them too.
+        object_keys = [key for key in _values_by_key(flat.structure)
+                       if key in by_key and by_key[key][0].kind == "object"]
         items: dict[str, Any] = {}
         jobs: list[ReadJob] = []
         staged: list[tuple[ItemRecord, torch.Tensor]] = []
         partial: list[_Placement] = []
+        decodes: list[_Decode] = []
+        for key in object_keys:
+            decodes.append(_Decode(by_key[key][0], bytearray(by_key[key][0].nbytes), None))
+            jobs.append(ReadJob(by_key[key][0], memoryview(decodes[-1].buffer)))
         for key, leaf in flat.leaves.items():
             records = by_key.get(key)
             if records is None:
                 raise ValueError(f"key {key!r}: expected in checkpoint {self._reader.path}, "
                                  "found no such item; load without `into` to see its keys")
             first = records[0]
+            if first.kind == "object":
+                raise ValueError(f"key {key!r}: expected a {leaf.kind} as in `into`, found a "
+                                 "pickled Python value in the DCP checkpoint; load it without "
+                                 "`into`")
             if leaf.kind == "bytes" or first.kind == "bytes":
                 if leaf.kind != first.kind:
                     raise ValueError(f"key {key!r}: expected {leaf.kind} (as in `into`), "
@@ -256,7 +313,10 @@ class Loader:
                     "matching tensor or without `into`")
             for record in records:
                 destination = tensor if _is_whole(record) else _chunk_view(tensor, record)
-                if destination.device.type == "cpu" and destination.is_contiguous():
+                if record.encoding == "torch_save":
+                    decodes.append(_Decode(record, bytearray(record.nbytes), destination))
+                    jobs.append(ReadJob(record, memoryview(decodes[-1].buffer)))
+                elif destination.device.type == "cpu" and destination.is_contiguous():
                     jobs.append(ReadJob(record, _tensor_bytes(destination)))
                 elif destination.device.type == "cpu" and not _is_whole(record):
                     assert record.shape is not None
@@ -267,7 +327,8 @@ class Loader:
                     staged.append((record, destination))
             items[key] = leaf.original
         await self._read_all(jobs, staged)
-        await self._run_blocking(_place_chunks, partial)
+        await self._finish_reads(items, partial, decodes)
+        saved_values.update((key, items.pop(key)) for key in object_keys)
         for key, value in items.items():
             if isinstance(value, bytearray):
                 items[key] = bytes(value)

@@ -18,6 +18,8 @@ import socket
 
 from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError
 from asynctron.storage import _sysio
+from asynctron.storage._dcp import METADATA_NAME as DCP_METADATA_NAME
+from asynctron.storage._dcp import is_dcp_checkpoint
 from asynctron.storage._manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
 
 LATEST_NAME = "latest"
@@ -72,20 +74,27 @@ def read_latest(root: str) -> str | None:
     return os.path.join(root, name)
 
 
+def is_committed(path: str) -> bool:
+    """Whether `path` holds a committed checkpoint: asynctron's (`manifest.json`) or a stock
+    torch.distributed.checkpoint one (`.metadata`)."""
+    return _sysio.is_file(os.path.join(path, MANIFEST_NAME)) or is_dcp_checkpoint(path)
+
+
 def resolve_checkpoint(path: str) -> str:
     """The committed checkpoint at `path`, or the one `path/latest` names.
 
     Raises:
-        CheckpointNotFoundError: neither `path/manifest.json` nor a `latest` pointer exists.
+        CheckpointNotFoundError: neither a checkpoint nor a `latest` pointer is at `path`.
     """
-    if _sysio.is_file(os.path.join(path, MANIFEST_NAME)):
+    if is_committed(path):
         return path
     latest = read_latest(path) if os.path.isdir(path) else None
-    if latest is not None and _sysio.is_file(os.path.join(latest, MANIFEST_NAME)):
+    if latest is not None and is_committed(latest):
         return latest
     raise CheckpointNotFoundError(
-        f"checkpoint {path}: expected a committed checkpoint ({MANIFEST_NAME}) or a "
-        f"'{LATEST_NAME}' pointer, found neither; the save may not have committed",
+        f"checkpoint {path}: expected a committed checkpoint ({MANIFEST_NAME} or DCP's "
+        f"{DCP_METADATA_NAME}) or a '{LATEST_NAME}' pointer, found none; the save may not "
+        "have committed",
         path=path,
     )
 

@@ -11,7 +11,7 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 from asynctron.errors import CorruptCheckpointError
 from asynctron.storage._checksum import ALGORITHMS, is_digest
@@ -35,6 +35,11 @@ class ItemRecord:
     in the full tensor (equal to `shape` and zeros for an unsharded tensor). Bytes items have
     `dtype`, shapes and offsets set to None. `checksum` is the item's digest (see
     `Manifest.checksum` for the algorithm), or None in a checkpoint saved without checksums.
+
+    `encoding` says how the stored bytes hold the value: `"raw"` (the tensor's bytes, as
+    asynctron writes them) or `"torch_save"` (a `torch.save` blob, as in a stock DCP
+    checkpoint, where kind `"object"` is a saved Python value). Only raw items appear in an
+    asynctron manifest; the field is not stored.
     """
 
     key: str
@@ -47,6 +52,7 @@ class ItemRecord:
     offset: int
     nbytes: int
     checksum: str | None
+    encoding: Literal["raw", "torch_save"] = "raw"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +76,7 @@ class Manifest:
             "created_unix_s": self.created_unix_s,
             "checksum": self.checksum,
             "files": self.files,
-            "items": [asdict(item) for item in self.items],
+            "items": [_item_json(item) for item in self.items],
             "structure": self.structure,
         }
         return json.dumps(body, separators=(",", ":")).encode()
@@ -85,6 +91,13 @@ class Manifest:
         for item in self.items:
             grouped.setdefault(item.key, []).append(item)
         return grouped
+
+
+def _item_json(item: ItemRecord) -> dict[str, Any]:
+    assert item.encoding == "raw", "only raw items are stored in an asynctron manifest"
+    fields = asdict(item)
+    del fields["encoding"]
+    return fields
 
 
 def parse_manifest(data: bytes, path: str) -> Manifest:

@@ -23,7 +23,8 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from asynctron.storage._dtypes import dtype_name, numpy_dtype_name
 
-ItemKind = Literal["tensor", "ndarray", "bytes"]
+ItemKind = Literal["tensor", "ndarray", "bytes", "object"]
+"""What an item holds; `"object"` (a pickled Python value) only in stock DCP checkpoints."""
 
 #: JSON encoding of the nested structure: {"dict": [[key, node], ...]} | {"list": [...]} |
 #: {"tuple": [...]} | {"item": flat_key} | {"value": json_value}.

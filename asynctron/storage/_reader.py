@@ -25,6 +25,7 @@ from asynctron.errors import CorruptCheckpointError
 from asynctron.storage import _sysio
 from asynctron.storage._checksum import ItemHasher, check_digest, digest
 from asynctron.storage._commit import resolve_checkpoint
+from asynctron.storage._dcp import METADATA_NAME, is_dcp_checkpoint, read_dcp_manifest
 from asynctron.storage._layout import Batch, Segment
 from asynctron.storage._manifest import (
     MANIFEST_NAME,
@@ -41,9 +42,14 @@ _SINK = memoryview(bytearray(MAX_GAP_BYTES))
 
 
 def read_manifest(checkpoint: str) -> Manifest:
-    """Blocks: read, parse and validate `checkpoint/manifest.json`; check that every file has
-    its recorded size and that no two items of a file overlap."""
+    """Blocks: read, parse and validate `checkpoint/manifest.json` (or, for a stock DCP
+    checkpoint, its `.metadata`); check that every file has its recorded size and that no two
+    items of a file overlap."""
     manifest_path = os.path.join(checkpoint, MANIFEST_NAME)
+    if not _sysio.is_file(manifest_path) and is_dcp_checkpoint(checkpoint):
+        manifest = read_dcp_manifest(checkpoint)
+        _check_no_overlap(manifest, os.path.join(checkpoint, METADATA_NAME))
+        return manifest
     manifest = parse_manifest(_sysio.read_small_file(manifest_path, MAX_MANIFEST_BYTES),
                               manifest_path)
     for name, expected in manifest.files.items():

@@ -1,0 +1,106 @@
+"""Stock torch.distributed.checkpoint checkpoints: asynctron reads them, never unpickling
+anything but DCP's metadata types and plain values."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from asynctron import CorruptCheckpointError, Engine
+from tests.conftest import assert_same
+
+
+def _stock_state() -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "model": {"w": torch.randn(8, 4, generator=g), "b": torch.arange(5),
+                  "h": torch.randn(3, generator=g).to(torch.bfloat16)},
+        "optim": {"state": {0: {"exp_avg": torch.randn(8, 4, generator=g), "step": 3}},
+                  "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "step": 7, "name": "run-1", "blob": b"\x00\x01",
+        "layers": [torch.ones(2), torch.zeros(2, 2)],
+    }
+
+
+def _save_stock(path: str, state: dict) -> None:
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+
+
+async def test_fresh_load_rebuilds_the_nesting_bit_exact(tmp_path: object) -> None:
+    state = _stock_state()
+    _save_stock(f"{tmp_path}/dcp", state)
+    async with Engine() as engine:
+        loaded = await engine.load(f"{tmp_path}/dcp")
+        mapped = await engine.load(f"{tmp_path}/dcp", mmap=True)
+    # DCP stores dict keys as strings (list indices stay ints): the int key comes back as '0'.
+    state["optim"]["state"] = {"0": state["optim"]["state"][0]}
+    assert_same(state, loaded)
+    assert_same(state, mapped)
+
+
+async def test_load_into_fills_tensors_and_takes_values(tmp_path: object) -> None:
+    state = _stock_state()
+    _save_stock(f"{tmp_path}/dcp", state)
+    target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
+              "step": 0, "layers": [torch.empty(2), torch.empty(2, 2).t()]}
+    async with Engine() as engine:
+        result = await engine.load(f"{tmp_path}/dcp", into=target)
+    assert result["step"] == 7
+    assert_same(state["model"], target["model"])
+    assert_same(state["layers"], [target["layers"][0], target["layers"][1].contiguous()])
+
+
+async def test_numpy_values_load_without_arbitrary_unpickling(tmp_path: object) -> None:
+    state = {"arr": np.arange(6, dtype=np.int32).reshape(2, 3), "w": torch.ones(2)}
+    _save_stock(f"{tmp_path}/dcp", state)
+    loaded = await _load(f"{tmp_path}/dcp")
+    assert np.array_equal(loaded["arr"], state["arr"]) and loaded["arr"].dtype == np.int32
+
+
+class Gadget:
+    """A class that must never be instantiated by a load."""
+
+
+async def test_an_item_holding_a_foreign_class_is_refused_by_name(tmp_path: object) -> None:
+    _save_stock(f"{tmp_path}/dcp", {"gadget": Gadget(), "w": torch.ones(2)})
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"^item 'gadget' in .*__0_0\.distcp: expected a torch\.save blob of "
+                             r"tensors and plain values, found UnpicklingError"):
+        await _load(f"{tmp_path}/dcp")
+
+
+class _Exploit:
+    def __reduce__(self) -> tuple:
+        return (os.system, ("touch pwned",))
+
+
+async def test_a_hostile_metadata_pickle_is_refused_before_running_anything(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    _save_stock(f"{tmp_path}/dcp", {"w": torch.ones(2)})
+    with open(f"{tmp_path}/dcp/.metadata", "wb") as f:
+        pickle.dump(_Exploit(), f)
+    monkeypatch.chdir(str(tmp_path))
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"^metadata .*/\.metadata: expected only DCP metadata types, found "
+                             r"global posix\.system; refusing to unpickle it$"):
+        await _load(f"{tmp_path}/dcp")
+    assert not os.path.exists(f"{tmp_path}/pwned")
+
+
+async def test_an_item_outside_its_file_is_refused(tmp_path: object) -> None:
+    _save_stock(f"{tmp_path}/dcp", {"w": torch.ones(1000)})
+    os.truncate(f"{tmp_path}/dcp/__0_0.distcp", 100)
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"^metadata .*: item 'w' bytes \[0, \+\d+\): expected inside "
+                             r"__0_0\.distcp \(100 bytes\)"):
+        await _load(f"{tmp_path}/dcp")
+
+
+async def _load(path: str) -> dict:
+    async with Engine() as engine:
+        return await engine.load(path)
