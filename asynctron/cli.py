@@ -39,7 +39,11 @@ from asynctron.storage import LocalFileIO, Manifest, read_manifest, resolve_chec
 from asynctron.storage._reader import CheckpointReader, ReadJob
 
 #: Benchmark scenario -> module under the source checkout's `bench/` directory.
-BENCH_SCENARIOS = {"save": "bench.save_throughput", "cuda": "bench.cuda_staging"}
+BENCH_SCENARIOS = {
+    "save": "bench.save_throughput",
+    "cuda": "bench.cuda_staging",
+    "write": "bench.write_sweep",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
