@@ -21,9 +21,10 @@ import torch
 
 from asynctron._concurrency import uncancellable
 from asynctron.engine._budget import ByteBudget
+from asynctron.engine._coordinator import Committer, Coordinator, SoloCollectives
 from asynctron.engine._load import Loader
 from asynctron.engine._plan_cache import PlanCache
-from asynctron.engine._save import Committer, SaveJob, SaveOptions
+from asynctron.engine._save import SaveJob, SaveOptions
 from asynctron.engine._staging import SlabPool, Stager
 from asynctron.engine._task import SaveResult, SaveTask
 from asynctron.errors import BusyError, ClosedError
@@ -116,7 +117,8 @@ class Engine:
         self.budget = ByteBudget(self.config.memory_budget_bytes)
         self._pool = SlabPool(self.budget, self.config.slab_bytes, self._pin, self.run_blocking)
         self._stager = Stager(self._pool, self.run_blocking)
-        self._committer = Committer(self.run_blocking, self.config.keep_last)
+        self._coordinator = Coordinator(SoloCollectives(), self.run_blocking,
+                                        Committer(self.run_blocking, self.config.keep_last))
         self.plan_cache = PlanCache(max_entries=8)
 
     async def __aenter__(self) -> Engine:
@@ -227,7 +229,7 @@ class Engine:
                             "await it first or save to another path")
         flat = flatten(state_dict)
         ready = Stager.mark_ready(leaf.value for leaf in flat.leaves.values())
-        options = SaveOptions(num_bins=self.config.num_bins, rank=0, snapshot=snapshot,
+        options = SaveOptions(num_bins=self.config.num_bins, snapshot=snapshot,
                               batch_nbytes=self.config.slab_bytes,
                               direct_io=self.config.direct_io, checksum=self.config.checksum)
         self._seq += 1
@@ -239,7 +241,7 @@ class Engine:
 
         job = SaveJob(flat, target, seq=self._seq, options=options, ready=ready,
                       stager=self._stager, fio=self._fio, run_blocking=self.run_blocking,
-                      committer=self._committer, plan_cache=self.plan_cache,
+                      coordinator=self._coordinator, plan_cache=self.plan_cache,
                       on_staged=on_staged)
         task = loop.create_task(self._run_save(job, staged), name=f"asynctron-save:{target}")
         self._saves[target] = task

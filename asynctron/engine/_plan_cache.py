@@ -15,6 +15,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.checkpoint.planner import WriteItem
 
 from asynctron.storage._layout import Batch, BinLayout
 from asynctron.storage._manifest import ItemRecord
@@ -33,6 +34,8 @@ class FilePlan:
     records: tuple[ItemRecord, ...]
     layouts: tuple[BinLayout, ...]
     batches: tuple[tuple[Batch, ...], ...]
+    write_items: tuple[WriteItem, ...]
+    """Per item, DCP's write item it is (a chunk of)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +63,8 @@ def structure_signature(flat: FlatStateDict, *, num_bins: int, rank: int,
 
 
 class PlanCache:
-    """The file plans of the last `max_entries` distinct structures, least recently used out.
+    """The file plans of the last `max_entries` distinct global structures (keyed by every
+    rank's structure digest), least recently used out.
 
     Concurrency: thread-safe (saves plan on the engine's executor threads).
     """
@@ -74,20 +78,24 @@ class PlanCache:
         self._num_misses = 0
         self._lock = threading.Lock()
 
-    def lookup(self, signature: Hashable) -> FilePlan | None:
+    def snapshot(self) -> dict[Hashable, FilePlan]:
+        """The plans held now, by key (what a save announces to the other ranks, and uses)."""
         with self._lock:
-            plan = self._plans.get(signature)
-            if plan is None:
-                self._num_misses += 1
-                return None
-            self._num_hits += 1
-            self._plans.move_to_end(signature)
-            return plan
+            return dict(self._plans)
 
-    def store(self, signature: Hashable, plan: FilePlan) -> None:
+    def record_use(self, key: Hashable | None, *, hit: bool) -> None:
+        """Count a save's outcome: a hit keeps `key` most recently used."""
         with self._lock:
-            self._plans[signature] = plan
-            self._plans.move_to_end(signature)
+            if hit and key in self._plans:
+                self._num_hits += 1
+                self._plans.move_to_end(key)
+            else:
+                self._num_misses += 1
+
+    def store(self, key: Hashable, plan: FilePlan) -> None:
+        with self._lock:
+            self._plans[key] = plan
+            self._plans.move_to_end(key)
             while len(self._plans) > self.max_entries:
                 self._plans.popitem(last=False)
 

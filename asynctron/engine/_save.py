@@ -1,37 +1,45 @@
-"""One save, from state dict to committed checkpoint: the pipeline behind `Engine.save`.
+"""One save, from state dict to committed checkpoint, on this rank: the pipeline behind
+`Engine.save`.
 
 Stages:
 1. on the caller's call, `flatten` validates the state dict (bad input raises at once) and
    CUDA tensors get a ready event on their current stream; nothing is copied yet;
-2. `build_request` plans on the executor (`_save_plan`; a state dict of thousands of tensors
-   never stalls the loop);
-3. per bin, a stager task and a writer task joined by a queue: the stager copies and hashes
+2. `Coordinator.start`: the coordinator creates the tmp dir; all ranks agree whether the plan
+   of this global structure is cached;
+3. planning on the executor (`_save_plan`; a state dict of thousands of tensors never stalls
+   the loop), with the plan exchange across ranks unless the plan was cached;
+4. per bin, a stager task and a writer task joined by a queue: the stager copies and hashes
    batch after batch into slabs (bounded by the memory budget), the writer pwritev's them in
    file order, then fsyncs. Writers hold back until staging is done or the budget runs short,
    so the caller's blocking time stays close to a plain memcpy. The loop's work per batch is
    constant: each stage and each write is one executor call;
-4. `Committer.commit`: manifest, fsyncs, rename, `latest` (never moved backwards), pruning.
-A failure or cancellation anywhere removes the tmp dir; the previous checkpoint is untouched.
+5. `Coordinator.finish`: the coordinator commits the manifest of every rank's items (fsyncs,
+   rename, `latest` never moved backwards, pruning) only if every rank succeeded.
+A failure or cancellation anywhere, on any rank, removes the tmp dir and commits nothing; the
+previous checkpoint is untouched.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
-from asynctron._concurrency import RunBlocking, first_error, uncancellable
-from asynctron.engine._plan_cache import PlanCache
-from asynctron.engine._save_plan import SaveRequest, build_request
+from asynctron._concurrency import RunBlocking, first_error
+from asynctron.engine._coordinator import Coordinator, Start, WriteReport
+from asynctron.engine._plan_cache import FilePlan, PlanCache
+from asynctron.engine._save_plan import SaveRequest, build_request, file_plan, structure_digest
 from asynctron.engine._staging import SlabPool, StagedBatch, Stager
 from asynctron.engine._task import SaveResult
-from asynctron.storage import _commit, _sysio
-from asynctron.storage._manifest import Manifest
-from asynctron.storage._plan import FlatStateDict
+from asynctron.storage._manifest import MANIFEST_NAME, Manifest
+from asynctron.storage._plan import FlatStateDict, merge_structures, plan_final, plan_local
 from asynctron.storage._sysio import FileIO
 from asynctron.storage._writer import BinWriter
 
@@ -41,39 +49,10 @@ class SaveOptions:
     """How one save runs: the engine's settings at the time of the request."""
 
     num_bins: int
-    rank: int
     snapshot: bool
     batch_nbytes: int
     direct_io: bool
     checksum: str | None
-
-
-class Committer:
-    """Publishes checkpoints: one commit per root at a time; `latest` only ever moves forward."""
-
-    def __init__(self, run_blocking: RunBlocking, keep_last: int | None) -> None:
-        self._run_blocking = run_blocking
-        self._keep_last = keep_last
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._newest: dict[str, int] = {}
-
-    async def commit(self, tmp_dir: str, final_path: str, manifest: Manifest, seq: int) -> None:
-        """Publish `tmp_dir` as `final_path`; point `latest` at it unless a newer save (higher
-        `seq`) already committed; prune beyond `keep_last`.
-
-        Raises:
-            FileExistsError: `final_path` exists (the tmp dir is left for the caller).
-            StorageError: a write, fsync or rename failed.
-        """
-        root = os.path.dirname(final_path)
-        lock = self._locks.setdefault(root, asyncio.Lock())
-        async with lock:
-            await self._run_blocking(_commit.commit_dir, tmp_dir, final_path, manifest)
-            if seq > self._newest.get(root, -1):
-                self._newest[root] = seq
-                await self._run_blocking(_commit.point_latest, final_path)
-            if self._keep_last is not None:
-                await self._run_blocking(_commit.prune_checkpoints, root, self._keep_last)
 
 
 class SaveJob:
@@ -81,7 +60,7 @@ class SaveJob:
 
     def __init__(self, flat: FlatStateDict, path: str, *, seq: int, options: SaveOptions,
                  ready: Mapping[torch.device, torch.cuda.Event], stager: Stager, fio: FileIO,
-                 run_blocking: RunBlocking, committer: Committer, plan_cache: PlanCache,
+                 run_blocking: RunBlocking, coordinator: Coordinator, plan_cache: PlanCache,
                  on_staged: Callable[[], None]) -> None:
         self.path = os.path.abspath(path)
         self.seq = seq
@@ -92,7 +71,7 @@ class SaveJob:
         self._pool: SlabPool = stager.pool
         self._fio = fio
         self._run_blocking = run_blocking
-        self._committer = committer
+        self._coordinator = coordinator
         self._plan_cache = plan_cache
         self._on_staged = on_staged
         self._bins_left_to_stage = 0
@@ -107,53 +86,99 @@ class SaveJob:
         self._on_staged()
 
     async def run(self) -> SaveResult:
-        """Plan, stage, write and commit. Raises one error (ExceptionGroups unwrapped, kept as
-        `__context__`); whatever happens, the tmp dir is gone afterwards."""
-        options = self._options
-        tmp_dir = _commit.tmp_dir_for(self.path)
+        """Start, plan, stage, write and finish across ranks. Raises one error (ExceptionGroups
+        unwrapped, kept as `__context__`): this rank's own, or `PeerError` naming the rank that
+        failed; whatever happens, nothing is committed unless every rank succeeded."""
+        options, rank = self._options, self._coordinator.rank
+        digest = await self._run_blocking(functools.partial(
+            structure_digest, self._flat, num_bins=options.num_bins, rank=rank,
+            batch_nbytes=options.batch_nbytes))
+        held = self._plan_cache.snapshot()  # the plans announced are the plans used
+        start = await self._coordinator.start(self.path, digest, list(held))
+        local_error: BaseException | None = None
+        request: SaveRequest | None = None
+        metadata: Metadata | None = None
         self._pool.pressure_listeners.add(self._write_gate)
         try:
-            await self._run_blocking(_prepare_tmp_dir, self.path, tmp_dir)
-            request = await self._run_blocking(
-                _build_request, self._flat, self.path, options, self._plan_cache)
-            layouts = request.plan.layouts
-            writers = [BinWriter(self._fio, os.path.join(tmp_dir, layout.file_name), layout,
-                                 self._run_blocking, direct_io=options.direct_io)
-                       for layout in layouts]
-            self._bins_left_to_stage = len(writers)
-            if not writers or not options.snapshot:
-                self._write_gate.set()
-            if not writers and options.snapshot:
-                self._mark_staged()
-            try:
-                async with asyncio.TaskGroup() as group:
-                    for index, writer in enumerate(writers):
-                        group.create_task(self._save_bin(request, index, writer))
-            except BaseExceptionGroup as group_error:
-                raise first_error(group_error)  # noqa: B904 (the group stays as __context__)
-            if not options.snapshot:
-                self._mark_staged()
-            t_written = time.perf_counter()
-            manifest: Manifest = await self._run_blocking(
-                request.manifest, self._requested_unix_s, options.checksum)
-            await self._committer.commit(tmp_dir, self.path, manifest, self.seq)
-        except BaseException:
-            cleanup = asyncio.ensure_future(self._run_blocking(_sysio.remove_tree, tmp_dir))
-            await uncancellable(cleanup)
-            raise
+            request, metadata = await self._plan(start, held)
+            await self._write(request, start.tmp_dir)
+            report = request.report(rank)
+        except BaseException as error:  # reported to the others, then raised below
+            local_error = error
+            report = WriteReport(rank=rank, error=f"{type(error).__name__}: {error}")
         finally:
             self._pool.pressure_listeners.discard(self._write_gate)
+        t_written = time.perf_counter()
+        finish = asyncio.ensure_future(self._coordinator.finish(
+            report, path=self.path, tmp_dir=start.tmp_dir, seq=self.seq,
+            publish=self._publish, metadata=metadata))
+        if local_error is not None:
+            with contextlib.suppress(BaseException):  # this rank's own error comes first
+                await _complete(finish)
+            raise local_error
+        await _complete(finish)
+        assert request is not None
         t_done = time.perf_counter()
         return SaveResult(
             path=self.path,
             nbytes=request.nbytes,
-            files=tuple(layout.file_name for layout in layouts),
+            files=tuple(layout.file_name for layout in request.plan.layouts),
             num_items=len(request.plan.records),
             stage_s=(self._t_staged or t_done) - self._t_request,
             write_s=t_written - self._t_request,
             commit_s=t_done - t_written,
             total_s=t_done - self._t_request,
         )
+
+    async def _plan(self, start: Start, held: Mapping[Hashable, FilePlan]
+                    ) -> tuple[SaveRequest, Metadata | None]:
+        """This rank's request: from the cached file plan when every rank holds it, else from
+        DCP's planner through the plan exchange."""
+        options, rank = self._options, self._coordinator.rank
+        cached = held[start.plan_key] if start.cached else None
+        self._plan_cache.record_use(start.plan_key, hit=cached is not None)
+        if cached is not None:
+            request = await self._run_blocking(
+                _request, self._flat, self.path, cached, None, options)
+            return request, None
+        local: BaseException | tuple
+        try:
+            local = await self._run_blocking(functools.partial(
+                plan_local, self._flat, is_coordinator=self._coordinator.is_coordinator))
+        except Exception as error:
+            local = error
+        planner, local_plan = (None, local) if isinstance(local, BaseException) else local
+        share, metadata = await self._coordinator.exchange_plans(planner, local_plan)
+        assert planner is not None
+        save_plan = await self._run_blocking(plan_final, self._flat, planner, share, metadata)
+        plan = await self._run_blocking(functools.partial(
+            file_plan, save_plan, num_bins=options.num_bins, rank=rank,
+            batch_nbytes=options.batch_nbytes))
+        if start.plan_key is not None:
+            self._plan_cache.store(start.plan_key, plan)
+        request = await self._run_blocking(_request, self._flat, self.path, plan, save_plan,
+                                           options)
+        return request, metadata
+
+    async def _write(self, request: SaveRequest, tmp_dir: str) -> None:
+        """Stage and write every bin of this rank into `tmp_dir`, fsynced."""
+        options = self._options
+        writers = [BinWriter(self._fio, os.path.join(tmp_dir, layout.file_name), layout,
+                             self._run_blocking, direct_io=options.direct_io)
+                   for layout in request.plan.layouts]
+        self._bins_left_to_stage = len(writers)
+        if not writers or not options.snapshot:
+            self._write_gate.set()
+        if not writers and options.snapshot:
+            self._mark_staged()
+        try:
+            async with asyncio.TaskGroup() as group:
+                for index, writer in enumerate(writers):
+                    group.create_task(self._save_bin(request, index, writer))
+        except BaseExceptionGroup as group_error:
+            raise first_error(group_error)  # noqa: B904 (the group stays as __context__)
+        if not options.snapshot:
+            self._mark_staged()
 
     async def _save_bin(self, request: SaveRequest, index: int, writer: BinWriter) -> None:
         # Unbounded by count on purpose: every entry holds a slab, so the budget bounds it.
@@ -193,19 +218,37 @@ class SaveJob:
                 if staged.slab is not None:
                     self._pool.release(staged.slab)
 
+    def _publish(self, reports: Sequence[WriteReport], metadata: Metadata | None
+                 ) -> dict[str, bytes]:
+        """Blocks (on the coordinator): the manifest of every rank's items."""
+        files: dict[str, int] = {}
+        for report in reports:
+            files.update(report.files)
+        structures = [r.structure for r in reports if r.structure is not None]
+        manifest = Manifest(structure=merge_structures(structures),
+                            items=tuple(item for r in reports for item in r.records),
+                            files=files, created_unix_s=self._requested_unix_s,
+                            checksum=self._options.checksum)
+        return {MANIFEST_NAME: manifest.to_json()}
 
-def _build_request(flat: FlatStateDict, path: str, options: SaveOptions,
-                   cache: PlanCache) -> SaveRequest:
-    """Blocks: plan the save (see `_save_plan.build_request`)."""
-    return build_request(flat, path, num_bins=options.num_bins, rank=options.rank,
-                         snapshot=options.snapshot, batch_nbytes=options.batch_nbytes,
-                         checksum=options.checksum is not None, cache=cache)
+
+def _request(flat: FlatStateDict, path: str, plan: FilePlan, save_plan: object,
+             options: SaveOptions) -> SaveRequest:
+    return build_request(flat, path, plan, save_plan,  # type: ignore[arg-type]
+                         snapshot=options.snapshot, checksum=options.checksum is not None)
 
 
-def _prepare_tmp_dir(final_path: str, tmp_dir: str) -> None:
-    """Blocks: refuse an existing target, then create the tmp dir beside it."""
-    if _sysio.exists(final_path):
-        raise FileExistsError(
-            f"checkpoint {final_path}: expected a new path, found an existing one; "
-            "save to a new path (e.g. one per step) or remove it first")
-    _sysio.make_dir(tmp_dir)
+async def _complete(future: asyncio.Future[None]) -> None:
+    """Await `future` to its end even if cancelled meanwhile (the other ranks wait for its
+    collectives), then raise its error, or else the cancellation."""
+    cancelled = False
+    while not future.done():
+        try:
+            await asyncio.wait([future])
+        except asyncio.CancelledError:
+            cancelled = True
+    error = future.exception()
+    if error is not None:
+        raise error
+    if cancelled:
+        raise asyncio.CancelledError

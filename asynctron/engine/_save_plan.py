@@ -1,16 +1,16 @@
-"""Planning one save: a flat state dict becomes a `SaveRequest`, everything decided before any
-byte moves.
+"""Planning one save on this rank: a flat state dict becomes a `SaveRequest`, everything
+decided before any byte moves.
 
-Stages (`build_request`, blocking and CPU-bound; the engine runs it on its executor so that a
-state dict of thousands of tensors never stalls the event loop):
-1. DCP's `DefaultSavePlanner` turns the leaves into write items (`storage._plan`);
-2. tensors larger than their fair share of the bins are cut into dim-0 chunks
-   (`storage._chunking`);
-3. Megatron's splitter deals the items onto bins (`storage._split`);
-4. each bin file is laid out (4 KiB-aligned items) and cut into batches (`storage._layout`).
-Steps 1-4 depend only on the state dict's structure, so an unchanged structure takes them from
-the `PlanCache` (seed 002). Per save remain the item sources, which batches need a staging
-slab, and a fresh hasher per item.
+Stages (blocking and CPU-bound; the engine runs them on its executor so that a state dict of
+thousands of tensors never stalls the event loop):
+1. DCP's `DefaultSavePlanner` turns the leaves into write items, globally deduplicated across
+   ranks by the coordinator (`storage._plan`, `_coordinator.exchange_plans`);
+2. `file_plan`: tensors larger than their fair share of the bins are cut into dim-0 chunks
+   (`storage._chunking`), Megatron's splitter deals the items onto bins (`storage._split`),
+   each bin file is laid out (4 KiB-aligned items) and cut into batches (`storage._layout`).
+Steps 1-2 depend only on the structure of every rank's state dict, so an unchanged structure
+takes them from the `PlanCache` (seed 002). Per save remain (`build_request`) the item sources,
+which batches need a staging slab, and a fresh hasher per item.
 """
 
 from __future__ import annotations
@@ -22,20 +22,21 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from asynctron.engine._plan_cache import FilePlan, PlanCache, structure_signature
+from asynctron.engine._coordinator import WriteReport
+from asynctron.engine._plan_cache import FilePlan, structure_signature
 from asynctron.engine._staging import ItemSource
-from asynctron.storage._checksum import ItemHasher
+from asynctron.storage._checksum import ItemHasher, digest
 from asynctron.storage._chunking import PlannedItem, chunk_large_items
 from asynctron.storage._dtypes import dtype_name
 from asynctron.storage._layout import Batch, bin_file_name, layout_bin
-from asynctron.storage._manifest import ItemRecord, Manifest
-from asynctron.storage._plan import FlatStateDict, SavePlan, Structure, item_nbytes, plan_save
+from asynctron.storage._manifest import ItemRecord
+from asynctron.storage._plan import FlatStateDict, SavePlan, Structure, item_nbytes
 from asynctron.storage._split import split_by_size_and_type
 
 
 @dataclass(frozen=True, slots=True)
 class SaveRequest:
-    """A planned save. Not constructed directly; `build_request` makes one."""
+    """A planned save on this rank. Not constructed directly; `build_request` makes one."""
 
     path: str
     structure: Structure
@@ -53,35 +54,57 @@ class SaveRequest:
     def nbytes(self) -> int:
         return sum(record.nbytes for record in self.plan.records)
 
-    def manifest(self, created_unix_s: float, checksum: str | None) -> Manifest:
-        """The manifest to commit, once every item has been staged (its digest is final)."""
+    def report(self, rank: int) -> WriteReport:
+        """This rank's write report, once every item has been staged (its digest is final)."""
         records = self.plan.records
         if self.hashers is not None:
             records = tuple(dataclasses.replace(record, checksum=hasher.hexdigest())
                             for record, hasher in zip(records, self.hashers, strict=True))
-        return Manifest(structure=self.structure, items=records,
-                        files={layout.file_name: layout.nbytes for layout in self.plan.layouts},
-                        created_unix_s=created_unix_s, checksum=checksum)
+        return WriteReport(rank=rank, records=records, structure=self.structure,
+                           files={layout.file_name: layout.nbytes
+                                  for layout in self.plan.layouts})
 
 
-def build_request(flat: FlatStateDict, path: str, *, num_bins: int, rank: int, snapshot: bool,
-                  batch_nbytes: int, checksum: bool, cache: PlanCache) -> SaveRequest:
-    """Blocks (CPU-bound): plan a save of `flat` to `path`, reusing a cached file plan when the
-    structure is unchanged."""
+def structure_digest(flat: FlatStateDict, *, num_bins: int, rank: int,
+                     batch_nbytes: int) -> str | None:
+    """Blocks: a digest of everything this rank's file plan depends on; None when the plan must
+    be made fresh each time (DTensor and other tensor subclasses)."""
     signature = structure_signature(flat, num_bins=num_bins, rank=rank,
                                     batch_nbytes=batch_nbytes)
-    plan = cache.lookup(signature) if signature is not None else None
-    if plan is None:
-        save_plan = plan_save(flat)
-        planned = chunk_large_items(
-            save_plan.items,
-            [item_nbytes(item, flat.leaves[item.index.fqn]) for item in save_plan.items],
-            num_bins)
-        plan = _file_plan(save_plan, planned, num_bins=num_bins, rank=rank,
-                          batch_nbytes=batch_nbytes)
-        payloads = [save_plan.payload(item.write_item) for item in planned]
-        if signature is not None:
-            cache.store(signature, plan)
+    return None if signature is None else digest(memoryview(repr(signature).encode()))
+
+
+def file_plan(plan: SavePlan, *, num_bins: int, rank: int, batch_nbytes: int) -> FilePlan:
+    """Blocks (CPU-bound): this rank's final DCP items cut into chunks, split onto bins (seed
+    000), laid out and cut into batches."""
+    items = chunk_large_items(
+        plan.items, [item_nbytes(item, plan.flat.leaves[item.index.fqn]) for item in plan.items],
+        num_bins)
+    index_of = {id(item): i for i, item in enumerate(items)}
+    nbytes = [item.nbytes for item in items]
+    bins = split_by_size_and_type(num_bins, items, lambda item: item.nbytes)
+    layouts = tuple(
+        layout_bin(bin_file_name(rank, b), [index_of[id(item)] for item in bin_items], nbytes)
+        for b, bin_items in enumerate(bins) if bin_items
+    )
+    placed = {p.item_index: (layout.file_name, p.offset)
+              for layout in layouts for p in layout.placements}
+    records = tuple(_record(plan, item, *placed[i]) for i, item in enumerate(items))
+    batches: tuple[tuple[Batch, ...], ...] = tuple(
+        tuple(layout.batches(batch_nbytes)) for layout in layouts)
+    return FilePlan(keys=tuple(item.key for item in items),
+                    rows=tuple(item.rows for item in items), records=records,
+                    layouts=layouts, batches=batches,
+                    write_items=tuple(item.write_item for item in items))
+
+
+def build_request(flat: FlatStateDict, path: str, plan: FilePlan, save_plan: SavePlan | None,
+                  *, snapshot: bool, checksum: bool) -> SaveRequest:
+    """Blocks: the per-save part of a request: where each item's bytes come from (`save_plan`
+    resolves DTensor shards; a cached plan takes plain tensors by key), which batches need a
+    slab, a fresh hasher per item."""
+    if save_plan is not None:
+        payloads = [save_plan.payload(item) for item in plan.write_items]
     else:
         payloads = [_plain_payload(flat.leaves[key].value) for key in plan.keys]
     sources = tuple(ItemSource(_rows(payload, rows))
@@ -105,27 +128,6 @@ def _rows(payload: torch.Tensor | bytes, rows: tuple[int, int] | None) -> torch.
         return payload
     assert isinstance(payload, torch.Tensor)
     return payload.narrow(0, rows[0], rows[1] - rows[0])
-
-
-def _file_plan(plan: SavePlan, items: list[PlannedItem], *, num_bins: int, rank: int,
-               batch_nbytes: int) -> FilePlan:
-    """Split the planned items onto bins (seed 000), lay out each bin file, cut it into
-    batches."""
-    index_of = {id(item): i for i, item in enumerate(items)}
-    nbytes = [item.nbytes for item in items]
-    bins = split_by_size_and_type(num_bins, items, lambda item: item.nbytes)
-    layouts = tuple(
-        layout_bin(bin_file_name(rank, b), [index_of[id(item)] for item in bin_items], nbytes)
-        for b, bin_items in enumerate(bins) if bin_items
-    )
-    placed = {p.item_index: (layout.file_name, p.offset)
-              for layout in layouts for p in layout.placements}
-    records = tuple(_record(plan, item, *placed[i]) for i, item in enumerate(items))
-    batches: tuple[tuple[Batch, ...], ...] = tuple(
-        tuple(layout.batches(batch_nbytes)) for layout in layouts)
-    return FilePlan(keys=tuple(item.key for item in items),
-                    rows=tuple(item.rows for item in items), records=records,
-                    layouts=layouts, batches=batches)
 
 
 def _record(plan: SavePlan, item: PlannedItem, file: str, offset: int) -> ItemRecord:

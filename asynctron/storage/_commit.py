@@ -15,12 +15,13 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+from collections.abc import Mapping
 
 from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError
 from asynctron.storage import _sysio
 from asynctron.storage._dcp import METADATA_NAME as DCP_METADATA_NAME
 from asynctron.storage._dcp import is_dcp_checkpoint
-from asynctron.storage._manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, Manifest, parse_manifest
+from asynctron.storage._manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_manifest
 
 LATEST_NAME = "latest"
 _TMP_MARK = ".tmp-"
@@ -37,14 +38,16 @@ def is_tmp_dir_name(name: str) -> bool:
     return name.startswith(".") and _TMP_MARK in name
 
 
-def commit_dir(tmp_dir: str, final_path: str, manifest: Manifest) -> None:
-    """Publish `tmp_dir` as the checkpoint `final_path` (data files already fsynced).
+def commit_dir(tmp_dir: str, final_path: str, files: Mapping[str, bytes]) -> None:
+    """Publish `tmp_dir` as the checkpoint `final_path` (data files already fsynced), after
+    writing `files` (its manifest) into it.
 
     Raises:
         FileExistsError: `final_path` appeared meanwhile; the tmp dir is left for the caller.
         StorageError: a write, fsync or rename failed.
     """
-    _sysio.write_small_file(os.path.join(tmp_dir, MANIFEST_NAME), manifest.to_json())
+    for name, data in files.items():
+        _sysio.write_small_file(os.path.join(tmp_dir, name), data)
     _sysio.fsync_dir(tmp_dir)
     _sysio.rename_no_replace(tmp_dir, final_path)
     _sysio.fsync_dir(os.path.dirname(os.path.abspath(final_path)))

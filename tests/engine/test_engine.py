@@ -269,16 +269,16 @@ async def test_planning_runs_off_the_loop_thread(shm_path: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """DCP planning (CPU-bound, ~60 us per tensor) runs on the engine's executor, never on the
     loop: `save()` itself only validates the state dict."""
-    from asynctron.engine import _save_plan
+    from asynctron.engine import _save
 
     threads: list[str] = []
-    real_plan_save = _save_plan.plan_save
+    real_plan_local = _save.plan_local
 
-    def recording_plan_save(flat: object) -> object:
+    def recording_plan_local(flat: object, **kwargs: object) -> object:
         threads.append(threading.current_thread().name)
-        return real_plan_save(flat)  # type: ignore[arg-type]
+        return real_plan_local(flat, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_save_plan, "plan_save", recording_plan_save)
+    monkeypatch.setattr(_save, "plan_local", recording_plan_local)
     async with Engine(**SMALL) as engine:
         task = engine.save({"w": torch.ones(3)}, f"{shm_path}/p")
         assert threads == []  # nothing planned on the caller's thread

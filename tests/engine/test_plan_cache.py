@@ -47,7 +47,10 @@ async def test_changed_structure_misses(shm_path: str, changed: dict) -> None:
 def test_cache_keeps_the_most_recently_used_plans() -> None:
     cache = PlanCache(max_entries=2)
     for key in ("a", "b", "a", "c"):
-        if cache.lookup(key) is None:
+        hit = key in cache.snapshot()
+        cache.record_use(key, hit=hit)
+        if not hit:
             cache.store(key, object())  # type: ignore[arg-type]
-    assert cache.lookup("a") is not None and cache.lookup("b") is None
+    assert set(cache.snapshot()) == {"a", "c"}
+    assert cache.statistics().num_hits == 1 and cache.statistics().num_misses == 3
     assert "2/2 plans" in repr(cache)

@@ -1,0 +1,285 @@
+"""The save protocol across ranks (seed 002: plan → write → finalize), awaited on the loop.
+
+Every rank plans locally and writes its own files; the coordinator (rank 0 of the group)
+creates the tmp dir, makes the global plan, and commits only if every rank succeeded; then
+every rank learns the outcome. Collectives per save, in this order on every rank:
+1. `start`: all-gather of each rank's structure digest and the plan keys it has cached; the
+   coordinator's entry also carries the tmp dir it created, or why it could not;
+2. `exchange_plans`, skipped when every rank holds the file plan of this global structure
+   (seed 002's plan cache): gather the local DCP plans at the coordinator, which deduplicates
+   them (`plan_global`), then scatter each rank its final plan;
+3. `finish`: gather every rank's write report (its items with checksums, files and structure;
+   or its error) at the coordinator, which commits only if all succeeded; broadcast the outcome.
+A failure on any rank travels through these collectives, so every rank calls the same ones in
+the same order and nobody waits for a rank that gave up. A rank that dies makes the others'
+next collective raise `PeerError` (gloo sees the closed connection, or the group's timeout
+expires): nobody commits, nobody hangs. On one process the same steps run on
+`SoloCollectives`, without communication.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan as DcpSavePlan
+
+from asynctron._concurrency import RunBlocking
+from asynctron.errors import PeerError
+from asynctron.storage import _commit, _sysio
+from asynctron.storage._checksum import digest
+from asynctron.storage._manifest import ItemRecord
+from asynctron.storage._plan import Structure, plan_global
+
+logger = logging.getLogger(__name__)
+
+
+class Collectives(Protocol):
+    """The object collectives the protocol needs: `asynctron.comm.CollectiveGroup`, or one
+    process's `SoloCollectives`. Every rank calls the same ones in the same order."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    async def all_gather_object(self, obj: Any) -> list[Any]: ...
+
+    async def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None: ...
+
+    async def scatter_object(self, objs: Sequence[Any] | None, *, src: int = 0) -> Any: ...
+
+    async def broadcast_object(self, obj: Any = None, *, src: int = 0) -> Any: ...
+
+
+class SoloCollectives:
+    """The collectives of a world of one process: each returns at once, nothing is sent."""
+
+    rank = 0
+    world_size = 1
+
+    async def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    async def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        return [obj]
+
+    async def scatter_object(self, objs: Sequence[Any] | None, *, src: int = 0) -> Any:
+        assert objs is not None and len(objs) == 1
+        return objs[0]
+
+    async def broadcast_object(self, obj: Any = None, *, src: int = 0) -> Any:
+        return obj
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    """What every rank knows once a save has started."""
+
+    tmp_dir: str
+    """The directory every rank writes its files into (created by the coordinator)."""
+    plan_key: Hashable | None
+    """The global structure (every rank's digest, hashed); None when it cannot be cached."""
+    cached: bool
+    """Every rank holds the file plan for `plan_key`: no plan collectives this time."""
+
+
+@dataclass(frozen=True, slots=True)
+class WriteReport:
+    """One rank's result: its files and items (with checksums) and its state dict's structure;
+    or, when it failed, what went wrong."""
+
+    rank: int
+    records: tuple[ItemRecord, ...] = ()
+    files: dict[str, int] = field(default_factory=dict)
+    structure: Structure | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Failure:
+    """A rank's failure, as sent through a collective."""
+
+    rank: int
+    what: str
+
+
+Publish = Callable[[Sequence[WriteReport], Metadata | None], Any]
+"""Turns every rank's report (and DCP's global metadata) into the files the coordinator
+commits: `{name: bytes}` (`manifest.json`, or DCP's `.metadata`)."""
+
+
+class Committer:
+    """Publishes checkpoints: one commit per root at a time; `latest` only ever moves forward.
+    Used on the coordinator."""
+
+    def __init__(self, run_blocking: RunBlocking, keep_last: int | None) -> None:
+        self._run_blocking = run_blocking
+        self._keep_last = keep_last
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._newest: dict[str, int] = {}
+
+    async def commit(self, tmp_dir: str, final_path: str, files: Mapping[str, bytes],
+                     seq: int) -> None:
+        """Write `files` (the checkpoint's metadata) into `tmp_dir` and publish it as
+        `final_path`; point `latest` at it unless a newer save (higher `seq`) already
+        committed; prune beyond `keep_last`.
+
+        Raises:
+            FileExistsError: `final_path` exists (the tmp dir is left for the caller).
+            StorageError: a write, fsync or rename failed.
+        """
+        root = os.path.dirname(final_path)
+        lock = self._locks.setdefault(root, asyncio.Lock())
+        async with lock:
+            await self._run_blocking(_commit.commit_dir, tmp_dir, final_path, files)
+            if seq > self._newest.get(root, -1):
+                self._newest[root] = seq
+                await self._run_blocking(_commit.point_latest, final_path)
+            if self._keep_last is not None:
+                await self._run_blocking(_commit.prune_checkpoints, root, self._keep_last)
+
+
+class Coordinator:
+    """Runs the protocol for one engine on `collectives`. Not constructed directly; the engine
+    makes one."""
+
+    def __init__(self, collectives: Collectives, run_blocking: RunBlocking,
+                 committer: Committer) -> None:
+        self.collectives = collectives
+        self._run_blocking = run_blocking
+        self._committer = committer
+
+    @property
+    def rank(self) -> int:
+        return self.collectives.rank
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.collectives.rank == 0
+
+    async def start(self, path: str, digest: str | None,
+                    cached_keys: Sequence[Hashable]) -> Start:
+        """Create the tmp dir (coordinator) and agree on the plan key.
+
+        Raises:
+            FileExistsError: the target exists (on every rank).
+            StorageError: the coordinator could not create the tmp dir (there), PeerError
+                elsewhere.
+        """
+        entry: dict[str, Any] = {"digest": digest, "cached": list(cached_keys)}
+        coordinator_error: BaseException | None = None
+        if self.is_coordinator:
+            tmp_dir = _commit.tmp_dir_for(path)
+            try:
+                await self._run_blocking(prepare_tmp_dir, path, tmp_dir)
+                entry["tmp_dir"] = tmp_dir
+            except (FileExistsError, OSError) as error:
+                coordinator_error = error
+                entry["error"] = (type(error).__name__, str(error))
+        entries = await self.collectives.all_gather_object(entry)
+        head = entries[0]
+        if "error" in head:
+            if coordinator_error is not None:
+                raise coordinator_error
+            kind, message = head["error"]
+            if kind == "FileExistsError":
+                raise FileExistsError(message)
+            raise PeerError(f"rank 0: could not start the save: {message}", rank=0)
+        digests = [e["digest"] for e in entries]
+        plan_key = None if None in digests else _global_key(digests)
+        cached = plan_key is not None and all(plan_key in e["cached"] for e in entries)
+        return Start(tmp_dir=head["tmp_dir"], plan_key=plan_key, cached=cached)
+
+    async def exchange_plans(self, planner: DefaultSavePlanner | None,
+                             local: DcpSavePlan | BaseException
+                             ) -> tuple[DcpSavePlan, Metadata | None]:
+        """Give the coordinator this rank's local plan (or its planning error); get back this
+        rank's final share (and, on the coordinator, DCP's global metadata).
+
+        Raises:
+            PeerError: another rank failed to plan (the rank that failed raises its own error).
+        """
+        sent: DcpSavePlan | _Failure = (
+            _Failure(self.rank, _describe(local)) if isinstance(local, BaseException) else local)
+        gathered = await self.collectives.gather_object(sent, dst=0)
+        shares: list[Any] | None = None
+        metadata: Metadata | None = None
+        if self.is_coordinator:
+            assert gathered is not None
+            failures = [p for p in gathered if isinstance(p, _Failure)]
+            if failures:
+                shares = [failures[0]] * len(gathered)
+            else:
+                assert planner is not None
+                plans, metadata = await self._run_blocking(plan_global, planner, gathered)
+                shares = list(plans)
+        share = await self.collectives.scatter_object(shares, src=0)
+        if isinstance(local, BaseException):
+            raise local
+        if isinstance(share, _Failure):
+            raise PeerError(f"rank {share.rank} failed to plan the save: {share.what}",
+                            rank=share.rank)
+        return share, metadata
+
+    async def finish(self, report: WriteReport, *, path: str, tmp_dir: str, seq: int,
+                     publish: Publish, metadata: Metadata | None) -> None:
+        """Gather every rank's report; the coordinator commits if all succeeded (else removes
+        the tmp dir); every rank learns the outcome.
+
+        Raises:
+            PeerError: another rank failed, or the coordinator could not commit.
+            StorageError, FileExistsError: this rank (the coordinator) could not commit.
+
+        Cancellation: the collectives run to their end first (a rank cannot leave them half
+        done), then the cancellation is raised.
+        """
+        reports = await self.collectives.gather_object(report, dst=0)
+        outcome: _Failure | None = None
+        commit_error: BaseException | None = None
+        if self.is_coordinator:
+            assert reports is not None
+            failed = [r for r in reports if r.error is not None]
+            if failed:
+                outcome = _Failure(failed[0].rank, failed[0].error or "")
+                await self._run_blocking(_sysio.remove_tree, tmp_dir)
+            else:
+                try:
+                    files = await self._run_blocking(publish, reports, metadata)
+                    await self._committer.commit(tmp_dir, path, files, seq)
+                except Exception as error:
+                    commit_error = error
+                    outcome = _Failure(0, _describe(error))
+                    await self._run_blocking(_sysio.remove_tree, tmp_dir)
+        outcome = await self.collectives.broadcast_object(outcome, src=0)
+        if commit_error is not None:
+            raise commit_error
+        if outcome is not None and outcome.rank != self.rank:
+            raise PeerError(f"rank {outcome.rank} failed, so the checkpoint {path} was not "
+                            f"committed: {outcome.what}", rank=outcome.rank)
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, asyncio.CancelledError):
+        return "the save was cancelled"
+    return f"{type(error).__name__}: {error}"
+
+
+def _global_key(digests: Sequence[str]) -> str:
+    return digest(memoryview("|".join(digests).encode())) + f"/{len(digests)}"
+
+
+def prepare_tmp_dir(final_path: str, tmp_dir: str) -> None:
+    """Blocks: refuse an existing target, then create the tmp dir beside it."""
+    if _sysio.exists(final_path):
+        raise FileExistsError(
+            f"checkpoint {final_path}: expected a new path, found an existing one; "
+            "save to a new path (e.g. one per step) or remove it first")
+    _sysio.make_dir(tmp_dir)
