@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from asynctron._concurrency import RunBlocking, first_error
+from asynctron._concurrency import RunBlocking, first_error, uncancellable
 from asynctron.engine._coordinator import Coordinator, Start, WriteReport
 from asynctron.engine._plan_cache import FilePlan, PlanCache
 from asynctron.engine._save_plan import SaveRequest, build_request, file_plan, structure_digest
@@ -241,14 +241,9 @@ def _request(flat: FlatStateDict, path: str, plan: FilePlan, save_plan: object,
 async def _complete(future: asyncio.Future[None]) -> None:
     """Await `future` to its end even if cancelled meanwhile (the other ranks wait for its
     collectives), then raise its error, or else the cancellation."""
-    cancelled = False
-    while not future.done():
-        try:
-            await asyncio.wait([future])
-        except asyncio.CancelledError:
-            cancelled = True
-    error = future.exception()
-    if error is not None:
-        raise error
-    if cancelled:
-        raise asyncio.CancelledError
+    try:
+        await uncancellable(future)
+    finally:
+        error = future.exception()
+        if error is not None:
+            raise error
