@@ -101,6 +101,8 @@ class WriteReport:
     files: dict[str, int] = field(default_factory=dict)
     structure: Structure | None = None
     error: str | None = None
+    frames: tuple[tuple[int, int] | None, ...] = ()
+    """Per record, in DCP's format, the lengths of the `torch.save` frame around its bytes."""
 
 
 @dataclass(frozen=True, slots=True)

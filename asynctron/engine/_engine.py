@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -201,7 +201,8 @@ class Engine:
             raise
 
     def save(self, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
-             snapshot: bool = True) -> SaveTask:
+             snapshot: bool = True, format: Literal["asynctron", "dcp"] = "asynctron"
+             ) -> SaveTask:
         """Start saving `state_dict` to the new directory `path`; returns at once.
 
         Args:
@@ -210,6 +211,11 @@ class Engine:
             path: the checkpoint directory to create; its parent gets a `latest` pointer.
             snapshot: copy tensors out (True), so they may change after `await task.staged`;
                 False writes CPU tensors in place, and they must not change until `await task`.
+            format: `"asynctron"`; or `"dcp"`: also readable by stock
+                `torch.distributed.checkpoint.load` (and Megatron's torch_dist loader): tensors
+                as `torch.save` blobs, other values pickled as DCP pickles them, a `.metadata`
+                beside the manifest; written by the same pipeline, at the same speed. Such a
+                save is planned afresh each time (no plan cache).
 
         Returns:
             a `SaveTask`: `await task.staged`, then `await task` for the `SaveResult`.
@@ -227,11 +233,14 @@ class Engine:
         if target in self._saves:
             raise BusyError(f"checkpoint {target}: a save to this path is already in flight; "
                             "await it first or save to another path")
-        flat = flatten(state_dict)
+        if format not in ("asynctron", "dcp"):
+            raise ValueError(f"format: expected 'asynctron' or 'dcp', found {format!r}")
+        flat = flatten(state_dict, values_as_items=format == "dcp")
         ready = Stager.mark_ready(leaf.value for leaf in flat.leaves.values())
         options = SaveOptions(num_bins=self.config.num_bins, snapshot=snapshot,
                               batch_nbytes=self.config.slab_bytes,
-                              direct_io=self.config.direct_io, checksum=self.config.checksum)
+                              direct_io=self.config.direct_io, checksum=self.config.checksum,
+                              format=format)
         self._seq += 1
         staged: asyncio.Future[None] = loop.create_future()
 

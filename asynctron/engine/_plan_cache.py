@@ -36,6 +36,8 @@ class FilePlan:
     batches: tuple[tuple[Batch, ...], ...]
     write_items: tuple[WriteItem, ...]
     """Per item, DCP's write item it is (a chunk of)."""
+    frames: tuple[tuple[bytes, bytes] | None, ...]
+    """Per item, the `torch.save` frame around its bytes (DCP's format), or None."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,7 @@ import os
 import time
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -38,8 +39,16 @@ from asynctron.engine._plan_cache import FilePlan, PlanCache
 from asynctron.engine._save_plan import SaveRequest, build_request, file_plan, structure_digest
 from asynctron.engine._staging import SlabPool, StagedBatch, Stager
 from asynctron.engine._task import SaveResult
+from asynctron.storage._dcp import METADATA_NAME as DCP_METADATA_NAME
+from asynctron.storage._dcp import metadata_bytes
 from asynctron.storage._manifest import MANIFEST_NAME, Manifest
-from asynctron.storage._plan import FlatStateDict, merge_structures, plan_final, plan_local
+from asynctron.storage._plan import (
+    FlatStateDict,
+    item_paths,
+    merge_structures,
+    plan_final,
+    plan_local,
+)
 from asynctron.storage._sysio import FileIO
 from asynctron.storage._writer import BinWriter
 
@@ -53,6 +62,7 @@ class SaveOptions:
     batch_nbytes: int
     direct_io: bool
     checksum: str | None
+    format: Literal["asynctron", "dcp"]
 
 
 class SaveJob:
@@ -90,9 +100,9 @@ class SaveJob:
         unwrapped, kept as `__context__`): this rank's own, or `PeerError` naming the rank that
         failed; whatever happens, nothing is committed unless every rank succeeded."""
         options, rank = self._options, self._coordinator.rank
-        digest = await self._run_blocking(functools.partial(
-            structure_digest, self._flat, num_bins=options.num_bins, rank=rank,
-            batch_nbytes=options.batch_nbytes))
+        digest = None if options.format == "dcp" else await self._run_blocking(
+            functools.partial(structure_digest, self._flat, num_bins=options.num_bins, rank=rank,
+                              batch_nbytes=options.batch_nbytes))
         held = self._plan_cache.snapshot()  # the plans announced are the plans used
         start = await self._coordinator.start(self.path, digest, list(held))
         local_error: BaseException | None = None
@@ -153,7 +163,7 @@ class SaveJob:
         save_plan = await self._run_blocking(plan_final, self._flat, planner, share, metadata)
         plan = await self._run_blocking(functools.partial(
             file_plan, save_plan, num_bins=options.num_bins, rank=rank,
-            batch_nbytes=options.batch_nbytes))
+            batch_nbytes=options.batch_nbytes, torch_save_frames=options.format == "dcp"))
         if start.plan_key is not None:
             self._plan_cache.store(start.plan_key, plan)
         request = await self._run_blocking(_request, self._flat, self.path, plan, save_plan,
@@ -220,16 +230,22 @@ class SaveJob:
 
     def _publish(self, reports: Sequence[WriteReport], metadata: Metadata | None
                  ) -> dict[str, bytes]:
-        """Blocks (on the coordinator): the manifest of every rank's items."""
+        """Blocks (on the coordinator): the manifest of every rank's items; in DCP's format
+        also DCP's `.metadata`, so stock `torch.distributed.checkpoint.load` reads it."""
         files: dict[str, int] = {}
         for report in reports:
             files.update(report.files)
-        structures = [r.structure for r in reports if r.structure is not None]
-        manifest = Manifest(structure=merge_structures(structures),
-                            items=tuple(item for r in reports for item in r.records),
-                            files=files, created_unix_s=self._requested_unix_s,
+        structure = merge_structures([r.structure for r in reports if r.structure is not None])
+        records = tuple(item for r in reports for item in r.records)
+        manifest = Manifest(structure=structure, items=records, files=files,
+                            created_unix_s=self._requested_unix_s,
                             checksum=self._options.checksum)
-        return {MANIFEST_NAME: manifest.to_json()}
+        published = {MANIFEST_NAME: manifest.to_json()}
+        if self._options.format == "dcp":
+            published[DCP_METADATA_NAME] = metadata_bytes(
+                records, [frame for r in reports for frame in r.frames], item_paths(structure),
+                self.path)
+        return published
 
 
 def _request(flat: FlatStateDict, path: str, plan: FilePlan, save_plan: object,

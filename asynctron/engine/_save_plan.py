@@ -27,10 +27,11 @@ from asynctron.engine._plan_cache import FilePlan, structure_signature
 from asynctron.engine._staging import ItemSource
 from asynctron.storage._checksum import ItemHasher, digest
 from asynctron.storage._chunking import PlannedItem, chunk_large_items
+from asynctron.storage._dcp import torch_save_frame
 from asynctron.storage._dtypes import dtype_name
 from asynctron.storage._layout import Batch, bin_file_name, layout_bin
 from asynctron.storage._manifest import ItemRecord
-from asynctron.storage._plan import FlatStateDict, SavePlan, Structure, item_nbytes
+from asynctron.storage._plan import FlatStateDict, SavePlan, Structure
 from asynctron.storage._split import split_by_size_and_type
 
 
@@ -62,7 +63,9 @@ class SaveRequest:
                             for record, hasher in zip(records, self.hashers, strict=True))
         return WriteReport(rank=rank, records=records, structure=self.structure,
                            files={layout.file_name: layout.nbytes
-                                  for layout in self.plan.layouts})
+                                  for layout in self.plan.layouts},
+                           frames=tuple((len(frame[0]), len(frame[1])) if frame else None
+                                        for frame in self.plan.frames))
 
 
 def structure_digest(flat: FlatStateDict, *, num_bins: int, rank: int,
@@ -74,14 +77,16 @@ def structure_digest(flat: FlatStateDict, *, num_bins: int, rank: int,
     return None if signature is None else digest(memoryview(repr(signature).encode()))
 
 
-def file_plan(plan: SavePlan, *, num_bins: int, rank: int, batch_nbytes: int) -> FilePlan:
+def file_plan(plan: SavePlan, *, num_bins: int, rank: int, batch_nbytes: int,
+              torch_save_frames: bool) -> FilePlan:
     """Blocks (CPU-bound): this rank's final DCP items cut into chunks, split onto bins (seed
-    000), laid out and cut into batches."""
-    items = chunk_large_items(
-        plan.items, [item_nbytes(item, plan.flat.leaves[item.index.fqn]) for item in plan.items],
-        num_bins)
+    000), laid out and cut into batches. With `torch_save_frames` (DCP's format) every tensor
+    item is laid out inside its `torch.save` frame: prefix, raw bytes, suffix."""
+    items = chunk_large_items(plan.items, [plan.nbytes(item) for item in plan.items], num_bins)
+    frames = tuple(_frame(plan, item) if torch_save_frames else None for item in items)
     index_of = {id(item): i for i, item in enumerate(items)}
-    nbytes = [item.nbytes for item in items]
+    nbytes = [item.nbytes + (len(frame[0]) + len(frame[1]) if frame else 0)
+              for item, frame in zip(items, frames, strict=True)]
     bins = split_by_size_and_type(num_bins, items, lambda item: item.nbytes)
     layouts = tuple(
         layout_bin(bin_file_name(rank, b), [index_of[id(item)] for item in bin_items], nbytes)
@@ -89,13 +94,25 @@ def file_plan(plan: SavePlan, *, num_bins: int, rank: int, batch_nbytes: int) ->
     )
     placed = {p.item_index: (layout.file_name, p.offset)
               for layout in layouts for p in layout.placements}
-    records = tuple(_record(plan, item, *placed[i]) for i, item in enumerate(items))
+    records = tuple(_record(plan, item, placed[i][0],
+                            placed[i][1] + (len(frames[i][0]) if frames[i] else 0))
+                    for i, item in enumerate(items))
     batches: tuple[tuple[Batch, ...], ...] = tuple(
         tuple(layout.batches(batch_nbytes)) for layout in layouts)
     return FilePlan(keys=tuple(item.key for item in items),
                     rows=tuple(item.rows for item in items), records=records,
                     layouts=layouts, batches=batches,
-                    write_items=tuple(item.write_item for item in items))
+                    write_items=tuple(item.write_item for item in items), frames=frames)
+
+
+def _frame(plan: SavePlan, item: PlannedItem) -> tuple[bytes, bytes] | None:
+    """The `torch.save` frame of a tensor item's chunk (None for pickled objects: their bytes
+    are already a `torch.save` blob)."""
+    if item.type == WriteItemType.BYTE_IO:
+        return None
+    data = item.write_item.tensor_data
+    assert data is not None
+    return torch_save_frame(item.chunk()[0], data.properties.dtype)
 
 
 def build_request(flat: FlatStateDict, path: str, plan: FilePlan, save_plan: SavePlan | None,
@@ -107,8 +124,10 @@ def build_request(flat: FlatStateDict, path: str, plan: FilePlan, save_plan: Sav
         payloads = [save_plan.payload(item) for item in plan.write_items]
     else:
         payloads = [_plain_payload(flat.leaves[key].value) for key in plan.keys]
-    sources = tuple(ItemSource(_rows(payload, rows))
-                    for payload, rows in zip(payloads, plan.rows, strict=True))
+    sources = tuple(ItemSource(_rows(payload, rows), head=frame[0] if frame else b"",
+                               tail=frame[1] if frame else b"")
+                    for payload, rows, frame in zip(payloads, plan.rows, plan.frames,
+                                                    strict=True))
     needs_slab = tuple(tuple(snapshot or any(sources[s.item_index].flat is None
                                              for s in batch.segments)
                              for batch in batches)
@@ -133,6 +152,9 @@ def _rows(payload: torch.Tensor | bytes, rows: tuple[int, int] | None) -> torch.
 def _record(plan: SavePlan, item: PlannedItem, file: str, offset: int) -> ItemRecord:
     key = item.key
     if item.type == WriteItemType.BYTE_IO:
+        if plan.flat.leaves[key].kind == "object":
+            return ItemRecord(key, "object", None, None, None, None, file, offset, item.nbytes,
+                              None, encoding="torch_save")
         return ItemRecord(key, "bytes", None, None, None, None, file, offset, item.nbytes, None)
     leaf = plan.flat.leaves[key]
     data = item.write_item.tensor_data

@@ -33,7 +33,7 @@ from asynctron._concurrency import RunBlocking
 from asynctron.engine._budget import ByteBudget
 from asynctron.errors import WouldBlock
 from asynctron.storage._checksum import ItemHasher
-from asynctron.storage._layout import Batch, Segment
+from asynctron.storage._layout import Batch
 
 
 class Slab:
@@ -104,22 +104,28 @@ class SlabPool:
 
 
 class ItemSource:
-    """The bytes of one item, as the stager reads them.
+    """The bytes of one item, as the stager reads them: `head`, then the body, then `tail`.
 
-    `flat` is a uint8 numpy view when the bytes can be memcpy'd (contiguous CPU tensor or
-    bytes); otherwise `tensor` is copied range by range with torch.
+    The body is the payload: `flat` is a uint8 numpy view when it can be memcpy'd (contiguous
+    CPU tensor or bytes); otherwise `tensor` is copied range by range with torch. `head` and
+    `tail` are constant bytes around it (a `torch.save` frame, in DCP's format), empty for
+    plain items; only the body is hashed.
     """
 
-    __slots__ = ("flat", "itemsize", "tensor")
+    __slots__ = ("body_nbytes", "flat", "head", "itemsize", "tail", "tensor")
 
-    def __init__(self, payload: torch.Tensor | bytes) -> None:
+    def __init__(self, payload: torch.Tensor | bytes, *, head: bytes = b"",
+                 tail: bytes = b"") -> None:
         self.tensor: torch.Tensor | None = None
         self.flat: np.ndarray | None = None
+        self.head, self.tail = head, tail
         if isinstance(payload, bytes):
             self.flat = np.frombuffer(payload, dtype=np.uint8)
             self.itemsize = 1
+            self.body_nbytes = len(payload)
             return
         self.itemsize = payload.dtype.itemsize
+        self.body_nbytes = payload.numel() * payload.dtype.itemsize
         plain = payload.is_contiguous() and not (payload.is_conj() or payload.is_neg())
         if payload.device.type == "cpu" and plain:
             self.flat = payload.reshape(-1).view(torch.uint8).numpy()
@@ -129,6 +135,17 @@ class ItemSource:
     @property
     def is_cuda(self) -> bool:
         return self.tensor is not None and self.tensor.device.type == "cuda"
+
+    def pieces(self, start: int, nbytes: int) -> list[tuple[str, int, int]]:
+        """Item bytes [start, +nbytes) as (`"head"`|`"body"`|`"tail"`, lo, hi) ranges, each in
+        its piece's own coordinates, in order."""
+        bounds = (("head", 0, len(self.head)),
+                  ("body", len(self.head), len(self.head) + self.body_nbytes),
+                  ("tail", len(self.head) + self.body_nbytes,
+                   len(self.head) + self.body_nbytes + len(self.tail)))
+        stop = start + nbytes
+        return [(name, max(start, lo) - lo, min(stop, hi) - lo) for name, lo, hi in bounds
+                if max(start, lo) < min(stop, hi)]
 
 
 def flat_range_views(tensor: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
@@ -186,41 +203,54 @@ def stage_batch(batch: Batch, sources: Sequence[ItemSource],
                 hashers: Sequence[ItemHasher] | None, slab: Slab | None, *, snapshot: bool,
                 ready: Mapping[torch.device, torch.cuda.Event],
                 copy_stream: Callable[[torch.device], torch.cuda.Stream]) -> list[memoryview]:
-    """Blocks: copy `batch` out of its sources into `slab`, hashing every segment; returns the
+    """Blocks: copy `batch` out of its sources into `slab`, hashing every body; returns the
     buffers to write (covering the whole batch, padding included).
 
     Without `snapshot`, contiguous CPU bytes are not copied: their buffers are the sources'
     own memory. CUDA segments are copied first, on each device's copy stream after the event
     the save was requested at, and waited for here, so CPU copies overlap them.
     """
-    views: list[memoryview] = []
-    cuda: dict[torch.device, list[tuple[Segment, ItemSource]]] = {}
+    views: list[list[memoryview]] = []
+    cuda: dict[torch.device, list[_DeviceCopy]] = {}
     in_place = False
     for segment in batch.segments:
         source = sources[segment.item_index]
         hasher = hashers[segment.item_index] if hashers is not None else None
-        lo, hi = segment.item_offset, segment.item_offset + segment.nbytes
-        if source.flat is not None and not snapshot:
-            in_place = True
-            views.append(memoryview(source.flat[lo:hi]))
-            if hasher is not None:
-                hasher.update(views[-1])
-            continue
-        assert slab is not None, "a copied segment needs a slab"
         at = segment.batch_offset
-        views.append(slab.view[at:at + segment.nbytes])
-        if source.flat is not None:
-            _copy_and_hash(slab.array[at:at + segment.nbytes], source.flat[lo:hi], hasher)
-        elif source.is_cuda:
-            assert source.tensor is not None
-            cuda.setdefault(source.tensor.device, []).append((segment, source))
-        else:
-            assert source.tensor is not None
-            typed = slab.tensor[at:at + segment.nbytes].view(source.tensor.dtype)
-            _copy_strided(typed, source.tensor, lo // source.itemsize, hi // source.itemsize,
-                          non_blocking=False)
-            if hasher is not None:
-                hasher.update(views[-1])
+        segment_views: list[memoryview] = []
+        for piece, lo, hi in source.pieces(segment.item_offset, segment.nbytes):
+            nbytes = hi - lo
+            if piece != "body":  # frame bytes: constant, not hashed
+                frame = memoryview(source.head if piece == "head" else source.tail)[lo:hi]
+                if slab is None:
+                    in_place = True
+                    segment_views.append(frame)
+                else:
+                    slab.view[at:at + nbytes] = frame
+                    segment_views.append(slab.view[at:at + nbytes])
+            elif source.flat is not None and not snapshot:
+                in_place = True
+                segment_views.append(memoryview(source.flat[lo:hi]))
+                if hasher is not None:
+                    hasher.update(segment_views[-1])
+            else:
+                assert slab is not None, "a copied segment needs a slab"
+                segment_views.append(slab.view[at:at + nbytes])
+                if source.flat is not None:
+                    _copy_and_hash(slab.array[at:at + nbytes], source.flat[lo:hi], hasher)
+                elif source.is_cuda:
+                    assert source.tensor is not None
+                    cuda.setdefault(source.tensor.device, []).append(
+                        _DeviceCopy(source, segment.item_index, lo, at, nbytes))
+                else:
+                    assert source.tensor is not None
+                    typed = slab.tensor[at:at + nbytes].view(source.tensor.dtype)
+                    _copy_strided(typed, source.tensor, lo // source.itemsize,
+                                  hi // source.itemsize, non_blocking=False)
+                    if hasher is not None:
+                        hasher.update(segment_views[-1])
+            at += nbytes
+        views.append(segment_views)
     events = [_launch_d2h(slab, copies, ready[device], copy_stream(device))
               for device, copies in cuda.items()]
     if slab is not None:
@@ -230,27 +260,38 @@ def stage_batch(batch: Batch, sources: Sequence[ItemSource],
         event.synchronize()
     if hashers is not None:
         for copies in cuda.values():
-            for segment, _ in copies:
-                at = segment.batch_offset
-                hashers[segment.item_index].update(slab.view[at:at + segment.nbytes])
+            for copy in copies:
+                assert slab is not None
+                hashers[copy.item_index].update(slab.view[copy.at:copy.at + copy.nbytes])
     if slab is not None and not in_place:
         return [slab.view[:batch.nbytes]]
     return _with_padding(batch, views)
 
 
-def _launch_d2h(slab: Slab | None, copies: Sequence[tuple[Segment, ItemSource]],
+@dataclass(frozen=True, slots=True)
+class _DeviceCopy:
+    """Body bytes [body_offset, +nbytes) of a CUDA source → slab bytes [at, +nbytes)."""
+
+    source: ItemSource
+    item_index: int
+    body_offset: int
+    at: int
+    nbytes: int
+
+
+def _launch_d2h(slab: Slab | None, copies: Sequence[_DeviceCopy],
                 ready: torch.cuda.Event, stream: torch.cuda.Stream) -> torch.cuda.Event:
     """Queue the device-to-host copies on `stream` (returns at once); returns their event."""
     assert slab is not None
     with torch.cuda.stream(stream):
         stream.wait_event(ready)
-        for segment, source in copies:
-            assert source.tensor is not None
-            at = segment.batch_offset
-            typed = slab.tensor[at:at + segment.nbytes].view(source.tensor.dtype)
-            _copy_strided(typed, source.tensor, segment.item_offset // source.itemsize,
-                          (segment.item_offset + segment.nbytes) // source.itemsize,
-                          non_blocking=True)
+        for copy in copies:
+            tensor = copy.source.tensor
+            assert tensor is not None
+            itemsize = copy.source.itemsize
+            typed = slab.tensor[copy.at:copy.at + copy.nbytes].view(tensor.dtype)
+            _copy_strided(typed, tensor, copy.body_offset // itemsize,
+                          (copy.body_offset + copy.nbytes) // itemsize, non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
     return event
@@ -333,17 +374,16 @@ def _gaps(batch: Batch) -> list[tuple[int, int]]:
     return gaps
 
 
-def _with_padding(batch: Batch, views: Sequence[memoryview | None]) -> list[memoryview]:
-    """iovecs for a batch: each segment's view, with zero bytes for the gaps between them."""
+def _with_padding(batch: Batch, views: Sequence[Sequence[memoryview]]) -> list[memoryview]:
+    """iovecs for a batch: each segment's views, with zero bytes for the gaps between them."""
     buffers: list[memoryview] = []
     cursor = 0
-    for segment, view in zip(batch.segments, views, strict=True):
-        assert view is not None
+    for segment, segment_views in zip(batch.segments, views, strict=True):
         gap = segment.batch_offset - cursor
         while gap > 0:
             buffers.append(_ZEROS[:min(gap, _ZEROS.nbytes)])
             gap -= buffers[-1].nbytes
-        buffers.append(view)
+        buffers.extend(segment_views)
         cursor = segment.batch_offset + segment.nbytes
     tail = batch.nbytes - cursor
     while tail > 0:

@@ -1,5 +1,5 @@
 """torch.distributed.checkpoint's own on-disk format: reading stock DCP checkpoints without
-unpickling anything but DCP's metadata types.
+unpickling anything but DCP's metadata types, and what writing it (`format="dcp"`) needs.
 
 A DCP checkpoint is a directory holding a pickled `.metadata` (a `Metadata`: per key, its
 tensor chunks or a bytes entry; per stored item, its file, offset and length; the mapping of
@@ -11,24 +11,35 @@ only DCP's metadata classes, torch dtypes and `torch.Size` (any other global is 
 `CorruptCheckpointError` naming it), and item blobs go through `torch.load(weights_only=True)`
 (tensors, containers and numpy arrays only). The result is an ordinary `Manifest` whose items
 say `encoding="torch_save"`, so the engine's loader reads both formats.
+
+Writing: a `torch.save` blob of a contiguous tensor is a constant prefix, the raw bytes and a
+constant suffix, given the dtype and shape (`torch_save_frame`), so asynctron's pipeline writes
+DCP's files at its own speed: frames around raw bodies, plus `metadata_bytes`.
 """
 
 from __future__ import annotations
 
+import functools
 import io
+import itertools
 import os
 import pickle
 import re
+import threading
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
+    TensorProperties,
     TensorStorageMetadata,
 )
 
@@ -197,6 +208,110 @@ def _encode(node: Any) -> Structure:
     if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
         return {"list": [_encode(node[i]) for i in range(len(node))]}
     return {"dict": [[k, _encode(v)] for k, v in node.items()]}
+
+
+class _SparseSink(io.RawIOBase):
+    """A seekable binary sink that keeps what is written and skips what is seeked over."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.position = 0
+        self.parts: list[tuple[int, bytes]] = []
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        chunk = bytes(data)
+        self.parts.append((self.position, chunk))
+        self.position += len(chunk)
+        return len(chunk)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.position = offset if whence == io.SEEK_SET else self.position + offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+
+_FRAME_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=4096)
+def torch_save_frame(shape: tuple[int, ...], dtype: torch.dtype) -> tuple[bytes, bytes]:
+    """(prefix, suffix) such that prefix + the tensor's raw bytes (C order) + suffix is what
+    `torch.save` writes for a contiguous CPU tensor of `shape` and `dtype`, without CRC-32s
+    (`torch.load` does not check them). Built with `torch.serialization.skip_data` into a sink
+    that skips the data, so no byte of the tensor is touched, whatever its size.
+
+    Thread-safe; torch's CRC option is process-wide, so it is switched off only for the
+    moment of the call, under a lock.
+    """
+    tensor = torch.empty(shape, dtype=dtype)
+    nbytes = tensor.numel() * tensor.element_size()
+    sink = _SparseSink()
+    with _FRAME_LOCK:
+        computing_crc = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(False)
+        try:
+            with torch.serialization.skip_data():
+                torch.save(tensor, sink)
+        finally:
+            torch.serialization.set_crc32_options(computing_crc)
+    parts = sorted(sink.parts)
+    holes = [(end, start) for (at, data), (start, _) in itertools.pairwise(parts)
+             if (end := at + len(data)) < start]
+    if nbytes and len(holes) == 1 and holes[0][1] - holes[0][0] == nbytes:
+        data_start = holes[0][0]
+    elif not nbytes and not holes:
+        data_start = sink.position
+    else:
+        raise RuntimeError(f"torch.save of {dtype} {list(shape)}: expected one hole of {nbytes} "
+                           f"bytes for the data with skip_data, found {holes}; this torch "
+                           "version lays out its files differently")
+    prefix = b"".join(data for at, data in parts if at < data_start)
+    suffix = b"".join(data for at, data in parts if at >= data_start + nbytes)
+    assert len(prefix) == data_start and len(prefix) + nbytes + len(suffix) == sink.position
+    return prefix, suffix
+
+
+def metadata_bytes(records: Sequence[ItemRecord], frames: Sequence[tuple[int, int] | None],
+                   paths: Mapping[str, tuple[str | int, ...]], checkpoint_id: str) -> bytes:
+    """A DCP `.metadata` (pickled `Metadata`) for items laid out in DCP's format: each tensor
+    record is the raw body of a `torch.save` blob whose frame lengths `frames` gives; each
+    object record is a whole blob. `paths` maps keys to their nested paths (DCP's planner data,
+    so stock `dcp.load` fills a nested state dict)."""
+    state_dict_metadata: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    storage_data: dict[MetadataIndex, _StorageInfo] = {}
+    for record, frame in zip(records, frames, strict=True):
+        if record.kind == "object":
+            state_dict_metadata[record.key] = BytesStorageMetadata()
+            storage_data[MetadataIndex(record.key)] = _StorageInfo(record.file, record.offset,
+                                                                   record.nbytes)
+            continue
+        assert frame is not None and record.dtype is not None
+        assert record.shape is not None and record.global_shape is not None
+        assert record.chunk_offsets is not None
+        entry = state_dict_metadata.setdefault(record.key, TensorStorageMetadata(
+            properties=TensorProperties(dtype=TORCH_DTYPES[record.dtype]),
+            size=torch.Size(record.global_shape), chunks=[]))
+        assert isinstance(entry, TensorStorageMetadata)
+        chunk = ChunkStorageMetadata(offsets=torch.Size(record.chunk_offsets),
+                                     sizes=torch.Size(record.shape))
+        entry.chunks.append(chunk)
+        head, tail = frame
+        storage_data[MetadataIndex(record.key, chunk.offsets, len(entry.chunks) - 1)] = (
+            _StorageInfo(record.file, record.offset - head, head + record.nbytes + tail))
+    metadata = Metadata(state_dict_metadata=state_dict_metadata, planner_data=dict(paths),
+                        storage_data=storage_data,
+                        storage_meta=StorageMeta(checkpoint_id=checkpoint_id,
+                                                 save_id=uuid.uuid4().hex),
+                        version=CURRENT_DCP_VERSION)
+    return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 _NUMPY_GLOBALS = [np.ndarray, np.dtype, np._core.multiarray._reconstruct] + [

@@ -38,8 +38,8 @@ class ItemRecord:
 
     `encoding` says how the stored bytes hold the value: `"raw"` (the tensor's bytes, as
     asynctron writes them) or `"torch_save"` (a `torch.save` blob, as in a stock DCP
-    checkpoint, where kind `"object"` is a saved Python value). Only raw items appear in an
-    asynctron manifest; the field is not stored.
+    checkpoint, where kind `"object"` is a saved Python value). An asynctron manifest stores
+    the field only for `torch_save` items (objects in a checkpoint saved in DCP's format).
     """
 
     key: str
@@ -94,9 +94,9 @@ class Manifest:
 
 
 def _item_json(item: ItemRecord) -> dict[str, Any]:
-    assert item.encoding == "raw", "only raw items are stored in an asynctron manifest"
     fields = asdict(item)
-    del fields["encoding"]
+    if item.encoding == "raw":
+        del fields["encoding"]
     return fields
 
 
@@ -173,8 +173,12 @@ def _parse_item(raw: Any, files: dict[str, int], algorithm: str | None, fail: An
     kind = raw.get("kind")
     file, offset, nbytes = raw.get("file"), raw.get("offset"), raw.get("nbytes")
     checksum = raw.get("checksum")
-    if kind not in ("tensor", "ndarray", "bytes"):
-        raise fail(f"item {key!r} kind {kind!r}: expected tensor, ndarray or bytes", key)
+    encoding = raw.get("encoding", "raw")
+    if kind not in ("tensor", "ndarray", "bytes", "object"):
+        raise fail(f"item {key!r} kind {kind!r}: expected tensor, ndarray, bytes or object", key)
+    if encoding != ("torch_save" if kind == "object" else "raw"):
+        raise fail(f"item {key!r} encoding {encoding!r}: expected torch_save for objects, raw "
+                   "otherwise", key)
     if file not in files:
         raise fail(f"item {key!r} file {file!r}: expected one of the manifest's files", key)
     if not (_is_count(offset) and _is_count(nbytes)) or offset + nbytes > files[file]:
@@ -183,8 +187,9 @@ def _parse_item(raw: Any, files: dict[str, int], algorithm: str | None, fail: An
     if not (is_digest(checksum) if algorithm is not None else checksum is None):
         expected = "16 lowercase hex digits" if algorithm is not None else "null"
         raise fail(f"item {key!r} checksum {checksum!r}: expected {expected} ({algorithm})", key)
-    if kind == "bytes":
-        return ItemRecord(key, kind, None, None, None, None, file, offset, nbytes, checksum)
+    if kind in ("bytes", "object"):
+        return ItemRecord(key, kind, None, None, None, None, file, offset, nbytes, checksum,
+                          encoding)
     dtype = raw.get("dtype")
     table = TORCH_DTYPES if kind == "tensor" else NUMPY_DTYPES
     if dtype not in table:

@@ -36,10 +36,11 @@ _JSON_LEAVES = (str, int, float, bool, type(None))
 
 @dataclass(frozen=True, slots=True)
 class Leaf:
-    """One item's payload: a CPU/CUDA tensor (numpy arrays are viewed as tensors) or bytes."""
+    """One item's payload: a CPU/CUDA tensor (numpy arrays are viewed as tensors), bytes, or
+    (kind `"object"`, for DCP's format) a Python value DCP pickles."""
 
     kind: ItemKind
-    value: torch.Tensor | bytes
+    value: Any
     numpy_dtype: str | None = None
     original: Any = None
     """The caller's own object (tensor or ndarray) that `value` views, for in-place loads."""
@@ -57,8 +58,12 @@ def _join(prefix: str, key: str | int) -> str:
     return f"{prefix}.{key}" if prefix else str(key)
 
 
-def flatten(state_dict: Mapping[str, Any]) -> FlatStateDict:
+def flatten(state_dict: Mapping[str, Any], *, values_as_items: bool = False) -> FlatStateDict:
     """Split `state_dict` into a JSON structure and the items that need bytes on storage.
+
+    With `values_as_items` (DCP's format), the state dict is cut where DCP's own traversal
+    cuts it: every value that is not a tensor becomes an item of kind `"object"`, as DCP
+    pickles it, and so do tuples and lists holding no tensor or dict (e.g. `betas`).
 
     Raises:
         TypeError: a key, a leaf or a tensor dtype/layout asynctron cannot store (names the key
@@ -76,6 +81,10 @@ def flatten(state_dict: Mapping[str, Any]) -> FlatStateDict:
     def walk(node: Any, path: str) -> Structure:
         if isinstance(node, torch.Tensor):
             return _add_leaf(path, _tensor_leaf(node, path))
+        if values_as_items and _dcp_terminal(node):
+            _check_object(node, path)
+            return _add_leaf(path, Leaf("object", bytes(node) if isinstance(
+                node, bytearray | memoryview) else node))
         if isinstance(node, np.ndarray):
             return _add_leaf(path, _ndarray_leaf(node, path))
         if isinstance(node, bytes | bytearray | memoryview):
@@ -112,6 +121,36 @@ def flatten(state_dict: Mapping[str, Any]) -> FlatStateDict:
 
     structure = walk(state_dict, "")
     return FlatStateDict(structure=structure, leaves=leaves)
+
+
+def _dcp_terminal(value: Any) -> bool:
+    """Whether DCP's traversal (`torch.distributed.checkpoint._traverse`) keeps `value` whole:
+    anything but a tensor, a mapping, or a list holding tensors or such containers."""
+    if isinstance(value, torch.Tensor | Mapping):
+        return False
+    if not isinstance(value, list):
+        return True
+    return all(not isinstance(entry, torch.Tensor) and (
+        not isinstance(entry, Mapping | list) or _dcp_terminal(entry)) for entry in value)
+
+
+def _check_object(value: Any, path: str) -> None:
+    """A value DCP pickles must hold only what loading admits (`weights_only`): JSON values,
+    bytes, ndarrays, tensors, and lists, tuples and dicts of them."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Mapping):
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            stack.extend(node)
+        elif isinstance(node, np.ndarray):
+            numpy_dtype_name(node.dtype, path)
+        elif not isinstance(node, (torch.Tensor, bytes, bytearray, memoryview, *_JSON_LEAVES)):
+            raise TypeError(
+                f"value at key {path!r}: expected tensors, ndarrays, bytes, JSON values and "
+                f"containers of them, found {type(node).__module__}.{type(node).__qualname__}; "
+                "convert it before saving")
 
 
 def _check_key(key: object, path: str) -> str | int:
@@ -161,6 +200,23 @@ def unflatten(structure: Structure, items: Mapping[str, Any]) -> Any:
     raise ValueError(f"structure node tag {tag!r}: expected dict, list, tuple, item or value")
 
 
+def item_paths(structure: Structure) -> dict[str, tuple[str | int, ...]]:
+    """Every item's nested path, as DCP's planner data records it: dict keys as strings, list
+    and tuple positions as ints."""
+    paths: dict[str, tuple[str | int, ...]] = {}
+    stack: list[tuple[tuple[str | int, ...], Structure]] = [((), structure)]
+    while stack:
+        path, node = stack.pop()
+        (tag, body), = node.items()
+        if tag == "item":
+            paths[body] = path
+        elif tag == "dict":
+            stack.extend(((*path, str(key)), child) for key, child in body)
+        elif tag in ("list", "tuple"):
+            stack.extend(((*path, i), child) for i, child in enumerate(body))
+    return paths
+
+
 def merge_structures(structures: list[Structure]) -> Structure:
     """One structure for several ranks' state dicts: the first's, plus, at every depth, the
     dict keys only later ones have. Values and lists come from the first rank that has them."""
@@ -180,7 +236,8 @@ def _merge(first: Structure, other: Structure) -> Structure:
 
 
 def item_nbytes(item: WriteItem, leaf: Leaf) -> int:
-    """Bytes of this item on storage: its LOCAL chunk (Megatron's fix), not the global tensor."""
+    """Bytes of a tensor or bytes item on storage: its LOCAL chunk (Megatron's fix), not the
+    global tensor. (A pickled object's size is known once pickled: `SavePlan.nbytes`.)"""
     if item.type == WriteItemType.BYTE_IO:
         assert isinstance(leaf.value, bytes)
         return len(leaf.value)
@@ -192,20 +249,29 @@ def item_nbytes(item: WriteItem, leaf: Leaf) -> int:
 @dataclass(frozen=True, slots=True)
 class SavePlan:
     """What one rank writes: DCP's final write items, their payloads and, on the coordinator,
-    the global DCP metadata."""
+    the global DCP metadata. Object leaves (DCP's format) are pickled once, by DCP's planner,
+    when the plan is made (`pickled`)."""
 
     flat: FlatStateDict
     items: list[WriteItem]
     metadata: Metadata | None
     planner: DefaultSavePlanner
+    pickled: dict[str, bytes]
 
     def payload(self, item: WriteItem) -> torch.Tensor | bytes:
         """The tensor (local shard for DTensor) or bytes to write for `item`."""
         if item.type == WriteItemType.BYTE_IO:
-            return self.flat.leaves[item.index.fqn].value
+            key = item.index.fqn
+            return self.pickled[key] if key in self.pickled else self.flat.leaves[key].value
         tensor = self.planner.resolve_data(item)
         assert isinstance(tensor, torch.Tensor)
         return tensor.detach()
+
+    def nbytes(self, item: WriteItem) -> int:
+        """Bytes of `item` on storage (`item_nbytes`, or its pickle's size)."""
+        key = item.index.fqn
+        return len(self.pickled[key]) if key in self.pickled else item_nbytes(
+            item, self.flat.leaves[key])
 
 
 def plan_local(flat: FlatStateDict, *, is_coordinator: bool
@@ -229,9 +295,13 @@ def plan_global(planner: DefaultSavePlanner, local_plans: list[DcpSavePlan]
 
 def plan_final(flat: FlatStateDict, planner: DefaultSavePlanner, plan: DcpSavePlan,
                metadata: Metadata | None) -> SavePlan:
-    """DCP's finish step for this rank's share of the global plan."""
-    return SavePlan(flat=flat, items=list(planner.finish_plan(plan).items), metadata=metadata,
-                    planner=planner)
+    """DCP's finish step for this rank's share of the global plan (object leaves pickled by
+    DCP's planner, as `torch.save` blobs)."""
+    items = list(planner.finish_plan(plan).items)
+    pickled = {item.index.fqn: planner.resolve_data(item).getvalue() for item in items
+               if item.type == WriteItemType.BYTE_IO
+               and flat.leaves[item.index.fqn].kind == "object"}
+    return SavePlan(flat=flat, items=items, metadata=metadata, planner=planner, pickled=pickled)
 
 
 def plan_save(flat: FlatStateDict) -> SavePlan:

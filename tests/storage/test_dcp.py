@@ -3,6 +3,7 @@ anything but DCP's metadata types and plain values."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 
@@ -104,3 +105,90 @@ async def test_an_item_outside_its_file_is_refused(tmp_path: object) -> None:
 async def _load(path: str) -> dict:
     async with Engine() as engine:
         return await engine.load(path)
+
+
+def _rich_state() -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "model": {"w": torch.randn(8, 4, generator=g),
+                  "big": torch.randn(1 << 16, 192, generator=g),  # 48 MiB: cut into 2 chunks
+                  "h": torch.randn(3, generator=g).to(torch.bfloat16),
+                  "flags": torch.tensor([True, False]), "z": torch.empty(0, 3),
+                  "t": torch.randn(4, 6, generator=g).t()},
+        "optim": {"state": {0: {"exp_avg": torch.randn(8, 4, generator=g), "step": 3}},
+                  "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99), "params": [0]}]},
+        "step": 7, "name": "run-1", "none": None, "blob": b"\x00\x01",
+        "arr": np.arange(6, dtype=np.int32).reshape(2, 3),
+        "layers": [torch.ones(2), torch.zeros(2, 2)],
+    }
+
+
+def _template(state: dict) -> dict:
+    """What a trainer hands stock `dcp.load`: the same structure with placeholder values."""
+    if isinstance(state, dict):
+        return {k: _template(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_template(v) for v in state]
+    if isinstance(state, torch.Tensor):
+        return torch.full_like(state.contiguous(), 0) if state.numel() else state.clone()
+    return state if isinstance(state, tuple) else None
+
+
+async def test_format_dcp_is_read_by_stock_dcp_load(shm_path: str) -> None:
+    """`format="dcp"`: stock `torch.distributed.checkpoint.load` fills a nested state dict with
+    what asynctron saved (tensors of every kind, a tensor cut into chunks, pickled values)."""
+    state = _rich_state()
+    async with Engine(num_bins=2) as engine:
+        await engine.save(state, f"{shm_path}/d", format="dcp")
+    target = _template(state)
+    dcp.load(target, checkpoint_id=f"{shm_path}/d", no_dist=True)
+    expected = dict(state, model=dict(state["model"], t=state["model"]["t"].contiguous()))
+    expected["optim"] = {"state": {0: state["optim"]["state"][0]},
+                         "param_groups": state["optim"]["param_groups"]}
+    assert_same(expected["model"], target["model"])
+    assert_same(expected["layers"], target["layers"])
+    assert target["step"] == 7 and target["name"] == "run-1" and target["none"] is None
+    assert target["blob"] == b"\x00\x01" and np.array_equal(target["arr"], state["arr"])
+    assert target["optim"]["param_groups"] == state["optim"]["param_groups"]
+    assert torch.equal(target["optim"]["state"][0]["exp_avg"],
+                       state["optim"]["state"][0]["exp_avg"])
+
+
+async def test_format_dcp_reads_back_through_either_manifest(shm_path: str) -> None:
+    """asynctron reads its DCP-format checkpoint raw, with checksums (`manifest.json`), or as
+    any DCP checkpoint (`.metadata`)."""
+    state = _rich_state()
+    async with Engine(num_bins=2) as engine:
+        await engine.save(state, f"{shm_path}/d", format="dcp")
+        raw = await engine.load(f"{shm_path}/d")
+        os.rename(f"{shm_path}/d/manifest.json", f"{shm_path}/manifest.json.away")
+        through_dcp = await engine.load(f"{shm_path}/d")
+    assert_same(state, raw)
+    state["optim"]["state"] = {"0": state["optim"]["state"][0]}  # DCP keeps dict keys as str
+    assert_same(state, through_dcp)
+
+
+async def test_format_dcp_items_are_checksummed(shm_path: str) -> None:
+    state = {"w": torch.arange(1000.0), "step": 3}
+    async with Engine() as engine:
+        await engine.save(state, f"{shm_path}/d", format="dcp")
+        with open(f"{shm_path}/d/manifest.json") as f:
+            w = next(item for item in json.load(f)["items"] if item["key"] == "w")
+        with open(f"{shm_path}/d/{w['file']}", "r+b") as f:
+            f.seek(w["offset"] + 7)
+            byte = f.read(1)
+            f.seek(w["offset"] + 7)
+            f.write(bytes([byte[0] ^ 0x10]))
+        with pytest.raises(CorruptCheckpointError, match=r"^item 'w' in .*: expected xxh3_64 "):
+            await engine.load(f"{shm_path}/d")
+
+
+async def test_format_dcp_refuses_what_loading_could_not_read(shm_path: str) -> None:
+    async with Engine() as engine:
+        with pytest.raises(TypeError, match=r"^value at key 'extra': expected tensors, ndarrays, "
+                                            r"bytes, JSON values and containers of them, found "
+                                            r".*Gadget"):
+            engine.save({"extra": (1, Gadget())}, f"{shm_path}/d", format="dcp")
+        with pytest.raises(ValueError, match=r"^format: expected 'asynctron' or 'dcp', found "
+                                             r"'zip'$"):
+            engine.save({"w": torch.ones(1)}, f"{shm_path}/d", format="zip")  # type: ignore[arg-type]
