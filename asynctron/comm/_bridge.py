@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from typing import Any, TypeVar
 
 import torch
@@ -103,8 +104,16 @@ def peer_error(what: str, process_group: dist.ProcessGroup | None,
     me = dist.get_rank()
     culprit = next(r for r in ranks if r != me) if world == 2 else None
     found = "rank {culprit}" if culprit is not None else f"a rank of {ranks}"
-    detail = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    detail = _first_sentence(str(cause)) or type(cause).__name__
     return PeerError(
         f"{what} on ranks {ranks}: expected every rank to take part, found "
         f"{found.format(culprit=culprit)} gone or late ({detail}); stop this rank and restart "
         "the job from its last checkpoint", rank=culprit)
+
+
+def _first_sentence(message: str) -> str:
+    """`[gloo/pair.cc:553] Connection closed by peer [::1]:123. This is ...` -> `Connection
+    closed by peer [::1]:123`: the backend's message without its source location or advice."""
+    lines = message.strip().splitlines()
+    text = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else ""
+    return text.split(". ")[0].rstrip(".")

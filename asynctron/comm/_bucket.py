@@ -71,6 +71,8 @@ class AllReduceTask:
 
     def done(self) -> bool:
         """Whether the backend has finished (or failed) the all-reduce."""
+        if self._future is not None:  # it completes before the work's own flag is set
+            return self._future.done()
         return self._work.is_completed()
 
     def result(self, timeout_s: float | None = None) -> None:

@@ -75,7 +75,7 @@ class CollectiveGroup:
         self._run_blocking = run_blocking
         self._lock = asyncio.Lock()
         self._num_calls = 0
-        self._broken: PeerError | None = None
+        self._broken: tuple[str, PeerError] | None = None  # (which call, its error)
 
     def _global(self, group_rank: int, name: str) -> int:
         if not (isinstance(group_rank, int) and 0 <= group_rank < self.world_size):
@@ -100,10 +100,10 @@ class CollectiveGroup:
         async def run() -> list[Any]:
             sizes = await self._gather_sizes(payload.numel())
             width = max(sizes)
-            out = torch.empty(width * self.world_size, dtype=torch.uint8)
-            await self._wait(dist.all_gather_into_tensor(
-                out, _padded(payload, width), group=self.process_group, async_op=True))
-            return [_from_bytes(out[r * width:r * width + size]) for r, size in enumerate(sizes)]
+            slots = [torch.empty(width, dtype=torch.uint8) for _ in range(self.world_size)]
+            await self._wait(dist.all_gather(slots, _padded(payload, width),
+                                             group=self.process_group, async_op=True))
+            return [_from_bytes(slot[:size]) for slot, size in zip(slots, sizes, strict=True)]
 
         return await self._call("all_gather_object", run)
 
@@ -158,11 +158,10 @@ class CollectiveGroup:
         await self._call("barrier", run)
 
     async def _gather_sizes(self, nbytes: int) -> list[int]:
-        sizes = torch.empty(self.world_size, dtype=torch.int64)
-        await self._wait(dist.all_gather_into_tensor(
-            sizes, torch.tensor([nbytes], dtype=torch.int64), group=self.process_group,
-            async_op=True))
-        return sizes.tolist()
+        sizes = [torch.empty(1, dtype=torch.int64) for _ in range(self.world_size)]
+        await self._wait(dist.all_gather(sizes, torch.tensor([nbytes], dtype=torch.int64),
+                                         group=self.process_group, async_op=True))
+        return [int(size) for size in sizes]
 
     async def _wait(self, work: dist.Work | None) -> None:
         assert work is not None
@@ -171,10 +170,11 @@ class CollectiveGroup:
     async def _call(self, name: str, run: Callable[[], Awaitable[T]]) -> T:
         async with self._lock:
             if self._broken is not None:
+                what, error = self._broken
                 raise PeerError(
                     f"collective group of {self.world_size} ranks: expected a working group for "
-                    f"{name}, found it broken by an earlier failure ({self._broken}); create a "
-                    "new group or restart the job", rank=self._broken.rank)
+                    f"{name}, found it broken by an earlier failure of {what}; create a new "
+                    "group or restart the job", rank=error.rank)
             self._num_calls += 1
             what = f"{name} (call {self._num_calls})"
             task = asyncio.get_running_loop().create_task(self._guarded(what, run))
@@ -191,12 +191,14 @@ class CollectiveGroup:
             async with asyncio.timeout(self.timeout_s):
                 return await run()
         except TimeoutError as exc:
-            self._broken = peer_error(what, self.process_group, TimeoutError(
+            error = peer_error(what, self.process_group, TimeoutError(
                 f"not complete within timeout_s={self.timeout_s:g}"))
-            raise self._broken from exc
+            self._broken = (what, error)
+            raise error from exc
         except (RuntimeError, dist.DistError) as exc:
-            self._broken = peer_error(what, self.process_group, exc)
-            raise self._broken from exc
+            error = peer_error(what, self.process_group, exc)
+            self._broken = (what, error)
+            raise error from exc
 
     def __repr__(self) -> str:
         state = "broken" if self._broken is not None else f"{self._num_calls} calls"

@@ -75,7 +75,7 @@ def run_ranks(target: Callable[..., Any], world_size: int, out_dir: str, *args: 
 def _rank_main(target: Callable[..., Any], rank: int, world_size: int, port: int, out_dir: str,
                pg_timeout_s: float, args: tuple[Any, ...]) -> None:
     import torch
-    import torch.distributed as dist
+    import torch.distributed as dist  # imported in the child, after spawn
 
     torch.set_num_threads(1)
     value, error = None, None
@@ -88,6 +88,6 @@ def _rank_main(target: Callable[..., Any], rank: int, world_size: int, port: int
         error = traceback.format_exc()
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump((value, error), f)
-    if error is None:
-        dist.destroy_process_group()
+    # No destroy_process_group(): a rank whose peer died may still hold failed work; exiting
+    # closes its connections either way.
     os._exit(0 if error is None else 1)

@@ -30,6 +30,7 @@ from asynctron.comm import (
     wait_work,
 )
 from asynctron.engine import Engine
+from asynctron.errors import BusyError
 from asynctron.testing import LoopWatchdog
 
 BUCKET_MB = 0.01  # 10 KiB: several buckets even for these small models
@@ -313,6 +314,45 @@ def misuse(rank: int, world: int) -> dict[str, str]:
     return errors
 
 
+def cancelled_synchronize(rank: int, world: int) -> dict[str, str]:
+    """Rank 0 cancels synchronize() while rank 1 has not even run backward (it waits on a
+    barrier of a dedicated group that rank 0 joins only after the cancellation)."""
+    dedicated = new_gloo_group(timeout_s=30)
+    ours, reference = mlp(0), DDP(mlp(0), bucket_cap_mb=BUCKET_MB)
+    manager = BucketManager(ours, bucket_size_mb=BUCKET_MB)
+    seen = {}
+
+    async def run() -> None:
+        async with Engine(num_workers=1) as engine:
+            group = CollectiveGroup(dedicated, run_blocking=engine.run_blocking, timeout_s=30)
+            x, y = batch(rank, 0)
+            if rank == 0:
+                loss_of(ours(x), y).backward()
+                task = asyncio.get_running_loop().create_task(manager.synchronize())
+                for _ in range(5):
+                    await asyncio.sleep(0)
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    seen["cancelled"] = "yes"
+                try:
+                    manager.zero_grad()
+                except BusyError as exc:
+                    seen["zero_grad"] = str(exc)
+                await group.barrier()  # now rank 1 may go on
+            else:
+                await group.barrier()
+                loss_of(ours(x), y).backward()
+            await manager.synchronize()
+            loss_of(reference(x), y).backward()
+            assert_grads_equal(ours, reference.module, "after a cancelled synchronize",
+                               rtol=1e-6, atol=1e-7)
+
+    uvloop.run(run())
+    return seen
+
+
 def data_parallel(rank: int, world: int) -> None:
     net = mlp(100 + rank)  # different weights on every rank until broadcast
     reference = DDP(mlp(100 + rank), bucket_cap_mb=BUCKET_MB)  # DDP broadcasts rank 0's
@@ -364,7 +404,7 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
             after = await group.all_gather_object(rank)
             # A Work without a future (gloo reduce_scatter) waits on the engine's thread.
             out = torch.empty(2)
-            work = dist.reduce_scatter_tensor(out, torch.arange(2.0 * world) + rank,
+            work = dist.reduce_scatter_single(out, torch.arange(2.0 * world) + rank,
                                               group=dedicated, async_op=True)
             assert work is not None
             await wait_work(work, run_blocking=engine.run_blocking)
@@ -396,7 +436,8 @@ def loop_stays_free(rank: int, world: int) -> dict[str, float]:
 
 SCENARIOS: dict[str, Callable[[int, int], Any]] = {
     fn.__name__: fn for fn in (parity, launch_order, unused, missing_gradient, no_sync, bf16,
-                               misuse, data_parallel, collectives, loop_stays_free)}
+                               misuse, cancelled_synchronize, data_parallel, collectives,
+                               loop_stays_free)}
 THREE_RANKS = ("parity", "launch_order", "unused", "no_sync", "collectives")
 
 
@@ -486,6 +527,12 @@ def test_a_second_backward_or_a_missing_reset_is_a_clear_error(spawned: Any) -> 
         assert "expected one gradient per step, found a second" in errors["second_backward"]
         assert "expected zero_grad() between a synchronized step and the next backward" in (
             errors["stale"])
+
+
+def test_a_cancelled_synchronize_can_be_resumed(spawned: Any) -> None:
+    seen = outcome(spawned(2), "cancelled_synchronize")[0]
+    assert seen["cancelled"] == "yes"
+    assert seen["zero_grad"].startswith("bucket manager: expected no all-reduce in flight")
 
 
 def test_data_parallel_face_trains_like_ddp(spawned: Any) -> None:
