@@ -39,7 +39,7 @@ from asynctron.storage import LocalFileIO, Manifest, read_manifest, resolve_chec
 from asynctron.storage._reader import CheckpointReader
 
 #: Benchmark scenario -> module under the source checkout's `bench/` directory.
-BENCH_SCENARIOS = {"save": "bench.save_throughput"}
+BENCH_SCENARIOS = {"save": "bench.save_throughput", "comm": "bench.allreduce_overlap"}
 
 
 def main(argv: list[str] | None = None) -> int:
