@@ -10,11 +10,12 @@ bucket size (1, 4, 25, 100 MiB, with a 1 MiB first bucket on both sides: DDP get
 timed with `time.perf_counter` from forward to synchronized gradients, the two alternating
 round by round after an untimed warm-up, each step started on both ranks together (a barrier
 on a separate gloo group). A step's time is the slower rank's; medians over the rounds are
-reported, with the ratio asynctron / DDP (target <= 1.05). Also measured, per model: compute
-only (forward + backward, no communication) and one all-reduce of every gradient at once (the
-communication with nothing to hide it); per bucket size, the exposed communication (from the
-last gradient hook until the gradients are synchronized; DDP: until backward returns) and the
-loop's worst heartbeat delay during `synchronize()` (an extra untimed round).
+reported, with the ratio asynctron / DDP (target <= 1.05). Also measured: compute only
+(forward + backward of the same model with nothing communicated, in the same rounds), one
+all-reduce of every gradient at once (the communication with nothing to hide it), the exposed
+communication (from the last gradient hook until the gradients are synchronized; DDP: until
+backward returns) and the loop's worst heartbeat delay during `synchronize()` (an extra
+untimed round).
 
 Run: `python -m bench.allreduce_overlap` (or `asynctron bench comm`); `--quick` for a smoke run;
 `--device cuda --backend nccl` on a machine with one GPU per rank.
@@ -103,23 +104,28 @@ class _Step:
         return self.clock.now()
 
 
-def _baselines(model: torch.nn.Module, num_params: int, step: _Step, args: argparse.Namespace,
-               device: torch.device) -> dict[str, list[float]]:
-    """Compute only (forward + backward, nothing communicated) and one all-reduce of every
-    gradient at once (communication with nothing to hide it)."""
-    compute, all_reduce = [], []
+def _all_reduce_all(num_params: int, step: _Step, args: argparse.Namespace,
+                    device: torch.device) -> list[float]:
+    """One all-reduce of every gradient at once: the communication with nothing to hide it."""
     flat = torch.zeros(num_params, device=device)
+    samples = []
     for round_index in range(args.warmup + args.repeats):
-        start = step.start()
-        step.loss(model).backward()
-        elapsed = step.clock.now() - start
-        model.zero_grad()
         start = step.start()
         dist.all_reduce(flat)
         if round_index >= args.warmup:
-            compute.append(elapsed)
-            all_reduce.append(step.clock.now() - start)
-    return {"compute_s": compute, "all_reduce_all_s": all_reduce}
+            samples.append(step.clock.now() - start)
+    return samples
+
+
+def _step_compute(model: torch.nn.Module, step: _Step,
+                  timings: dict[str, list[float]] | None) -> None:
+    """Forward and backward on the plain module: nothing is communicated."""
+    start = step.start()
+    step.loss(model).backward()
+    elapsed = step.clock.now() - start
+    model.zero_grad()
+    if timings is not None:
+        timings["compute"].append(elapsed)
 
 
 async def _step_ours(manager: BucketManager, model: torch.nn.Module, step: _Step,
@@ -168,17 +174,20 @@ async def _compare(ours: torch.nn.Module, theirs: torch.nn.Module, bucket_mb: in
     hook_times: list[float] = []
     hooks = [p.register_post_accumulate_grad_hook(lambda _: hook_times.append(time.perf_counter()))
              for p in theirs.parameters()]
-    timings: dict[str, list[float]] = {"asynctron": [], "ddp": [], "asynctron_exposed": [],
-                                       "ddp_exposed": [], "asynctron_reduce": []}
+    timings: dict[str, list[float]] = {"asynctron": [], "ddp": [], "compute": [],
+                                       "asynctron_exposed": [], "ddp_exposed": [],
+                                       "asynctron_reduce": []}
     try:
         for round_index in range(args.warmup + args.repeats):
             record = timings if round_index >= args.warmup else None
-            if round_index % 2:  # alternate who goes first
-                _step_ddp(ddp, hook_times, step, record)
-                await _step_ours(manager, ours, step, record)
-            else:
-                await _step_ours(manager, ours, step, record)
-                _step_ddp(ddp, hook_times, step, record)
+            methods = ["asynctron", "ddp", "compute"]
+            for method in methods[round_index % 3:] + methods[:round_index % 3]:  # rotate
+                if method == "asynctron":
+                    await _step_ours(manager, ours, step, record)
+                elif method == "ddp":
+                    _step_ddp(ddp, hook_times, step, record)
+                else:  # DDP ignores a backward whose forward did not go through it
+                    _step_compute(theirs, step, record)
         worst_delay_s = await _loop_worst_delay(manager, ours, step)
         logged = ddp._get_ddp_logging_data()  # after a rebuild, its buckets are the rebuilt ones
         ddp_buckets = str(logged.get("rebuilt_bucket_sizes") or logged.get("bucket_sizes", ""))
@@ -198,12 +207,11 @@ async def _measure_model(name: str, width: int, num_layers: int, args: argparse.
     num_params = sum(p.numel() for p in ours.parameters())
     step = _Step(width, args.batch_size, device, aux)
     result: dict[str, Any] = {"model": name, "num_params": num_params, "width": width,
-                              "num_layers": num_layers,
-                              **_baselines(ours, num_params, step, args, device),
-                              "buckets": {}}
+                              "num_layers": num_layers, "buckets": {}}
     for bucket_mb in args.bucket_mb:
         result["buckets"][bucket_mb] = await _compare(ours, theirs, bucket_mb, step, args,
                                                       device)
+    result["all_reduce_all_s"] = _all_reduce_all(num_params, step, args, device)
     return result
 
 
@@ -218,9 +226,8 @@ async def _rank_work(args: argparse.Namespace, device: torch.device) -> list[dic
     everyone: list[list[dict[str, Any]]] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(everyone, results, group=aux)
     for model_index, result in enumerate(results):
-        for key in ("compute_s", "all_reduce_all_s"):
-            result[key] = [max(values) for values in zip(
-                *(rank[model_index][key] for rank in everyone), strict=True)]
+        result["all_reduce_all_s"] = [max(values) for values in zip(
+            *(rank[model_index]["all_reduce_all_s"] for rank in everyone), strict=True)]
         for bucket_mb, row in result["buckets"].items():
             for key, values in list(row.items()):
                 if isinstance(values, list) and values and isinstance(values[0], float):
@@ -259,14 +266,13 @@ def report(results: list[dict[str, Any]]) -> dict[str, Any]:
           f"{'DDP s':>9}{'ratio':>8}{'compute s':>11}{'exposed ms (ours/DDP)':>24}"
           f"{'loop ms':>9}")
     for result in results:
-        compute = _median(result["compute_s"])
-        result["compute_median_s"] = compute
         result["all_reduce_all_median_s"] = _median(result["all_reduce_all_s"])
         for bucket_mb, row in result["buckets"].items():
             ours, theirs = _median(row["asynctron"]), _median(row["ddp"])
+            compute = _median(row["compute"])
             row.update({
                 "asynctron_median_s": ours, "ddp_median_s": theirs, "ratio": ours / theirs,
-                "asynctron_over_compute": ours / compute,
+                "compute_median_s": compute, "asynctron_over_compute": ours / compute,
                 "asynctron_exposed_median_s": _median(row["asynctron_exposed"]),
                 "ddp_exposed_median_s": _median(row["ddp_exposed"]),
                 "loop_worst_delay_s": max(row.get("loop_worst_delay", [float("nan")]))})
@@ -277,8 +283,7 @@ def report(results: list[dict[str, Any]]) -> dict[str, Any]:
                   f"{row['ddp_exposed_median_s'] * 1e3:<9.1f}"
                   f"{row['loop_worst_delay_s'] * 1e3:>9.2f}")
         print(f"{result['model']}: one all-reduce of all {result['num_params'] * 4 / MiB:.0f} MiB "
-              f"of gradients takes {result['all_reduce_all_median_s']:.3f} s; compute alone "
-              f"{compute:.3f} s")
+              f"of gradients takes {result['all_reduce_all_median_s']:.3f} s")
     return {"models": results}
 
 
