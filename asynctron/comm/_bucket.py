@@ -137,8 +137,12 @@ class Bucket:
         Every rank must launch the same buckets in the same order (`BucketManager` does).
         """
         started_s = time.perf_counter()
-        work = dist.all_reduce(self.buffer, op=self._op, group=self.process_group,
-                               async_op=True)
+        try:
+            work = dist.all_reduce(self.buffer, op=self._op, group=self.process_group,
+                                   async_op=True)
+        except (RuntimeError, dist.DistError) as exc:  # a group already broken by a peer
+            raise peer_error(f"all-reduce of bucket {self.index}", self.process_group,
+                             exc) from exc
         assert work is not None
         return AllReduceTask(self, work, self._run_blocking, started_s)
 

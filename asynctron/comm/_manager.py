@@ -159,6 +159,7 @@ class BucketManager:
         self._slots = [_Slot(param, name, bucket.index, view) for bucket in self.buckets
                        for param, name, view in zip(bucket.params, bucket.names, bucket.views,
                                                     strict=True)]
+        self._slot_of = {id(slot.param): slot for slot in self._slots}
         self._lock = threading.Lock()
         self._no_sync_depth = 0
         self._pending = [len(bucket.params) for bucket in self.buckets]
@@ -374,9 +375,9 @@ class BucketManager:
         """
         with self._lock:
             if self._step_open:
-                raise BusyError("bucket manager: expected no all-reduce in flight, found a step "
-                                f"with {len(self._tasks)} launched; await synchronize() before "
-                                "zero_grad()")
+                raise BusyError("bucket manager: expected no step in flight, found one "
+                                f"({len(self._tasks)} all-reduces launched); await "
+                                "synchronize() before zero_grad()")
             for slot in self._slots:
                 slot.handed_out = None
                 slot.used = slot.contributed = False
@@ -409,9 +410,9 @@ class BucketManager:
     def main_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
         """`param`'s gradient view in its bucket, in `grad_dtype` (the fp32 gradient for an
         fp32 master copy). Valid after `synchronize()` until the next backward."""
-        for slot in self._slots:
-            if slot.param is param:
-                return slot.view
+        slot = self._slot_of.get(id(param))
+        if slot is not None and slot.param is param:
+            return slot.view
         raise ValueError(f"parameter of shape {tuple(param.shape)}: expected one of this "
                          "manager's parameters, found another; pass a parameter of the module "
                          "the manager was built with")

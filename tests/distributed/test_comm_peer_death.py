@@ -74,10 +74,10 @@ def late_rank(rank: int, world: int) -> dict[str, Any]:
     async def run() -> dict[str, Any]:
         errors: dict[str, Any] = {}
         async with Engine(num_workers=1) as engine:
-            group = CollectiveGroup(dedicated, run_blocking=engine.run_blocking, timeout_s=2.0)
+            group = CollectiveGroup(dedicated, run_blocking=engine.run_blocking, timeout_s=1.0)
             await group.barrier()
             if rank == 1:  # alive, but never takes part again
-                await asyncio.sleep(6.0)
+                await asyncio.sleep(3.0)
                 return errors
             for name in ("gather_object", "barrier"):
                 started_s = time.perf_counter()
@@ -120,7 +120,7 @@ def test_a_late_rank_times_out_with_its_rank_named(tmp_path: object) -> None:
     assert errors["gather_object"]["rank"] == 1
     assert errors["gather_object"]["message"].startswith(
         "gather_object (call 2) on ranks [0, 1]: expected every rank to take part, found rank 1 "
-        "gone or late (not complete within timeout_s=2); ")
+        "gone or late (not complete within timeout_s=1); ")
     assert errors["gather_object"]["elapsed_s"] < 10  # liveness, generous
     assert errors["barrier"]["rank"] == 1
     assert "found it broken by an earlier failure" in errors["barrier"]["message"]
