@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import multiprocessing
 import os
 import pickle
-import platform
 import socket
 import statistics
 import tempfile
@@ -43,9 +41,9 @@ import torch.distributed as dist
 import uvloop
 from torch.nn.parallel import DistributedDataParallel
 
-import asynctron
 from asynctron.comm import BucketManager
 from asynctron.testing import LoopWatchdog
+from bench import _results
 
 MiB = 1 << 20
 MODELS = {"10M": (1024, 10), "100M": (2896, 12)}  # name -> (width, layers) of an MLP
@@ -333,20 +331,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(out, "rb") as f:
             results = pickle.load(f)
     summary = report(results)
-    summary["meta"] = {
-        "date": time.strftime("%Y-%m-%d", time.gmtime(started)), "host": platform.node(),
-        "cpu_count": os.cpu_count(), "python": platform.python_version(),
-        "torch": torch.__version__, "asynctron": asynctron.__version__,
-        "device": args.device if args.device == "cpu" else torch.cuda.get_device_name(0),
-        "args": vars(args), "duration_s": time.time() - started}
-    path = args.out or os.path.join(
-        os.path.dirname(__file__), "results",
-        f"allreduce_overlap_{platform.node()}_{time.strftime('%Y%m%d')}.json")
-    if not args.quick or args.out:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(summary, f, indent=1, default=str)
-        print(f"\nresults: {path}")
+    summary["meta"] = _results.run_meta(
+        started, args, torch=torch.__version__,
+        device=args.device if args.device == "cpu" else torch.cuda.get_device_name(0))
+    _results.write_results("allreduce_overlap", summary, out=args.out, quick=args.quick)
     return 0
 
 

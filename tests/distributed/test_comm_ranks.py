@@ -109,13 +109,24 @@ def assert_params_equal(ours: torch.nn.Module, theirs: torch.nn.Module, **tolera
         torch.testing.assert_close(a, b, msg=lambda m, n=name: f"param {n}: {m}", **tolerance)
 
 
+def end_step(manager: BucketManager, ours: torch.nn.Module, ddp: DDP,
+             optimizers: tuple[torch.optim.Optimizer, torch.optim.Optimizer], where: str,
+             **tolerance: float) -> None:
+    """Compare the synchronized gradients with DDP's, then step and reset both."""
+    assert_grads_equal(ours, ddp.module, where, **tolerance)
+    for optimizer in optimizers:
+        optimizer.step()
+    manager.zero_grad()
+    ddp.zero_grad()
+
+
 # scenarios: run on every rank -------------------------------------------------------------------
 
 def parity(rank: int, world: int) -> dict[str, Any]:
     ours, theirs = mlp(0), mlp(0)
     manager = BucketManager(ours, bucket_size_mb=BUCKET_MB, first_bucket_size_mb=0.001)
     ddp = DDP(theirs, bucket_cap_mb=BUCKET_MB)
-    opt_a, opt_b = sgd(ours.parameters()), sgd(ddp.parameters())
+    optimizers = sgd(ours.parameters()), sgd(ddp.parameters())
 
     async def run() -> None:
         for step in range(4):
@@ -123,11 +134,7 @@ def parity(rank: int, world: int) -> dict[str, Any]:
             loss_of(ours(x), y).backward()
             await manager.synchronize()
             loss_of(ddp(x), y).backward()
-            assert_grads_equal(ours, theirs, f"step {step}", rtol=1e-6, atol=1e-7)
-            opt_a.step()
-            opt_b.step()
-            manager.zero_grad()
-            opt_b.zero_grad()
+            end_step(manager, ours, ddp, optimizers, f"step {step}", rtol=1e-6, atol=1e-7)
 
     uvloop.run(run())
     assert_params_equal(ours, theirs, rtol=1e-6, atol=1e-7)
@@ -167,7 +174,7 @@ def unused(rank: int, world: int) -> None:
     ours, theirs = Branchy(), Branchy()
     manager = BucketManager(ours, bucket_size_mb=BUCKET_MB, find_unused_parameters=True)
     ddp = DDP(theirs, bucket_cap_mb=BUCKET_MB, find_unused_parameters=True)
-    opt_a, opt_b = sgd(ours.parameters()), sgd(ddp.parameters())
+    optimizers = sgd(ours.parameters()), sgd(ddp.parameters())
 
     async def run() -> None:
         for step in range(3):
@@ -175,14 +182,10 @@ def unused(rank: int, world: int) -> None:
             loss_of(ours(x, use_extra=rank == 0), y).backward()
             await manager.synchronize()
             loss_of(ddp(x, use_extra=rank == 0), y).backward()
-            assert_grads_equal(ours, theirs, f"step {step}", rtol=1e-6, atol=1e-7)
             assert ours.never.weight.grad is None
             assert manager.last_step is not None
             assert manager.last_step.num_all_reduces == len(manager.buckets) + 1
-            opt_a.step()
-            opt_b.step()
-            manager.zero_grad()
-            opt_b.zero_grad()
+            end_step(manager, ours, ddp, optimizers, f"step {step}", rtol=1e-6, atol=1e-7)
 
     uvloop.run(run())
     assert_params_equal(ours, theirs, rtol=1e-6, atol=1e-7)
@@ -216,7 +219,7 @@ def no_sync(rank: int, world: int) -> None:
     ours, theirs = mlp(0), mlp(0)
     manager = BucketManager(ours, bucket_size_mb=BUCKET_MB)
     ddp = DDP(theirs, bucket_cap_mb=BUCKET_MB)
-    opt_a, opt_b = sgd(ours.parameters()), sgd(ddp.parameters())
+    optimizers = sgd(ours.parameters()), sgd(ddp.parameters())
 
     async def run() -> None:
         for step in range(2):
@@ -231,11 +234,7 @@ def no_sync(rank: int, world: int) -> None:
                     loss_of(ours(x), y).backward()
                     loss_of(ddp(x), y).backward()
             await manager.synchronize()
-            assert_grads_equal(ours, theirs, f"step {step}", rtol=1e-6, atol=1e-6)
-            opt_a.step()
-            opt_b.step()
-            manager.zero_grad()
-            opt_b.zero_grad()
+            end_step(manager, ours, ddp, optimizers, f"step {step}", rtol=1e-6, atol=1e-6)
 
     uvloop.run(run())
     assert_params_equal(ours, theirs, rtol=1e-6, atol=1e-6)
