@@ -133,8 +133,9 @@ class BucketManager:
     manager's state is guarded by a lock. One step is open at a time.
 
     Memory: one gradient buffer element per parameter element (in `grad_dtype`); with
-    parameter-dtype buffers `param.grad` lives in the buffers, so nothing is added to plain
-    training.
+    parameter-dtype buffers `param.grad` lives in the buffers, so plain training's gradients
+    are not doubled (a gradient autograd allocates after a set-to-None reset is copied in and
+    freed).
     """
 
     def __init__(self, module: torch.nn.Module, *, process_group: dist.ProcessGroup | None = None,
@@ -191,8 +192,8 @@ class BucketManager:
             if slot.ready:
                 raise RuntimeError(
                     f"parameter {slot.name!r}: expected one gradient per step, found a second "
-                    "while its bucket's all-reduce is launched; run the extra backward passes "
-                    "inside no_sync(), or await synchronize() and zero_grad() in between")
+                    "before synchronize(); run the extra backward passes inside no_sync(), or "
+                    "await synchronize() and zero_grad() in between")
             if slot.handed_out is not None and slot.param.grad is slot.handed_out():
                 raise RuntimeError(
                     f"parameter {slot.name!r}: expected zero_grad() between a synchronized "

@@ -110,10 +110,10 @@ async def test_a_second_backward_in_one_step_is_refused_before_it_touches_a_buck
     manager = BucketManager(net)
     backward(net, 0)
     with pytest.raises(RuntimeError, match=r"^parameter '2\.bias': expected one gradient per "
-                                           r"step, found a second while its bucket's all-reduce "
-                                           r"is launched; run the extra backward passes inside "
-                                           r"no_sync\(\), or await synchronize\(\) and "
-                                           r"zero_grad\(\) in between$"):
+                                           r"step, found a second before synchronize\(\); run "
+                                           r"the extra backward passes inside no_sync\(\), or "
+                                           r"await synchronize\(\) and zero_grad\(\) in "
+                                           r"between$"):
         backward(net, 1)
     await manager.synchronize()
     for param, expected in zip(net.parameters(), local_grads(0), strict=True):

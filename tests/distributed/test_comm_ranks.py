@@ -266,7 +266,12 @@ def bf16(rank: int, world: int) -> None:
             loss_of(ddp(x), y).backward()
             await wide_manager.synchronize()
             everyone = await group.all_gather_object(local_grads)
-        assert_grads_equal(ours, theirs, "bf16 buffers", rtol=0, atol=0)
+        # Two ranks: a + b is exact whatever the order, so the results are bit-identical. With
+        # three, gloo's ring sums each chunk of a bucket in another rank order, and the chunks
+        # fall elsewhere in our buckets than in DDP's: bf16 rounding then differs by an ulp.
+        exact = world == 2
+        assert_grads_equal(ours, theirs, "bf16 buffers", rtol=0 if exact else 1.6e-2,
+                           atol=0 if exact else 1e-3)
         for i, param in enumerate(wide.parameters()):
             # every rank's two micro-batch gradients (bf16 values), summed and averaged in
             # fp32: what the fp32 buffer must hold
@@ -437,7 +442,7 @@ SCENARIOS: dict[str, Callable[[int, int], Any]] = {
     fn.__name__: fn for fn in (parity, launch_order, unused, missing_gradient, no_sync, bf16,
                                misuse, cancelled_synchronize, data_parallel, collectives,
                                loop_stays_free)}
-THREE_RANKS = ("parity", "launch_order", "unused", "no_sync", "collectives")
+THREE_RANKS = ("parity", "launch_order", "unused", "no_sync", "bf16", "collectives")
 
 
 def all_scenarios(rank: int, world: int) -> dict[str, tuple[Any, str | None]]:
@@ -517,8 +522,9 @@ def test_no_sync_accumulation_matches_ddp(spawned: Any, size: int) -> None:
     outcome(spawned(size), "no_sync")
 
 
-def test_bf16_with_bf16_and_fp32_buffers(spawned: Any) -> None:
-    outcome(spawned(2), "bf16")
+@pytest.mark.parametrize("size", [2, 3])
+def test_bf16_with_bf16_and_fp32_buffers(spawned: Any, size: int) -> None:
+    outcome(spawned(size), "bf16")
 
 
 def test_a_second_backward_or_a_missing_reset_is_a_clear_error(spawned: Any) -> None:
