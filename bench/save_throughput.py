@@ -17,7 +17,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import os
+import platform
 import shutil
 import statistics
 import tempfile
@@ -33,9 +35,10 @@ import psutil
 import torch
 import uvloop
 
+import asynctron
 from asynctron import Engine
 from asynctron.testing import LoopWatchdog
-from bench import _peers, _results
+from bench import _peers
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -330,10 +333,22 @@ def main(argv: list[str] | None = None) -> int:
         loop.run_until_complete(engine.aclose())
         loop.close()
     results = report(scenarios, budget)
-    results["meta"] = _results.run_meta(
-        started, args, memory_bytes=psutil.virtual_memory().total,
-        peers=_peers.peer_versions(), engine_config=repr(engine.config))
-    _results.write_results("save_throughput", results, out=args.out, quick=args.quick)
+    results["meta"] = {
+        "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
+        "host": platform.node(), "cpu_count": os.cpu_count(),
+        "memory_bytes": psutil.virtual_memory().total, "python": platform.python_version(),
+        "asynctron": asynctron.__version__, "peers": _peers.peer_versions(),
+        "engine_config": repr(engine.config), "args": vars(args),
+        "duration_s": time.time() - started,
+    }
+    path = args.out or os.path.join(
+        os.path.dirname(__file__), "results",
+        f"save_throughput_{platform.node()}_{time.strftime('%Y%m%d')}.json")
+    if not args.quick or args.out:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        print(f"\nresults: {path}")
     return 0
 
 

@@ -1,5 +1,6 @@
-"""`CollectiveGroup`: awaitable object collectives (all-gather, gather, broadcast, barrier) on a
-dedicated gloo process group, for coordination beside training (the checkpoint coordinator).
+"""`CollectiveGroup`: awaitable object collectives (all-gather, gather, scatter, broadcast,
+barrier) on a dedicated gloo process group, for coordination beside training (the checkpoint
+coordinator).
 
 Objects are pickled into byte tensors; every step (sizes, then payloads) is an async tensor
 collective awaited through the bridge, so no thread is held and the loop never blocks. A
@@ -127,6 +128,37 @@ class CollectiveGroup:
             return [_from_bytes(slot[:size]) for slot, size in zip(slots, sizes, strict=True)]
 
         return await self._call("gather_object", run)
+
+    async def scatter_object(self, objs: Sequence[Any] | None, *, src: int = 0) -> Any:
+        """`objs[r]` from rank `src` on each rank r (the others pass None).
+
+        Raises:
+            ValueError: on `src`, `objs` is not one object per rank (nothing was sent; the
+                other ranks then time out, as they would for any rank that does not call).
+            Others, and Cancellation: as `all_gather_object`.
+        """
+        src_global = self._global(src, "src")
+        payloads = None
+        if self.rank == src:
+            if objs is None or len(objs) != self.world_size:
+                found = None if objs is None else f"{len(objs)} objects"
+                raise ValueError(f"objs: expected {self.world_size} objects (one per rank) on "
+                                 f"rank {src}, found {found}")
+            payloads = [_to_bytes(obj) for obj in objs]
+
+        async def run() -> Any:
+            sizes = (torch.zeros(self.world_size, dtype=torch.int64) if payloads is None else
+                     torch.tensor([payload.numel() for payload in payloads], dtype=torch.int64))
+            await self._wait(dist.broadcast(sizes, src=src_global, group=self.process_group,
+                                            async_op=True))
+            width = int(sizes.max())
+            mine = torch.empty(width, dtype=torch.uint8)
+            slots = None if payloads is None else [_padded(p, width) for p in payloads]
+            await self._wait(dist.scatter(mine, slots, src=src_global, group=self.process_group,
+                                          async_op=True))
+            return _from_bytes(mine[:int(sizes[self.rank])])
+
+        return await self._call("scatter_object", run)
 
     async def broadcast_object(self, obj: Any = None, *, src: int = 0) -> Any:
         """Rank `src`'s `obj` on every rank (the others' `obj` is ignored).

@@ -19,9 +19,10 @@ async def test_every_collective_on_a_group_of_one(world_one: None) -> None:
         assert (group.rank, group.world_size, group.timeout_s) == (0, 1, 5.0)
         assert await group.all_gather_object({"a": [1, 2]}) == [{"a": [1, 2]}]
         assert await group.gather_object(b"\x00" * 10_000) == [b"\x00" * 10_000]
+        assert await group.scatter_object([{"plan": 1}]) == {"plan": 1}
         assert await group.broadcast_object(("x", None)) == ("x", None)
         await group.barrier()
-        assert repr(group) == "<CollectiveGroup rank 0 of 1, timeout 5 s, 4 calls>"
+        assert repr(group) == "<CollectiveGroup rank 0 of 1, timeout 5 s, 5 calls>"
 
 
 @pytest.mark.parametrize("timeout_s", [0, -1.0, True, "5"])
@@ -39,6 +40,9 @@ async def test_ranks_out_of_the_group_and_unpicklable_objects_raise_before_sendi
             await group.gather_object("x", dst=1)
         with pytest.raises(ValueError, match=r"^src: expected a rank in 0\.\.0, found -1$"):
             await group.broadcast_object("x", src=-1)
+        with pytest.raises(ValueError, match=r"^objs: expected 1 objects \(one per rank\) on "
+                                             r"rank 0, found 2 objects$"):
+            await group.scatter_object(["a", "b"])
         with pytest.raises((pickle.PicklingError, TypeError, AttributeError)):
             await group.all_gather_object(lambda: None)
         assert await group.all_gather_object(1) == [1]  # nothing was half sent

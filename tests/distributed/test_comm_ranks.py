@@ -389,6 +389,9 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
             blobs = await group.all_gather_object({"rank": rank, "blob": b"x" * (1000 * rank)})
             gathered = await group.gather_object(10 * rank, dst=world - 1)
             broadcast = await group.broadcast_object(f"from {rank}", src=1)
+            scattered = await group.scatter_object(
+                [{"to": r, "pad": "y" * 100 * r} for r in range(world)] if rank == 1 else None,
+                src=1)
             await group.barrier()
             # Rank 0 cancels its call while the others are late: its part still completes.
             if rank == 0:
@@ -412,7 +415,8 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
                                               group=dedicated, async_op=True)
             assert work is not None
             await wait_work(work, run_blocking=engine.run_blocking)
-        return {"blobs": blobs, "gathered": gathered, "broadcast": broadcast, "late": late,
+        return {"blobs": blobs, "gathered": gathered, "broadcast": broadcast,
+                "scattered": scattered, "late": late,
                 "cancelled": cancelled, "after": after, "reduce_scatter": out.tolist(),
                 "worst_delay_s": dog.report().worst_delay_s}
 
@@ -551,6 +555,7 @@ def test_object_collectives_on_a_dedicated_gloo_group(spawned: Any, size: int) -
         assert value["blobs"] == [{"rank": r, "blob": b"x" * (1000 * r)} for r in range(size)]
         assert value["gathered"] == ([10 * r for r in range(size)] if rank == size - 1 else None)
         assert value["broadcast"] == "from 1"
+        assert value["scattered"] == {"to": rank, "pad": "y" * 100 * rank}
         assert value["after"] == list(range(size))
         # sum over ranks of (arange(2 * size) + rank), this rank's 2-element share
         total = [sum(2 * rank + i + r for r in range(size)) for i in range(2)]
