@@ -20,7 +20,7 @@ demo: setup
 	$(VENV)/bin/asynctron demo
 
 test: setup
-	$(VENV)/bin/ruff check asynctron tests bench
+	$(VENV)/bin/ruff check asynctron tests bench examples
 	$(PY) -m pytest -q
 
 bench: setup

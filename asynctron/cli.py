@@ -43,6 +43,7 @@ BENCH_SCENARIOS = {
     "save": "bench.save_throughput",
     "cuda": "bench.cuda_staging",
     "write": "bench.write_sweep",
+    "comm": "bench.allreduce_overlap",
 }
 
 

@@ -4,7 +4,7 @@
 - `StorageError`: the storage failed (ENOSPC, EIO, ...); `__cause__` is the `OSError`.
 - `BusyError`: two tasks used a one-at-a-time resource (e.g. two saves to one path).
 - `CorruptCheckpointError`: the bytes on disk are not what was committed. Never retried.
-- `PeerError`: another rank failed.
+- `PeerError`: another rank failed or timed out (a collective could not complete).
 - `CheckpointNotFoundError`: no committed checkpoint at the path (also a `FileNotFoundError`).
 - `WouldBlock`: raised only by `*_nowait` calls that would have to wait.
 
@@ -70,9 +70,10 @@ class CorruptCheckpointError(AsynctronError):
 
 
 class PeerError(AsynctronError):
-    """Another rank failed; `rank` says which."""
+    """Another rank failed or timed out; `rank` says which, or is None when the backend's
+    error does not tell (the message then names the group's ranks)."""
 
-    def __init__(self, message: str, *, rank: int) -> None:
+    def __init__(self, message: str, *, rank: int | None) -> None:
         super().__init__(message)
         self.rank = rank
 

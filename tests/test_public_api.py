@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asynctron
+import asynctron.comm
 import asynctron.engine
 import asynctron.errors
 import asynctron.storage
@@ -26,6 +27,10 @@ def test_subpackages() -> None:
         "FileIO", "ItemRecord", "LocalFileIO", "Manifest", "read_manifest",
         "resolve_checkpoint", "split_by_size_and_type",
     }
+    assert set(asynctron.comm.__all__) == {
+        "AllReduceTask", "Bucket", "BucketConfig", "BucketManager", "CollectiveGroup",
+        "DataParallel", "StepTimings", "new_gloo_group", "wait_future", "wait_work",
+    }
     assert set(asynctron.errors.__all__) == {
         "AsynctronError", "BusyError", "CheckpointNotFoundError", "ClosedError",
         "CorruptCheckpointError", "PeerError", "StorageError", "WouldBlock",
@@ -35,16 +40,18 @@ def test_subpackages() -> None:
 
 
 def test_every_exported_name_exists() -> None:
-    for module in (asynctron, asynctron.engine, asynctron.errors, asynctron.storage,
-                   asynctron.testing):
+    for module in (asynctron, asynctron.comm, asynctron.engine, asynctron.errors,
+                   asynctron.storage, asynctron.testing):
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
 
 
-def test_storage_never_imports_the_engine() -> None:
-    """Data flows one way: engine → storage; nothing in storage imports engine."""
+def test_storage_and_comm_never_import_the_engine() -> None:
+    """Data flows one way: engine → storage, comm; nothing in storage or comm imports engine."""
     import pathlib
+    import re
 
-    storage = pathlib.Path(asynctron.storage.__file__).parent
-    for source in storage.rglob("*.py"):
-        assert "asynctron.engine" not in source.read_text(), source
+    imports_engine = re.compile(r"^\s*(from|import)\s+asynctron\.engine\b", re.MULTILINE)
+    for package in (asynctron.storage, asynctron.comm):
+        for source in pathlib.Path(package.__file__).parent.rglob("*.py"):
+            assert not imports_engine.search(source.read_text()), source

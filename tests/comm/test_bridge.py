@@ -1,0 +1,123 @@
+"""Works and torch futures, awaited on the loop: values, errors, the waiting-thread path, and
+what a cancelled or orphaned wait leaves behind."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import uvloop
+
+from asynctron.comm import wait_future, wait_work
+from asynctron.comm._bridge import peer_error
+from asynctron.engine import Engine
+
+
+def _complete_later(future: torch.futures.Future[Any], started: threading.Event,
+                    value: Any = None, error: BaseException | None = None) -> threading.Thread:
+    def complete() -> None:
+        started.wait()
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    thread = threading.Thread(target=complete)
+    thread.start()
+    return thread
+
+
+async def _waiting(future: torch.futures.Future[Any], started: threading.Event) -> Any:
+    waiter = asyncio.ensure_future(wait_future(future))
+    await asyncio.sleep(0)  # the wait is registered on the future
+    started.set()
+    return await waiter
+
+
+async def test_a_future_completed_on_another_thread_wakes_the_loop() -> None:
+    future: torch.futures.Future[int] = torch.futures.Future()
+    started = threading.Event()
+    thread = _complete_later(future, started, value=7)
+    assert await _waiting(future, started) == 7
+    thread.join()
+
+
+async def test_the_future_error_propagates() -> None:
+    future: torch.futures.Future[int] = torch.futures.Future()
+    started = threading.Event()
+    thread = _complete_later(future, started, error=ValueError("backend said no"))
+    with pytest.raises(ValueError, match="backend said no"):
+        await _waiting(future, started)
+    thread.join()
+
+
+async def test_a_done_future_returns_at_once() -> None:
+    future: torch.futures.Future[str] = torch.futures.Future()
+    future.set_result("ready")
+    assert await wait_future(future) == "ready"
+
+
+async def test_cancelling_the_wait_leaves_the_future_alone() -> None:
+    """Invariant: a cancelled wait is only a wait; completing the future later raises nothing
+    on any thread and reaches nobody."""
+    loop = asyncio.get_running_loop()
+    problems: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: problems.append(context))
+    future: torch.futures.Future[int] = torch.futures.Future()
+    waiter = asyncio.ensure_future(wait_future(future))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    future.set_result(1)  # runs the callback here, inline
+    await asyncio.sleep(0)
+    assert problems == [] and future.value() == 1
+
+
+def test_a_future_completing_after_its_loop_closed_is_harmless() -> None:
+    future: torch.futures.Future[int] = torch.futures.Future()
+
+    async def wait_then_give_up() -> None:
+        waiter = asyncio.ensure_future(wait_future(future))
+        await asyncio.sleep(0)
+        waiter.cancel()
+
+    uvloop.run(wait_then_give_up())  # closes the loop
+    future.set_result(3)
+    assert future.value() == 3
+
+
+async def test_a_work_without_future_waits_through_the_door(world_one: None) -> None:
+    out = torch.empty(4)
+    work = dist.reduce_scatter_single(out, torch.arange(4.0), async_op=True)
+    assert work is not None
+    with pytest.raises(TypeError, match=r"^work .*: expected a backend with futures or a "
+                                        r"run_blocking door, found neither; pass "
+                                        r"run_blocking=engine\.run_blocking$"):
+        await wait_work(work, run_blocking=None)
+    async with Engine(num_workers=1) as engine:
+        await wait_work(work, run_blocking=engine.run_blocking)
+    assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+async def test_a_work_with_a_future_needs_no_thread(world_one: None) -> None:
+    tensor = torch.ones(3)
+    work = dist.all_reduce(tensor, async_op=True)
+    assert work is not None
+    await wait_work(work, run_blocking=None)
+    assert tensor.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_peer_error_names_the_group_and_keeps_the_backend_sentence(world_one: None) -> None:
+    cause = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer "
+                         "[127.0.0.1]:4242. This is typically caused by a remote worker crashing.")
+    error = peer_error("all-reduce of bucket 2", None, cause)
+    assert error.rank is None
+    assert str(error) == (
+        "all-reduce of bucket 2 on ranks [0]: expected every rank to take part, found a rank of "
+        "[0] gone or late (Connection closed by peer [127.0.0.1]:4242); stop this rank and "
+        "restart the job from its last checkpoint")
