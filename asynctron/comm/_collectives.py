@@ -78,6 +78,11 @@ class CollectiveGroup:
         self._num_calls = 0
         self._broken: tuple[str, PeerError] | None = None  # (which call, its error)
 
+    @property
+    def num_calls(self) -> int:
+        """Collectives issued on this group so far (each object collective counts once)."""
+        return self._num_calls
+
     def _global(self, group_rank: int, name: str) -> int:
         if not (isinstance(group_rank, int) and 0 <= group_rank < self.world_size):
             raise ValueError(f"{name}: expected a rank in 0..{self.world_size - 1}, found "

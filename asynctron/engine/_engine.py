@@ -18,10 +18,12 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from asynctron._concurrency import uncancellable
+from asynctron.comm import CollectiveGroup, new_gloo_group
 from asynctron.engine._budget import ByteBudget
-from asynctron.engine._coordinator import Committer, Coordinator, SoloCollectives
+from asynctron.engine._coordinator import Collectives, Committer, Coordinator, SoloCollectives
 from asynctron.engine._load import Loader
 from asynctron.engine._plan_cache import PlanCache
 from asynctron.engine._save import SaveJob, SaveOptions
@@ -62,6 +64,10 @@ class EngineConfig:
     checksum: str | None = XXH3_64
     """Digest every item while staging it (`"xxh3_64"`), or `None` for no checksums (loads
     then have nothing to verify)."""
+    coordination_timeout_s: float = 1800.0
+    """Across ranks: how long a rank waits in the save protocol's collectives for the others
+    (at the end of a save, for the slowest rank's writes) before raising `PeerError`. A rank
+    that dies is noticed at once; this bounds a rank that hangs."""
     worker_nice_increment: int = 10
     """How much lower the CPU priority of the executor's threads is than the thread that
     starts the engine (added to its nice value, Linux only): when the event loop or training
@@ -81,6 +87,10 @@ class EngineConfig:
             raise ValueError(f"memory_budget_bytes: expected an int >= slab_bytes "
                              f"({self.slab_bytes}), found {self.memory_budget_bytes!r}; "
                              "lower slab_bytes or raise the budget")
+        if isinstance(self.coordination_timeout_s, bool) or not isinstance(
+                self.coordination_timeout_s, int | float) or not self.coordination_timeout_s > 0:
+            raise ValueError(f"coordination_timeout_s: expected a number of seconds > 0, found "
+                             f"{self.coordination_timeout_s!r}")
         if not isinstance(self.worker_nice_increment, int) or not (
                 0 <= self.worker_nice_increment <= 19):
             raise ValueError(f"worker_nice_increment: expected an int in [0, 19], found "
@@ -100,12 +110,24 @@ class Engine:
     Binds to the running loop on entry. Keyword arguments are `EngineConfig` fields;
     `file_io` replaces the local filesystem's data path (fault-injecting fakes in tests).
 
+    Across ranks: when torch.distributed is initialized with several ranks, every rank saves
+    its share of the same checkpoint (its own files, replicated tensors written once) and the
+    checkpoint commits only if every rank succeeded. Coordination runs on a dedicated gloo
+    group (`process_group`, or one created on entry: entering is then collective, like
+    `dist.new_group`), never on the training group.
+
     Concurrency: any number of saves and loads may be in flight; two saves to one path raise
     BusyError.
     """
 
-    def __init__(self, *, file_io: FileIO | None = None, **config: Any) -> None:
+    def __init__(self, *, file_io: FileIO | None = None,
+                 process_group: dist.ProcessGroup | None = None, **config: Any) -> None:
         self.config = EngineConfig(**config)
+        if process_group is not None and dist.get_backend(process_group) != "gloo":
+            raise ValueError(f"process_group: expected a gloo group for coordination, found "
+                             f"{dist.get_backend(process_group)!r}; create one with "
+                             "asynctron.comm.new_gloo_group")
+        self._process_group = process_group
         self._fio = file_io or LocalFileIO()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -117,12 +139,11 @@ class Engine:
         self.budget = ByteBudget(self.config.memory_budget_bytes)
         self._pool = SlabPool(self.budget, self.config.slab_bytes, self._pin, self.run_blocking)
         self._stager = Stager(self._pool, self.run_blocking)
-        self._coordinator = Coordinator(SoloCollectives(), self.run_blocking,
-                                        Committer(self.run_blocking, self.config.keep_last))
+        self._coordinator: Coordinator | None = None
         self.plan_cache = PlanCache(max_entries=8)
 
     async def __aenter__(self) -> Engine:
-        self.start()
+        await self.start()
         return self
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
@@ -131,17 +152,53 @@ class Engine:
                 task.cancel()
         await self.aclose()
 
-    def start(self) -> None:
-        """Bind to the running loop and start the executor (done by `async with`)."""
+    async def start(self) -> None:
+        """Bind to the running loop, start the executor and, across ranks, join the coordination
+        group (done by `async with`).
+
+        Concurrency: across ranks this is collective when no `process_group` was given (a gloo
+        group is created): every rank starts its engine, in the same order relative to its
+        other group creations.
+        """
         if self._closed:
             raise ClosedError("engine: closed; create a new Engine")
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-            self._executor = ThreadPoolExecutor(
-                self.config.num_workers, thread_name_prefix="asynctron-io",
-                initializer=_lower_thread_priority,
-                initargs=(self.config.worker_nice_increment,))
-            logger.debug("engine started: %s", self.config)
+        if self._loop is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._executor = ThreadPoolExecutor(
+            self.config.num_workers, thread_name_prefix="asynctron-io",
+            initializer=_lower_thread_priority, initargs=(self.config.worker_nice_increment,))
+        self._coordinator = Coordinator(await self._collectives(), self.run_blocking,
+                                        Committer(self.run_blocking, self.config.keep_last))
+        logger.debug("engine started: %s, rank %d of %d", self.config,
+                     self._coordinator.rank, self._coordinator.collectives.world_size)
+
+    async def _collectives(self) -> Collectives:
+        group = self._process_group
+        if group is None and not (dist.is_available() and dist.is_initialized()
+                                  and dist.get_world_size() > 1):
+            return SoloCollectives()
+        timeout_s = self.config.coordination_timeout_s
+        if group is None:
+            group = await self.run_blocking(functools.partial(new_gloo_group,
+                                                              timeout_s=timeout_s))
+        return CollectiveGroup(group, run_blocking=self.run_blocking, timeout_s=timeout_s)
+
+    @property
+    def rank(self) -> int:
+        """This process's rank in the checkpoint coordination group (0 on one process)."""
+        return self._started().rank
+
+    @property
+    def coordination(self) -> Collectives:
+        """The collectives the save protocol runs on: a `CollectiveGroup` on a dedicated gloo
+        group across ranks, `SoloCollectives` on one process."""
+        return self._started().collectives
+
+    def _started(self) -> Coordinator:
+        if self._coordinator is None:
+            raise RuntimeError("engine: not started; use `async with Engine() as engine`")
+        return self._coordinator
 
     async def aclose(self) -> None:
         """Wait for every save in flight, then stop the executor and free the staging pool.
@@ -250,7 +307,7 @@ class Engine:
 
         job = SaveJob(flat, target, seq=self._seq, options=options, ready=ready,
                       stager=self._stager, fio=self._fio, run_blocking=self.run_blocking,
-                      coordinator=self._coordinator, plan_cache=self.plan_cache,
+                      coordinator=self._started(), plan_cache=self.plan_cache,
                       on_staged=on_staged)
         task = loop.create_task(self._run_save(job, staged), name=f"asynctron-save:{target}")
         self._saves[target] = task

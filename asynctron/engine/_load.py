@@ -10,33 +10,38 @@ come back as `bytes`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from asynctron._concurrency import RunBlocking, first_error
 from asynctron.engine._staging import SlabPool, Stager, flat_range_views
 from asynctron.storage._checksum import ItemHasher
+from asynctron.storage._chunk_index import ChunkIndex, Overlap
 from asynctron.storage._dcp import decode_blob, tensor_of
 from asynctron.storage._dtypes import NUMPY_DTYPES, TORCH_DTYPES
 from asynctron.storage._manifest import ItemRecord, Manifest
 from asynctron.storage._plan import Structure, flatten, unflatten
 from asynctron.storage._reader import CheckpointReader, ReadJob
 
-#: A chunk read on its own, then copied into its place in the full tensor.
-_Placement = tuple[torch.Tensor, ItemRecord, torch.Tensor]
+#: (destination, source): bytes read apart, copied into their place once read.
+_Placement = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
 class _Decode:
     """A `torch.save` blob (stock DCP item) read into `buffer`: decoded after the reads, then
-    copied into `target`, or (no target) kept as the value of `key`."""
+    (its `region`, if given) copied into `target`, or (no target) kept as the key's value."""
 
     record: ItemRecord
     buffer: bytearray
     target: torch.Tensor | None
+    region: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    """The [lo, hi) part of the record's chunk (global coordinates) that `target` wants."""
 
 
 def _torch_dtype(record: ItemRecord) -> torch.dtype:
@@ -179,7 +184,7 @@ class Loader:
                 assert record.shape is not None
                 chunk = torch.empty(record.shape, dtype=_torch_dtype(record))
                 jobs.append(ReadJob(record, _tensor_bytes(chunk)))
-                partial.append((tensor, record, chunk))
+                partial.append((view, chunk))
         return tensor
 
     async def fresh(self) -> Any:
@@ -216,8 +221,11 @@ class Loader:
                 value = tensor_of(value, record, path)
             if decode.target is None:
                 values[record.key] = value
-            else:
+            elif decode.region is None:
                 decode.target.copy_(value)
+            else:
+                assert record.chunk_offsets is not None
+                decode.target.copy_(_region(value, *decode.region, origin=record.chunk_offsets))
         return values
 
     def _finish(self, items: dict[str, Any]) -> dict[str, Any]:
@@ -311,20 +319,9 @@ class Loader:
                     f"key {key!r}: expected {saved_dtype} {list(first.global_shape or ())} as "
                     f"saved, found {tensor.dtype} {list(tensor.shape)} in `into`; load into a "
                     "matching tensor or without `into`")
-            for record in records:
-                destination = tensor if _is_whole(record) else _chunk_view(tensor, record)
-                if record.encoding == "torch_save":
-                    decodes.append(_Decode(record, bytearray(record.nbytes), destination))
-                    jobs.append(ReadJob(record, memoryview(decodes[-1].buffer)))
-                elif destination.device.type == "cpu" and destination.is_contiguous():
-                    jobs.append(ReadJob(record, _tensor_bytes(destination)))
-                elif destination.device.type == "cpu" and not _is_whole(record):
-                    assert record.shape is not None
-                    chunk = torch.empty(record.shape, dtype=saved_dtype)
-                    jobs.append(ReadJob(record, _tensor_bytes(chunk)))
-                    partial.append((tensor, record, chunk))
-                else:
-                    staged.append((record, destination))
+            local, origin = _target_box(tensor)
+            for overlap in ChunkIndex(records).overlapping(origin, tuple(local.shape)):
+                self._plan_overlap(overlap, local, origin, jobs, staged, partial, decodes)
             items[key] = leaf.original
         await self._read_all(jobs, staged)
         await self._finish_reads(items, partial, decodes)
@@ -334,11 +331,68 @@ class Loader:
                 items[key] = bytes(value)
         return _rebuild(flat.structure, items, saved_values, self._reader.path)
 
+    def _plan_overlap(self, overlap: Overlap, local: torch.Tensor, origin: tuple[int, ...],
+                      jobs: list[ReadJob], staged: list[tuple[ItemRecord, torch.Tensor]],
+                      partial: list[_Placement], decodes: list[_Decode]) -> None:
+        """How to read the part of a saved chunk a target wants: straight into the target
+        where it can be, else through slabs (CUDA, strided) or a piece read apart."""
+        record = overlap.record
+        destination = _region(local, overlap.lo, overlap.hi, origin=origin)
+        if record.encoding == "torch_save":
+            region = None if overlap.covers_record else (overlap.lo, overlap.hi)
+            decodes.append(_Decode(record, bytearray(record.nbytes), destination, region))
+            jobs.append(ReadJob(record, memoryview(decodes[-1].buffer)))
+            return
+        if not overlap.covers_record:
+            record = _rows_of(record, overlap)
+        assert record.shape is not None and record.chunk_offsets is not None
+        if destination.device.type == "cpu" and destination.is_contiguous() and (
+                tuple(destination.shape) == record.shape):
+            jobs.append(ReadJob(record, _tensor_bytes(destination)))
+        elif overlap.covers_record:  # CUDA or strided: through budgeted slabs
+            staged.append((record, destination))
+        else:
+            piece = torch.empty(record.shape, dtype=_torch_dtype(record))
+            jobs.append(ReadJob(record, _tensor_bytes(piece)))
+            partial.append((destination, _region(piece, overlap.lo, overlap.hi,
+                                                 origin=record.chunk_offsets)))
+
 
 def _place_chunks(partial: Sequence[_Placement]) -> None:
-    """Blocks: copy each chunk read on its own into its place in the full tensor."""
-    for tensor, record, chunk in partial:
-        _chunk_view(tensor, record).copy_(chunk)
+    """Blocks: copy each piece read on its own into its place."""
+    for destination, source in partial:
+        destination.copy_(source)
+
+
+def _rows_of(record: ItemRecord, overlap: Overlap) -> ItemRecord:
+    """The rows of a saved chunk that an overlap spans, as a record of their own: contiguous
+    in the file. Its checksum is None: a digest covers whole items only."""
+    assert record.shape is not None and record.chunk_offsets is not None
+    first = overlap.lo[0] - record.chunk_offsets[0]
+    num_rows = overlap.hi[0] - overlap.lo[0]
+    row_nbytes = record.nbytes // record.shape[0]
+    return dataclasses.replace(
+        record, shape=(num_rows, *record.shape[1:]),
+        chunk_offsets=(overlap.lo[0], *record.chunk_offsets[1:]),
+        offset=record.offset + first * row_nbytes, nbytes=num_rows * row_nbytes, checksum=None)
+
+
+def _target_box(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """The tensor a rank fills and where it sits in the global tensor: a DTensor's local shard
+    and its offsets (resharding), or a plain tensor at the origin."""
+    if isinstance(tensor, DTensor):
+        (chunk,) = tensor.__create_chunk_list__()
+        return tensor.to_local(), tuple(chunk.offsets)
+    return tensor, (0,) * tensor.dim()
+
+
+def _region(tensor: torch.Tensor, lo: Sequence[int], hi: Sequence[int], *,
+            origin: Sequence[int]) -> torch.Tensor:
+    """The [lo, hi) box (global coordinates) of `tensor`, which starts at `origin`."""
+    view = tensor
+    for dim, (start, stop, at) in enumerate(zip(lo, hi, origin, strict=True)):
+        view = view.narrow(dim, start - at, stop - start)
+    return view
 
 
 def _copy_views(views: list[torch.Tensor], source: torch.Tensor,

@@ -43,7 +43,7 @@ class BackgroundEngine:
         return self._engine
 
     async def _start(self) -> None:
-        self._engine.start()
+        await self._engine.start()
 
     def _call(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         if self._closed:

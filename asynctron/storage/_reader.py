@@ -212,7 +212,8 @@ class CheckpointReader:
 
         Returns:
             with `verify` (and a checkpoint that has checksums), one error per item whose
-            digest differs, naming file, key and offset; else an empty list.
+            digest differs, naming file, key and offset; else an empty list. Jobs whose
+            record has no checksum (part of an item, read when resharding) are not checked.
 
         Raises:
             CorruptCheckpointError: a file ends early (names the file and item).
@@ -250,8 +251,8 @@ class CheckpointReader:
                     group.create_task(read_file(name, indices))
         except BaseExceptionGroup as error:
             raise first_error(error)  # noqa: B904 (the group stays as __context__)
-        return [error for i in sorted(found)
-                if (error := self.digest_error(jobs[i].record, found[i])) is not None]
+        return [error for i in sorted(found) if jobs[i].record.checksum is not None
+                and (error := self.digest_error(jobs[i].record, found[i])) is not None]
 
     def digest_error(self, record: ItemRecord, found: str) -> CorruptCheckpointError | None:
         """The error for `record` if `found` is not its digest, else None."""

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import uvloop
-from _comm_spawn import run_ranks
+from _spawn import run_ranks
 
 from asynctron.comm import BucketManager, CollectiveGroup, new_gloo_group
 from asynctron.engine import Engine

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import uvloop
-from _comm_spawn import run_ranks
+from _spawn import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from asynctron.comm import (

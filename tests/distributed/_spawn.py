@@ -1,4 +1,4 @@
-"""Spawning real gloo ranks for the comm tests: each rank is a fresh process (spawn start
+"""Spawning real gloo ranks for the multi-rank tests: each rank is a fresh process (spawn start
 method) that joins a process group on 127.0.0.1 and runs a module-level function; its return
 value (or its traceback) comes back through a file.
 
@@ -45,7 +45,7 @@ def run_ranks(target: Callable[..., Any], world_size: int, out_dir: str, *args: 
     A rank still running after `timeout_s` is killed (its exit code is then negative)."""
     port = free_port()
     context = multiprocessing.get_context("spawn")
-    processes = [context.Process(target=_rank_main, name=f"comm-rank-{rank}",
+    processes = [context.Process(target=_rank_main, name=f"test-rank-{rank}",
                                  args=(target, rank, world_size, port, out_dir, pg_timeout_s,
                                        args))
                  for rank in range(world_size)]

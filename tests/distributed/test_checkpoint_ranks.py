@@ -1,0 +1,236 @@
+"""Checkpoints across real gloo ranks: every rank writes its share, the coordinator commits only
+if all succeeded, replicated tensors are written once, DTensor shards reshard N → M on load, an
+unchanged structure skips the plan collectives, and stock DCP reads and writes with asynctron.
+
+Three spawned runs keep the suite fast: 4 ranks save a sharded checkpoint; 2 ranks run every
+scenario (and load the 4-rank checkpoint); 2 ranks test a rank SIGKILLed mid-save.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import uvloop
+from _spawn import run_ranks
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+import asynctron
+from asynctron import Engine, PeerError, StorageError
+from asynctron.testing import FaultyFileIO
+
+pytestmark = pytest.mark.slow
+
+ROWS, COLS = 24, 10
+
+
+def _full(seed: int) -> torch.Tensor:
+    return torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(seed))
+
+
+def _shared() -> dict[str, torch.Tensor]:
+    """Tensors every rank holds identically (replicated, as in data parallel)."""
+    return {f"layer{i}": torch.full((256, 64), float(i)) for i in range(6)}
+
+
+def _dtensor(mesh: Any, placement: Any, seed: int = 1) -> DTensor:
+    return distribute_tensor(_full(seed), mesh, [placement])
+
+
+def _manifest(path: str) -> dict[str, Any]:
+    with open(f"{path}/manifest.json") as f:
+        return json.load(f)
+
+
+def save_four_ranks(rank: int, world: int, root: str) -> int:
+    mesh = init_device_mesh("cpu", (world,))
+
+    async def run() -> int:
+        async with Engine() as engine:
+            await engine.save({"dt": _dtensor(mesh, Shard(0)), "shared": _shared(),
+                               "step": 4}, f"{root}/four")
+            return engine.rank
+
+    return uvloop.run(run())
+
+
+def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
+    mesh = init_device_mesh("cpu", (world,))
+    out: dict[str, Any] = {}
+
+    async def run() -> None:
+        async with Engine(coordination_timeout_s=30) as engine:
+            # Round trip: replicated tensors, a rank's own tensor, a JSON value.
+            state = {"shared": _shared(), f"own{rank}": torch.full((3,), float(rank)),
+                     "step": 7}
+            result = await engine.save(state, f"{root}/plain")
+            out["files"] = result.files
+            loaded = await engine.load(f"{root}/plain")
+            out["plain_ok"] = (all(torch.equal(loaded["shared"][k], v)
+                                   for k, v in _shared().items())
+                               and torch.equal(loaded["own0"], torch.zeros(3))
+                               and torch.equal(loaded["own1"], torch.ones(3))
+                               and loaded["step"] == 7)
+
+            # DTensor shards saved with their global offsets; resharded on load.
+            await engine.save({"dt": _dtensor(mesh, Shard(0))}, f"{root}/dt")
+            for name, placement in (("shard0", Shard(0)), ("shard1", Shard(1)),
+                                    ("replicate", Replicate())):
+                target = {"dt": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [placement])}
+                await engine.load(f"{root}/dt", into=target)
+                out[f"reshard_{name}"] = torch.equal(target["dt"].full_tensor(), _full(1))
+            four = {"dt": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)]),
+                    "shared": {k: torch.zeros_like(v) for k, v in _shared().items()}}
+            await engine.load(f"{root}/four", into=four)  # saved by 4 ranks, loaded by 2
+            out["four_to_two"] = torch.equal(four["dt"].full_tensor(), _full(1)) and all(
+                torch.equal(four["shared"][k], v) for k, v in _shared().items())
+
+            # Plan cache: an unchanged structure skips the plan collectives.
+            calls = []
+            for step in (1, 2, 3):
+                before = engine.coordination.num_calls
+                await engine.save({"w": torch.full((64,), float(step)), "step": step},
+                                  f"{root}/cache_{step}")
+                calls.append(engine.coordination.num_calls - before)
+            out["calls"] = calls
+            out["hits"] = engine.plan_cache.statistics().num_hits
+
+            # Stock DCP writes, asynctron reads (into DTensors); asynctron writes DCP's format,
+            # stock DCP reads.
+            dcp.save({"dt": _dtensor(mesh, Shard(0), seed=2), "shared": _shared()},
+                     checkpoint_id=f"{root}/stock")
+            target = {"dt": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)])}
+            await engine.load(f"{root}/stock", into=target)
+            out["stock_to_asynctron"] = torch.equal(target["dt"].full_tensor(), _full(2))
+            await engine.save({"dt": _dtensor(mesh, Shard(0), seed=3), "shared": _shared()},
+                              f"{root}/ours_dcp", format="dcp")
+            target = {"dt": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)]),
+                      "shared": {k: torch.zeros_like(v) for k, v in _shared().items()}}
+            dcp.load(target, checkpoint_id=f"{root}/ours_dcp")
+            out["asynctron_to_stock"] = torch.equal(target["dt"].full_tensor(), _full(3)) and (
+                all(torch.equal(target["shared"][k], v) for k, v in _shared().items()))
+
+        # A rank that fails mid-write: nothing is committed, every rank raises.
+        faulty = FaultyFileIO(enospc_after_bytes=4096) if rank == 1 else None
+        async with Engine(file_io=faulty, slab_bytes=1 << 16,
+                          memory_budget_bytes=1 << 20) as engine:
+            try:
+                await engine.save({"shared": _shared()}, f"{root}/failed")
+                out["failed"] = "no error"
+            except (PeerError, StorageError) as error:
+                out["failed"] = (type(error).__name__, getattr(error, "rank", None), str(error))
+
+    uvloop.run(run())
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_rank_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = str(tmp_path_factory.mktemp("ranks"))
+    results = run_ranks(save_four_ranks, 4, root, root, timeout_s=180)
+    assert [r.unwrap() for r in results] == [0, 1, 2, 3]
+    return root
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(four_rank_checkpoint: str) -> tuple[str, list[dict[str, Any]]]:
+    root = four_rank_checkpoint
+    results = run_ranks(two_ranks, 2, root, root, timeout_s=240)
+    return root, [r.unwrap() for r in results]
+
+
+def test_each_rank_writes_its_own_files_and_replicated_tensors_once(
+        two_rank_results: tuple[str, list[dict[str, Any]]]) -> None:
+    root, results = two_rank_results
+    assert all(r["plain_ok"] for r in results)
+    assert all(f.startswith("__0_") for f in results[0]["files"])
+    assert all(f.startswith("__1_") for f in results[1]["files"])
+    items = _manifest(f"{root}/plain")["items"]
+    shared = [i for i in items if i["key"].startswith("shared.")]
+    assert sorted(i["key"] for i in shared) == sorted(f"shared.{k}" for k in _shared())
+    writers = {i["file"].split("_")[2] for i in shared}
+    assert writers == {"0", "1"}  # deduplicated, and spread over both ranks
+
+
+def test_dtensor_shards_reshard_n_to_m(two_rank_results: tuple[str, list[dict[str, Any]]],
+                                       four_rank_checkpoint: str) -> None:
+    root, results = two_rank_results
+    for r in results:
+        assert r["reshard_shard0"] and r["reshard_shard1"] and r["reshard_replicate"]
+        assert r["four_to_two"]
+    chunks = [(i["chunk_offsets"], i["shape"]) for i in _manifest(f"{root}/four")["items"]
+              if i["key"] == "dt"]
+    assert sorted(chunks) == [([6 * k, 0], [6, COLS]) for k in range(4)]
+    loaded = asynctron.load(f"{root}/four")  # 4 ranks -> one process, plain tensors
+    assert torch.equal(loaded["dt"], _full(1)) and loaded["step"] == 4
+
+
+def test_an_unchanged_structure_skips_the_plan_collectives(
+        two_rank_results: tuple[str, list[dict[str, Any]]]) -> None:
+    _, results = two_rank_results
+    for r in results:
+        # start, gather plans, scatter plans, gather reports, broadcast outcome; then the plan
+        # is cached on both ranks and only start and finish remain.
+        assert r["calls"] == [5, 3, 3] and r["hits"] == 2
+
+
+def test_stock_dcp_and_asynctron_read_each_other_across_ranks(
+        two_rank_results: tuple[str, list[dict[str, Any]]]) -> None:
+    _, results = two_rank_results
+    assert all(r["stock_to_asynctron"] and r["asynctron_to_stock"] for r in results)
+
+
+def test_a_rank_failing_mid_write_commits_nothing_and_every_rank_raises(
+        two_rank_results: tuple[str, list[dict[str, Any]]]) -> None:
+    root, results = two_rank_results
+    kind0, rank0, message0 = results[0]["failed"]
+    kind1, _, message1 = results[1]["failed"]
+    assert kind0 == "PeerError" and rank0 == 1
+    assert "rank 1 failed, so the checkpoint" in message0 and "ENOSPC" in message0
+    assert kind1 == "StorageError" and "ENOSPC" in message1
+    assert not os.path.exists(f"{root}/failed")
+    assert not [n for n in os.listdir(root) if n.startswith(".failed.tmp-")]
+
+
+def killed_mid_save(rank: int, world: int, root: str) -> dict[str, Any]:
+    async def run() -> dict[str, Any]:
+        slow = FaultyFileIO() if rank == 1 else None
+        async with Engine(file_io=slow, coordination_timeout_s=60) as engine:
+            await engine.save({f"w{rank}": torch.arange(1000.0), "step": 1}, f"{root}/step_1")
+            if slow is not None:
+                slow.fsync_delay_s = 60  # rank 1's next write stalls, then the rank dies
+            task = engine.save({f"w{rank}": torch.zeros(1000), "step": 2}, f"{root}/step_2")
+            if rank == 1:
+                await task.staged
+                await asyncio.sleep(0.2)
+                os.kill(os.getpid(), signal.SIGKILL)
+            started = asyncio.get_running_loop().time()
+            try:
+                await task
+                return {"error": None}
+            except PeerError as error:
+                return {"error": str(error), "elapsed_s": asyncio.get_running_loop().time()
+                        - started}
+
+    return uvloop.run(run())
+
+
+def test_a_rank_killed_mid_save_makes_the_others_raise_and_keeps_the_previous_checkpoint(
+        tmp_path: object) -> None:
+    root = str(tmp_path)
+    results = run_ranks(killed_mid_save, 2, root, root, timeout_s=120)
+    assert results[1].exitcode == -signal.SIGKILL
+    survivor = results[0].unwrap()
+    assert survivor["error"] is not None and survivor["elapsed_s"] < 30
+    assert not os.path.exists(f"{root}/step_2")
+    loaded = asynctron.load(root)  # `latest` still names step_1
+    assert loaded["step"] == 1
+    assert torch.equal(loaded["w0"], torch.arange(1000.0))
+    assert torch.equal(loaded["w1"], torch.arange(1000.0))
