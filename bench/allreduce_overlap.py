@@ -26,14 +26,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import multiprocessing
 import os
-import pickle
-import socket
 import statistics
-import tempfile
 import time
-import traceback
 from typing import Any
 
 import torch
@@ -43,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from asynctron.comm import BucketManager
 from asynctron.testing import LoopWatchdog
-from bench import _results
+from bench import _ranks, _results
 
 MiB = 1 << 20
 MODELS = {"10M": (1024, 10), "100M": (2896, 12)}  # name -> (width, layers) of an MLP
@@ -235,23 +230,13 @@ async def _rank_work(args: argparse.Namespace, device: torch.device) -> list[dic
     return results
 
 
-def _rank_main(rank: int, world_size: int, port: int, args: argparse.Namespace,
-               out: str) -> None:
+def _rank(rank: int, world_size: int, args: argparse.Namespace) -> list[dict[str, Any]] | None:
     torch.set_num_threads(args.threads)
     device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=600))
-    try:
-        results = uvloop.run(_rank_work(args, device))
-        if rank == 0:
-            with open(out, "wb") as f:
-                pickle.dump(results, f)
-    except BaseException:
-        traceback.print_exc()
-        os._exit(1)
-    dist.destroy_process_group()
+    results = uvloop.run(_rank_work(args, device))
+    return results if rank == 0 else None
 
 
 def _median(values: list[float]) -> float:
@@ -312,24 +297,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{max(1, torch.cuda.device_count())} or run on CPU", flush=True)
         return 2
     started = time.time()
-    with tempfile.TemporaryDirectory(prefix="asynctron-bench-comm-") as scratch:
-        out = os.path.join(scratch, "results.pkl")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        context = multiprocessing.get_context("spawn")
-        ranks = [context.Process(target=_rank_main, args=(rank, args.world_size, port, args, out))
-                 for rank in range(args.world_size)]
-        for process in ranks:
-            process.start()
-        for process in ranks:
-            process.join()
-        if any(process.exitcode for process in ranks) or not os.path.exists(out):
-            print(f"asynctron bench comm: a rank failed (exit codes "
-                  f"{[process.exitcode for process in ranks]})", flush=True)
-            return 1
-        with open(out, "rb") as f:
-            results = pickle.load(f)
+    try:
+        results = _ranks.run_ranks(_rank, args.world_size, args, backend=args.backend)[0]
+    except RuntimeError as error:
+        print(f"asynctron bench comm: {error}", flush=True)
+        return 1
     summary = report(results)
     summary["meta"] = _results.run_meta(
         started, args, torch=torch.__version__,

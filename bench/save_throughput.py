@@ -40,7 +40,7 @@ import uvloop
 import asynctron
 from asynctron import Engine
 from asynctron.testing import LoopWatchdog
-from bench import _peers
+from bench import _peers, save_ranks
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -152,6 +152,8 @@ def _methods(ours: AsynctronRunner, scenario: Scenario, base: str, quick: bool,
 
 
 _RUN_PREFIX = "asynctron-bench-"
+_NPROC = argparse.ArgumentParser(add_help=False)
+_NPROC.add_argument("--nproc", type=int, default=1)
 
 
 def _remove_stale_runs(target: str) -> None:
@@ -343,8 +345,13 @@ def report(scenarios: list[Scenario], budget: dict[str, float],
 
 
 def main(argv: list[str] | None = None) -> int:
+    ranks, _ = _NPROC.parse_known_args(argv)
+    if ranks.nproc > 1:  # `asynctron bench save --nproc N`: the same job across N ranks
+        return save_ranks.main(argv)
     parser = argparse.ArgumentParser(prog="asynctron bench save",
-                                     description=__doc__.split("\n")[0])
+                                     description=__doc__.split("\n")[0],
+                                     epilog="With --nproc N > 1, see `python -m "
+                                            "bench.save_ranks --help`.")
     parser.add_argument("--size-gib", type=float, default=2.0, help="mixed state dict size")
     parser.add_argument("--large-gib", type=float, default=3.0,
                         help="size of the single large tensor (0: skip that state dict)")

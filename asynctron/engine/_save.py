@@ -111,6 +111,7 @@ class SaveJob:
         self._pool.pressure_listeners.add(self._write_gate)
         try:
             request, metadata = await self._plan(start, held)
+            t_planned = time.perf_counter()
             await self._write(request, start.tmp_dir)
             report = request.report(rank)
         except BaseException as error:  # reported to the others, then raised below
@@ -134,6 +135,7 @@ class SaveJob:
             nbytes=request.nbytes,
             files=tuple(layout.file_name for layout in request.plan.layouts),
             num_items=len(request.plan.records),
+            plan_s=t_planned - self._t_request,
             stage_s=(self._t_staged or t_done) - self._t_request,
             write_s=t_written - self._t_request,
             commit_s=t_done - t_written,

@@ -74,6 +74,9 @@ class SaveResult:
     """Data file names inside `path` (one per non-empty bin)."""
     num_items: int
     """Tensors, arrays and bytes values written."""
+    plan_s: float
+    """From the request until this rank's plan was ready: the start and plan exchange across
+    ranks, DCP's planner, chunking, split and layout (or a cached plan)."""
     stage_s: float
     """From the request until every item was copied out (the caller's tensors were free)."""
     write_s: float
