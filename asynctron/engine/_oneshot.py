@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import uvloop
 
@@ -24,13 +24,14 @@ def _run(name: str, coroutine: Any) -> Any:
                        f"use `async with Engine() as engine: await engine.{name}(...)`")
 
 
-def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], **engine_kwargs: Any
-         ) -> SaveResult:
-    """Save `state_dict` to `path` and return once committed (own loop, own engine)."""
+def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
+         format: Literal["asynctron", "dcp"] = "asynctron", **engine_kwargs: Any) -> SaveResult:
+    """Save `state_dict` to `path` and return once committed (own loop, own engine; see
+    `Engine.save` for `format`)."""
 
     async def main() -> SaveResult:
         async with Engine(**engine_kwargs) as engine:
-            return await engine.save(state_dict, path)
+            return await engine.save(state_dict, path, format=format)
 
     return _run("save", main())
 

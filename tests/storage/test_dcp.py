@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import warnings
 
 import numpy as np
 import pytest
@@ -192,3 +193,33 @@ async def test_format_dcp_refuses_what_loading_could_not_read(shm_path: str) -> 
         with pytest.raises(ValueError, match=r"^format: expected 'asynctron' or 'dcp', found "
                                              r"'zip'$"):
             engine.save({"w": torch.ones(1)}, f"{shm_path}/d", format="zip")  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def one_rank_group() -> object:
+    """torch.distributed as rank 0 of 1 (gloo, in-process store), which Megatron needs."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_format_dcp_is_read_by_megatrons_torch_dist_loader(shm_path: str,
+                                                           one_rank_group: object) -> None:
+    strategies = pytest.importorskip("megatron.core.dist_checkpointing.strategies.torch",
+                                     reason="megatron-core is not importable")
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    import asynctron
+
+    weight, bias = torch.randn(64, 16), torch.randn(16)
+    asynctron.save({"decoder.weight": weight, "decoder.bias": bias}, f"{shm_path}/m",
+                   format="dcp")
+    sharded = {key: ShardedTensor.from_rank_offsets(key, torch.zeros_like(value), replica_id=0)
+               for key, value in (("decoder.weight", weight), ("decoder.bias", bias))}
+    with warnings.catch_warnings():  # Megatron calls DCP's deprecated load_state_dict
+        warnings.simplefilter("ignore", FutureWarning)
+        loaded = strategies.TorchDistLoadShardedStrategy().load(sharded, f"{shm_path}/m")
+    assert torch.equal(loaded["decoder.weight"], weight)
+    assert torch.equal(loaded["decoder.bias"], bias)
