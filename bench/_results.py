@@ -17,19 +17,21 @@ def run_meta(started_unix_s: float, args: argparse.Namespace, **extra: Any) -> d
     """What every result file records about the run, plus `extra` (versions, config, ...)."""
     return {"date": time.strftime("%Y-%m-%d", time.gmtime(started_unix_s)),
             "host": platform.node(), "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), "asynctron": asynctron.__version__, **extra,
-            "args": vars(args), "duration_s": time.time() - started_unix_s}
+            "kernel": platform.release(), "python": platform.python_version(),
+            "asynctron": asynctron.__version__, **extra, "args": vars(args),
+            "duration_s": time.time() - started_unix_s}
 
 
 def write_results(scenario: str, results: dict[str, Any], *, out: str | None,
-                  quick: bool) -> None:
+                  quick: bool) -> str | None:
     """Write `results` to `out`, or to the dated file under bench/results/ (a `--quick` smoke
-    run writes only where `out` says)."""
+    run writes only where `out` says); returns the path written, if any."""
     path = out or os.path.join(os.path.dirname(__file__), "results",
                                f"{scenario}_{platform.node()}_{time.strftime('%Y%m%d')}.json")
     if quick and not out:
-        return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+        return None
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(results, f, indent=1, default=str)
     print(f"\nresults: {path}")
+    return path

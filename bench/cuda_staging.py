@@ -13,9 +13,6 @@ Run: `python -m bench.cuda_staging` (or `asynctron bench cuda`).
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -25,6 +22,7 @@ import torch
 import uvloop
 
 from asynctron import Engine
+from bench import _results
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -74,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     pinned = [torch.empty(t.numel() * t.element_size(), dtype=torch.uint8, pin_memory=True)
               .view(t.dtype).view(t.shape) for t in state.values()]
+    started = time.time()
     base = tempfile.mkdtemp(prefix="asynctron-cuda-bench-", dir=args.target)
     timings: dict[str, list[float]] = {}
 
@@ -113,15 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     h2d_ratio = medians["raw pinned H2D"] / medians["asynctron load into GPU"]
     print(f"D2H staging vs raw pinned copy_: {d2h_ratio:.2f}x (target >= 0.8x)")
     print(f"load into GPU (from {args.target}) vs raw pinned H2D: {h2d_ratio:.2f}x")
-    path = args.out or os.path.join(os.path.dirname(__file__), "results",
-                                    f"cuda_staging_{platform.node()}_{time.strftime('%Y%m%d')}"
-                                    ".json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(device), "nbytes": nbytes,
-                   "timings_s": timings, "d2h_vs_raw": d2h_ratio, "h2d_vs_raw": h2d_ratio,
-                   "args": vars(args)}, f, indent=1)
-    print(f"results: {path}")
+    _results.write_results("cuda_staging", {
+        "device": torch.cuda.get_device_name(device), "nbytes": nbytes, "timings_s": timings,
+        "d2h_vs_raw": d2h_ratio, "h2d_vs_raw": h2d_ratio,
+        "meta": _results.run_meta(started, args, torch=torch.__version__)},
+        out=args.out, quick=False)
     return 0
 
 

@@ -20,9 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -37,10 +35,9 @@ import psutil
 import torch
 import uvloop
 
-import asynctron
 from asynctron import Engine
 from asynctron.testing import LoopWatchdog
-from bench import _peers, save_ranks
+from bench import _peers, _results, save_ranks
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -398,23 +395,10 @@ def main(argv: list[str] | None = None) -> int:
         ours.close()
         loop.close()
     results = report(scenarios, budget, budget_bytes)
-    results["meta"] = {
-        "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
-        "host": platform.node(), "cpu_count": os.cpu_count(), "kernel": platform.release(),
-        "memory_bytes": psutil.virtual_memory().total, "python": platform.python_version(),
-        "asynctron": asynctron.__version__, "peers": _peers.peer_versions(),
-        "engine_config": repr(config),
-        "args": vars(args), "warmed_guest_memory_bytes": warmed,
-        "duration_s": time.time() - started,
-    }
-    path = args.out or os.path.join(
-        os.path.dirname(__file__), "results",
-        f"save_throughput_{platform.node()}_{time.strftime('%Y%m%d')}.json")
-    if not args.quick or args.out:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        print(f"\nresults: {path}")
+    results["meta"] = _results.run_meta(
+        started, args, memory_bytes=psutil.virtual_memory().total, peers=_peers.peer_versions(),
+        engine_config=repr(config), warmed_guest_memory_bytes=warmed)
+    _results.write_results("save_throughput", results, out=args.out, quick=args.quick)
     return 0
 
 

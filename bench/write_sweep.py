@@ -15,25 +15,21 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import matplotlib
 import torch
 import uvloop
 from tqdm import tqdm
 
-import asynctron
 from asynctron import Engine
 from asynctron.testing import LoopWatchdog
-from bench import _peers
+from bench import _peers, _results
 
 matplotlib.use("Agg")  # headless; must precede the pyplot import
 import matplotlib.pyplot as plt
@@ -216,14 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         baselines = _baselines(args.target, nbytes, max(1, args.repeats), direct)
-        results: list[Result] = []
+        results_list: list[Result] = []
         with tqdm(settings, desc="bench write", unit="setting", disable=None) as progress:
             for item_bytes, group in itertools.groupby(settings, key=lambda s: s.item_bytes):
                 state = _state(nbytes, item_bytes)
                 for setting in group:
                     progress.set_postfix_str(setting.label())
-                    results.append(uvloop.run(_measure(setting, state, nbytes, base,
-                                                       args.repeats)))
+                    results_list.append(uvloop.run(_measure(setting, state, nbytes, base,
+                                                            args.repeats)))
                     progress.update(1)
                 del state
     finally:
@@ -236,38 +232,29 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'bins':>5}{'threads':>8}{'items':>9}{'mode':>10}{'GB/s':>8}{'x raw':>8}"
           f"{'loop ms':>9}")
     raw = baselines["raw pwrite+fsync (1 thread)"]
-    for r in results:
+    for r in results_list:
         s = r.setting
         print(f"{s.num_bins:>5}{s.num_workers:>8}{_size(s.item_bytes):>9}"
               f"{'O_DIRECT' if s.direct_io else 'buffered':>10}{r.median_gb_per_s:>8.2f}"
               f"{r.median_gb_per_s / raw:>7.2f}x{r.worst_loop_delay_ms:>9.1f}")
-    c = recommend(results, args.max_loop_delay_ms)
+    c = recommend(results_list, args.max_loop_delay_ms)
     print(f"\nrecommended for this storage: Engine(num_workers={c.num_workers}, "
           f"num_bins={c.num_bins}, direct_io={c.direct_io}): {c.mean_gb_per_s:.2f} GB/s "
           f"(geometric mean over item sizes, {c.mean_gb_per_s / raw:.2f}x the raw 1-thread "
           f"baseline), loop worst {c.worst_loop_delay_ms:.1f} ms")
-    stamp = f"{platform.node()}_{time.strftime('%Y%m%d')}"
-    results_dir = os.path.join(os.path.dirname(__file__), "results")
-    out = args.out or os.path.join(results_dir, f"write_sweep_{stamp}.json")
-    picture = args.plot or os.path.splitext(out)[0] + ".png"
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    plot(results, baselines, picture, f"asynctron save sweep on {args.target}")
-    with open(out, "w") as f:
-        json.dump({"target": args.target, "nbytes": nbytes, "direct_io_available": direct,
-                   "baselines_gb_per_s": baselines,
-                   "results": [{**asdict(r.setting), "median_gb_per_s": r.median_gb_per_s,
-                                "samples_s": r.samples_s,
-                                "worst_loop_delay_ms": r.worst_loop_delay_ms} for r in results],
-                   "recommended": asdict(c), "meta": _meta(started, args)}, f, indent=1)
-    print(f"results: {out}\nplot: {picture}")
+    summary = {"target": args.target, "nbytes": nbytes, "direct_io_available": direct,
+               "baselines_gb_per_s": baselines,
+               "results": [{**asdict(r.setting), "median_gb_per_s": r.median_gb_per_s,
+                            "samples_s": r.samples_s,
+                            "worst_loop_delay_ms": r.worst_loop_delay_ms} for r in results_list],
+               "recommended": asdict(c),
+               "meta": _results.run_meta(started, args, torch=torch.__version__)}
+    path = _results.write_results("write_sweep", summary, out=args.out, quick=args.quick)
+    picture = args.plot or (os.path.splitext(path)[0] + ".png" if path else None)
+    if picture is not None:
+        plot(results_list, baselines, picture, f"asynctron save sweep on {args.target}")
+        print(f"plot: {picture}")
     return 0
-
-
-def _meta(started: float, args: argparse.Namespace) -> dict[str, Any]:
-    return {"date": time.strftime("%Y-%m-%d", time.gmtime(started)), "host": platform.node(),
-            "cpu_count": os.cpu_count(), "kernel": platform.release(),
-            "asynctron": asynctron.__version__, "torch": torch.__version__, "args": vars(args),
-            "duration_s": time.time() - started}
 
 
 if __name__ == "__main__":
