@@ -79,6 +79,11 @@ def _fresh(path: str) -> str:
     return path
 
 
+#: Staging budget of the benchmark's engines: the 2 GiB state and one slab per bin fit (so
+#: blocking is a copy); the 3.5 GiB state streams through it (so blocking waits for writes).
+BUDGET_BYTES = 2 * GiB + 512 * MiB
+
+
 class AsynctronRunner:
     """asynctron's saves on one uvloop loop; engines by setting, reused across rounds (as a
     trainer keeps its engine)."""
@@ -89,7 +94,7 @@ class AsynctronRunner:
 
     def engine(self, checksum: str | None = "xxh3_64") -> Engine:
         if checksum not in self.engines:
-            engine = Engine(checksum=checksum)
+            engine = Engine(checksum=checksum, memory_budget_bytes=BUDGET_BYTES)
             self.loop.run_until_complete(engine.__aenter__())
             self.engines[checksum] = engine
         return self.engines[checksum]
@@ -117,32 +122,32 @@ class AsynctronRunner:
             self.loop.run_until_complete(engine.aclose())
 
 
-def _methods(ours: AsynctronRunner, scenario: Scenario, base: str, quick: bool,
-             megatron: bool) -> dict[str, Callable[[], None]]:
+def _methods(ours: AsynctronRunner, scenario: Scenario, quick: bool,
+             megatron: bool) -> dict[str, Callable[[str], None]]:
+    """Each method saves the scenario's state to the path it is given (which does not exist)."""
     state = scenario.state
     buffers = _peers.state_dict_buffers(state)
-    methods: dict[str, Callable[[], None]] = {
-        RAW: lambda: _peers.raw_pwrite_fsync(buffers, _fresh(f"{base}/raw.bin")),
-        OURS: lambda: ours.save(scenario, _fresh(f"{base}/asynctron")),
-        IN_PLACE: lambda: ours.save(scenario, _fresh(f"{base}/in-place"), snapshot=False),
-        NO_CHECKSUM: lambda: ours.save(scenario, _fresh(f"{base}/no-checksum"), checksum=None),
-        "torch.save": lambda: _peers.save_torch(state, _fresh(f"{base}/torch.pt")),
-        "dcp (1 thread)": lambda: _peers.save_dcp(state, _fresh(f"{base}/dcp1"), 1),
-        "dcp (2 threads)": lambda: _peers.save_dcp(state, _fresh(f"{base}/dcp2"), 2),
-        "dcp (4 threads)": lambda: _peers.save_dcp(state, _fresh(f"{base}/dcp4"), 4),
-        "dcp async_save": lambda: _peers.save_dcp_async(state, _fresh(f"{base}/dcpa"), 4),
-        "safetensors": lambda: _peers.save_safetensors(state, _fresh(f"{base}/st.safetensors")),
+    methods: dict[str, Callable[[str], None]] = {
+        RAW: lambda path: _peers.raw_pwrite_fsync(buffers, path),
+        OURS: lambda path: ours.save(scenario, path),
+        IN_PLACE: lambda path: ours.save(scenario, path, snapshot=False),
+        NO_CHECKSUM: lambda path: ours.save(scenario, path, checksum=None),
+        "torch.save": lambda path: _peers.save_torch(state, path),
+        "dcp (1 thread)": lambda path: _peers.save_dcp(state, path, 1),
+        "dcp (2 threads)": lambda path: _peers.save_dcp(state, path, 2),
+        "dcp (4 threads)": lambda path: _peers.save_dcp(state, path, 4),
+        "dcp async_save": lambda path: _peers.save_dcp_async(state, path, 4),
+        "safetensors": lambda path: _peers.save_safetensors(state, path),
     }
     if scenario.on_disk:
-        methods[RAW_DIRECT] = lambda: _peers.raw_direct_pwrite_fsync(
-            scenario.nbytes, _fresh(f"{base}/raw-direct.bin"))
+        methods[RAW_DIRECT] = lambda path: _peers.raw_direct_pwrite_fsync(scenario.nbytes, path)
     if quick:
         for name in ("dcp (2 threads)", "dcp (4 threads)", "dcp async_save"):
             methods.pop(name)
     reason = _peers.megatron_available() if megatron else "skipped (--skip-megatron)"
     if reason is None:
-        methods["megatron FileSystemWriterAsync"] = lambda: _peers.save_megatron_async(
-            state, _fresh(f"{base}/mcore"), thread_count=2)
+        methods["megatron FileSystemWriterAsync"] = lambda path: _peers.save_megatron_async(
+            state, path, thread_count=2)
     else:
         scenario.notes["megatron"] = f"not run: {reason}"
     return methods
@@ -172,15 +177,18 @@ def run_saves(ours: AsynctronRunner, scenario: Scenario, repeats: int, quick: bo
               megatron: bool) -> None:
     base = tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}-", dir=scenario.target)
     try:
-        methods = _methods(ours, scenario, base, quick, megatron)
+        methods = _methods(ours, scenario, quick, megatron)
+        names = list(methods)
         for round_index in range(repeats + 1):  # round 0 warms pages, caches and imports
-            for name, method in methods.items():
+            # rotate the order each round: no method always follows the same one
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                path = _fresh(os.path.join(base, name.replace(" ", "_")))  # untimed
                 os.sync()
                 gc.collect()
-                elapsed = _time(method)
-                for leftover in os.listdir(base):  # RAM is finite: keep only asynctron's
-                    if leftover != "asynctron":
-                        _fresh(os.path.join(base, leftover))
+                elapsed = _time(lambda method=methods[name], path=path: method(path))
+                if name != OURS:  # RAM is finite: keep only asynctron's, for the loads
+                    _fresh(path)
                 if round_index > 0:
                     scenario.timings.setdefault(name, []).append(elapsed)
                 print(f"  {scenario.label:<26} round {round_index} {name:<32} "
@@ -188,7 +196,7 @@ def run_saves(ours: AsynctronRunner, scenario: Scenario, repeats: int, quick: bo
             if round_index == 0:
                 scenario.samples.clear()
         run_copies(scenario, repeats)
-        run_loads(ours, scenario, f"{base}/asynctron", repeats)
+        run_loads(ours, scenario, os.path.join(base, OURS), repeats)
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -285,13 +293,13 @@ def _targets(s: Scenario, saves: dict[str, float], budget_bytes: int) -> list[st
     fits = s.nbytes <= budget_bytes
     lines.append(f"blocking (await staged) {staged:.3f} s vs raw memcpy {memcpy:.3f} s: "
                  f"{staged / memcpy:.2f}x (target <= 1.5x)"
-                 + ("" if fits else "; the state exceeds the 2 GiB staging budget, so "
-                    "staging waits for writes"))
+                 + ("" if fits else f"; the state exceeds the {budget_bytes / GiB:.1f} GiB "
+                    "staging budget, so staging waits for writes"))
     lines.append(f"loop worst heartbeat delay over asynctron's saves: median "
                  f"{_median(delays) * 1e3:.1f} ms, max {max(delays) * 1e3:.1f} ms "
                  "(target <= 10 ms)")
     lines.append(f"checksum cost: {(ours - saves[NO_CHECKSUM]) / ours:+.1%} of the save "
-                 f"(xxh3-64 fused into staging; target <= 10%)")
+                 f"(xxh3-64, hashed by the writers; target <= 10%)")
     return lines
 
 
@@ -369,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     loop = uvloop.new_event_loop()
     ours = AsynctronRunner(loop)
     config = ours.engine().config
-    budget_bytes = config.memory_budget_bytes
+    budget_bytes = BUDGET_BYTES
     scenarios = []
     try:
         for target in targets:

@@ -8,8 +8,8 @@ Stages:
    of this global structure is cached;
 3. planning on the executor (`_save_plan`; a state dict of thousands of tensors never stalls
    the loop), with the plan exchange across ranks unless the plan was cached;
-4. per bin, a stager task and a writer task joined by a queue: the stager copies and hashes
-   batch after batch into slabs (bounded by the memory budget), the writer pwritev's them in
+4. per bin, a stager task and a writer task joined by a queue: the stager copies batch after
+   batch into slabs (bounded by the memory budget), the writer hashes and pwritev's them in
    file order, then fsyncs. Writers hold back until staging is done or the budget runs short,
    so the caller's blocking time stays close to a plain memcpy. The loop's work per batch is
    constant: each stage and each write is one executor call;
@@ -176,7 +176,8 @@ class SaveJob:
         """Stage and write every bin of this rank into `tmp_dir`, fsynced."""
         options = self._options
         writers = [BinWriter(self._fio, os.path.join(tmp_dir, layout.file_name), layout,
-                             self._run_blocking, direct_io=options.direct_io)
+                             self._run_blocking, direct_io=options.direct_io,
+                             hashers=request.hashers)
                    for layout in request.plan.layouts]
         self._bins_left_to_stage = len(writers)
         if not writers or not options.snapshot:
@@ -213,8 +214,8 @@ class SaveJob:
         for batch, needs_slab in zip(request.plan.batches[index], request.needs_slab[index],
                                      strict=True):
             queue.put_nowait(await self._stager.stage(
-                batch, request.sources, request.hashers, needs_slab=needs_slab,
-                snapshot=request.snapshot, ready=self._ready))
+                batch, request.sources, needs_slab=needs_slab, snapshot=request.snapshot,
+                ready=self._ready))
         queue.put_nowait(None)
         self._bins_left_to_stage -= 1
         if self._bins_left_to_stage == 0 and request.snapshot:
@@ -225,7 +226,7 @@ class SaveJob:
         await self._write_gate.wait()
         while (staged := await queue.get()) is not None:
             try:
-                await writer.write(staged.batch, staged.buffers)
+                await writer.write(staged.batch, staged.buffers, staged.bodies)
             finally:
                 if staged.slab is not None:
                     self._pool.release(staged.slab)

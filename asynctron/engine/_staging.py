@@ -5,12 +5,12 @@ file. `SlabPool` hands out slabs under a `ByteBudget` and keeps released ones fo
 a steady stream of saves re-touches warm pages instead of faulting new ones.
 
 A batch is staged by ONE executor call (`stage_batch`), whatever its number of segments, so
-the loop's work per batch is constant. Copies, per segment:
-- contiguous CPU tensor or bytes: a memcpy (numpy, GIL released) fused with the item's hash,
-  piece by piece while each piece is in cache;
+the loop's work per batch is constant. Staging only copies (hashing is the writer's, off the
+caller's blocking time). Copies, per segment:
+- contiguous CPU tensor or bytes: a memcpy (numpy, GIL released);
 - any CUDA tensor: `copy_(non_blocking=True)` launched on a per-device copy stream that first
   waits for the stream the save was requested on; the batch's CUDA event is then waited in
-  the same executor call, never on the loop, and the staged bytes hashed;
+  the same executor call, never on the loop;
 - non-contiguous (or conjugate/negative-bit) tensors: the segment's flat element range is cut
   into at most 2·ndim+1 strided views copied straight into the slab, so no full contiguous
   temporary is ever made.
@@ -32,7 +32,6 @@ import torch
 from asynctron._concurrency import RunBlocking
 from asynctron.engine._budget import ByteBudget
 from asynctron.errors import WouldBlock
-from asynctron.storage._checksum import ItemHasher
 from asynctron.storage._layout import Batch
 
 
@@ -173,22 +172,6 @@ def flat_range_views(tensor: torch.Tensor, start: int, stop: int) -> list[torch.
     return views
 
 
-#: Fused copy+hash works in pieces this large: each is hashed while still in cache.
-_HASH_PIECE_BYTES = 1 << 20
-
-
-def _copy_and_hash(destination: np.ndarray, source: np.ndarray,
-                   hasher: ItemHasher | None) -> None:
-    """memcpy `source` into `destination`, hashing each piece right after copying it."""
-    if hasher is None:
-        np.copyto(destination, source)
-        return
-    for lo in range(0, source.nbytes, _HASH_PIECE_BYTES):
-        piece = destination[lo:lo + _HASH_PIECE_BYTES]
-        np.copyto(piece, source[lo:lo + _HASH_PIECE_BYTES])
-        hasher.update(piece)
-
-
 def _copy_strided(typed: torch.Tensor, tensor: torch.Tensor, start: int, stop: int,
                   non_blocking: bool) -> None:
     """Copy elements [start, stop) of `tensor` (flattened order) into 1-D `typed`."""
@@ -199,23 +182,24 @@ def _copy_strided(typed: torch.Tensor, tensor: torch.Tensor, start: int, stop: i
         cursor += count
 
 
-def stage_batch(batch: Batch, sources: Sequence[ItemSource],
-                hashers: Sequence[ItemHasher] | None, slab: Slab | None, *, snapshot: bool,
-                ready: Mapping[torch.device, torch.cuda.Event],
-                copy_stream: Callable[[torch.device], torch.cuda.Stream]) -> list[memoryview]:
-    """Blocks: copy `batch` out of its sources into `slab`, hashing every body; returns the
-    buffers to write (covering the whole batch, padding included).
+def stage_batch(batch: Batch, sources: Sequence[ItemSource], slab: Slab | None, *,
+                snapshot: bool, ready: Mapping[torch.device, torch.cuda.Event],
+                copy_stream: Callable[[torch.device], torch.cuda.Stream]
+                ) -> tuple[list[memoryview], list[tuple[int, memoryview]]]:
+    """Blocks: copy `batch` out of its sources into `slab`. Returns the buffers to write
+    (covering the whole batch, padding included) and, per segment, its item's body bytes as
+    `(item index, view)`, in file order, for the writer to hash.
 
     Without `snapshot`, contiguous CPU bytes are not copied: their buffers are the sources'
     own memory. CUDA segments are copied first, on each device's copy stream after the event
     the save was requested at, and waited for here, so CPU copies overlap them.
     """
     views: list[list[memoryview]] = []
+    bodies: list[tuple[int, memoryview]] = []
     cuda: dict[torch.device, list[_DeviceCopy]] = {}
     in_place = False
     for segment in batch.segments:
         source = sources[segment.item_index]
-        hasher = hashers[segment.item_index] if hashers is not None else None
         at = segment.batch_offset
         segment_views: list[memoryview] = []
         for piece, lo, hi in source.pieces(segment.item_offset, segment.nbytes):
@@ -231,24 +215,22 @@ def stage_batch(batch: Batch, sources: Sequence[ItemSource],
             elif source.flat is not None and not snapshot:
                 in_place = True
                 segment_views.append(memoryview(source.flat[lo:hi]))
-                if hasher is not None:
-                    hasher.update(segment_views[-1])
+                bodies.append((segment.item_index, segment_views[-1]))
             else:
                 assert slab is not None, "a copied segment needs a slab"
                 segment_views.append(slab.view[at:at + nbytes])
+                bodies.append((segment.item_index, segment_views[-1]))
                 if source.flat is not None:
-                    _copy_and_hash(slab.array[at:at + nbytes], source.flat[lo:hi], hasher)
+                    np.copyto(slab.array[at:at + nbytes], source.flat[lo:hi])
                 elif source.is_cuda:
                     assert source.tensor is not None
                     cuda.setdefault(source.tensor.device, []).append(
-                        _DeviceCopy(source, segment.item_index, lo, at, nbytes))
+                        _DeviceCopy(source, lo, at, nbytes))
                 else:
                     assert source.tensor is not None
                     typed = slab.tensor[at:at + nbytes].view(source.tensor.dtype)
                     _copy_strided(typed, source.tensor, lo // source.itemsize,
                                   hi // source.itemsize, non_blocking=False)
-                    if hasher is not None:
-                        hasher.update(segment_views[-1])
             at += nbytes
         views.append(segment_views)
     events = [_launch_d2h(slab, copies, ready[device], copy_stream(device))
@@ -258,14 +240,9 @@ def stage_batch(batch: Batch, sources: Sequence[ItemSource],
             slab.array[lo:hi] = 0
     for event in events:
         event.synchronize()
-    if hashers is not None:
-        for copies in cuda.values():
-            for copy in copies:
-                assert slab is not None
-                hashers[copy.item_index].update(slab.view[copy.at:copy.at + copy.nbytes])
     if slab is not None and not in_place:
-        return [slab.view[:batch.nbytes]]
-    return _with_padding(batch, views)
+        return [slab.view[:batch.nbytes]], bodies
+    return _with_padding(batch, views), bodies
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +250,6 @@ class _DeviceCopy:
     """Body bytes [body_offset, +nbytes) of a CUDA source → slab bytes [at, +nbytes)."""
 
     source: ItemSource
-    item_index: int
     body_offset: int
     at: int
     nbytes: int
@@ -299,11 +275,13 @@ def _launch_d2h(slab: Slab | None, copies: Sequence[_DeviceCopy],
 
 @dataclass(slots=True)
 class StagedBatch:
-    """A batch ready to write: `buffers` cover all its bytes; `slab` (if any) goes back to the
-    pool once written."""
+    """A batch ready to write: `buffers` cover all its bytes; `bodies` are its items' bytes,
+    `(item index, view)` in file order, to hash; `slab` (if any) goes back to the pool once
+    written."""
 
     batch: Batch
     buffers: list[memoryview]
+    bodies: list[tuple[int, memoryview]]
     slab: Slab | None
 
 
@@ -341,25 +319,25 @@ class Stager:
                 events[tensor.device].record(torch.cuda.current_stream(tensor.device))
         return events
 
-    async def stage(self, batch: Batch, sources: Sequence[ItemSource],
-                    hashers: Sequence[ItemHasher] | None, *, needs_slab: bool, snapshot: bool,
-                    ready: Mapping[torch.device, torch.cuda.Event]) -> StagedBatch:
-        """Copy out (and hash) `batch`: one executor call, whatever its number of segments.
+    async def stage(self, batch: Batch, sources: Sequence[ItemSource], *, needs_slab: bool,
+                    snapshot: bool, ready: Mapping[torch.device, torch.cuda.Event]
+                    ) -> StagedBatch:
+        """Copy out `batch`: one executor call, whatever its number of segments.
 
         Memory: borrows one slab from the pool when `needs_slab`.
         Cancellation: the copy in flight finishes; the slab goes back to the pool.
         """
         slab = await self.pool.acquire() if needs_slab else None
         try:
-            buffers = await self._run_blocking(
+            buffers, bodies = await self._run_blocking(
                 functools.partial(stage_batch, snapshot=snapshot, ready=ready,
                                   copy_stream=self.copy_stream),
-                batch, sources, hashers, slab)
+                batch, sources, slab)
         except BaseException:
             if slab is not None:
                 self.pool.release(slab)
             raise
-        return StagedBatch(batch, buffers, slab)
+        return StagedBatch(batch, buffers, bodies, slab)
 
 
 def _gaps(batch: Batch) -> list[tuple[int, int]]:

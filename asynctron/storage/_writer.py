@@ -1,8 +1,10 @@
-"""The per-bin writer: one file, written batch by batch in file order.
+"""The per-bin writer: one file, written batch by batch in file order, each item hashed.
 
-Each `write` is one executor call that pwritev's the batch (looping over short writes, with
-O_DIRECT for the aligned part where the file has it), so the loop thread never touches file
-bytes. Items were hashed while staged; the writer only writes.
+Each `write` is one executor call that continues the digest of every item the batch holds,
+then pwritev's the batch (looping over short writes, with O_DIRECT for the aligned part where
+the file has it), so the loop thread never touches file bytes. Hashing here rather than while
+staging keeps it out of the caller's blocking time: staging is then a plain copy, bound by
+memory bandwidth.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from collections.abc import Sequence
 
 from asynctron._concurrency import RunBlocking
 from asynctron.storage import _sysio
+from asynctron.storage._checksum import ItemHasher
 from asynctron.storage._layout import Batch, BinLayout
 from asynctron.storage._sysio import FileIO
 
@@ -23,13 +26,14 @@ class BinWriter:
     """
 
     def __init__(self, fio: FileIO, path: str, layout: BinLayout, run_blocking: RunBlocking, *,
-                 direct_io: bool):
+                 direct_io: bool, hashers: Sequence[ItemHasher] | None):
         self.path = path
         self._want_direct = direct_io
         self._direct: _sysio.DirectIO | None = None
         self.layout = layout
         self._fio = fio
         self._run_blocking = run_blocking
+        self._hashers = hashers
         self._fd: int | None = None
         self._next_offset = 0
 
@@ -39,8 +43,10 @@ class BinWriter:
                                                     self._want_direct)
         self._direct = _sysio.DirectIO(self._fd, self.path) if direct else None
 
-    async def write(self, batch: Batch, buffers: Sequence[memoryview]) -> None:
-        """Write `batch` from `buffers` (covering all its bytes, padding included).
+    async def write(self, batch: Batch, buffers: Sequence[memoryview],
+                    bodies: Sequence[tuple[int, memoryview]]) -> None:
+        """Write `batch` from `buffers` (covering all its bytes, padding included), hashing
+        `bodies` (`(item index, bytes)` in file order) first.
 
         Cancellation: the executor call runs to completion; the file is then incomplete and
         the caller discards the whole tmp dir.
@@ -48,7 +54,7 @@ class BinWriter:
         assert self._fd is not None, "open() first"
         assert batch.file_offset == self._next_offset, "batches must be written in file order"
         await self._run_blocking(_write_batch, self._fio, self._fd, self.path, batch, buffers,
-                                 self._direct)
+                                 self._direct, bodies, self._hashers)
         self._next_offset = batch.file_offset + batch.nbytes
 
     async def finish(self) -> None:
@@ -69,9 +75,14 @@ class BinWriter:
 
 
 def _write_batch(fio: FileIO, fd: int, path: str, batch: Batch, buffers: Sequence[memoryview],
-                 direct: _sysio.DirectIO | None) -> None:
-    """Blocks: write the batch at its file offset (a one-buffer batch with an unaligned end goes
-    O_DIRECT up to its last full block, then buffered)."""
+                 direct: _sysio.DirectIO | None, bodies: Sequence[tuple[int, memoryview]],
+                 hashers: Sequence[ItemHasher] | None) -> None:
+    """Blocks: hash the batch's item bytes, then write the batch at its file offset (a
+    one-buffer batch with an unaligned end goes O_DIRECT up to its last full block, then
+    buffered)."""
+    if hashers is not None:
+        for item_index, body in bodies:
+            hashers[item_index].update(body)
     calls = [list(buffers)]
     head_nbytes = batch.nbytes // _sysio.DIRECT_IO_ALIGN_BYTES * _sysio.DIRECT_IO_ALIGN_BYTES
     if direct is not None and len(buffers) == 1 and 0 < head_nbytes < batch.nbytes:
