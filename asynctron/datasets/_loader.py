@@ -229,6 +229,11 @@ class AsyncLoader:
             if isinstance(error, asyncio.CancelledError):
                 raise
             await ready.put(first_error(error))
+        finally:  # batches planned but never assembled give their bytes back
+            while not planned.empty():
+                plan = planned.get_nowait()
+                if plan is not None:
+                    self.budget.release(plan.nbytes)
 
     async def _plan_all(self, start: int, planned: asyncio.Queue[_Plan | None]) -> None:
         step = self.samples_per_step

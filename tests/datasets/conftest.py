@@ -5,6 +5,7 @@ from __future__ import annotations
 import types
 import warnings
 from collections.abc import Callable
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ class Tok:
     eod = 0
     pad = 1001
     vocab_size = 1002
-    unique_identifiers = {"class": "Tok"}
+    unique_identifiers: ClassVar[dict[str, str]] = {"class": "Tok"}
 
 
 @pytest.fixture
@@ -65,7 +66,7 @@ def random_documents(seed: int, num_documents: int, max_length: int = 300,
 
 
 @pytest.fixture
-def make_corpus(tmp_path) -> Callable[..., IndexedDataset]:  # noqa: ANN001
+def make_corpus(tmp_path) -> Callable[..., IndexedDataset]:
     """`make_corpus(name, seed=0, num_documents=300, dtype=np.uint16, eod=None)` writes a
     corpus under tmp_path and opens it."""
 
@@ -75,3 +76,19 @@ def make_corpus(tmp_path) -> Callable[..., IndexedDataset]:  # noqa: ANN001
         return write_indexed_dataset(str(tmp_path / name), documents, dtype=dtype)
 
     return make
+
+
+@pytest.fixture
+def tokenizer_json(tmp_path) -> str:
+    """A tiny word-level HuggingFace tokenizer.json, trained here (nothing downloaded):
+    [UNK]=0, <|endoftext|>=1, [PAD]=2, then 8 words."""
+    tokenizers = pytest.importorskip("tokenizers", reason="the tokenizers package is missing")
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tokenizer = tokenizers.Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    trainer = trainers.WordLevelTrainer(special_tokens=["[UNK]", "<|endoftext|>", "[PAD]"])
+    tokenizer.train_from_iterator(["the cat sat on the mat", "a dog ran"], trainer)
+    path = str(tmp_path / "tokenizer.json")
+    tokenizer.save(path)
+    return path
