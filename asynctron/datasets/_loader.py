@@ -35,11 +35,15 @@ from asynctron.datasets._blended import BlendedDataset
 from asynctron.datasets._gpt import GPTDataset
 from asynctron.datasets._indexed import IndexedDataset
 from asynctron.engine import ByteBudget
-from asynctron.errors import ClosedError
+from asynctron.errors import ClosedError, WouldBlock
 
 logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+#: samples whose index pages are read in one round of calls when planning
+PLAN_WINDOW_SAMPLES = 256
+#: most planned batches whose pages are populated in one call before assembly
+ASSEMBLE_BATCHES = 8
 
 Collate = Callable[[list[dict[str, Any]]], dict[str, Any]]
 
@@ -236,46 +240,81 @@ class AsyncLoader:
                     self.budget.release(plan.nbytes)
 
     async def _plan_all(self, start: int, planned: asyncio.Queue[_Plan | None]) -> None:
+        """Plan windows of batches; queue each batch once its bytes are borrowed, and advise
+        the queued batches' pages in one call (before waiting for more budget)."""
         step = self.samples_per_step
-        for batch_start in range(start, len(self.dataset) - step + 1, step):
-            plan = await self._plan(self._sample_ids(batch_start))
-            await self.budget.acquire(plan.nbytes)
-            try:
-                if plan.ranges:
-                    await self._run_blocking(_pages.advise_willneed, plan.ranges)
-            except BaseException:
-                self.budget.release(plan.nbytes)
-                raise
-            planned.put_nowait(plan)
+        starts = range(start, len(self.dataset) - step + 1, step)
+        window = max(1, PLAN_WINDOW_SAMPLES // self.micro_batch_size)
+        for w0 in range(0, len(starts), window):
+            plans = await self._plan_window([self._sample_ids(s) for s in starts[w0:w0 + window]])
+            unadvised: list[_pages.Range] = []
+            for plan in plans:
+                try:
+                    self.budget.acquire_nowait(plan.nbytes)
+                except WouldBlock:
+                    await self._advise(unadvised)
+                    unadvised = []
+                    await self.budget.acquire(plan.nbytes)
+                planned.put_nowait(plan)  # from here on, its bytes are released by whoever
+                unadvised.extend(plan.ranges)  # takes it from the queue (or the drain)
+            await self._advise(unadvised)
         planned.put_nowait(None)
+
+    async def _advise(self, ranges: list[_pages.Range]) -> None:
+        """Start reading the pages of `ranges` (off the loop; returns once the reads are
+        queued)."""
+        if ranges:
+            await self._run_blocking(_pages.advise_willneed, ranges)
+
+    async def _populate(self, ranges: list[_pages.Range]) -> None:
+        """Make `ranges` resident and mapped, off the loop."""
+        if ranges:
+            await self._run_blocking(_pages.populate, ranges)
 
     async def _assemble_all(self, planned: asyncio.Queue[_Plan | None],
                             ready: asyncio.Queue[Any]) -> None:
-        while (plan := await planned.get()) is not None:
+        """Populate the pages of every batch already planned, in one call, then assemble them
+        in order."""
+        done = False
+        while not done:
+            plans = [await planned.get()]
+            while not planned.empty() and len(plans) < ASSEMBLE_BATCHES:
+                plans.append(planned.get_nowait())
+            if plans[-1] is None:
+                plans.pop()
+                done = True
             try:
-                if plan.ranges:
-                    await self._run_blocking(_pages.populate, plan.ranges)
-                batch = self._collate([self._sample(parts) for parts in plan.parts])
+                await self._populate([r for plan in plans for r in plan.ranges])
+                for k, plan in enumerate(plans):
+                    batch = self._collate([self._sample(parts) for parts in plan.parts])
+                    self.budget.release(plan.nbytes)
+                    plans[k] = None  # type: ignore[call-overload]
+                    await ready.put(batch)
             finally:
-                self.budget.release(plan.nbytes)
-            await ready.put(batch)
+                for plan in plans:
+                    if plan is not None:
+                        self.budget.release(plan.nbytes)
         await ready.put(None)
 
     # planning ---------------------------------------------------------------------------------
 
-    async def _populated(self, array: np.ndarray, rows: np.ndarray) -> None:
-        ranges = _pages.array_ranges(array, rows)
-        if ranges:
-            await self._run_blocking(_pages.populate, ranges)
+    async def _populated(self, *arrays_rows: tuple[np.ndarray, np.ndarray]) -> None:
+        """Populate the pages of `array[rows]` for each pair, in one blocking call."""
+        await self._populate([r for array, rows in arrays_rows
+                              for r in _pages.array_ranges(array, rows)])
 
-    async def _plan(self, sample_ids: list[int]) -> _Plan:
+    async def _plan_window(self, batches: list[list[int]]) -> list[_Plan]:
+        """Locate the parts of every sample of `batches` (populating the index pages they read,
+        level by level, one call per level for the whole window) and their .bin pages."""
+        sample_ids = [i for batch in batches for i in batch]
         ids = np.asarray(sample_ids, np.int64)
         dataset = self.dataset
+        parts: list[tuple[Any, Any]]
         if isinstance(dataset, BlendedDataset):
-            await self._populated(dataset.dataset_index, ids)
-            await self._populated(dataset.dataset_sample_index, ids)
+            await self._populated((dataset.dataset_index, ids),
+                                  (dataset.dataset_sample_index, ids))
             targets = [dataset.locate(i) for i in sample_ids]
-            parts: list[tuple[Any, Any]] = [(None, None)] * len(sample_ids)
+            parts = [(None, None)] * len(sample_ids)
             for gpt in dataset.datasets:
                 mine = [k for k, (owner, _) in enumerate(targets) if owner is gpt]
                 if mine:
@@ -286,31 +325,31 @@ class AsyncLoader:
             located = await self._gpt_parts(dataset, sample_ids)
             parts = [(None, (dataset, found)) for found in located]
         else:
-            return _Plan(sample_ids, [(None, (dataset, i)) for i in sample_ids])
-        spans = []
-        for _, (gpt, found) in parts:
-            indexed: IndexedDataset = gpt.dataset
-            base = indexed.tokens.ctypes.data
-            for document, offset, count in found:
-                start, nbytes = indexed.byte_range(document, offset, count)
-                spans.append((base + start, nbytes))
-        ranges = _pages.page_ranges(spans)
-        return _Plan(sample_ids, parts, ranges, _pages.total_bytes(ranges))
+            parts = [(None, (dataset, i)) for i in sample_ids]
+        plans = []
+        offset = 0
+        for batch in batches:
+            mine = parts[offset:offset + len(batch)]
+            offset += len(batch)
+            ranges = _bin_ranges(mine)
+            plans.append(_Plan(batch, mine, ranges, _pages.total_bytes(ranges)))
+        return plans
 
     async def _gpt_parts(self, gpt: GPTDataset, ids: Sequence[int]) -> list[Any]:
         """`gpt.sample_parts(i)` for each id, after populating the index pages they read."""
         rows = np.asarray(ids, np.int64)
-        await self._populated(gpt.shuffle_index, rows)
+        await self._populated((gpt.shuffle_index, rows))
         shuffled = gpt.shuffle_index[rows].astype(np.int64)
-        await self._populated(gpt.sample_index, np.concatenate([shuffled, shuffled + 1]))
-        bounds = gpt.sample_index[np.concatenate([shuffled, shuffled + 1])]
+        both = np.concatenate([shuffled, shuffled + 1])
+        await self._populated((gpt.sample_index, both))
+        bounds = gpt.sample_index[both, 0].astype(np.int64)
         positions = np.concatenate([np.arange(b, e + 1) for b, e in zip(
-            bounds[:len(ids), 0].tolist(), bounds[len(ids):, 0].tolist(), strict=True)])
-        await self._populated(gpt.document_index, positions)
+            bounds[:len(ids)].tolist(), bounds[len(ids):].tolist(), strict=True)])
+        await self._populated((gpt.document_index, positions))
         documents = gpt.document_index[positions].astype(np.int64)
         indexed = gpt.dataset
-        await self._populated(indexed.sequence_pointers, documents)
-        await self._populated(indexed.sequence_lengths, documents)
+        await self._populated((indexed.sequence_pointers, documents),
+                              (indexed.sequence_lengths, documents))
         return [gpt.sample_parts(i) for i in ids]
 
     def _sample(self, planned: tuple[Any, Any]) -> dict[str, Any]:
@@ -325,3 +364,19 @@ class AsyncLoader:
     def __repr__(self) -> str:
         return (f"<AsyncLoader rank {self.data_parallel_rank}/{self.data_parallel_size}, "
                 f"{self.consumed_samples} samples consumed, {self.budget!r}>")
+
+
+def _bin_ranges(parts: list[tuple[Any, Any]]) -> list[_pages.Range]:
+    """Page ranges in the `.bin` maps of every located part."""
+    starts: list[int] = []
+    sizes: list[int] = []
+    for _, (gpt, found) in parts:
+        if not isinstance(gpt, GPTDataset):
+            continue
+        indexed: IndexedDataset = gpt.dataset
+        base, itemsize = indexed.tokens.ctypes.data, indexed.dtype.itemsize
+        pointers = indexed.sequence_pointers
+        for document, offset, count in found:
+            starts.append(base + int(pointers[document]) + offset * itemsize)
+            sizes.append(count * itemsize)
+    return _pages.page_ranges_of(np.array(starts, np.int64), np.array(sizes, np.int64))

@@ -41,16 +41,24 @@ _populate_supported = True
 
 def page_ranges(spans: Iterable[Range]) -> list[Range]:
     """Page-aligned, sorted, merged ranges covering `spans` (empty spans dropped)."""
-    aligned = sorted((start - start % PAGE_BYTES,
-                      start + nbytes + (-(start + nbytes)) % PAGE_BYTES)
-                     for start, nbytes in spans if nbytes > 0)
-    merged: list[list[int]] = []
-    for begin, end in aligned:
-        if merged and begin <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([begin, end])
-    return [(begin, end - begin) for begin, end in merged]
+    pairs = np.array(list(spans), dtype=np.int64).reshape(-1, 2)
+    return page_ranges_of(pairs[:, 0], pairs[:, 1])
+
+
+def page_ranges_of(starts: np.ndarray, nbytes: np.ndarray) -> list[Range]:
+    """`page_ranges` of spans given as two arrays (vectorised)."""
+    keep = nbytes > 0
+    begins = starts[keep]
+    ends = begins + nbytes[keep]
+    if begins.size == 0:
+        return []
+    begins = begins - begins % PAGE_BYTES
+    ends = ends + (-ends) % PAGE_BYTES
+    order = np.argsort(begins, kind="stable")
+    begins, ends = begins[order], np.maximum.accumulate(ends[order])
+    first = np.flatnonzero(np.concatenate(([True], begins[1:] > ends[:-1])))
+    last = np.concatenate((first[1:] - 1, [begins.size - 1]))
+    return list(zip(begins[first].tolist(), (ends[last] - begins[first]).tolist(), strict=True))
 
 
 def total_bytes(ranges: Sequence[Range]) -> int:
@@ -62,25 +70,70 @@ def array_ranges(array: np.ndarray, rows: np.ndarray) -> list[Range]:
     address: nothing is read."""
     if array.size == 0 or rows.size == 0:
         return []
-    base = array.ctypes.data
     row_bytes = array.strides[0]
-    starts = base + np.asarray(rows, np.int64) * row_bytes
-    return page_ranges(zip(starts.tolist(), [row_bytes] * rows.size, strict=True))
+    starts = array.ctypes.data + np.asarray(rows, np.int64) * row_bytes
+    return page_ranges_of(starts, np.full(starts.size, row_bytes, np.int64))
 
 
-def _advise(address: int, nbytes: int, advice: int) -> int:
-    if _madvise(address, nbytes, advice) == 0:
-        return 0
-    return ctypes.get_errno()
+def _advise_each(ranges: Sequence[Range], advice: int, what: str) -> None:
+    for address, nbytes in ranges:
+        if _madvise(address, nbytes, advice) != 0:
+            code = ctypes.get_errno()
+            if code == errno.EINVAL and advice == MADV_POPULATE_READ:
+                raise _UnsupportedError
+            if code != errno.EINTR:
+                raise OSError(code, f"madvise({what}) of {nbytes} bytes at {address:#x}")
+
+
+class _UnsupportedError(Exception):
+    pass
+
+
+class _ProcessMadvise:
+    """`process_madvise(2)` on this process: many ranges, one syscall (so one release of the
+    GIL, not one per range). Linux 5.10+ for WILLNEED; POPULATE_READ on recent kernels."""
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._pidfd = -1
+        self.usable = {MADV_WILLNEED: True, MADV_POPULATE_READ: True}
+
+    def __call__(self, ranges: Sequence[Range], advice: int) -> bool:
+        """True when every range was advised; False when the kernel refused the call."""
+        if not self.usable[advice]:
+            return False
+        if self._pid != os.getpid():  # first call, or a forked child
+            try:
+                self._pidfd, self._pid = os.pidfd_open(os.getpid()), os.getpid()
+            except OSError:
+                self.usable = dict.fromkeys(self.usable, False)
+                return False
+        for start in range(0, len(ranges), _IOV_MAX):
+            chunk = ranges[start:start + _IOV_MAX]
+            iovecs = np.array(chunk, dtype=np.uint64)  # rows of struct iovec {base, len}
+            wanted = int(iovecs[:, 1].sum())
+            done = _syscall(_SYS_PROCESS_MADVISE, self._pidfd, iovecs.ctypes.data,
+                            len(chunk), advice, 0)
+            if done != wanted:
+                code = ctypes.get_errno()
+                if done < 0 and code not in (errno.EINTR, errno.EAGAIN):
+                    self.usable[advice] = False
+                return False
+        return True
+
+
+_SYS_PROCESS_MADVISE = 440  # x86_64 and aarch64 (the generic syscall table)
+_IOV_MAX = 1024
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+_process_madvise = _ProcessMadvise()
 
 
 def advise_willneed(ranges: Sequence[Range]) -> None:
-    """Start reading `ranges` into the page cache (madvise WILLNEED); returns without waiting.
+    """Start reading `ranges` into the page cache (WILLNEED); returns without waiting.
     Blocking call: run it through `RunBlocking`."""
-    for address, nbytes in ranges:
-        code = _advise(address, nbytes, MADV_WILLNEED)
-        if code:
-            raise OSError(code, f"madvise(WILLNEED) of {nbytes} bytes at {address:#x}")
+    if ranges and not _process_madvise(ranges, MADV_WILLNEED):
+        _advise_each(ranges, MADV_WILLNEED, "WILLNEED")
 
 
 def populate(ranges: Sequence[Range]) -> None:
@@ -90,29 +143,28 @@ def populate(ranges: Sequence[Range]) -> None:
     through `RunBlocking`."""
     global _populate_supported
     advise_willneed(ranges)
-    if not _populate_supported:
+    if not ranges or not _populate_supported:
         return
-    for address, nbytes in ranges:
-        code = _advise(address, nbytes, MADV_POPULATE_READ)
-        if code == errno.EINVAL:
-            logger.info("madvise(MADV_POPULATE_READ) unsupported; prefetch only starts reads")
-            _populate_supported = False
-            return
-        if code and code != errno.EINTR:
-            raise OSError(code, f"madvise(POPULATE_READ) of {nbytes} bytes at {address:#x}")
+    if _process_madvise(ranges, MADV_POPULATE_READ):
+        return
+    try:
+        _advise_each(ranges, MADV_POPULATE_READ, "POPULATE_READ")
+    except _UnsupportedError:
+        logger.info("madvise(MADV_POPULATE_READ) unsupported; prefetch only starts reads")
+        _populate_supported = False
+
+
+def _resident_pages(address: int, nbytes: int) -> np.ndarray:
+    vector = np.empty(-(-nbytes // PAGE_BYTES), np.uint8)
+    if _mincore(address, nbytes, vector.ctypes.data) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mincore of {nbytes} bytes at {address:#x}")
+    return vector & 1
 
 
 def resident_bytes(ranges: Sequence[Range]) -> int:
-    """Bytes of `ranges` now in the page cache and mapped (mincore). Blocking call."""
-    resident = 0
-    for address, nbytes in ranges:
-        num_pages = -(-nbytes // PAGE_BYTES)
-        vector = (ctypes.c_ubyte * num_pages)()
-        if _mincore(address, nbytes, vector) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, f"mincore of {nbytes} bytes at {address:#x}")
-        resident += sum(1 for flag in vector if flag & 1) * PAGE_BYTES
-    return resident
+    """Bytes of `ranges` now in the page cache (mincore; for tests and benchmarks)."""
+    return sum(int(_resident_pages(a, n).sum()) * PAGE_BYTES for a, n in ranges)
 
 
 def evict(path: str) -> None:
