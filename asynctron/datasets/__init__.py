@@ -23,7 +23,7 @@ from asynctron.datasets._sample_index import (
     build_sample_index,
     build_shuffle_index,
 )
-from asynctron.datasets._split import Split
+from asynctron.datasets._splits import Split
 from asynctron.datasets._tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [

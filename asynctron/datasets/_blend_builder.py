@@ -19,7 +19,13 @@ from asynctron.datasets._blended import BlendedDataset
 from asynctron.datasets._config import GPTDatasetConfig
 from asynctron.datasets._gpt import GPTDataset
 from asynctron.datasets._indexed import IndexedDataset
-from asynctron.datasets._split import Split, SplitMatrix, normalize, sizes_per_dataset, split_bounds
+from asynctron.datasets._splits import (
+    Split,
+    SplitMatrix,
+    normalize,
+    sizes_per_dataset,
+    split_bounds,
+)
 
 TopLevelDataset = GPTDataset | BlendedDataset
 

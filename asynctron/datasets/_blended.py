@@ -15,7 +15,7 @@ from asynctron.datasets._blending import (
 from asynctron.datasets._cache import CacheEntry, describe, load_or_build
 from asynctron.datasets._config import GPTDatasetConfig
 from asynctron.datasets._gpt import GPTDataset
-from asynctron.datasets._split import normalize
+from asynctron.datasets._splits import normalize
 
 _INDEX_LAYOUT = {
     "dataset_index": ((np.int16,), 1, None),

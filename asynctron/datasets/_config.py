@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from asynctron.datasets._split import Split, SplitMatrix, parse_split, split_matrix
+from asynctron.datasets._splits import Split, SplitMatrix, parse_split, split_matrix
 
 #: megatron-core's pad id when the tokenizer has none (or an ambiguous one).
 DEFAULT_PAD_ID = -1

@@ -22,7 +22,7 @@ from asynctron.datasets._sample_index import (
     build_sample_index,
     build_shuffle_index,
 )
-from asynctron.datasets._split import Split
+from asynctron.datasets._splits import Split
 
 #: Final-epoch rule: a last epoch contributing fewer than this share of an epoch's samples is
 #: shuffled on its own (megatron-core's `threshold = 0.80`).

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from asynctron.datasets import build_blending_indices, build_exhaustive_blending_indices
-from asynctron.datasets._split import normalize
+from asynctron.datasets._splits import normalize
 
 WEIGHTS = [
     [1.0],

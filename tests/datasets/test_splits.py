@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from asynctron.datasets._split import (
+from asynctron.datasets._splits import (
     normalize,
     parse_split,
     sizes_per_dataset,
