@@ -14,6 +14,7 @@ the GPT indices).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,48 +23,34 @@ import numpy as np
 def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
     """`(dataset_index int16, dataset_sample_index int64)` of length `size` for normalized
     `weights`; identical to megatron-core's `helpers.build_blending_indices`."""
-    num_datasets = len(weights)
-    _check_num_datasets(num_datasets)
-    weight = [float(w) for w in weights]
-    taken = [0] * num_datasets
-    choice = [0] * size
-    sample = [0] * size
-    others = range(1, num_datasets)
-    for step in range(size):
-        n = float(step) if step else 1.0
-        best = 0
-        best_error = weight[0] * n - taken[0]
-        for d in others:
-            error = weight[d] * n - taken[d]
-            if error > best_error:
-                best_error = error
-                best = d
-        choice[step] = best
-        sample[step] = taken[best]
-        taken[best] += 1
-    return np.array(choice, np.int16), np.array(sample, np.int64)
+    _check_num_datasets(len(weights))
+    return _greedy([float(w) for w in weights], size, None)
 
 
 def build_exhaustive_blending_indices(sizes: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """Take exactly `sizes[d]` samples from each dataset `d`, in the greedy order; identical to
     megatron-core's `helpers.build_exhaustive_blending_indices`."""
-    num_datasets = len(sizes)
-    _check_num_datasets(num_datasets)
+    _check_num_datasets(len(sizes))
     counts = [int(s) for s in sizes]
     if min(counts) < 1:
         raise ValueError(f"blend sizes: expected every size >= 1, found {counts}; drop the "
                          "empty datasets from the blend")
     total = sum(counts)
-    weight = [c / float(total) for c in counts]
-    taken = [0] * num_datasets
-    unspent = list(range(num_datasets))
-    choice = [0] * total
-    sample = [0] * total
-    for step in range(total):
+    return _greedy([c / float(total) for c in counts], total, counts)
+
+
+def _greedy(weight: list[float], size: int, limits: list[int] | None
+            ) -> tuple[np.ndarray, np.ndarray]:
+    """The greedy loop; with `limits`, a dataset leaves the race once it gave that many."""
+    taken = [0] * len(weight)
+    candidates = list(range(len(weight)))
+    choice = [0] * size
+    sample = [0] * size
+    for step in range(size):
         n = float(step) if step else 1.0
         best = -1
-        best_error = -np.inf
-        for d in unspent:
+        best_error = -math.inf
+        for d in candidates:  # strict '>': the lowest index wins a tie, as in megatron
             error = weight[d] * n - taken[d]
             if error > best_error:
                 best_error = error
@@ -71,8 +58,8 @@ def build_exhaustive_blending_indices(sizes: Sequence[int]) -> tuple[np.ndarray,
         choice[step] = best
         sample[step] = taken[best]
         taken[best] += 1
-        if taken[best] == counts[best]:
-            unspent.remove(best)
+        if limits is not None and taken[best] == limits[best]:
+            candidates.remove(best)
     return np.array(choice, np.int16), np.array(sample, np.int64)
 
 

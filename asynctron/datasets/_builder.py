@@ -18,6 +18,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from asynctron.datasets._atomic import write_atomically
 from asynctron.datasets._indexed import (
     INDEX_MAGIC,
     INDEX_VERSION,
@@ -167,38 +168,33 @@ class IndexedDatasetBuilder:
     def finalize(self, idx_path: str) -> None:
         """Close the `.bin` and write the `.idx` (to a temporary name, then renamed)."""
         self._data.close()
-        tmp = f"{idx_path}.tmp-{os.getpid()}"
-        itemsize = self.dtype.itemsize
         try:
-            with open(tmp, "wb", buffering=_COPY_BYTES) as out:
-                out.write(INDEX_MAGIC)
-                out.write(struct.pack("<QBQQ", INDEX_VERSION, dtype_code(self.dtype),
-                                      self._lengths.count, self._documents.count))
-                for chunk in self._lengths.chunks():
-                    out.write(chunk.data)
-                pointer = 0
-                for chunk in self._lengths.chunks():
-                    ends = np.cumsum(chunk, dtype=np.int64)
-                    ends *= itemsize
-                    ends += pointer
-                    starts = np.empty_like(ends)
-                    starts[0] = pointer
-                    starts[1:] = ends[:-1]
-                    pointer = int(ends[-1])
-                    out.write(starts.data)
-                for chunk in self._documents.chunks():
-                    out.write(chunk.data)
-                if self._modes is not None:
-                    for chunk in self._modes.chunks():
-                        out.write(chunk.data)
-            os.replace(tmp, idx_path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+            write_atomically(idx_path, self._write_index, _COPY_BYTES)
         finally:
             self._close_spills()
         self._finalized = True
+
+    def _write_index(self, out: IO[bytes]) -> None:
+        out.write(INDEX_MAGIC)
+        out.write(struct.pack("<QBQQ", INDEX_VERSION, dtype_code(self.dtype),
+                              self._lengths.count, self._documents.count))
+        for chunk in self._lengths.chunks():
+            out.write(chunk.data)
+        pointer = 0
+        for chunk in self._lengths.chunks():  # pointers: running byte offsets of the sequences
+            ends = np.cumsum(chunk, dtype=np.int64)
+            ends *= self.dtype.itemsize
+            ends += pointer
+            starts = np.empty_like(ends)
+            starts[0] = pointer
+            starts[1:] = ends[:-1]
+            pointer = int(ends[-1])
+            out.write(starts.data)
+        for chunk in self._documents.chunks():
+            out.write(chunk.data)
+        if self._modes is not None:
+            for chunk in self._modes.chunks():
+                out.write(chunk.data)
 
     def _close_spills(self) -> None:
         for spill in (self._lengths, self._documents, self._modes):

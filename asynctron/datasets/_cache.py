@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
+from asynctron.datasets._atomic import write_atomically
 from asynctron.errors import CorruptDatasetError, PeerError
 
 logger = logging.getLogger(__name__)
@@ -82,21 +83,9 @@ class CacheEntry:
         """Write every array, then the description, each by rename."""
         os.makedirs(self.directory, exist_ok=True)
         for name, array in arrays.items():
-            _write_atomically(self.path(f"{name}.npy"), lambda f, a=array: np.save(f, a))
-        _write_atomically(self.path("description.txt"),
+            write_atomically(self.path(f"{name}.npy"), lambda f, a=array: np.save(f, a))
+        write_atomically(self.path("description.txt"),
                           lambda f: f.write(self.description.encode()))
-
-
-def _write_atomically(path: str, write: Callable[[Any], object]) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def load_or_build(entry: CacheEntry | None, layout: Layout,

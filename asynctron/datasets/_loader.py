@@ -229,8 +229,9 @@ class AsyncLoader:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._plan_all(start, planned))
                 group.create_task(self._assemble_all(planned, ready))
-        except BaseException as error:  # handed to the consumer
-            if isinstance(error, asyncio.CancelledError):
+        except BaseException as error:  # handed to the consumer, unless we are closing
+            # (not `task.cancelling()`: on 3.11 a failed TaskGroup leaves it raised)
+            if isinstance(error, asyncio.CancelledError) or self._closed:
                 raise
             await ready.put(first_error(error))
         finally:  # batches planned but never assembled give their bytes back

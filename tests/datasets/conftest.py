@@ -10,7 +10,7 @@ from typing import ClassVar
 import numpy as np
 import pytest
 
-from asynctron.datasets import IndexedDataset
+from asynctron.datasets import GPTDataset, GPTDatasetConfig, IndexedDataset, build_gpt_datasets
 from asynctron.datasets._builder import write_indexed_dataset
 
 
@@ -92,3 +92,15 @@ def tokenizer_json(tmp_path) -> str:
     path = str(tmp_path / "tokenizer.json")
     tokenizer.save(path)
     return path
+
+
+@pytest.fixture
+def gpt(make_corpus, tmp_path, tok) -> GPTDataset:
+    """One epoch of a 150-document corpus, 32-token samples (cached under tmp_path)."""
+    prefix = make_corpus("g", num_documents=150, eod=0).path_prefix
+    config = GPTDatasetConfig(random_seed=5, sequence_length=32, tokenizer=tok,
+                              blend=([prefix], None), split="1",
+                              path_to_cache=str(tmp_path / "cache"))
+    dataset = build_gpt_datasets(config, [None, None, None])[0]
+    assert isinstance(dataset, GPTDataset)
+    return dataset

@@ -26,15 +26,6 @@ def blended(make_corpus, tmp_path, tok):
     return build_gpt_datasets(config, [200, 0, 0])[0]
 
 
-@pytest.fixture
-def gpt(make_corpus, tmp_path, tok):
-    prefix = make_corpus("g", num_documents=150, eod=0).path_prefix
-    config = GPTDatasetConfig(random_seed=5, sequence_length=32, tokenizer=tok,
-                              blend=([prefix], None), split="1",
-                              path_to_cache=str(tmp_path / "cache"))
-    return build_gpt_datasets(config, [None, None, None])[0]
-
-
 async def _batches(dataset: Any, engine: Engine, *, micro_batch_size: int, rank: int = 0,
                    size: int = 1, state: dict[str, int] | None = None,
                    limit: int | None = None, budget: int = 1 << 20) -> tuple[list[dict], dict]:

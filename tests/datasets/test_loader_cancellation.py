@@ -8,18 +8,9 @@ import pytest
 import torch
 
 from asynctron import Engine
-from asynctron.datasets import AsyncLoader, GPTDatasetConfig, build_gpt_datasets
+from asynctron.datasets import AsyncLoader
 from asynctron.engine import ByteBudget
 from asynctron.errors import ClosedError
-
-
-@pytest.fixture
-def gpt(make_corpus, tmp_path, tok):
-    prefix = make_corpus("g", num_documents=100, eod=0).path_prefix
-    config = GPTDatasetConfig(random_seed=5, sequence_length=32, tokenizer=tok,
-                              blend=([prefix], None), split="1",
-                              path_to_cache=str(tmp_path / "cache"))
-    return build_gpt_datasets(config, [None, None, None])[0]
 
 
 async def test_a_cancelled_next_loses_no_batch(gpt) -> None:
@@ -58,6 +49,22 @@ async def test_aclose_mid_epoch_returns_the_budget_and_ends_the_tasks(gpt) -> No
         assert loader._producer is not None and loader._producer.done()
         with pytest.raises(ClosedError, match=r"^loader: closed; create a new AsyncLoader$"):
             await loader.__anext__()
+
+
+async def test_aclose_while_the_planner_waits_for_budget(gpt) -> None:
+    """Invariant: closing while prefetch waits for budget (a full budget and a full ready
+    queue) ends the tasks and returns every byte; repeated, as it depends on timing."""
+    for _ in range(20):
+        budget = ByteBudget(64 << 10)
+        async with Engine(num_workers=2) as engine:
+            loader = AsyncLoader(gpt, micro_batch_size=2, run_blocking=engine.run_blocking,
+                                 prefetch_budget=budget, num_ready_batches=2)
+            async with loader:
+                await loader.__anext__()
+                await asyncio.sleep(0.005)
+            assert loader._producer is not None and loader._producer.done()
+        assert budget.statistics().borrowed_bytes == 0
+        assert budget.statistics().num_waiting == 0
 
 
 async def test_cancelling_the_consumer_task_inside_async_with(gpt) -> None:
