@@ -102,14 +102,15 @@ def write_corpus(prefix: str, num_tokens: int, seed: int, sparse: bool = False) 
         os.truncate(prefix + ".bin", int(lengths.sum(dtype=np.int64)) * 2)
         return
     with IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16) as builder:
-        tokens = rng.integers(1, 50_000, size=int(lengths.sum(dtype=np.int64)), dtype=np.uint16)
-        start = 0
-        for length in lengths.tolist():
-            document = tokens[start:start + length]
-            document[-1] = 0
-            builder.add_item(document)
-            builder.end_document()
-            start += length
+        step = 1 << 15  # documents per chunk of random tokens (~32 M tokens, 64 MiB)
+        for first in range(0, lengths.size, step):
+            chunk = lengths[first:first + step]
+            ends = np.cumsum(chunk, dtype=np.int64)
+            tokens = rng.integers(1, 50_000, size=int(ends[-1]), dtype=np.uint16)
+            tokens[ends - 1] = 0  # every document ends with eod
+            for start, end in zip((ends - chunk).tolist(), ends.tolist(), strict=True):
+                builder.add_item(tokens[start:end])
+                builder.end_document()
         builder.finalize(prefix + ".idx")
 
 
