@@ -183,7 +183,7 @@ def bench_index_build(megatron: Any, work: str, num_samples: int, blend_samples:
         finally:
             shutil.rmtree(cache, ignore_errors=True)
 
-    build_repeats = max(1, repeats // 2)
+    build_repeats = repeats
     timings["asynctron GPTDataset build"] = _timed(lambda: build("asynctron"), build_repeats)
     if megatron is not None:
         timings["megatron GPTDataset build"] = _timed(lambda: build("megatron"), build_repeats)

@@ -71,3 +71,44 @@ def test_two_ranks_share_the_cache_and_split_each_batch(tmp_path) -> None:
     assert results[0]["batches"] == results[1]["batches"] == 16
     # one GPTDataset entry per corpus and one BlendedDataset entry, 4 + 4 + 3 files, built once
     assert len(results[0]["files"]) == 11 and results[0]["files"] == results[1]["files"]
+
+
+def _failing_rank_main(rank: int, root: str, port: int) -> None:
+    import torch.distributed as dist
+
+    from asynctron.datasets import GPTDatasetConfig, build_gpt_datasets
+    from asynctron.datasets._gpt import GPTDataset
+
+    def broken(self: GPTDataset) -> None:
+        raise OSError(28, "No space left on device (injected)")
+
+    if rank == 0:
+        GPTDataset._build_indices = broken  # type: ignore[method-assign]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD_SIZE)
+    try:
+        config = GPTDatasetConfig(random_seed=11, sequence_length=16, eod_id=0,
+                                  blend=([f"{root}/a"], None), split="1",
+                                  path_to_cache=f"{root}/cache")
+        try:
+            build_gpt_datasets(config, [None, None, None])
+            outcome = "built"
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        with open(f"{root}/rank{rank}.txt", "w") as f:
+            f.write(outcome)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_failed_build_on_rank_0_fails_every_rank_without_hanging(tmp_path) -> None:
+    from asynctron.datasets._builder import write_indexed_dataset
+
+    write_indexed_dataset(str(tmp_path / "a"), [np.arange(1, 50)] * 20, dtype=np.uint16)
+    mp.start_processes(_failing_rank_main, args=(str(tmp_path), _free_port()),
+                       nprocs=WORLD_SIZE, join=True, start_method="spawn")
+    assert (tmp_path / "rank0.txt").read_text().startswith("OSError: [Errno 28]")
+    assert (tmp_path / "rank1.txt").read_text().startswith(
+        "PeerError: cached indices ") and "expected rank 0 to build them" in (
+        tmp_path / "rank1.txt").read_text()
