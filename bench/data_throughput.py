@@ -78,13 +78,21 @@ def _median(values: list[float]) -> float:
 
 
 def _timed(fn: Callable[[], Any], repeats: int) -> list[float]:
-    fn()  # warm-up: imports, first-touch of memory
-    out = []
-    for _ in range(repeats):
-        gc.collect()
-        start = time.perf_counter()
+    return _timed_together({"": fn}, repeats)[""]
+
+
+def _timed_together(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Each function once untimed (imports, first-touch of memory), then `repeats` rounds in
+    turn, so drift on a shared machine hits every method alike."""
+    for fn in fns.values():
         fn()
-        out.append(time.perf_counter() - start)
+    out: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            gc.collect()
+            start = time.perf_counter()
+            fn()
+            out[name].append(time.perf_counter() - start)
     return out
 
 
@@ -153,14 +161,13 @@ def bench_index_build(megatron: Any, work: str, num_samples: int, blend_samples:
     document_index = np.tile(np.arange(num_documents, dtype=np.int32), epochs)
     np.random.RandomState(1).shuffle(document_index)
     args = (sizes, document_index, length, epochs, tokens_per_epoch, True, True)
-    timings = {"asynctron sample index (numpy)": _timed(lambda: build_sample_index(*args),
-                                                         repeats)}
+    runs = {"asynctron sample index (numpy)": lambda: build_sample_index(*args)}
     if megatron is not None:
         expected = megatron["helpers"].build_sample_idx(*args)
         assert np.array_equal(expected, build_sample_index(*args)), "sample index differs"
         del expected
-        timings["megatron sample index (C++)"] = _timed(
-            lambda: megatron["helpers"].build_sample_idx(*args), repeats)
+        runs["megatron sample index (C++)"] = lambda: megatron["helpers"].build_sample_idx(*args)
+    timings = _timed_together(runs, repeats)
     out["sample_index_rows"] = int((epochs * tokens_per_epoch - 1) // length)
     del document_index
     gc.collect()
@@ -183,10 +190,10 @@ def bench_index_build(megatron: Any, work: str, num_samples: int, blend_samples:
         finally:
             shutil.rmtree(cache, ignore_errors=True)
 
-    build_repeats = repeats
-    timings["asynctron GPTDataset build"] = _timed(lambda: build("asynctron"), build_repeats)
+    runs = {"asynctron GPTDataset build": lambda: build("asynctron")}
     if megatron is not None:
-        timings["megatron GPTDataset build"] = _timed(lambda: build("megatron"), build_repeats)
+        runs["megatron GPTDataset build"] = lambda: build("megatron")
+    timings.update(_timed_together(runs, repeats))
 
     weights = [0.3, 0.5, 0.2]
     timings["asynctron blending index (Python)"] = _timed(
@@ -220,9 +227,10 @@ def bench_warm(megatron: Any, prefix: str, cache: str, num_reads: int, repeats: 
             for i in order:
                 ds[i]
 
-        timings = {"asynctron": _timed(lambda ds=ours: read_all(ds), repeats)}
+        runs = {"asynctron": lambda ds=ours: read_all(ds)}
         if theirs is not None:
-            timings["megatron"] = _timed(lambda ds=theirs: read_all(ds), repeats)
+            runs["megatron"] = lambda ds=theirs: read_all(ds)
+        timings = _timed_together(runs, repeats)
         out[f"create_attention_mask={mask}"] = {
             "num_reads": len(order),
             "samples_per_s": {k: len(order) / _median(v) for k, v in timings.items()},
