@@ -6,7 +6,7 @@ import contextlib
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from asynctron.datasets._splits import Split, SplitMatrix, parse_split, split_matrix
 
@@ -45,7 +45,7 @@ class GPTDatasetConfig:
     path_to_cache: str | None = None
     """Where the `.npy` indices are cached; None: `<prefix>/cache/GPTDataset_indices`, as
     megatron-core does."""
-    tokenizer: Any = None
+    tokenizer: Tokenizer | None = None
     """An object with megatron's `eod` (and optionally `pad`, `special_tokens_dict`)."""
     eod_id: int | None = None
     """End-of-document id, instead of `tokenizer.eod`."""

@@ -21,7 +21,7 @@ different number of ranks with the same global batch continues with the same sam
 from __future__ import annotations
 
 import asyncio
-import logging
+import collections
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,8 +36,6 @@ from asynctron.datasets._gpt import GPTDataset
 from asynctron.datasets._indexed import IndexedDataset
 from asynctron.engine import ByteBudget
 from asynctron.errors import ClosedError, WouldBlock
-
-logger = logging.getLogger(__name__)
 
 STATE_VERSION = 1
 #: samples whose index pages are read in one round of calls when planning
@@ -278,23 +276,21 @@ class AsyncLoader:
         in order."""
         done = False
         while not done:
-            plans = [await planned.get()]
-            while not planned.empty() and len(plans) < ASSEMBLE_BATCHES:
-                plans.append(planned.get_nowait())
-            if plans[-1] is None:
-                plans.pop()
-                done = True
+            taken = [await planned.get()]
+            while not planned.empty() and len(taken) < ASSEMBLE_BATCHES:
+                taken.append(planned.get_nowait())
+            done = taken[-1] is None
+            pending = collections.deque(plan for plan in taken if plan is not None)
             try:
-                await self._populate([r for plan in plans for r in plan.ranges])
-                for k, plan in enumerate(plans):
+                await self._populate([r for plan in pending for r in plan.ranges])
+                while pending:
+                    plan = pending[0]
                     batch = self._collate([self._sample(parts) for parts in plan.parts])
-                    self.budget.release(plan.nbytes)
-                    plans[k] = None  # type: ignore[call-overload]
+                    self.budget.release(pending.popleft().nbytes)
                     await ready.put(batch)
-            finally:
-                for plan in plans:
-                    if plan is not None:
-                        self.budget.release(plan.nbytes)
+            finally:  # batches not handed on give their bytes back
+                for plan in pending:
+                    self.budget.release(plan.nbytes)
         await ready.put(None)
 
     # planning ---------------------------------------------------------------------------------
@@ -375,9 +371,9 @@ def _bin_ranges(parts: list[tuple[Any, Any]]) -> list[_pages.Range]:
         if not isinstance(gpt, GPTDataset):
             continue
         indexed: IndexedDataset = gpt.dataset
-        base, itemsize = indexed.tokens.ctypes.data, indexed.dtype.itemsize
-        pointers = indexed.sequence_pointers
+        base = indexed.tokens.ctypes.data
         for document, offset, count in found:
-            starts.append(base + int(pointers[document]) + offset * itemsize)
-            sizes.append(count * itemsize)
+            start, nbytes = indexed.byte_range(document, offset, count)
+            starts.append(base + start)
+            sizes.append(nbytes)
     return _pages.page_ranges_of(np.array(starts, np.int64), np.array(sizes, np.int64))

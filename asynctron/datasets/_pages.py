@@ -17,7 +17,7 @@ import errno
 import logging
 import mmap
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -39,14 +39,9 @@ _mincore.restype = ctypes.c_int
 _populate_supported = True
 
 
-def page_ranges(spans: Iterable[Range]) -> list[Range]:
-    """Page-aligned, sorted, merged ranges covering `spans` (empty spans dropped)."""
-    pairs = np.array(list(spans), dtype=np.int64).reshape(-1, 2)
-    return page_ranges_of(pairs[:, 0], pairs[:, 1])
-
-
 def page_ranges_of(starts: np.ndarray, nbytes: np.ndarray) -> list[Range]:
-    """`page_ranges` of spans given as two arrays (vectorised)."""
+    """Page-aligned, sorted, merged ranges covering the spans `starts[i] : starts[i] +
+    nbytes[i]` (empty spans dropped)."""
     keep = nbytes > 0
     begins = starts[keep]
     ends = begins + nbytes[keep]

@@ -14,9 +14,9 @@ from asynctron.datasets._pages import PAGE_BYTES
 
 def test_page_ranges_align_and_merge() -> None:
     p = PAGE_BYTES
-    assert _pages.page_ranges([(10, 5), (p - 1, 2), (5 * p, 0), (3 * p + 7, p)]) == [
-        (0, 2 * p), (3 * p, 2 * p)]
-    assert _pages.page_ranges([]) == []
+    starts = np.array([10, p - 1, 5 * p, 3 * p + 7])
+    assert _pages.page_ranges_of(starts, np.array([5, 2, 0, p])) == [(0, 2 * p), (3 * p, 2 * p)]
+    assert _pages.page_ranges_of(np.zeros(0, np.int64), np.zeros(0, np.int64)) == []
     assert _pages.total_bytes([(0, p), (4 * p, 2 * p)]) == 3 * p
 
 
