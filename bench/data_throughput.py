@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -33,10 +31,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import psutil
 import uvloop
 
-import asynctron
 from asynctron import Engine
 from asynctron.datasets import (
     AsyncLoader,
@@ -50,6 +46,7 @@ from asynctron.datasets import (
     build_sample_index,
 )
 from asynctron.testing import LoopWatchdog
+from bench import _results
 
 MiB = 1 << 20
 
@@ -376,13 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cold-samples", type=int, default=8_000)
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--prefetch-mib", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scenarios", default="index,warm,cold",
                         help="comma-separated subset of index,warm,cold")
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke)")
-    parser.add_argument("--out", default=None, help="JSON results path")
-    parser.add_argument("--skip-megatron", action="store_true",
-                        help="do not run megatron-core even where it imports")
+    _results.add_common_arguments(parser, repeats=3, skip_megatron_help=(
+        "do not run megatron-core even where it imports"))
     args = parser.parse_args(argv)
     if args.quick:
         args.corpus_mib, args.sequence_length, args.index_samples = 4, 256, 200_000
@@ -409,22 +403,12 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     report(results)
     results["meta"] = {
-        "date": time.strftime("%Y-%m-%d", time.gmtime(started)), "host": platform.node(),
-        "cpu_count": os.cpu_count(), "memory_bytes": psutil.virtual_memory().total,
-        "python": platform.python_version(), "numpy": np.__version__,
-        "asynctron": asynctron.__version__, "args": vars(args),
-        "megatron_core": _version("megatron-core"), "duration_s": time.time() - started,
+        **_results.machine_record(started, args), "numpy": np.__version__,
+        "megatron_core": _version("megatron-core"),
         "page_cache": "warm for 'warm'; evicted with posix_fadvise(DONTNEED) before each "
                       "'cold' run",
     }
-    path = args.out or os.path.join(os.path.dirname(__file__), "results",
-                                    f"data_throughput_{platform.node()}_"
-                                    f"{time.strftime('%Y%m%d')}.json")
-    if not args.quick or args.out:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        print(f"\nresults: {path}")
+    _results.write_results(results, "data_throughput", args)
     return 0
 
 

@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import os
-import platform
 import shutil
 import statistics
 import tempfile
@@ -35,10 +33,9 @@ import psutil
 import torch
 import uvloop
 
-import asynctron
 from asynctron import Engine
 from asynctron.testing import LoopWatchdog
-from bench import _peers
+from bench import _peers, _results
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -293,11 +290,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="size of the single large tensor (0: skip that state dict)")
     parser.add_argument("--targets", default=f"/dev/shm,{os.getcwd()}",
                         help="comma-separated directories to save into")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke)")
-    parser.add_argument("--out", default=None, help="JSON results path")
-    parser.add_argument("--skip-megatron", action="store_true",
-                        help="do not run Megatron's writer even where megatron-core imports")
+    _results.add_common_arguments(
+        parser, repeats=5,
+        skip_megatron_help="do not run Megatron's writer even where megatron-core imports")
     args = parser.parse_args(argv)
     if args.quick:
         args.size_gib, args.large_gib, args.repeats = 0.03, 0.02, 1
@@ -333,22 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         loop.run_until_complete(engine.aclose())
         loop.close()
     results = report(scenarios, budget)
-    results["meta"] = {
-        "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
-        "host": platform.node(), "cpu_count": os.cpu_count(),
-        "memory_bytes": psutil.virtual_memory().total, "python": platform.python_version(),
-        "asynctron": asynctron.__version__, "peers": _peers.peer_versions(),
-        "engine_config": repr(engine.config), "args": vars(args),
-        "duration_s": time.time() - started,
-    }
-    path = args.out or os.path.join(
-        os.path.dirname(__file__), "results",
-        f"save_throughput_{platform.node()}_{time.strftime('%Y%m%d')}.json")
-    if not args.quick or args.out:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(results, f, indent=1, default=str)
-        print(f"\nresults: {path}")
+    results["meta"] = {**_results.machine_record(started, args),
+                       "peers": _peers.peer_versions(), "engine_config": repr(engine.config)}
+    _results.write_results(results, "save_throughput", args)
     return 0
 
 
