@@ -8,6 +8,9 @@ Subcommands:
   would hold the whole checkpoint, and every corrupt item is reported, not only the first.
 - `demo`: trains a small MLP on one uvloop loop, checkpointing every K steps while training
   goes on, then loads the newest checkpoint back and compares it bit for bit.
+- `preprocess --input data.jsonl --output-prefix out --tokenizer byte|tokenizer.json`:
+  tokenizes JSON lines into megatron `.bin`/`.idx` files (`out_text_document.*`), like
+  megatron's `tools/preprocess_data.py`.
 - `bench SCENARIO ARGS...`: runs `bench/<scenario>.py` from a source checkout.
 
 PATH is a checkpoint directory or a root whose `latest` pointer names one.
@@ -33,6 +36,7 @@ import uvloop
 from tqdm import tqdm
 
 from asynctron._demo import run_demo
+from asynctron.datasets import PreprocessConfig, preprocess
 from asynctron.engine import Engine
 from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from asynctron.storage import LocalFileIO, Manifest, read_manifest, resolve_checkpoint
@@ -44,6 +48,7 @@ BENCH_SCENARIOS = {
     "cuda": "bench.cuda_staging",
     "write": "bench.write_sweep",
     "comm": "bench.allreduce_overlap",
+    "data": "bench.data_throughput",
 }
 
 
@@ -95,6 +100,21 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep-last", type=_positive_int, default=None, metavar="N",
                       help="keep only the N newest checkpoints (default: all)")
     demo.set_defaults(run=_demo)
+
+    prep = commands.add_parser("preprocess", help="tokenize JSON lines into .bin/.idx files")
+    prep.add_argument("--input", required=True, help="a JSON-lines file")
+    prep.add_argument("--output-prefix", required=True,
+                      help="outputs are <prefix>_<key>_document.bin/.idx")
+    prep.add_argument("--tokenizer", default="byte",
+                      help="`byte` (no download) or the path of a local tokenizer.json")
+    prep.add_argument("--eod-token", default=None,
+                      help="the end-of-document token of a tokenizer.json")
+    prep.add_argument("--json-keys", nargs="+", default=["text"],
+                      help="keys whose text is tokenized (one dataset each)")
+    prep.add_argument("--append-eod", action="store_true",
+                      help="end each document with the end-of-document token")
+    prep.add_argument("--workers", type=_positive_int, default=1, help="tokenizing processes")
+    prep.set_defaults(run=_preprocess)
 
     bench = commands.add_parser("bench", help="run a benchmark (source checkout only)")
     bench.add_argument("scenario", choices=sorted(BENCH_SCENARIOS))
@@ -220,6 +240,25 @@ def _demo(args: argparse.Namespace) -> int:
 def _fresh_demo_dir() -> str:
     os.makedirs("demo-out", exist_ok=True)
     return tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir="demo-out")
+
+
+# preprocess ------------------------------------------------------------------------------------
+
+def _preprocess(args: argparse.Namespace) -> int:
+    try:
+        config = PreprocessConfig(input=args.input, output_prefix=args.output_prefix,
+                                  tokenizer=args.tokenizer, eod_token=args.eod_token,
+                                  json_keys=tuple(args.json_keys), append_eod=args.append_eod,
+                                  num_workers=args.workers)
+        result = preprocess(config)
+    except (FileNotFoundError, ValueError, ImportError) as exc:
+        print(f"asynctron preprocess: {exc}", file=sys.stderr)
+        return 2
+    for key, prefix in result.output_prefixes.items():
+        print(f"{key}: {prefix}.bin, {prefix}.idx")
+    print(f"{result.num_documents} documents, {result.num_tokens} tokens in "
+          f"{result.elapsed_s:.2f} s")
+    return 0
 
 
 # bench -----------------------------------------------------------------------------------------

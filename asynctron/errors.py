@@ -4,6 +4,8 @@
 - `StorageError`: the storage failed (ENOSPC, EIO, ...); `__cause__` is the `OSError`.
 - `BusyError`: two tasks used a one-at-a-time resource (e.g. two saves to one path).
 - `CorruptCheckpointError`: the bytes on disk are not what was committed. Never retried.
+- `CorruptDatasetError`: a dataset file (`.idx`, `.bin`, cached `.npy` index) is not in the
+  format it claims (magic, version, dtype code, sizes). Never retried.
 - `PeerError`: another rank failed or timed out (a collective could not complete).
 - `CheckpointNotFoundError`: no committed checkpoint at the path (also a `FileNotFoundError`).
 - `WouldBlock`: raised only by `*_nowait` calls that would have to wait.
@@ -19,6 +21,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "ClosedError",
     "CorruptCheckpointError",
+    "CorruptDatasetError",
     "PeerError",
     "StorageError",
     "WouldBlock",
@@ -66,6 +69,21 @@ class CorruptCheckpointError(AsynctronError):
         super().__init__(message)
         self.path = path
         self.key = key
+        self.offset = offset
+
+
+class CorruptDatasetError(AsynctronError):
+    """A dataset file is not in its format: wrong magic or version, unknown dtype code, a size
+    that does not match its header, a cached index of the wrong shape or dtype.
+
+    Attributes:
+        path: the file at fault.
+        offset: the byte offset in `path` where the fault is, or None.
+    """
+
+    def __init__(self, message: str, *, path: str, offset: int | None = None) -> None:
+        super().__init__(message)
+        self.path = path
         self.offset = offset
 
 

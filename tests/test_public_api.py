@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asynctron
 import asynctron.comm
+import asynctron.datasets
 import asynctron.engine
 import asynctron.errors
 import asynctron.storage
@@ -33,15 +34,23 @@ def test_subpackages() -> None:
     }
     assert set(asynctron.errors.__all__) == {
         "AsynctronError", "BusyError", "CheckpointNotFoundError", "ClosedError",
-        "CorruptCheckpointError", "PeerError", "StorageError", "WouldBlock",
+        "CorruptCheckpointError", "CorruptDatasetError", "PeerError", "StorageError",
+        "WouldBlock",
+    }
+    assert set(asynctron.datasets.__all__) == {
+        "AsyncLoader", "BlendedDataset", "ByteTokenizer", "GPTDataset", "GPTDatasetConfig",
+        "HFTokenizer", "IndexedDataset", "IndexedDatasetBuilder", "PreprocessConfig",
+        "PreprocessResult", "Split", "build_blending_indices", "build_document_index",
+        "build_exhaustive_blending_indices", "build_gpt_datasets", "build_sample_index",
+        "build_shuffle_index", "collate", "load_tokenizer", "optimal_dtype", "preprocess",
     }
     assert set(asynctron.testing.__all__) == {"FaultyFileIO", "LoopWatchdog",
                                               "LoopWatchdogReport"}
 
 
 def test_every_exported_name_exists() -> None:
-    for module in (asynctron, asynctron.comm, asynctron.engine, asynctron.errors,
-                   asynctron.storage, asynctron.testing):
+    for module in (asynctron, asynctron.comm, asynctron.datasets, asynctron.engine,
+                   asynctron.errors, asynctron.storage, asynctron.testing):
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
 
@@ -55,3 +64,15 @@ def test_storage_and_comm_never_import_the_engine() -> None:
     for package in (asynctron.storage, asynctron.comm):
         for source in pathlib.Path(package.__file__).parent.rglob("*.py"):
             assert not imports_engine.search(source.read_text()), source
+
+
+def test_nothing_below_datasets_imports_it() -> None:
+    """datasets sits on top (it uses engine's loop helpers); engine, storage, comm and the
+    shared modules never import datasets."""
+    import pathlib
+
+    root = pathlib.Path(asynctron.__file__).parent
+    for source in root.rglob("*.py"):
+        if "datasets" in source.parts or source.name == "cli.py":
+            continue
+        assert "asynctron.datasets" not in source.read_text(), source

@@ -90,7 +90,8 @@ class ByteBudget:
             if waiter.done() and not waiter.cancelled():
                 self.release(nbytes)  # granted just as we were cancelled: give it back
             else:
-                self._waiters.remove(entry)
+                if entry in self._waiters:  # `_wake` may have dropped it already (cancelled)
+                    self._waiters.remove(entry)
                 self._wake()
             raise
 

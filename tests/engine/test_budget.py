@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from asynctron.engine import ByteBudget
+from asynctron.engine import BudgetStatistics, ByteBudget
 from asynctron.errors import WouldBlock
 
 
@@ -64,3 +64,17 @@ async def test_cancelled_waiter_borrows_nothing_and_unblocks_the_next() -> None:
     await second
     assert budget.borrowed_bytes == 100
     assert "100/100 bytes borrowed" in repr(budget)
+
+
+async def test_a_waiter_cancelled_just_before_a_release_raises_cancelled() -> None:
+    """Invariant: cancellation, not ValueError, even when `release` wakes the queue between the
+    waiter's cancellation and the waiter resuming (the cancelled entry is dropped then)."""
+    budget = ByteBudget(10)
+    budget.acquire_nowait(10)
+    waiter = asyncio.ensure_future(budget.acquire(5))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    budget.release(10)  # `_wake` pops the cancelled entry before the waiter runs
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert budget.statistics() == BudgetStatistics(10, 0, 10, 0)

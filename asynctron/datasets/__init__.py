@@ -1,0 +1,51 @@
+"""Datasets: megatron-compatible token files, GPT samples, blends, and an async prefetching loader.
+
+`IndexedDataset` reads megatron's `.bin`/`.idx` files (and `IndexedDatasetBuilder` writes them),
+`GPTDataset` and `BlendedDataset` build megatron-core's indices (the same arrays) and samples,
+`build_gpt_datasets` is megatron's `BlendedMegatronDatasetBuilder` for GPT, and `AsyncLoader`
+serves batches with the pages of coming samples read ahead, off the loop, under a byte budget.
+"""
+
+from asynctron.datasets._blend_builder import build_gpt_datasets
+from asynctron.datasets._blended import BlendedDataset
+from asynctron.datasets._blending import (
+    build_blending_indices,
+    build_exhaustive_blending_indices,
+)
+from asynctron.datasets._builder import IndexedDatasetBuilder
+from asynctron.datasets._config import GPTDatasetConfig
+from asynctron.datasets._gpt import GPTDataset
+from asynctron.datasets._indexed import IndexedDataset, optimal_dtype
+from asynctron.datasets._loader import AsyncLoader, collate
+from asynctron.datasets._preprocess import PreprocessConfig, PreprocessResult, preprocess
+from asynctron.datasets._sample_index import (
+    build_document_index,
+    build_sample_index,
+    build_shuffle_index,
+)
+from asynctron.datasets._splits import Split
+from asynctron.datasets._tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+
+__all__ = [
+    "AsyncLoader",
+    "BlendedDataset",
+    "ByteTokenizer",
+    "GPTDataset",
+    "GPTDatasetConfig",
+    "HFTokenizer",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
+    "PreprocessConfig",
+    "PreprocessResult",
+    "Split",
+    "build_blending_indices",
+    "build_document_index",
+    "build_exhaustive_blending_indices",
+    "build_gpt_datasets",
+    "build_sample_index",
+    "build_shuffle_index",
+    "collate",
+    "load_tokenizer",
+    "optimal_dtype",
+    "preprocess",
+]

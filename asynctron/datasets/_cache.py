@@ -1,0 +1,116 @@
+"""The index cache: `.npy` files named by a hash of everything that changes the indices.
+
+A cache entry is `<hash>-<Class>-<split>-<name>.npy` for each index plus
+`<hash>-<Class>-<split>-description.txt`, the JSON the hash is taken of. Each file is written
+to a temporary name and renamed; the description goes last, so an entry without it is
+incomplete and is rebuilt. Loads map the arrays (`np.load(mmap_mode="r")`) and check their
+dtype and shape, so a truncated or foreign file is an error naming it.
+
+With torch.distributed initialized, rank 0 builds a missing entry while the others wait at a
+barrier, then load it (as megatron-core does).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from asynctron.datasets._atomic import write_atomically
+from asynctron.errors import CorruptDatasetError, PeerError
+
+logger = logging.getLogger(__name__)
+
+#: Bumped when the meaning of a cached index changes.
+CACHE_FORMAT_VERSION = 1
+
+#: name -> (allowed dtypes, number of dimensions, columns or None) of each cached array
+Layout = Mapping[str, tuple[tuple[Any, ...], int, int | None]]
+
+
+def describe(identity: Mapping[str, Any]) -> tuple[str, str]:
+    """The description JSON of `identity` and its md5 hex digest (the cache key)."""
+    text = json.dumps({"cache_format": CACHE_FORMAT_VERSION, **identity}, indent=4)
+    return text, hashlib.md5(text.encode(), usedforsecurity=False).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEntry:
+    """The files of one cached set of indices."""
+
+    directory: str
+    stem: str
+    description: str
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.directory, f"{self.stem}-{name}")
+
+    def complete(self) -> bool:
+        path = self.path("description.txt")
+        if not os.path.isfile(path):
+            return False
+        with open(path) as f:
+            return f.read() == self.description
+
+    def load(self, layout: Layout) -> dict[str, np.ndarray]:
+        """Map every array; check its dtype and shape against `layout`."""
+        arrays = {}
+        for name, (dtypes, ndim, columns) in layout.items():
+            path = self.path(f"{name}.npy")
+            try:
+                array = np.load(path, mmap_mode="r", allow_pickle=False)
+            except (ValueError, OSError, EOFError) as exc:
+                raise CorruptDatasetError(
+                    f"cached index {path}: expected a readable .npy, found {exc}; delete the "
+                    "file to rebuild it", path=path) from exc
+            shape_ok = array.ndim == ndim and (columns is None or array.shape[-1] == columns)
+            if array.dtype not in dtypes or not shape_ok:
+                raise CorruptDatasetError(
+                    f"cached index {path}: expected dtype in {[np.dtype(d).name for d in dtypes]}"
+                    f" with {ndim} dimensions, found {array.dtype.name} {array.shape}; delete "
+                    "the file to rebuild it", path=path)
+            arrays[name] = np.asarray(array)  # a plain ndarray view: faster to index
+        return arrays
+
+    def save(self, arrays: Mapping[str, np.ndarray]) -> None:
+        """Write every array, then the description, each by rename."""
+        os.makedirs(self.directory, exist_ok=True)
+        for name, array in arrays.items():
+            write_atomically(self.path(f"{name}.npy"), lambda f, a=array: np.save(f, a))
+        write_atomically(self.path("description.txt"),
+                          lambda f: f.write(self.description.encode()))
+
+
+def load_or_build(entry: CacheEntry | None, layout: Layout,
+                  build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """The cached arrays of `entry`, built (by rank 0 first, under torch.distributed) and saved
+    when missing; with no entry, just `build()`."""
+    if entry is None:
+        return build()
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if distributed:
+        failed: BaseException | None = None
+        if dist.get_rank() == 0 and not entry.complete():
+            try:
+                entry.save(build())
+            except BaseException as exc:  # the barrier below must still be reached
+                failed = exc
+        dist.barrier()
+        if failed is not None:
+            raise failed
+        if not entry.complete():
+            raise PeerError(f"cached indices {entry.path('description.txt')}: expected rank 0 to "
+                            "build them, found none; see rank 0's error", rank=0)
+    elif not entry.complete():
+        logger.info("building indices %s in %s", entry.stem, entry.directory)
+        arrays = build()
+        entry.save(arrays)
+        return arrays
+    return entry.load(layout)

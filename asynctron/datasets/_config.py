@@ -1,0 +1,159 @@
+"""`GPTDatasetConfig`: what a GPT dataset is built from, with megatron-core's field names."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from asynctron.datasets._splits import Split, SplitMatrix, parse_split, split_matrix
+
+#: megatron-core's pad id when the tokenizer has none (or an ambiguous one).
+DEFAULT_PAD_ID = -1
+
+Blend = tuple[Sequence[str], Sequence[float] | None]
+
+
+class Tokenizer(Protocol):
+    """What the datasets need of a tokenizer: megatron's `eod` (and optionally `pad`)."""
+
+    @property
+    def eod(self) -> int: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GPTDatasetConfig:
+    """How to build GPT datasets; fields named as megatron-core's `GPTDatasetConfig`.
+
+    Not supported (megatron-only): `mock`, `multiple_validation_sets`, `full_validation`,
+    `fast_cache_load`, `defer_npy_index_mmap` (every index here is mapped lazily anyway), object
+    storage, `sequences_per_dataset`, context/sequence parallel padding.
+    """
+
+    random_seed: int
+    """Seed of every shuffle (document and sample order)."""
+    sequence_length: int
+    """Tokens per sample (one more is read when `add_extra_token_to_sequence`)."""
+    blend: Blend | None = None
+    """`(prefixes, weights or None)` for all splits, cut by `split`."""
+    blend_per_split: Sequence[Blend | None] | None = None
+    """One blend per split (train, valid, test); exclusive with `blend` and `split`."""
+    split: str | None = None
+    """Document split for `blend`, e.g. "969,30,1"."""
+    path_to_cache: str | None = None
+    """Where the `.npy` indices are cached; None: `<prefix>/cache/GPTDataset_indices`, as
+    megatron-core does."""
+    tokenizer: Tokenizer | None = None
+    """An object with megatron's `eod` (and optionally `pad`, `special_tokens_dict`)."""
+    eod_id: int | None = None
+    """End-of-document id, instead of `tokenizer.eod`."""
+    pad_id: int | None = None
+    """Pad id, instead of `tokenizer.pad` (default: -1, megatron's)."""
+    reset_position_ids: bool = False
+    """Restart position ids after every end-of-document token."""
+    reset_attention_mask: bool = False
+    """Stop attention across end-of-document tokens."""
+    eod_mask_loss: bool = False
+    """Zero the loss on end-of-document tokens."""
+    create_attention_mask: bool = True
+    """Return the (1, L, L) boolean causal mask (True = masked)."""
+    drop_last_partial_validation_sequence: bool = True
+    """Drop the last, partial sample of the validation split."""
+    add_extra_token_to_sequence: bool = True
+    """Read `sequence_length + 1` tokens per sample, so tokens and labels are both full."""
+    mid_level_dataset_surplus: float = 0.005
+    """Extra fraction of samples built per blended dataset, so the blend never runs short."""
+    allow_ambiguous_pad_tokens: bool = False
+    """Keep a pad id that equals another special token (megatron's flag)."""
+
+    def __post_init__(self) -> None:
+        for name in ("random_seed", "sequence_length"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name}: expected an int, found {value!r}")
+        if self.sequence_length < 2:
+            raise ValueError(f"sequence_length: expected >= 2, found {self.sequence_length}")
+        if self.mid_level_dataset_surplus < 0:
+            raise ValueError(f"mid_level_dataset_surplus: expected >= 0, found "
+                             f"{self.mid_level_dataset_surplus!r}")
+        if self.blend_per_split is not None:
+            if self.blend is not None or self.split is not None:
+                raise ValueError("blend_per_split: expected neither blend nor split beside it, "
+                                 "found one; use blend + split or blend_per_split")
+            if len(self.blend_per_split) != len(Split):
+                raise ValueError(f"blend_per_split: expected {len(Split)} blends (train, valid, "
+                                 f"test; None to skip one), found {len(self.blend_per_split)}")
+            for blend in self.blend_per_split:
+                if blend is not None:
+                    _check_blend("blend_per_split", blend)
+        elif self.blend is not None:
+            _check_blend("blend", self.blend)
+            if self.split is None:
+                raise ValueError("split: expected a split string such as '969,30,1' with "
+                                 "blend, found None")
+            parse_split(self.split)
+        if (self.reset_position_ids or self.reset_attention_mask or self.eod_mask_loss) and (
+                self.eod is None):
+            raise ValueError("eod_id: expected an end-of-document id (or a tokenizer with "
+                             "`eod`) for reset_position_ids/reset_attention_mask/eod_mask_loss, "
+                             "found none")
+
+    @property
+    def split_matrix(self) -> SplitMatrix:
+        """The split book-ends (megatron's `split_matrix`); all of [0, 1] per blend_per_split."""
+        if self.split is None:
+            return [(0.0, 1.0)] * len(Split)
+        return split_matrix(parse_split(self.split))
+
+    @property
+    def eod(self) -> int | None:
+        if self.eod_id is not None:
+            return self.eod_id
+        return getattr(self.tokenizer, "eod", None)
+
+    def resolve_pad_id(self) -> int:
+        """The pad id samples use: megatron-core's rule (`MegatronDataset.__init__`): the
+        tokenizer's `pad`, else -1; a pad equal to another special token becomes -1 (with a
+        warning) unless `allow_ambiguous_pad_tokens`."""
+        if self.pad_id is not None:
+            pad = self.pad_id
+        else:
+            try:
+                pad = self.tokenizer.pad
+            except Exception:  # megatron treats any failure as "no pad"
+                pad = DEFAULT_PAD_ID
+        special: list[int] = []
+        try:
+            special = [v for k, v in self.tokenizer.special_tokens_dict.items()
+                       if k != "pad_token"]
+        except (AttributeError, IndexError, ValueError):
+            special = []
+        if not special:
+            for name in ("eos", "eod"):
+                with contextlib.suppress(AttributeError, NotImplementedError):
+                    special.append(getattr(self.tokenizer, name))
+            if self.eod_id is not None:
+                special.append(self.eod_id)
+        if pad in special:
+            warnings.warn(f"pad id {pad} equals another special token id; "
+                          + ("keeping it (allow_ambiguous_pad_tokens)"
+                             if self.allow_ambiguous_pad_tokens
+                             else f"using {DEFAULT_PAD_ID} instead, so tokens in the data that "
+                                  "equal it are not masked"), UserWarning, stacklevel=3)
+            if not self.allow_ambiguous_pad_tokens:
+                pad = DEFAULT_PAD_ID
+        return pad
+
+
+def _check_blend(name: str, blend: Blend) -> None:
+    prefixes, weights = blend
+    if not prefixes:
+        raise ValueError(f"{name}: expected at least one dataset prefix, found none")
+    if weights is not None:
+        if len(weights) != len(prefixes):
+            raise ValueError(f"{name}: expected one weight per prefix ({len(prefixes)}), found "
+                             f"{len(weights)}")
+        if any(w <= 0 for w in weights):
+            raise ValueError(f"{name}: expected positive weights, found {list(weights)}")

@@ -1,0 +1,172 @@
+"""Blocking page-cache calls for prefetch: asking the kernel for mapped pages ahead of use.
+
+Every call here blocks (or may) and must run on the engine's executor through a `RunBlocking`
+door, never on the loop thread. They go through ctypes or `os.posix_fadvise`, which release the
+GIL while the kernel works (`mmap.madvise` would hold it, stalling the loop thread too).
+
+A *range* is `(address, nbytes)` in this process's address space, inside a read-only file
+mapping. `array_ranges` computes the ranges of some elements of a mapped array from its base
+pointer and strides, without touching (and so faulting in) any of them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import mmap
+import os
+from collections.abc import Sequence
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+PAGE_BYTES = mmap.PAGESIZE
+MADV_WILLNEED = 3
+MADV_POPULATE_READ = 22  # Linux 5.14+: fault the pages in, waiting for the reads
+
+Range = tuple[int, int]
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_madvise = _libc.madvise
+_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_madvise.restype = ctypes.c_int
+_mincore = _libc.mincore
+_mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+_mincore.restype = ctypes.c_int
+_populate_supported = True
+
+
+def page_ranges_of(starts: np.ndarray, nbytes: np.ndarray) -> list[Range]:
+    """Page-aligned, sorted, merged ranges covering the spans `starts[i] : starts[i] +
+    nbytes[i]` (empty spans dropped)."""
+    keep = nbytes > 0
+    begins = starts[keep]
+    ends = begins + nbytes[keep]
+    if begins.size == 0:
+        return []
+    begins = begins - begins % PAGE_BYTES
+    ends = ends + (-ends) % PAGE_BYTES
+    order = np.argsort(begins, kind="stable")
+    begins, ends = begins[order], np.maximum.accumulate(ends[order])
+    first = np.flatnonzero(np.concatenate(([True], begins[1:] > ends[:-1])))
+    last = np.concatenate((first[1:] - 1, [begins.size - 1]))
+    return list(zip(begins[first].tolist(), (ends[last] - begins[first]).tolist(), strict=True))
+
+
+def total_bytes(ranges: Sequence[Range]) -> int:
+    return sum(nbytes for _, nbytes in ranges)
+
+
+def array_ranges(array: np.ndarray, rows: np.ndarray) -> list[Range]:
+    """Page ranges holding `array[rows]` (rows along the first axis), computed from the array's
+    address: nothing is read."""
+    if array.size == 0 or rows.size == 0:
+        return []
+    row_bytes = array.strides[0]
+    starts = array.ctypes.data + np.asarray(rows, np.int64) * row_bytes
+    return page_ranges_of(starts, np.full(starts.size, row_bytes, np.int64))
+
+
+def _advise_each(ranges: Sequence[Range], advice: int, what: str) -> None:
+    for address, nbytes in ranges:
+        if _madvise(address, nbytes, advice) != 0:
+            code = ctypes.get_errno()
+            if code == errno.EINVAL and advice == MADV_POPULATE_READ:
+                raise _UnsupportedError
+            if code != errno.EINTR:
+                raise OSError(code, f"madvise({what}) of {nbytes} bytes at {address:#x}")
+
+
+class _UnsupportedError(Exception):
+    pass
+
+
+class _ProcessMadvise:
+    """`process_madvise(2)` on this process: many ranges, one syscall (so one release of the
+    GIL, not one per range). Linux 5.10+ for WILLNEED; POPULATE_READ on recent kernels."""
+
+    def __init__(self) -> None:
+        self._pid = -1
+        self._pidfd = -1
+        self.usable = {MADV_WILLNEED: True, MADV_POPULATE_READ: True}
+
+    def __call__(self, ranges: Sequence[Range], advice: int) -> bool:
+        """True when every range was advised; False when the kernel refused the call."""
+        if not self.usable[advice]:
+            return False
+        if self._pid != os.getpid():  # first call, or a forked child
+            try:
+                self._pidfd, self._pid = os.pidfd_open(os.getpid()), os.getpid()
+            except OSError:
+                self.usable = dict.fromkeys(self.usable, False)
+                return False
+        for start in range(0, len(ranges), _IOV_MAX):
+            chunk = ranges[start:start + _IOV_MAX]
+            iovecs = np.array(chunk, dtype=np.uint64)  # rows of struct iovec {base, len}
+            wanted = int(iovecs[:, 1].sum())
+            done = _syscall(_SYS_PROCESS_MADVISE, self._pidfd, iovecs.ctypes.data,
+                            len(chunk), advice, 0)
+            if done != wanted:
+                code = ctypes.get_errno()
+                if done < 0 and code not in (errno.EINTR, errno.EAGAIN):
+                    self.usable[advice] = False
+                return False
+        return True
+
+
+_SYS_PROCESS_MADVISE = 440  # x86_64 and aarch64 (the generic syscall table)
+_IOV_MAX = 1024
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+_process_madvise = _ProcessMadvise()
+
+
+def advise_willneed(ranges: Sequence[Range]) -> None:
+    """Start reading `ranges` into the page cache (WILLNEED); returns without waiting.
+    Blocking call: run it through `RunBlocking`."""
+    if ranges and not _process_madvise(ranges, MADV_WILLNEED):
+        _advise_each(ranges, MADV_WILLNEED, "WILLNEED")
+
+
+def populate(ranges: Sequence[Range]) -> None:
+    """Read `ranges` in and map them, returning when they are resident: every read is started
+    first (WILLNEED), then awaited (MADV_POPULATE_READ), so the reads overlap. Where the kernel
+    lacks POPULATE_READ (before Linux 5.14), only the reads are started. Blocking call: run it
+    through `RunBlocking`."""
+    global _populate_supported
+    advise_willneed(ranges)
+    if not ranges or not _populate_supported:
+        return
+    if _process_madvise(ranges, MADV_POPULATE_READ):
+        return
+    try:
+        _advise_each(ranges, MADV_POPULATE_READ, "POPULATE_READ")
+    except _UnsupportedError:
+        logger.info("madvise(MADV_POPULATE_READ) unsupported; prefetch only starts reads")
+        _populate_supported = False
+
+
+def _resident_pages(address: int, nbytes: int) -> np.ndarray:
+    vector = np.empty(-(-nbytes // PAGE_BYTES), np.uint8)
+    if _mincore(address, nbytes, vector.ctypes.data) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"mincore of {nbytes} bytes at {address:#x}")
+    return vector & 1
+
+
+def resident_bytes(ranges: Sequence[Range]) -> int:
+    """Bytes of `ranges` now in the page cache (mincore; for tests and benchmarks)."""
+    return sum(int(_resident_pages(a, n).sum()) * PAGE_BYTES for a, n in ranges)
+
+
+def evict(path: str) -> None:
+    """Drop `path`'s clean pages from the page cache (fadvise DONTNEED), for cold-cache runs.
+    Pages still mapped by a process may stay. Blocking call."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

@@ -1,0 +1,217 @@
+"""IndexedDataset: reading megatron's .bin/.idx byte for byte, and clear errors for bad files."""
+
+from __future__ import annotations
+
+import pickle
+import re
+import struct
+
+import numpy as np
+import pytest
+
+from asynctron.datasets import IndexedDataset, IndexedDatasetBuilder
+from asynctron.datasets._builder import write_indexed_dataset
+from asynctron.datasets._indexed import DTYPE_CODES, optimal_dtype, read_index_header
+from asynctron.errors import CorruptDatasetError
+
+
+@pytest.mark.parametrize("dtype", sorted({d.name for d in DTYPE_CODES.values()}))
+def test_round_trip_every_dtype(tmp_path, dtype: str) -> None:
+    documents = [np.arange(n, dtype=dtype) for n in (5, 1, 17, 3)]
+    ds = write_indexed_dataset(str(tmp_path / "d"), documents, dtype=dtype)
+    assert len(ds) == 4 and ds.num_documents == 4 and ds.dtype == np.dtype(dtype)
+    for i, document in enumerate(documents):
+        assert ds[i].dtype == np.dtype(dtype)
+        assert np.array_equal(ds[i], document)
+    assert ds.sequence_lengths.tolist() == [5, 1, 17, 3]
+    assert ds.document_indices.tolist() == [0, 1, 2, 3, 4]
+    itemsize = np.dtype(dtype).itemsize
+    assert ds.sequence_pointers.tolist() == [0, 5 * itemsize, 6 * itemsize, 23 * itemsize]
+
+
+def test_slices_and_get(make_corpus) -> None:
+    ds = make_corpus("c", num_documents=20)
+    parts = ds[3:7]
+    assert len(parts) == 4
+    for k, part in enumerate(parts):
+        assert np.array_equal(part, ds[3 + k])
+    assert ds[5:5] == []
+    whole = ds[7]
+    assert np.array_equal(ds.get(7, offset=2, length=3), whole[2:5])
+    assert np.array_equal(ds.get(7, offset=1), whole[1:])
+    assert ds.byte_range(7, 2, 3) == (int(ds.sequence_pointers[7]) + 4, 6)
+    with pytest.raises(ValueError, match=r"^slice .*: expected step 1, found 2; "):
+        ds[0:10:2]
+    with pytest.raises(TypeError, match=r"^index 'a': expected an int or a slice, found str$"):
+        ds["a"]
+
+
+def test_documents_of_several_sequences(tmp_path) -> None:
+    builder = IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=np.int32)
+    builder.add_document([1, 2, 3, 4, 5], [2, 3])
+    builder.add_item(np.array([6]))
+    builder.add_item(np.array([7, 8]))
+    builder.end_document()
+    builder.finalize(str(tmp_path / "m.idx"))
+    ds = IndexedDataset(str(tmp_path / "m"))
+    assert [x.tolist() for x in ds] == [[1, 2], [3, 4, 5], [6], [7, 8]]
+    assert ds.document_indices.tolist() == [0, 2, 4]
+
+
+def test_multimodal_modes(tmp_path) -> None:
+    builder = IndexedDatasetBuilder(str(tmp_path / "mm.bin"), dtype=np.uint8, multimodal=True)
+    builder.add_item([1, 2], mode=3)
+    builder.add_document([4, 5, 6], [1, 2], modes=[1, 2])
+    builder.end_document()
+    builder.finalize(str(tmp_path / "mm.idx"))
+    ds = IndexedDataset(str(tmp_path / "mm"), multimodal=True)
+    tokens, mode = ds[0]
+    assert tokens.tolist() == [1, 2] and mode == 3
+    parts, modes = ds[1:3]
+    assert [p.tolist() for p in parts] == [[4], [5, 6]] and modes.tolist() == [1, 2]
+    plain = IndexedDataset(str(tmp_path / "mm"))  # the modes are there but not asked for
+    assert plain[0].tolist() == [1, 2]
+    write_indexed_dataset(str(tmp_path / "plain"), [[1]], dtype=np.uint8)
+    with pytest.raises(CorruptDatasetError, match=r"expected sequence modes .* for a multimodal"):
+        IndexedDataset(str(tmp_path / "plain"), multimodal=True)
+
+
+def test_empty_dataset(tmp_path) -> None:
+    builder = IndexedDatasetBuilder(str(tmp_path / "e.bin"))
+    builder.finalize(str(tmp_path / "e.idx"))
+    ds = IndexedDataset(str(tmp_path / "e"))
+    assert len(ds) == 0 and ds.num_documents == 0 and list(ds) == []
+
+
+def test_pickle_reopens(make_corpus) -> None:
+    ds = make_corpus("p", num_documents=5)
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy.path_prefix == ds.path_prefix
+    assert all(np.array_equal(copy[i], ds[i]) for i in range(len(ds)))
+
+
+def test_optimal_dtype_is_megatrons_rule() -> None:
+    assert optimal_dtype(65499) == np.uint16
+    assert optimal_dtype(65500) == np.int32
+    assert optimal_dtype(None) == np.int32
+
+
+# corrupt files -------------------------------------------------------------------------------
+
+@pytest.fixture
+def good(make_corpus):
+    ds = make_corpus("g", num_documents=10)
+    return ds.path_prefix
+
+
+def _patch(path: str, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(data)
+
+
+def test_missing_files_name_the_path(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"dataset .*nowhere: expected .*nowhere\.idx, "
+                                                r"found no such file; check the path prefix"):
+        IndexedDataset(str(tmp_path / "nowhere"))
+
+
+def test_wrong_magic(good: str) -> None:
+    _patch(good + ".idx", 0, b"NOTANIDX!")
+    with pytest.raises(CorruptDatasetError, match=re.escape(
+            f"index {good}.idx: expected magic b'MMIDIDX\\x00\\x00', found b'NOTANIDX!'; this "
+            "is not a megatron .idx file")) as info:
+        IndexedDataset(good)
+    assert info.value.path == good + ".idx" and info.value.offset == 0
+
+
+def test_wrong_version(good: str) -> None:
+    _patch(good + ".idx", 9, struct.pack("<Q", 2))
+    with pytest.raises(CorruptDatasetError, match=r"expected version 1, found 2; this \.idx "
+                                                  r"format is not supported$"):
+        IndexedDataset(good)
+
+
+def test_unknown_dtype_code(good: str) -> None:
+    _patch(good + ".idx", 17, bytes([9]))
+    with pytest.raises(CorruptDatasetError, match=r"expected a dtype code in \[1, 2, 3, 4, 5, 6, "
+                                                  r"7, 8\], found 9; the file is corrupt$"):
+        IndexedDataset(good)
+
+
+def test_truncated_index(good: str) -> None:
+    with open(good + ".idx", "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(CorruptDatasetError, match=r"expected \d+ bytes \(\d+ with sequence "
+                                                  r"modes\) for 10 sequences and 11 document "
+                                                  r"indices, found 100; the file is truncated"):
+        IndexedDataset(good)
+    with open(good + ".idx", "r+b") as f:
+        f.truncate(20)
+    with pytest.raises(CorruptDatasetError, match=r"expected at least 34 header bytes, found 20"):
+        read_index_header(good + ".idx")
+
+
+def test_trailing_bytes_in_index(good: str) -> None:
+    with open(good + ".idx", "ab") as f:
+        f.write(b"xyz")
+    with pytest.raises(CorruptDatasetError, match=r"the file is followed by unexpected bytes"):
+        IndexedDataset(good)
+
+
+def test_bad_document_indices(good: str) -> None:
+    header = read_index_header(good + ".idx")
+    _patch(good + ".idx", header.document_indices_offset + 8 * 10, struct.pack("<q", 7))
+    with pytest.raises(CorruptDatasetError, match=r"expected document indices from 0 to 10, "
+                                                  r"found \[0, 7\]"):
+        IndexedDataset(good)
+
+
+@pytest.mark.parametrize(("change", "state"), [(-2, "truncated"), (+2, "too long")])
+def test_bin_of_the_wrong_size(good: str, change: int, state: str) -> None:
+    path = good + ".bin"
+    with open(path, "r+b") as f:
+        size = f.seek(0, 2)
+        f.truncate(size + change)
+    with pytest.raises(CorruptDatasetError, match=rf"^data {re.escape(path)}: expected {size} "
+                                                  rf"bytes \(from .*\.idx\), found "
+                                                  rf"{size + change}; the \.bin is {state}"):
+        IndexedDataset(good)
+
+
+# megatron parity: files both ways ------------------------------------------------------------
+
+def test_megatron_reads_our_files_and_writes_the_same_bytes(tmp_path, megatron) -> None:
+    documents = [np.arange(n, dtype=np.int64) % 50_000 for n in (3, 8, 1, 40, 2)]
+    ours = write_indexed_dataset(str(tmp_path / "ours"), documents, dtype=np.uint16)
+    theirs = megatron.indexed_dataset.IndexedDatasetBuilder(str(tmp_path / "theirs.bin"),
+                                                            dtype=np.uint16)
+    import torch
+
+    for document in documents:
+        theirs.add_item(torch.from_numpy(document))
+        theirs.end_document()
+    theirs.finalize(str(tmp_path / "theirs.idx"))
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"ours{suffix}").read_bytes() == (
+            tmp_path / f"theirs{suffix}").read_bytes()
+    read_by_megatron = megatron.indexed_dataset.IndexedDataset(str(tmp_path / "ours"))
+    for i in range(len(ours)):
+        assert np.array_equal(read_by_megatron[i], ours[i])
+        assert np.array_equal(read_by_megatron.get(i, 1, 1), ours.get(i, 1, 1))
+    assert np.array_equal(read_by_megatron.document_indices, ours.document_indices)
+
+
+def test_we_read_megatrons_multimodal_files(tmp_path, megatron) -> None:
+    import torch
+
+    builder = megatron.indexed_dataset.IndexedDatasetBuilder(
+        str(tmp_path / "m.bin"), dtype=np.int32, multimodal=True)
+    builder.add_item(torch.tensor([1, 2, 3]), mode=2)
+    builder.add_item(torch.tensor([4]), mode=1)
+    builder.end_document()
+    builder.finalize(str(tmp_path / "m.idx"))
+    ours = IndexedDataset(str(tmp_path / "m"), multimodal=True)
+    theirs = megatron.indexed_dataset.IndexedDataset(str(tmp_path / "m"), multimodal=True)
+    for i in range(2):
+        assert np.array_equal(ours[i][0], theirs[i][0]) and ours[i][1] == theirs[i][1]

@@ -1,0 +1,56 @@
+"""Page-cache calls: ranges computed without touching memory; WILLNEED + POPULATE make pages
+resident; DONTNEED evicts them."""
+
+from __future__ import annotations
+
+import mmap
+import os
+
+import numpy as np
+
+from asynctron.datasets import _pages
+from asynctron.datasets._pages import PAGE_BYTES
+
+
+def test_page_ranges_align_and_merge() -> None:
+    p = PAGE_BYTES
+    starts = np.array([10, p - 1, 5 * p, 3 * p + 7])
+    assert _pages.page_ranges_of(starts, np.array([5, 2, 0, p])) == [(0, 2 * p), (3 * p, 2 * p)]
+    assert _pages.page_ranges_of(np.zeros(0, np.int64), np.zeros(0, np.int64)) == []
+    assert _pages.total_bytes([(0, p), (4 * p, 2 * p)]) == 3 * p
+
+
+def test_array_ranges_cover_the_rows() -> None:
+    array = np.zeros((10_000, 2), np.int64)  # 16 bytes per row
+    base = array.ctypes.data
+    ranges = _pages.array_ranges(array, np.array([0, 1, 9_999]))
+    assert ranges[0][0] <= base and base + 32 <= ranges[0][0] + ranges[0][1]
+    last = base + 9_999 * 16
+    assert ranges[-1][0] <= last and last + 16 <= sum(ranges[-1])
+    assert all(start % PAGE_BYTES == 0 and n % PAGE_BYTES == 0 for start, n in ranges)
+
+
+def test_populate_reads_evicted_pages_in(tmp_path) -> None:
+    path = tmp_path / "data.bin"
+    path.write_bytes(os.urandom(64 * PAGE_BYTES))
+    os.sync()
+    _pages.evict(str(path))
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = np.frombuffer(mapped, np.uint8)
+    wanted = [(view.ctypes.data + 8 * PAGE_BYTES, 4 * PAGE_BYTES)]
+    assert _pages.resident_bytes(wanted) == 0  # evicted (the disk is not tmpfs here)
+    _pages.populate(wanted)
+    assert _pages.resident_bytes(wanted) == 4 * PAGE_BYTES
+    assert _pages.resident_bytes([(view.ctypes.data + 40 * PAGE_BYTES, PAGE_BYTES)]) == 0
+    del view
+    mapped.close()
+
+
+def test_the_blocking_calls_release_the_gil() -> None:
+    """ctypes foreign calls drop the GIL (a CDLL, not a PyDLL); mmap.madvise would not."""
+    import ctypes
+
+    assert not isinstance(_pages._libc, ctypes.PyDLL)
+    assert _pages._madvise.__class__.__name__ == "_FuncPtr"
+    assert not (_pages._libc._func_flags_ & ctypes._FUNCFLAG_PYTHONAPI)
