@@ -362,9 +362,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="size of the single large tensor (0: skip that state dict)")
     parser.add_argument("--targets", default=f"/dev/shm,{os.getcwd()}",
                         help="comma-separated directories to save into")
-    _results.add_common_arguments(
-        parser, repeats=5,
-        skip_megatron_help="do not run Megatron's writer even where megatron-core imports")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke)")
+    parser.add_argument("--out", default=None, help="JSON results path")
+    parser.add_argument("--skip-megatron", action="store_true",
+                        help="do not run Megatron's writer even where megatron-core imports")
     args = parser.parse_args(argv)
     if args.quick:
         args.size_gib, args.large_gib, args.repeats = 0.03, 0.02, 1
