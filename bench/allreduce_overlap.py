@@ -36,9 +36,10 @@ import torch.distributed as dist
 import uvloop
 from torch.nn.parallel import DistributedDataParallel
 
+from asynctron._launch import run_local_ranks
 from asynctron.comm import BucketManager
 from asynctron.testing import LoopWatchdog
-from bench import _ranks, _results
+from bench import _results
 
 MiB = 1 << 20
 MODELS = {"10M": (1024, 10), "100M": (2896, 12)}  # name -> (width, layers) of an MLP
@@ -297,11 +298,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{max(1, torch.cuda.device_count())} or run on CPU", flush=True)
         return 2
     started = time.time()
-    try:
-        results = _ranks.run_ranks(_rank, args.world_size, args, backend=args.backend)[0]
-    except RuntimeError as error:
-        print(f"asynctron bench comm: {error}", flush=True)
+    ranks = run_local_ranks(_rank, args.world_size, args, backend=args.backend)
+    if failed := [r for r in ranks if r.error is not None or r.exitcode]:
+        print(f"asynctron bench comm: rank {failed[0].rank} failed:\n{failed[0].error}",
+              flush=True)
         return 1
+    results = ranks[0].value
     summary = report(results)
     summary["meta"] = _results.run_meta(
         started, args, torch=torch.__version__,

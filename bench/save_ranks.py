@@ -31,8 +31,9 @@ import torch.distributed.checkpoint as dcp
 import uvloop
 
 from asynctron import Engine
+from asynctron._launch import run_local_ranks
 from asynctron.testing import LoopWatchdog
-from bench import _peers, _ranks, _results
+from bench import _peers, _results
 
 GiB = 1 << 30
 OURS = "asynctron"
@@ -166,12 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     base = tempfile.mkdtemp(prefix=f"asynctron-bench-ranks-{os.getpid()}-", dir=args.target)
     try:
-        ranks = _ranks.run_ranks(_rank, args.nproc, args, base)
-    except RuntimeError as error:
-        print(f"asynctron bench save --nproc {args.nproc}: {error}", flush=True)
-        return 1
+        outcomes = run_local_ranks(_rank, args.nproc, args, base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+    if failed := [r for r in outcomes if r.error is not None or r.exitcode]:
+        print(f"asynctron bench save --nproc {args.nproc}: rank {failed[0].rank} failed:\n"
+              f"{failed[0].error}", flush=True)
+        return 1
+    ranks = [r.value for r in outcomes]
     summary = report(ranks, args)
     summary["meta"] = _results.run_meta(started, args, torch=torch.__version__,
                                         peers=_peers.peer_versions())

@@ -18,12 +18,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import uvloop
-from _spawn import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 import asynctron
 from asynctron import Engine, PeerError, StorageError
+from asynctron._launch import run_local_ranks
 from asynctron.testing import FaultyFileIO
 
 pytestmark = pytest.mark.slow
@@ -134,7 +134,7 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def four_rank_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
     root = str(tmp_path_factory.mktemp("ranks"))
-    results = run_ranks(save_four_ranks, 4, root, root, timeout_s=180)
+    results = run_local_ranks(save_four_ranks, 4, root, timeout_s=180)
     assert [r.unwrap() for r in results] == [0, 1, 2, 3]
     return root
 
@@ -142,7 +142,7 @@ def four_rank_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def two_rank_results(four_rank_checkpoint: str) -> tuple[str, list[dict[str, Any]]]:
     root = four_rank_checkpoint
-    results = run_ranks(two_ranks, 2, root, root, timeout_s=240)
+    results = run_local_ranks(two_ranks, 2, root, timeout_s=240)
     return root, [r.unwrap() for r in results]
 
 
@@ -225,7 +225,7 @@ def killed_mid_save(rank: int, world: int, root: str) -> dict[str, Any]:
 def test_a_rank_killed_mid_save_makes_the_others_raise_and_keeps_the_previous_checkpoint(
         tmp_path: object) -> None:
     root = str(tmp_path)
-    results = run_ranks(killed_mid_save, 2, root, root, timeout_s=120)
+    results = run_local_ranks(killed_mid_save, 2, root, timeout_s=120)
     assert results[1].exitcode == -signal.SIGKILL
     survivor = results[0].unwrap()
     assert survivor["error"] is not None and survivor["elapsed_s"] < 30

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 import uvloop
-from _spawn import run_ranks
 
+from asynctron._launch import run_local_ranks
 from asynctron.comm import BucketManager, CollectiveGroup, new_gloo_group
 from asynctron.engine import Engine
 from asynctron.errors import PeerError
@@ -93,8 +93,8 @@ def late_rank(rank: int, world: int) -> dict[str, Any]:
     return uvloop.run(run())
 
 
-def test_a_killed_rank_makes_the_others_raise_peer_error(tmp_path: object) -> None:
-    results = run_ranks(killed_rank, 3, str(tmp_path), timeout_s=90, pg_timeout_s=TIMEOUT_S)
+def test_a_killed_rank_makes_the_others_raise_peer_error() -> None:
+    results = run_local_ranks(killed_rank, 3, timeout_s=90, pg_timeout_s=TIMEOUT_S)
     assert results[2].exitcode == -signal.SIGKILL
     for result in results[:2]:
         errors = result.unwrap()
@@ -113,8 +113,8 @@ def test_a_killed_rank_makes_the_others_raise_peer_error(tmp_path: object) -> No
             "or restart the job")
 
 
-def test_a_late_rank_times_out_with_its_rank_named(tmp_path: object) -> None:
-    results = run_ranks(late_rank, 2, str(tmp_path), timeout_s=60)
+def test_a_late_rank_times_out_with_its_rank_named() -> None:
+    results = run_local_ranks(late_rank, 2, timeout_s=60)
     assert results[1].unwrap() == {}
     errors = results[0].unwrap()
     assert errors["gather_object"]["rank"] == 1

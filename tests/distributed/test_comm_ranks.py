@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.distributed as dist
 import uvloop
-from _spawn import run_ranks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from asynctron._launch import run_local_ranks
 from asynctron.comm import (
     BucketManager,
     CollectiveGroup,
@@ -464,15 +464,14 @@ def all_scenarios(rank: int, world: int) -> dict[str, tuple[Any, str | None]]:
 # tests: check each scenario's outcome ----------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], list[dict[str, Any]]]:
+def spawned() -> Callable[[int], list[dict[str, Any]]]:
     """`spawned(size)`: every rank's scenario outcomes, spawning `size` ranks on first use."""
     cache: dict[int, list[dict[str, Any]]] = {}
 
     def get(size: int) -> list[dict[str, Any]]:
         if size not in cache:
-            out = str(tmp_path_factory.mktemp(f"comm{size}"))
-            cache[size] = [r.unwrap() for r in run_ranks(all_scenarios, size, out,
-                                                         timeout_s=240)]
+            cache[size] = [r.unwrap() for r in run_local_ranks(all_scenarios, size,
+                                                               timeout_s=240)]
         return cache[size]
 
     return get

@@ -3,56 +3,43 @@ each rank's AsyncLoader serves its share of every global batch."""
 
 from __future__ import annotations
 
-import json
 import os
-import socket
 
 import numpy as np
 import pytest
-import torch.multiprocessing as mp
+
+from asynctron._launch import run_local_ranks
 
 WORLD_SIZE = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, root: str, port: int) -> None:
+def _rank_main(rank: int, world_size: int, root: str) -> dict:
     import torch.distributed as dist
     import uvloop
 
     from asynctron import Engine
     from asynctron.datasets import AsyncLoader, GPTDatasetConfig, build_gpt_datasets
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD_SIZE)
-    try:
-        config = GPTDatasetConfig(random_seed=11, sequence_length=16, eod_id=0,
-                                  blend=([f"{root}/a", f"{root}/b"], [1.0, 1.0]), split="1",
-                                  path_to_cache=f"{root}/cache")
-        train = build_gpt_datasets(config, [64, 0, 0])[0]
+    config = GPTDatasetConfig(random_seed=11, sequence_length=16, eod_id=0,
+                              blend=([f"{root}/a", f"{root}/b"], [1.0, 1.0]), split="1",
+                              path_to_cache=f"{root}/cache")
+    train = build_gpt_datasets(config, [64, 0, 0])[0]
 
-        async def read() -> list[list[int]]:
-            async with Engine(num_workers=2) as engine, AsyncLoader(
-                    train, micro_batch_size=2, run_blocking=engine.run_blocking,
-                    prefetch_budget=1 << 20, num_ready_batches=2, data_parallel_rank=rank,
-                    data_parallel_size=WORLD_SIZE) as loader:
-                return [batch["tokens"][:, 0].tolist() async for batch in loader]
+    async def read() -> list[list[int]]:
+        async with Engine(num_workers=2) as engine, AsyncLoader(
+                train, micro_batch_size=2, run_blocking=engine.run_blocking,
+                prefetch_budget=1 << 20, num_ready_batches=2, data_parallel_rank=rank,
+                data_parallel_size=WORLD_SIZE) as loader:
+            return [batch["tokens"][:, 0].tolist() async for batch in loader]
 
-        firsts = uvloop.run(read())
-        expected = [[int(train[s * 4 + rank * 2 + k]["tokens"][0]) for k in range(2)]
-                    for s in range(len(train) // 4)]
-        gathered: list[object] = [None] * WORLD_SIZE
-        dist.all_gather_object(gathered, firsts == expected)
-        with open(f"{root}/rank{rank}.json", "w") as f:
-            json.dump({"ok": all(gathered), "batches": len(firsts),
-                       "files": sorted(os.listdir(f"{root}/cache"))}, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    firsts = uvloop.run(read())
+    expected = [[int(train[s * 4 + rank * 2 + k]["tokens"][0]) for k in range(2)]
+                for s in range(len(train) // 4)]
+    gathered: list[object] = [None] * WORLD_SIZE
+    dist.all_gather_object(gathered, firsts == expected)
+    dist.barrier()
+    return {"ok": all(gathered), "batches": len(firsts),
+            "files": sorted(os.listdir(f"{root}/cache"))}
 
 
 @pytest.mark.slow
@@ -64,18 +51,15 @@ def test_two_ranks_share_the_cache_and_split_each_batch(tmp_path) -> None:
         write_indexed_dataset(str(tmp_path / name),
                               [rng.integers(1, 500, int(rng.integers(5, 80))) for _ in range(60)],
                               dtype=np.uint16)
-    mp.start_processes(_rank_main, args=(str(tmp_path), _free_port()), nprocs=WORLD_SIZE,
-                       join=True, start_method="spawn")
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD_SIZE)]
+    results = [r.unwrap() for r in run_local_ranks(_rank_main, WORLD_SIZE, str(tmp_path),
+                                                   timeout_s=180)]
     assert all(r["ok"] for r in results)
     assert results[0]["batches"] == results[1]["batches"] == 16
     # one GPTDataset entry per corpus and one BlendedDataset entry, 4 + 4 + 3 files, built once
     assert len(results[0]["files"]) == 11 and results[0]["files"] == results[1]["files"]
 
 
-def _failing_rank_main(rank: int, root: str, port: int) -> None:
-    import torch.distributed as dist
-
+def _failing_rank_main(rank: int, world_size: int, root: str) -> str:
     from asynctron.datasets import GPTDatasetConfig, build_gpt_datasets
     from asynctron.datasets._gpt import GPTDataset
 
@@ -84,21 +68,14 @@ def _failing_rank_main(rank: int, root: str, port: int) -> None:
 
     if rank == 0:
         GPTDataset._build_indices = broken  # type: ignore[method-assign]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD_SIZE)
+    config = GPTDatasetConfig(random_seed=11, sequence_length=16, eod_id=0,
+                              blend=([f"{root}/a"], None), split="1",
+                              path_to_cache=f"{root}/cache")
     try:
-        config = GPTDatasetConfig(random_seed=11, sequence_length=16, eod_id=0,
-                                  blend=([f"{root}/a"], None), split="1",
-                                  path_to_cache=f"{root}/cache")
-        try:
-            build_gpt_datasets(config, [None, None, None])
-            outcome = "built"
-        except Exception as exc:
-            outcome = f"{type(exc).__name__}: {exc}"
-        with open(f"{root}/rank{rank}.txt", "w") as f:
-            f.write(outcome)
-    finally:
-        dist.destroy_process_group()
+        build_gpt_datasets(config, [None, None, None])
+        return "built"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
 
 
 @pytest.mark.slow
@@ -106,9 +83,8 @@ def test_a_failed_build_on_rank_0_fails_every_rank_without_hanging(tmp_path) -> 
     from asynctron.datasets._builder import write_indexed_dataset
 
     write_indexed_dataset(str(tmp_path / "a"), [np.arange(1, 50)] * 20, dtype=np.uint16)
-    mp.start_processes(_failing_rank_main, args=(str(tmp_path), _free_port()),
-                       nprocs=WORLD_SIZE, join=True, start_method="spawn")
-    assert (tmp_path / "rank0.txt").read_text().startswith("OSError: [Errno 28]")
-    assert (tmp_path / "rank1.txt").read_text().startswith(
-        "PeerError: cached indices ") and "expected rank 0 to build them" in (
-        tmp_path / "rank1.txt").read_text()
+    outcomes = [r.unwrap() for r in run_local_ranks(_failing_rank_main, WORLD_SIZE,
+                                                    str(tmp_path), timeout_s=180)]
+    assert outcomes[0].startswith("OSError: [Errno 28]")
+    assert outcomes[1].startswith("PeerError: cached indices ")
+    assert "expected rank 0 to build them" in outcomes[1]

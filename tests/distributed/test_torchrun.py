@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from _spawn import free_port
+
+from asynctron._launch import free_port
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "checkpoint_ranks.py")
 

@@ -1,0 +1,103 @@
+"""Starting N local ranks: spawned processes joined in a process group on 127.0.0.1, each
+running the same function; each rank's return value (or traceback) comes back to the caller.
+For `asynctron demo` and the multi-rank benchmarks and tests; torchrun launches real jobs.
+
+Unlike `torch.multiprocessing.spawn`, a rank that dies (SIGKILL) does not take the others down:
+the caller waits for every rank up to a deadline, kills what is left, and gets every result.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class RankResult:
+    """How one rank ended: its exit code, and its return value or traceback."""
+
+    rank: int
+    exitcode: int | None
+    value: Any = None
+    error: str | None = None
+
+    def unwrap(self) -> Any:
+        """The rank's return value; AssertionError (with its traceback) if it failed."""
+        assert self.error is None and self.exitcode == 0, (
+            f"rank {self.rank} (exit code {self.exitcode}) failed:\n{self.error}")
+        return self.value
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_local_ranks(target: Callable[..., Any], world_size: int, *args: Any,
+                    backend: str = "gloo", timeout_s: float | None = None,
+                    pg_timeout_s: float = 600.0) -> list[RankResult]:
+    """Run `target(rank, world_size, *args)` on `world_size` spawned ranks, with the default
+    process group (`backend`) initialized; one result per rank, in rank order.
+
+    A rank still running after `timeout_s` is killed (its exit code is then negative).
+    `target` and `args` must be picklable (a module-level function).
+    """
+    port = free_port()
+    context = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="asynctron-ranks-") as scratch:
+        processes = [context.Process(target=_rank_main, name=f"asynctron-rank-{rank}", args=(
+            target, rank, world_size, port, backend, pg_timeout_s, scratch, args))
+            for rank in range(world_size)]
+        for process in processes:
+            process.start()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        try:
+            for process in processes:
+                process.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        finally:
+            for process in processes:
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+        results = []
+        for rank, process in enumerate(processes):
+            path = os.path.join(scratch, f"rank{rank}.pkl")
+            if os.path.exists(path):
+                with open(path, "rb") as f:
+                    value, error = pickle.load(f)
+            else:
+                value, error = None, f"no result (exit code {process.exitcode})"
+            results.append(RankResult(rank, process.exitcode, value, error))
+    return results
+
+
+def _rank_main(target: Callable[..., Any], rank: int, world_size: int, port: int, backend: str,
+               pg_timeout_s: float, scratch: str, args: tuple[Any, ...]) -> None:
+    import torch
+    import torch.distributed as dist  # in the child, after spawn
+
+    torch.set_num_threads(1)
+    value, error = None, None
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        value = target(rank, world_size, *args)
+    except BaseException:
+        error = traceback.format_exc()
+    with open(os.path.join(scratch, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump((value, error), f)
+    # No destroy_process_group(): a rank whose peer died may still hold failed work; exiting
+    # closes its connections either way.
+    os._exit(0 if error is None else 1)
