@@ -6,8 +6,9 @@ Subcommands:
   `Engine`'s executor reads each file in batched calls into one reused buffer per file and
   hashes as it goes, so memory stays bounded by one call per file, where `asynctron.load(path)`
   would hold the whole checkpoint, and every corrupt item is reported, not only the first.
-- `demo`: trains a small MLP on one uvloop loop, checkpointing every K steps while training
-  goes on, then loads the newest checkpoint back and compares it bit for bit.
+- `demo`: generates a corpus, trains a small GPT on local gloo ranks (async loader, awaitable
+  gradient buckets, async checkpoints every K steps), stops half-way, resumes from the newest
+  checkpoint, and checks the resumed run repeats an uninterrupted one bit for bit.
 - `preprocess --input data.jsonl --output-prefix out --tokenizer byte|tokenizer.json`:
   tokenizes JSON lines into megatron `.bin`/`.idx` files (`out_text_document.*`), like
   megatron's `tools/preprocess_data.py`.
@@ -35,7 +36,7 @@ from pathlib import Path
 import uvloop
 from tqdm import tqdm
 
-from asynctron._demo import run_demo
+from asynctron._demo import DemoConfig, DemoReport, run_demo
 from asynctron.datasets import PreprocessConfig, preprocess
 from asynctron.engine import Engine
 from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
@@ -89,14 +90,19 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("path", help="a checkpoint directory or a root with a `latest` pointer")
     verify.set_defaults(run=_verify)
 
-    demo = commands.add_parser("demo", help="train a small model while checkpointing it")
-    demo.add_argument("--out", help="directory for the checkpoints (new or empty); "
+    demo = commands.add_parser("demo", help="train a small GPT on local ranks with async "
+                                            "data, gradients and checkpoints; resume it")
+    demo.add_argument("--out", help="directory for the corpus and checkpoints (new or empty); "
                                     "default: a fresh ./demo-out/<timestamp>-*")
-    demo.add_argument("--steps", type=_positive_int, default=40, help="training steps")
+    demo.add_argument("--nproc", type=_positive_int, default=2, help="data-parallel ranks")
+    demo.add_argument("--steps", type=_positive_int, default=40,
+                      help="steps of the uninterrupted run (the first run stops half-way)")
     demo.add_argument("--save-every", type=_positive_int, default=10, metavar="K",
                       help="save after every K-th step")
-    demo.add_argument("--hidden", type=_positive_int, default=1024,
-                      help="width of the 4 Linear layers")
+    demo.add_argument("--hidden", type=_positive_int, default=256, help="model width")
+    demo.add_argument("--layers", type=_positive_int, default=4, help="decoder blocks")
+    demo.add_argument("--seq-len", type=_positive_int, default=64, help="tokens per sample")
+    demo.add_argument("--batch", type=_positive_int, default=8, help="samples per rank per step")
     demo.add_argument("--keep-last", type=_positive_int, default=None, metavar="N",
                       help="keep only the N newest checkpoints (default: all)")
     demo.set_defaults(run=_demo)
@@ -208,33 +214,57 @@ async def verify_checkpoint(path: str) -> tuple[str, Manifest, list[CorruptCheck
 # demo ------------------------------------------------------------------------------------------
 
 def _demo(args: argparse.Namespace) -> int:
-    if args.save_every > args.steps:
-        print(f"asynctron demo: --save-every: expected at most --steps ({args.steps}), found "
-              f"{args.save_every}; nothing would be saved", file=sys.stderr)
-        return 2
     out = args.out or _fresh_demo_dir()
     if os.path.isdir(out) and os.listdir(out):
         print(f"asynctron demo: output directory {out!r}: expected a new or empty directory, "
               f"found {len(os.listdir(out))} entries; pass a fresh --out", file=sys.stderr)
         return 2
-    print(f"asynctron demo: writing checkpoints to {out}")
-    report = uvloop.run(run_demo(out, steps=args.steps, save_every=args.save_every,
-                                 hidden=args.hidden, keep_last=args.keep_last))
-    total_nbytes = sum(result.nbytes for result in report.saves)
-    committed_s = sum(result.total_s for result in report.saves)
-    kept = "" if args.keep_last is None else f" (newest {args.keep_last} kept)"
-    print(f"trained {report.num_steps} steps of a {report.num_params / 1e6:.1f}M-parameter MLP "
-          f"in {report.train_s:.2f} s: {report.num_steps / report.train_s:.1f} steps/s")
-    print(f"checkpoints: {len(report.saves)} saved{kept}, {format_nbytes(total_nbytes)} in all")
-    print(f"blocked on checkpoints: {report.blocked_s:.3f} s (sum of request -> staged)")
-    print(f"checkpoint time: {committed_s:.3f} s (sum of request -> committed)")
-    print(f"loop worst delay: {report.worst_loop_delay_s * 1e3:.1f} ms (longest training step "
-          f"{report.longest_step_s * 1e3:.1f} ms, run on the loop)")
-    if report.mismatch is not None:
-        print(f"round trip: FAILED: {report.mismatch}")
-        return 1
-    print("round trip: bit-exact")
-    return 0
+    try:
+        config = DemoConfig(out=out, num_ranks=args.nproc, num_steps=args.steps,
+                            save_every=args.save_every, hidden=args.hidden,
+                            num_layers=args.layers, sequence_length=args.seq_len,
+                            micro_batch_size=args.batch, keep_last=args.keep_last)
+    except ValueError as exc:
+        print(f"asynctron demo: {exc}", file=sys.stderr)
+        return 2
+    print(f"asynctron demo: {config.num_ranks} ranks, {config.num_steps} steps, checkpoints "
+          f"every {config.save_every}; writing to {out}", flush=True)
+    report = run_demo(config)
+    for line in demo_summary(report):
+        print(line)
+    return 0 if report.mismatch is None else 1
+
+
+def demo_summary(report: DemoReport) -> list[str]:
+    """The demo's report, for people: speed, what checkpoints cost training, the resume."""
+    config, runs = report.config, report.runs
+    first, resumed = runs[0]["first"], runs[0]["resumed"]
+    params = (f"{first.num_params / 1e6:.1f}M" if first.num_params >= 100_000
+              else f"{first.num_params / 1e3:.0f}K")
+    lines = [f"corpus: {config.num_documents} documents, generated and preprocessed in "
+             f"{report.corpus_s:.1f} s; model: GPT, {params} parameters"]
+    for name, run in (("first run", first), ("resumed run", resumed)):
+        last = run.first_step + len(run.losses) - 1
+        nbytes = sum(r[name.split()[0]].saved_nbytes for r in runs)
+        lines.append(
+            f"{name} (steps {run.first_step}-{last}): {len(run.losses) / run.train_s:.1f} "
+            f"steps/s, data wait {run.data_wait_s:.3f} s; {run.num_saves} checkpoints "
+            f"({format_nbytes(nbytes)}, all ranks): training blocked {run.blocked_s:.3f} s of "
+            f"{run.checkpoint_s:.3f} s in flight (request -> committed)")
+    worst = max(r[n].worst_loop_delay_s for r in runs for n in ("first", "resumed"))
+    longest = max(r[n].longest_step_s for r in runs for n in ("first", "resumed"))
+    lines.append(f"loop worst delay: {worst * 1e3:.1f} ms (training steps run on the loop; "
+                 f"the longest took {longest * 1e3:.1f} ms)")
+    mismatch = report.mismatch
+    if mismatch is not None:
+        lines.append(f"resume: FAILED: {mismatch}")
+    else:
+        losses = runs[0]["reference"].losses
+        lines.append(f"resume: bit-identical: steps {resumed.first_step}-{config.num_steps} "
+                     f"repeat the uninterrupted run's losses exactly on all {config.num_ranks} "
+                     f"ranks (loss {losses[0]:.3f} -> {losses[-1]:.3f})")
+    lines.append(f"done in {report.total_s:.1f} s")
+    return lines
 
 
 def _fresh_demo_dir() -> str:

@@ -93,33 +93,49 @@ def test_missing_checkpoint_exits_2(tmp_path: Path, command: str,
     assert "expected a committed checkpoint" in capsys.readouterr().err
 
 
-def test_demo_round_trips_bit_exact(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+@pytest.mark.slow
+def test_demo_resumes_bit_identically_on_two_ranks(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]):
+    """The main job at a tiny size: 2 ranks train, stop half-way, resume from the newest
+    checkpoint (model, optimizer, loader position) and repeat the uninterrupted losses."""
     out_dir = tmp_path / "demo"
-    argv = ["demo", "--out", str(out_dir), "--steps", "6", "--save-every", "3", "--hidden", "64"]
+    argv = ["demo", "--out", str(out_dir), "--nproc", "2", "--steps", "8", "--save-every", "2",
+            "--hidden", "32", "--layers", "1", "--seq-len", "16", "--batch", "2",
+            "--keep-last", "2"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "checkpoints: 2 saved" in out
-    assert "round trip: bit-exact" in out
-    assert (out_dir / "latest").read_text().strip() == "step_6"
+    assert ("resume: bit-identical: steps 5-8 repeat the uninterrupted run's losses exactly on "
+            "all 2 ranks") in out
+    assert "first run (steps 1-4)" in out and "2 checkpoints" in out
+    checkpoints = out_dir / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "step_8"
+    assert sorted(n for n in os.listdir(checkpoints) if n.startswith("step_")) == [
+        "step_6", "step_8"]  # --keep-last 2
 
 
-def test_demo_keep_last_prunes_old_checkpoints(tmp_path: Path,
-                                               capsys: pytest.CaptureFixture[str]):
-    out_dir = tmp_path / "demo"
-    argv = ["demo", "--out", str(out_dir), "--steps", "6", "--save-every", "2", "--hidden", "32",
-            "--keep-last", "1"]
-    assert main(argv) == 0
-    assert "round trip: bit-exact" in capsys.readouterr().out
-    steps = sorted(name for name in os.listdir(out_dir) if name.startswith("step_"))
-    assert "step_6" in steps and (out_dir / "latest").read_text().strip() == "step_6"
-    # Not exactly 1: a save that commits after a newer one survives beside it, because
-    # pruning protects the checkpoint just committed (engine issue, reported).
-    assert len(steps) <= 2, steps
+def test_demo_report_names_the_first_step_that_differs(tmp_path: Path) -> None:
+    from asynctron._demo import DemoConfig, DemoReport, RunReport
+
+    def run(name: str, first_step: int, losses: list[float]) -> RunReport:
+        return RunReport(name, first_step, losses, 1.0, 0.0, 0.1, 0.0, 0.0, 0, 0, 0.0, 10)
+
+    config = DemoConfig(out=str(tmp_path), num_steps=4, save_every=2)
+    good = {"first": run("first", 1, [4.0, 3.0]), "resumed": run("resumed", 3, [2.5, 2.0]),
+            "reference": run("reference", 1, [4.0, 3.0, 2.5, 2.0])}
+    bad = dict(good, resumed=run("resumed", 3, [2.5, 2.0000001]))
+    assert DemoReport(config, [good, good], 0.0, 0.0).mismatch is None
+    assert DemoReport(config, [good, bad], 0.0, 0.0).mismatch == (
+        "rank 1 step 4: expected loss 2.0 (uninterrupted), found 2.0000001 (resumed)")
 
 
-def test_demo_refuses_a_non_empty_out_dir(root: Path, capsys: pytest.CaptureFixture[str]):
+def test_demo_refuses_a_non_empty_out_dir_and_bad_settings(
+        root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     assert main(["demo", "--out", str(root), "--steps", "2", "--save-every", "1"]) == 2
     assert "expected a new or empty directory" in capsys.readouterr().err
+    assert main(["demo", "--out", str(tmp_path / "d"), "--steps", "10", "--save-every",
+                 "6"]) == 2
+    assert "num_steps: expected at least 2 * save_every (12), found 10" in (
+        capsys.readouterr().err)
 
 
 def test_bench_forwards_the_remaining_args(monkeypatch: pytest.MonkeyPatch):

@@ -11,18 +11,21 @@ every rank learns the outcome. Collectives per save, in this order on every rank
 3. `finish`: gather every rank's write report (its items with checksums, files and structure;
    or its error) at the coordinator, which commits only if all succeeded; broadcast the outcome.
 A failure on any rank travels through these collectives, so every rank calls the same ones in
-the same order and nobody waits for a rank that gave up. A rank that dies makes the others'
-next collective raise `PeerError` (gloo sees the closed connection, or the group's timeout
-expires): nobody commits, nobody hangs. On one process the same steps run on
-`SoloCollectives`, without communication.
+the same order and nobody waits for a rank that gave up. Steps 1-2 run on one gloo group and
+step 3 on another, and on each group saves take turns in request order: with several saves in
+flight, save N+1 plans while save N finishes, yet no two ranks ever pair different collectives.
+A rank that dies makes the others' next collective raise `PeerError` (gloo sees the closed
+connection, or the group's timeout expires): nobody commits, nobody hangs. On one process the
+same steps run on `SoloCollectives`, without communication.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -50,6 +53,9 @@ class Collectives(Protocol):
     @property
     def world_size(self) -> int: ...
 
+    @property
+    def num_calls(self) -> int: ...
+
     async def all_gather_object(self, obj: Any) -> list[Any]: ...
 
     async def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None: ...
@@ -64,6 +70,7 @@ class SoloCollectives:
 
     rank = 0
     world_size = 1
+    num_calls = 0
 
     async def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
@@ -77,6 +84,33 @@ class SoloCollectives:
 
     async def broadcast_object(self, obj: Any = None, *, src: int = 0) -> Any:
         return obj
+
+
+class _Turns:
+    """Lets saves through one phase of the protocol one at a time, in request order (seq 1, 2,
+    ...), so every rank issues that phase's collectives in the same order, however many saves
+    are in flight. Every save passes each phase exactly once: `take` it or `skip` it."""
+
+    def __init__(self) -> None:
+        self._passed = 0
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def take(self, seq: int) -> AsyncIterator[None]:
+        """Wait for the saves before `seq` to pass, run the body, pass."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._passed == seq - 1)
+        try:
+            yield
+        finally:
+            await self.skip(seq)
+
+    async def skip(self, seq: int) -> None:
+        """Pass without running anything (every rank skips the same phase of the same save)."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._passed >= seq - 1)
+            self._passed = max(self._passed, seq)
+            self._changed.notify_all()
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,22 +184,50 @@ class Committer:
 
 
 class Coordinator:
-    """Runs the protocol for one engine on `collectives`. Not constructed directly; the engine
-    makes one."""
+    """Runs the protocol for one engine: `start` and `exchange_plans` on the `planning`
+    collectives, `finish` on the `finishing` ones (two groups, so that a save can plan while
+    an earlier one finishes); on each, saves take turns in request order.
 
-    def __init__(self, collectives: Collectives, run_blocking: RunBlocking,
+    Not constructed directly; the engine makes one.
+    """
+
+    def __init__(self, planning: Collectives, finishing: Collectives, run_blocking: RunBlocking,
                  committer: Committer) -> None:
-        self.collectives = collectives
+        self.planning = planning
+        self.finishing = finishing
         self._run_blocking = run_blocking
         self._committer = committer
+        self._planning_turns = _Turns()
+        self._finishing_turns = _Turns()
 
     @property
     def rank(self) -> int:
-        return self.collectives.rank
+        return self.planning.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.planning.world_size
 
     @property
     def is_coordinator(self) -> bool:
-        return self.collectives.rank == 0
+        return self.planning.rank == 0
+
+    @property
+    def num_calls(self) -> int:
+        """Collectives the protocol has issued so far (0 on one process)."""
+        return self.planning.num_calls + self.finishing.num_calls
+
+    def planning_turn(self, seq: int) -> contextlib.AbstractAsyncContextManager[None]:
+        """Save `seq`'s turn at `start` and `exchange_plans`."""
+        return self._planning_turns.take(seq)
+
+    def finishing_turn(self, seq: int) -> contextlib.AbstractAsyncContextManager[None]:
+        """Save `seq`'s turn at `finish`."""
+        return self._finishing_turns.take(seq)
+
+    async def skip_finishing(self, seq: int) -> None:
+        """Save `seq` never reached `finish` (its start failed, on every rank)."""
+        await self._finishing_turns.skip(seq)
 
     async def start(self, path: str, digest: str | None,
                     cached_keys: Sequence[Hashable]) -> Start:
@@ -186,7 +248,7 @@ class Coordinator:
             except (FileExistsError, OSError) as error:
                 coordinator_error = error
                 entry["error"] = (type(error).__name__, str(error))
-        entries = await self.collectives.all_gather_object(entry)
+        entries = await self.planning.all_gather_object(entry)
         head = entries[0]
         if "error" in head:
             if coordinator_error is not None:
@@ -211,7 +273,7 @@ class Coordinator:
         """
         sent: DcpSavePlan | _Failure = (
             _Failure(self.rank, _describe(local)) if isinstance(local, BaseException) else local)
-        gathered = await self.collectives.gather_object(sent, dst=0)
+        gathered = await self.planning.gather_object(sent, dst=0)
         shares: list[Any] | None = None
         metadata: Metadata | None = None
         if self.is_coordinator:
@@ -223,7 +285,7 @@ class Coordinator:
                 assert planner is not None
                 plans, metadata = await self._run_blocking(plan_global, planner, gathered)
                 shares = list(plans)
-        share = await self.collectives.scatter_object(shares, src=0)
+        share = await self.planning.scatter_object(shares, src=0)
         if isinstance(local, BaseException):
             raise local
         if isinstance(share, _Failure):
@@ -243,7 +305,7 @@ class Coordinator:
         Cancellation: the collectives run to their end first (a rank cannot leave them half
         done), then the cancellation is raised.
         """
-        reports = await self.collectives.gather_object(report, dst=0)
+        reports = await self.finishing.gather_object(report, dst=0)
         outcome: _Failure | None = None
         commit_error: BaseException | None = None
         if self.is_coordinator:
@@ -260,7 +322,7 @@ class Coordinator:
                     commit_error = error
                     outcome = _Failure(0, _describe(error))
                     await self._run_blocking(_sysio.remove_tree, tmp_dir)
-        outcome = await self.collectives.broadcast_object(outcome, src=0)
+        outcome = await self.finishing.broadcast_object(outcome, src=0)
         if commit_error is not None:
             raise commit_error
         if outcome is not None and outcome.rank != self.rank:

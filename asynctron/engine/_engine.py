@@ -112,8 +112,8 @@ class Engine:
 
     Across ranks: when torch.distributed is initialized with several ranks, every rank saves
     its share of the same checkpoint (its own files, replicated tensors written once) and the
-    checkpoint commits only if every rank succeeded. Coordination runs on a dedicated gloo
-    group (`process_group`, or one created on entry: entering is then collective, like
+    checkpoint commits only if every rank succeeded. Coordination runs on two dedicated gloo
+    groups (made on entry, of all ranks or of `process_group`'s: entering is collective, like
     `dist.new_group`), never on the training group.
 
     Concurrency: any number of saves and loads may be in flight; two saves to one path raise
@@ -168,21 +168,25 @@ class Engine:
         self._executor = ThreadPoolExecutor(
             self.config.num_workers, thread_name_prefix="asynctron-io",
             initializer=_lower_thread_priority, initargs=(self.config.worker_nice_increment,))
-        self._coordinator = Coordinator(await self._collectives(), self.run_blocking,
+        planning, finishing = await self._collectives()
+        self._coordinator = Coordinator(planning, finishing, self.run_blocking,
                                         Committer(self.run_blocking, self.config.keep_last))
         logger.debug("engine started: %s, rank %d of %d", self.config,
-                     self._coordinator.rank, self._coordinator.collectives.world_size)
+                     self._coordinator.rank, self._coordinator.world_size)
 
-    async def _collectives(self) -> Collectives:
-        group = self._process_group
-        if group is None and not (dist.is_available() and dist.is_initialized()
-                                  and dist.get_world_size() > 1):
-            return SoloCollectives()
+    async def _collectives(self) -> tuple[Collectives, Collectives]:
+        """The save protocol's two groups (planning, finishing): gloo groups across ranks."""
+        if self._process_group is None and not (dist.is_available() and dist.is_initialized()
+                                                and dist.get_world_size() > 1):
+            return SoloCollectives(), SoloCollectives()
         timeout_s = self.config.coordination_timeout_s
-        if group is None:
-            group = await self.run_blocking(functools.partial(new_gloo_group,
-                                                              timeout_s=timeout_s))
-        return CollectiveGroup(group, run_blocking=self.run_blocking, timeout_s=timeout_s)
+        ranks = (None if self._process_group is None
+                 else dist.get_process_group_ranks(self._process_group))
+        new_group = functools.partial(new_gloo_group, timeout_s=timeout_s, ranks=ranks)
+        planning = self._process_group or await self.run_blocking(new_group)
+        finishing = await self.run_blocking(new_group)
+        return (CollectiveGroup(planning, run_blocking=self.run_blocking, timeout_s=timeout_s),
+                CollectiveGroup(finishing, run_blocking=self.run_blocking, timeout_s=timeout_s))
 
     @property
     def rank(self) -> int:
@@ -190,10 +194,10 @@ class Engine:
         return self._started().rank
 
     @property
-    def coordination(self) -> Collectives:
-        """The collectives the save protocol runs on: a `CollectiveGroup` on a dedicated gloo
-        group across ranks, `SoloCollectives` on one process."""
-        return self._started().collectives
+    def num_coordination_calls(self) -> int:
+        """Collectives the save protocol has issued so far (on its dedicated gloo groups; 0 on
+        one process)."""
+        return self._started().num_calls
 
     def _started(self) -> Coordinator:
         if self._coordinator is None:

@@ -22,7 +22,6 @@ previous checkpoint is untouched.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import os
 import time
@@ -86,6 +85,8 @@ class SaveJob:
         self._on_staged = on_staged
         self._bins_left_to_stage = 0
         self._write_gate = asyncio.Event()
+        self._writing: asyncio.Future[None] | None = None
+        self._aborted = False
         self._t_request = time.perf_counter()
         self._requested_unix_s = time.time()
         self._t_staged: float | None = None
@@ -98,36 +99,63 @@ class SaveJob:
     async def run(self) -> SaveResult:
         """Start, plan, stage, write and finish across ranks. Raises one error (ExceptionGroups
         unwrapped, kept as `__context__`): this rank's own, or `PeerError` naming the rank that
-        failed; whatever happens, nothing is committed unless every rank succeeded."""
-        options, rank = self._options, self._coordinator.rank
-        digest = None if options.format == "dcp" else await self._run_blocking(
-            functools.partial(structure_digest, self._flat, num_bins=options.num_bins, rank=rank,
-                              batch_nbytes=options.batch_nbytes))
-        held = self._plan_cache.snapshot()  # the plans announced are the plans used
-        start = await self._coordinator.start(self.path, digest, list(held))
+        failed; whatever happens, nothing is committed unless every rank succeeded.
+
+        Cancellation: this rank's writing stops, but the save still takes part in the
+        protocol's collectives, reporting itself failed (the other ranks wait for them), then
+        the cancellation is raised; the tmp dir is removed and nothing commits. A cancellation
+        that arrives once every rank has written may find the checkpoint committed.
+        """
+        protocol = asyncio.ensure_future(self._protocol())
+        try:
+            return await asyncio.shield(protocol)
+        except asyncio.CancelledError:
+            self._aborted = True
+            if self._writing is not None:
+                self._writing.cancel()
+            await uncancellable(protocol)
+            if not protocol.cancelled():
+                protocol.exception()  # the cancellation wins; mark the outcome as seen
+            raise
+
+    async def _protocol(self) -> SaveResult:
+        coordinator, seq = self._coordinator, self.seq
         local_error: BaseException | None = None
         request: SaveRequest | None = None
         metadata: Metadata | None = None
-        self._pool.pressure_listeners.add(self._write_gate)
         try:
-            request, metadata = await self._plan(start, held)
-            t_planned = time.perf_counter()
-            await self._write(request, start.tmp_dir)
-            report = request.report(rank)
-        except BaseException as error:  # reported to the others, then raised below
-            local_error = error
-            report = WriteReport(rank=rank, error=f"{type(error).__name__}: {error}")
-        finally:
-            self._pool.pressure_listeners.discard(self._write_gate)
+            async with coordinator.planning_turn(seq):
+                digest = await self._digest()
+                held = self._plan_cache.snapshot()  # the plans announced are the plans used
+                start = await coordinator.start(self.path, digest, list(held))
+                try:
+                    request, metadata = await self._plan(start, held)
+                except (Exception, asyncio.CancelledError) as error:  # reported at finish
+                    local_error = error
+        except BaseException:
+            await coordinator.skip_finishing(seq)  # the start failed on every rank
+            raise
+        t_planned = time.perf_counter()
+        if local_error is None:
+            assert request is not None
+            self._writing = asyncio.ensure_future(self._write(request, start.tmp_dir))
+            try:
+                await self._writing
+            except BaseException as error:  # reported to the others, then raised below
+                local_error = error
         t_written = time.perf_counter()
-        finish = asyncio.ensure_future(self._coordinator.finish(
-            report, path=self.path, tmp_dir=start.tmp_dir, seq=self.seq,
-            publish=self._publish, metadata=metadata))
+        report = (request.report(coordinator.rank) if request is not None and local_error is None
+                  else WriteReport(rank=coordinator.rank,
+                                   error=f"{type(local_error).__name__}: {local_error}"))
+        async with coordinator.finishing_turn(seq):
+            try:
+                await coordinator.finish(report, path=self.path, tmp_dir=start.tmp_dir, seq=seq,
+                                         publish=self._publish, metadata=metadata)
+            except BaseException:
+                if local_error is None:
+                    raise
         if local_error is not None:
-            with contextlib.suppress(BaseException):  # this rank's own error comes first
-                await _complete(finish)
             raise local_error
-        await _complete(finish)
         assert request is not None
         t_done = time.perf_counter()
         return SaveResult(
@@ -142,6 +170,14 @@ class SaveJob:
             total_s=t_done - self._t_request,
         )
 
+    async def _digest(self) -> str | None:
+        options = self._options
+        if options.format == "dcp":  # pickled values change size: planned afresh each time
+            return None
+        return await self._run_blocking(functools.partial(
+            structure_digest, self._flat, num_bins=options.num_bins,
+            rank=self._coordinator.rank, batch_nbytes=options.batch_nbytes))
+
     async def _plan(self, start: Start, held: Mapping[Hashable, FilePlan]
                     ) -> tuple[SaveRequest, Metadata | None]:
         """This rank's request: from the cached file plan when every rank holds it, else from
@@ -150,14 +186,18 @@ class SaveJob:
         cached = held[start.plan_key] if start.cached else None
         self._plan_cache.record_use(start.plan_key, hit=cached is not None)
         if cached is not None:
+            if self._aborted:
+                raise asyncio.CancelledError
             request = await self._run_blocking(
                 _request, self._flat, self.path, cached, None, options)
             return request, None
         local: BaseException | tuple
         try:
+            if self._aborted:
+                raise asyncio.CancelledError
             local = await self._run_blocking(functools.partial(
                 plan_local, self._flat, is_coordinator=self._coordinator.is_coordinator))
-        except Exception as error:
+        except (Exception, asyncio.CancelledError) as error:
             local = error
         planner, local_plan = (None, local) if isinstance(local, BaseException) else local
         share, metadata = await self._coordinator.exchange_plans(planner, local_plan)
@@ -174,6 +214,13 @@ class SaveJob:
 
     async def _write(self, request: SaveRequest, tmp_dir: str) -> None:
         """Stage and write every bin of this rank into `tmp_dir`, fsynced."""
+        self._pool.pressure_listeners.add(self._write_gate)
+        try:
+            await self._write_bins(request, tmp_dir)
+        finally:
+            self._pool.pressure_listeners.discard(self._write_gate)
+
+    async def _write_bins(self, request: SaveRequest, tmp_dir: str) -> None:
         options = self._options
         writers = [BinWriter(self._fio, os.path.join(tmp_dir, layout.file_name), layout,
                              self._run_blocking, direct_io=options.direct_io,
@@ -256,13 +303,3 @@ def _request(flat: FlatStateDict, path: str, plan: FilePlan, save_plan: object,
     return build_request(flat, path, plan, save_plan,  # type: ignore[arg-type]
                          snapshot=options.snapshot, checksum=options.checksum is not None)
 
-
-async def _complete(future: asyncio.Future[None]) -> None:
-    """Await `future` to its end even if cancelled meanwhile (the other ranks wait for its
-    collectives), then raise its error, or else the cancellation."""
-    try:
-        await uncancellable(future)
-    finally:
-        error = future.exception()
-        if error is not None:
-            raise error

@@ -95,10 +95,10 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
             # Plan cache: an unchanged structure skips the plan collectives.
             calls = []
             for step in (1, 2, 3):
-                before = engine.coordination.num_calls
+                before = engine.num_coordination_calls
                 await engine.save({"w": torch.full((64,), float(step)), "step": step},
                                   f"{root}/cache_{step}")
-                calls.append(engine.coordination.num_calls - before)
+                calls.append(engine.num_coordination_calls - before)
             out["calls"] = calls
             out["hits"] = engine.plan_cache.statistics().num_hits
 
@@ -116,6 +116,14 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
             dcp.load(target, checkpoint_id=f"{root}/ours_dcp")
             out["asynctron_to_stock"] = torch.equal(target["dt"].full_tensor(), _full(3)) and (
                 all(torch.equal(target["shared"][k], v) for k, v in _shared().items()))
+
+        # Several saves in flight while the ranks run at different speeds (rank 1's fsyncs are
+        # slow): each rank issues the protocol's collectives in the same order; all commit.
+        slow = FaultyFileIO(fsync_delay_s=0.2 if rank == 1 else 0.0)
+        async with Engine(file_io=slow, coordination_timeout_s=60) as engine:
+            tasks = [engine.save({f"w{rank}": torch.full((1000,), float(step)), "step": step},
+                                 f"{root}/overlap/step_{step}") for step in range(1, 5)]
+            out["overlap"] = [(await task).path.rsplit("/", 1)[1] for task in tasks]
 
         # A rank that fails mid-write: nothing is committed, every rank raises.
         faulty = FaultyFileIO(enospc_after_bytes=4096) if rank == 1 else None
@@ -179,6 +187,14 @@ def test_an_unchanged_structure_skips_the_plan_collectives(
         # start, gather plans, scatter plans, gather reports, broadcast outcome; then the plan
         # is cached on both ranks and only start and finish remain.
         assert r["calls"] == [5, 3, 3] and r["hits"] == 2
+
+
+def test_saves_in_flight_together_keep_the_ranks_in_step(
+        two_rank_results: tuple[str, list[dict[str, Any]]]) -> None:
+    root, results = two_rank_results
+    assert all(r["overlap"] == ["step_1", "step_2", "step_3", "step_4"] for r in results)
+    loaded = asynctron.load(f"{root}/overlap")
+    assert loaded["step"] == 4 and torch.equal(loaded["w1"], torch.full((1000,), 4.0))
 
 
 def test_stock_dcp_and_asynctron_read_each_other_across_ranks(

@@ -1,0 +1,8 @@
+"""`asynctron demo`: a small GPT trained on local gloo ranks with every part of asynctron
+(preprocess, the async loader, awaitable gradient buckets, async checkpoints), interrupted and
+resumed, checked bit for bit against an uninterrupted run."""
+
+from asynctron._demo._job import DemoReport, run_demo
+from asynctron._demo._trainer import DemoConfig, RunReport
+
+__all__ = ["DemoConfig", "DemoReport", "RunReport", "run_demo"]
