@@ -24,7 +24,7 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(VENV)/bin/asynctron bench save
+	$(VENV)/bin/asynctron bench all
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache

@@ -50,6 +50,7 @@ BENCH_SCENARIOS = {
     "write": "bench.write_sweep",
     "comm": "bench.allreduce_overlap",
     "data": "bench.data_throughput",
+    "all": "bench.all",
 }
 
 
