@@ -264,6 +264,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any], str], list[str]]]] = {
 
 def render(results_dir: str, docs: str) -> str:
     """Write `docs/benchmarks.md` (and its plots) from the results in `results_dir`."""
+    os.makedirs(docs, exist_ok=True)
     results = {}
     for name, (file_name, _) in SCENARIOS.items():
         path = os.path.join(results_dir, file_name)

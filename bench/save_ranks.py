@@ -33,7 +33,7 @@ import uvloop
 from asynctron import Engine
 from asynctron._launch import run_local_ranks
 from asynctron.testing import LoopWatchdog
-from bench import _peers, _results
+from bench import _baselines, _peers, _results
 
 GiB = 1 << 30
 OURS = "asynctron"
@@ -47,7 +47,7 @@ def _median(values: list[float]) -> float:
 
 
 def _rank_state(rank: int, nbytes: int) -> dict[str, torch.Tensor]:
-    state = _peers.make_state_dict(nbytes, seed=100 + rank)
+    state = _baselines.make_state_dict(nbytes, seed=100 + rank)
     return {f"rank{rank}.{key}": tensor for key, tensor in state.items()}
 
 
@@ -55,7 +55,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, base: str) -> dict[st
     torch.set_num_threads(1)
     state = _rank_state(rank, int(args.size_gib * GiB) // world)
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
-    buffers = _peers.state_dict_buffers(state)
+    buffers = _baselines.state_dict_buffers(state)
     samples: dict[str, list[float]] = {}
     times: dict[str, list[float]] = {}
 
@@ -69,7 +69,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace, base: str) -> dict[st
 
     def raw(path: str) -> None:
         os.makedirs(path, exist_ok=True)
-        _peers.raw_pwrite_fsync(buffers, os.path.join(path, f"rank{rank}.bin"))
+        _baselines.raw_pwrite_fsync(buffers, os.path.join(path, f"rank{rank}.bin"))
 
     def dcp_async(path: str) -> None:
         started = time.perf_counter()

@@ -4,7 +4,7 @@ For each target (/dev/shm and the disk under the working directory) and each sta
 (mixed sizes; one with a single large tensor), every method saves the same tensors, in
 round-robin order over several repeats after an untimed warm-up round; medians are reported
 with ratios (a throughput ratio: above 1 means asynctron is faster). Guest memory is warmed
-first (see `_peers.warm_guest_memory`), so no method pays the VM's first-touch cost.
+first (see `_baselines.warm_guest_memory`), so no method pays the VM's first-touch cost.
 
 Measured as well: blocking time (`await task.staged`) against a raw memcpy, the loop's worst
 heartbeat delay during asynctron's saves, the checksum's share of the save (asynctron with and
@@ -37,7 +37,7 @@ import uvloop
 
 from asynctron import Engine
 from asynctron.testing import LoopWatchdog
-from bench import _peers, _results, save_ranks
+from bench import _baselines, _peers, _results, save_ranks
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -126,9 +126,9 @@ def _methods(ours: AsynctronRunner, scenario: Scenario, quick: bool,
              megatron: bool) -> dict[str, Callable[[str], None]]:
     """Each method saves the scenario's state to the path it is given (which does not exist)."""
     state = scenario.state
-    buffers = _peers.state_dict_buffers(state)
+    buffers = _baselines.state_dict_buffers(state)
     methods: dict[str, Callable[[str], None]] = {
-        RAW: lambda path: _peers.raw_pwrite_fsync(buffers, path),
+        RAW: lambda path: _baselines.raw_pwrite_fsync(buffers, path),
         OURS: lambda path: ours.save(scenario, path),
         IN_PLACE: lambda path: ours.save(scenario, path, snapshot=False),
         NO_CHECKSUM: lambda path: ours.save(scenario, path, checksum=None),
@@ -140,7 +140,7 @@ def _methods(ours: AsynctronRunner, scenario: Scenario, quick: bool,
         "safetensors": lambda path: _peers.save_safetensors(state, path),
     }
     if scenario.on_disk:
-        methods[RAW_DIRECT] = lambda path: _peers.raw_direct_pwrite_fsync(scenario.nbytes, path)
+        methods[RAW_DIRECT] = lambda path: _baselines.raw_direct_pwrite_fsync(scenario.nbytes, path)
     if quick:
         for name in ("dcp (2 threads)", "dcp (4 threads)", "dcp async_save"):
             methods.pop(name)
@@ -203,14 +203,14 @@ def run_saves(ours: AsynctronRunner, scenario: Scenario, repeats: int, quick: bo
 
 def run_copies(scenario: Scenario, repeats: int) -> None:
     """The staging floor (one thread memcpy into pre-faulted memory) and hash speeds."""
-    sources = _peers.state_dict_buffers(scenario.state)
-    destinations = _peers.make_memcpy_destinations(sources)
+    sources = _baselines.state_dict_buffers(scenario.state)
+    destinations = _baselines.make_memcpy_destinations(sources)
     for _ in range(repeats):
         scenario.timings.setdefault("raw memcpy", []).append(
-            _time(lambda: _peers.raw_memcpy(sources, destinations)))
+            _time(lambda: _baselines.raw_memcpy(sources, destinations)))
         for algorithm in ("crc32c", "xxh3_64"):
             scenario.timings.setdefault(f"{algorithm} (1 thread)", []).append(
-                _time(lambda a=algorithm: _peers.hash_all(sources, a)))
+                _time(lambda a=algorithm: _baselines.hash_all(sources, a)))
 
 
 def run_loads(ours: AsynctronRunner, scenario: Scenario, checkpoint: str, repeats: int) -> None:
@@ -221,14 +221,14 @@ def run_loads(ours: AsynctronRunner, scenario: Scenario, checkpoint: str, repeat
                    if n.endswith(".distcp"))
     for _ in range(repeats):
         if scenario.on_disk:
-            _peers.evict_page_cache(files)
+            _baselines.evict_page_cache(files)
         start = time.perf_counter()
         buffers = [np.empty(os.path.getsize(path), dtype=np.uint8) for path in files]
-        _peers.raw_read(files, buffers)
+        _baselines.raw_read(files, buffers)
         scenario.timings.setdefault("load: raw read", []).append(time.perf_counter() - start)
         del buffers
         if scenario.on_disk:
-            _peers.evict_page_cache(files)
+            _baselines.evict_page_cache(files)
         start = time.perf_counter()
         loaded = ours.loop.run_until_complete(engine.load(checkpoint))
         scenario.timings.setdefault("load: asynctron", []).append(time.perf_counter() - start)
@@ -243,7 +243,7 @@ def run_loads(ours: AsynctronRunner, scenario: Scenario, checkpoint: str, repeat
 
 def run_budget(target: str, nbytes: int) -> dict[str, float]:
     """Peak RSS growth while saving a state 4x the memory budget (a fresh engine)."""
-    state = _peers.make_state_dict(nbytes, seed=7)
+    state = _baselines.make_state_dict(nbytes, seed=7)
     budget = nbytes // 4
     process = psutil.Process()
     base = tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}-", dir=target)
@@ -372,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         args.size_gib, args.large_gib, args.repeats = 0.03, 0.02, 1
     targets = [t for t in args.targets.split(",") if t]
     started = time.time()
-    warmed = 0 if args.quick else _peers.warm_guest_memory()
+    warmed = 0 if args.quick else _baselines.warm_guest_memory()
     print(f"warmed {warmed / GiB:.1f} GiB of guest memory", flush=True)
     loop = uvloop.new_event_loop()
     ours = AsynctronRunner(loop)
@@ -388,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
                           int((0.25 * args.size_gib + args.large_gib) * GiB),
                           int(args.large_gib * GiB), max(1, args.repeats - 2)))
         for seed, (label, total_bytes, large_bytes, repeats) in enumerate(plans, start=1):
-            state = _peers.make_state_dict(total_bytes, seed=seed, large_tensor_bytes=large_bytes)
+            state = _baselines.make_state_dict(total_bytes, seed=seed,
+                                               large_tensor_bytes=large_bytes)
             nbytes = sum(t.numel() * t.element_size() for t in state.values())
             for target in targets:
                 kind = "disk" if not target.startswith("/dev/shm") else "shm"

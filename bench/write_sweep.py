@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from asynctron import Engine
 from asynctron.testing import LoopWatchdog
-from bench import _peers, _results
+from bench import _baselines, _results
 
 matplotlib.use("Agg")  # headless; must precede the pyplot import
 import matplotlib.pyplot as plt
@@ -103,7 +103,7 @@ async def _measure(setting: Setting, state: dict[str, torch.Tensor], nbytes: int
     return Result(setting, nbytes / statistics.median(samples) / 1e9, samples, worst * 1e3)
 
 
-def _baselines(target: str, nbytes: int, repeats: int, direct: bool) -> dict[str, float]:
+def _measure_baselines(target: str, nbytes: int, repeats: int, direct: bool) -> dict[str, float]:
     buffers = [torch.randint(0, 255, (nbytes,), dtype=torch.uint8).numpy()]
     runs: dict[str, list[float]] = {"raw pwrite+fsync (1 thread)": []}
     if direct:
@@ -113,9 +113,9 @@ def _baselines(target: str, nbytes: int, repeats: int, direct: bool) -> dict[str
         for name in runs:
             start = time.perf_counter()
             if name.startswith("raw O_DIRECT"):
-                _peers.raw_direct_pwrite_fsync(nbytes, path)
+                _baselines.raw_direct_pwrite_fsync(nbytes, path)
             else:
-                _peers.raw_pwrite_fsync(buffers, path)
+                _baselines.raw_pwrite_fsync(buffers, path)
             runs[name].append(time.perf_counter() - start)
             os.remove(path)
     return {name: nbytes / statistics.median(times) / 1e9 for name, times in runs.items()}
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     base = tempfile.mkdtemp(prefix=f"asynctron-write-sweep-{os.getpid()}-", dir=args.target)
     started = time.time()
     try:
-        baselines = _baselines(args.target, nbytes, max(1, args.repeats), direct)
+        baselines = _measure_baselines(args.target, nbytes, max(1, args.repeats), direct)
         results_list: list[Result] = []
         with tqdm(settings, desc="bench write", unit="setting", disable=None) as progress:
             for item_bytes, group in itertools.groupby(settings, key=lambda s: s.item_bytes):
