@@ -29,12 +29,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from asynctron._budget import ByteBudget
 from asynctron._concurrency import RunBlocking, first_error, uncancellable
 from asynctron.datasets import _pages
 from asynctron.datasets._blended import BlendedDataset
 from asynctron.datasets._gpt import GPTDataset
 from asynctron.datasets._indexed import IndexedDataset
-from asynctron.engine import ByteBudget
 from asynctron.errors import ClosedError, WouldBlock
 
 STATE_VERSION = 1

@@ -1,6 +1,6 @@
 """The engine: the loop-bound `Engine`, its handles, the background runner, the budget."""
 
-from asynctron.engine._budget import BudgetStatistics, ByteBudget
+from asynctron._budget import BudgetStatistics, ByteBudget
 from asynctron.engine._engine import Engine, EngineConfig
 from asynctron.engine._oneshot import load, save
 from asynctron.engine._runner import BackgroundEngine

@@ -20,16 +20,16 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.distributed as dist
 
+from asynctron._budget import ByteBudget
 from asynctron._concurrency import uncancellable
 from asynctron.comm import CollectiveGroup, new_gloo_group
-from asynctron.engine._budget import ByteBudget
 from asynctron.engine._coordinator import Collectives, Committer, Coordinator, SoloCollectives
 from asynctron.engine._load import Loader
 from asynctron.engine._plan_cache import PlanCache
 from asynctron.engine._save import SaveJob, SaveOptions
 from asynctron.engine._staging import SlabPool, Stager
 from asynctron.engine._task import SaveResult, SaveTask
-from asynctron.errors import BusyError, ClosedError
+from asynctron.errors import BusyError, ClosedError, PeerError
 from asynctron.storage._checksum import ALGORITHMS, XXH3_64
 from asynctron.storage._layout import ALIGN_BYTES
 from asynctron.storage._plan import flatten

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from asynctron._budget import ByteBudget
 from asynctron._concurrency import RunBlocking
-from asynctron.engine._budget import ByteBudget
 from asynctron.errors import WouldBlock
 from asynctron.storage._layout import Batch
 

@@ -78,3 +78,12 @@ async def test_a_waiter_cancelled_just_before_a_release_raises_cancelled() -> No
     with pytest.raises(asyncio.CancelledError):
         await waiter
     assert budget.statistics() == BudgetStatistics(10, 0, 10, 0)
+
+
+def test_releasing_more_than_borrowed_is_refused_and_changes_nothing() -> None:
+    budget = ByteBudget(100)
+    budget.acquire_nowait(40)
+    for wrong in (41, -1):
+        with pytest.raises(ValueError, match=f"releasing {wrong} bytes, but 40 are borrowed"):
+            budget.release(wrong)
+    assert budget.borrowed_bytes == 40

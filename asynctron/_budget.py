@@ -96,8 +96,14 @@ class ByteBudget:
             raise
 
     def release(self, nbytes: int) -> None:
-        """Return `nbytes` borrowed earlier."""
-        assert 0 <= nbytes <= self._borrowed, f"releasing {nbytes} of {self._borrowed} borrowed"
+        """Return `nbytes` borrowed earlier.
+
+        Raises:
+            ValueError: `nbytes` is negative or more than is borrowed (nothing changes).
+        """
+        if not 0 <= nbytes <= self._borrowed:
+            raise ValueError(f"budget: releasing {nbytes} bytes, but {self._borrowed} are "
+                             "borrowed; release only what acquire() took")
         self._borrowed -= nbytes
         self._wake()
 
