@@ -196,10 +196,11 @@ async def verify_checkpoint(path: str) -> tuple[str, Manifest, list[CorruptCheck
         CorruptCheckpointError: a bad manifest or a file of the wrong size (nothing is read).
         StorageError: a file could not be opened or read.
 
-    Memory: one buffer of `slab_bytes` per data file.
+    Memory: one buffer of `slab_bytes` per data file being read, two files at a time.
     """
     async with Engine(num_workers=2) as engine:
-        reader = CheckpointReader(LocalFileIO(), path, engine.run_blocking)
+        reader = CheckpointReader(LocalFileIO(), path, engine.run_blocking,
+                                  max_files_at_once=engine.config.num_workers)
         try:
             manifest = await reader.open()
             with tqdm(total=manifest.nbytes, unit="B", unit_scale=True, unit_divisor=1024,

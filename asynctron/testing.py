@@ -30,6 +30,7 @@ class FaultyFileIO(LocalFileIO):
         eio_after_bytes: writes beyond this many bytes fail EIO.
         max_write_bytes: every pwritev writes at most this many bytes (short writes).
         fsync_delay_s: each fsync sleeps this long first.
+        open_delay_s: each open sleeps this long first.
         fail_fsync: every fsync fails EIO.
         eio_on_read: every preadv fails EIO.
     """
@@ -37,16 +38,25 @@ class FaultyFileIO(LocalFileIO):
     def __init__(self, *, enospc_after_bytes: int | None = None,
                  eio_after_bytes: int | None = None, max_write_bytes: int | None = None,
                  fsync_delay_s: float = 0.0, fail_fsync: bool = False,
-                 eio_on_read: bool = False) -> None:
+                 eio_on_read: bool = False, open_delay_s: float = 0.0) -> None:
         self.enospc_after_bytes = enospc_after_bytes
         self.eio_after_bytes = eio_after_bytes
         self.max_write_bytes = max_write_bytes
         self.fsync_delay_s = fsync_delay_s
         self.fail_fsync = fail_fsync
         self.eio_on_read = eio_on_read
+        self.open_delay_s = open_delay_s
         self.bytes_written = 0
         self.num_short_writes = 0
         self._lock = threading.Lock()
+
+    def open_new(self, path: str, direct: bool) -> int:
+        time.sleep(self.open_delay_s)
+        return super().open_new(path, direct)
+
+    def open_read(self, path: str) -> int:
+        time.sleep(self.open_delay_s)
+        return super().open_read(path)
 
     def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
         wanted = sum(b.nbytes for b in buffers)

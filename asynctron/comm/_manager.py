@@ -23,6 +23,7 @@ Under `no_sync()` backward only accumulates (into the buckets), for gradient acc
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import threading
@@ -328,7 +329,11 @@ class BucketManager:
             except (RuntimeError, dist.DistError) as exc:
                 raise peer_error("all-reduce of the used-parameter map", self.process_group,
                                  exc) from exc
-            used = used_map[0].tolist()
+            used_tensor = used_map[0]
+            if used_tensor.is_cuda:  # tolist() syncs the device: off the loop thread
+                used = await (self._run_blocking or asyncio.to_thread)(used_tensor.tolist)
+            else:
+                used = used_tensor.tolist()
         synchronized_s = time.perf_counter()
         with self._lock:
             if not self._step_open:  # a concurrent synchronize() finished the step

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan as DcpSavePlan
 
 from asynctron._concurrency import RunBlocking
-from asynctron.errors import PeerError
+from asynctron.errors import AsynctronError, PeerError, StorageError
 from asynctron.storage import _commit, _sysio
 from asynctron.storage._checksum import digest
 from asynctron.storage._manifest import ItemRecord
@@ -163,24 +163,40 @@ class Committer:
         self._newest: dict[str, int] = {}
 
     async def commit(self, tmp_dir: str, final_path: str, files: Mapping[str, bytes],
-                     seq: int) -> None:
+                     seq: int) -> tuple[str, ...]:
         """Write `files` (the checkpoint's metadata) into `tmp_dir` and publish it as
-        `final_path`; point `latest` at it unless a newer save (higher `seq`) already
-        committed; prune beyond `keep_last`.
+        `final_path`: the rename is the commit. Then point `latest` at it unless a newer save
+        (higher `seq`) already committed, and prune beyond `keep_last`.
+
+        Returns:
+            the problems after the commit (moving `latest`, pruning): logged, not raised, since
+            the checkpoint is committed.
 
         Raises:
             FileExistsError: `final_path` exists (the tmp dir is left for the caller).
-            StorageError: a write, fsync or rename failed.
+            StorageError: a write, fsync or the rename failed: nothing is committed.
         """
         root = os.path.dirname(final_path)
         lock = self._locks.setdefault(root, asyncio.Lock())
+        warnings: list[str] = []
         async with lock:
             await self._run_blocking(_commit.commit_dir, tmp_dir, final_path, files)
             if seq > self._newest.get(root, -1):
-                self._newest[root] = seq
-                await self._run_blocking(_commit.point_latest, final_path)
+                try:
+                    await self._run_blocking(_commit.point_latest, final_path)
+                    self._newest[root] = seq
+                except AsynctronError as error:
+                    warnings.append(f"checkpoint {final_path} is committed, but `latest` was not "
+                                    f"moved to it: {error}")
             if self._keep_last is not None:
-                await self._run_blocking(_commit.prune_checkpoints, root, self._keep_last)
+                try:
+                    await self._run_blocking(_commit.prune_checkpoints, root, self._keep_last)
+                except AsynctronError as error:
+                    warnings.append(f"checkpoint {final_path} is committed, but pruning older "
+                                    f"ones failed: {error}")
+        for warning in warnings:
+            logger.warning("%s", warning)
+        return tuple(warnings)
 
 
 class Coordinator:
@@ -235,17 +251,17 @@ class Coordinator:
 
         Raises:
             FileExistsError: the target exists (on every rank).
-            StorageError: the coordinator could not create the tmp dir (there), PeerError
-                elsewhere.
+            StorageError: the coordinator could not create the tmp dir (there); `PeerError`
+                naming rank 0 elsewhere.
         """
         entry: dict[str, Any] = {"digest": digest, "cached": list(cached_keys)}
-        coordinator_error: BaseException | None = None
+        coordinator_error: Exception | None = None
         if self.is_coordinator:
             tmp_dir = _commit.tmp_dir_for(path)
             try:
                 await self._run_blocking(prepare_tmp_dir, path, tmp_dir)
                 entry["tmp_dir"] = tmp_dir
-            except (FileExistsError, OSError) as error:
+            except Exception as error:  # every rank must reach the all-gather
                 coordinator_error = error
                 entry["error"] = (type(error).__name__, str(error))
         entries = await self.planning.all_gather_object(entry)
@@ -256,7 +272,8 @@ class Coordinator:
             kind, message = head["error"]
             if kind == "FileExistsError":
                 raise FileExistsError(message)
-            raise PeerError(f"rank 0: could not start the save: {message}", rank=0)
+            raise PeerError(f"checkpoint {path}: expected rank 0 to start the save, found "
+                            f"{kind}: {message}; fix rank 0's storage and save again", rank=0)
         digests = [e["digest"] for e in entries]
         plan_key = None if None in digests else _global_key(digests)
         cached = plan_key is not None and all(plan_key in e["cached"] for e in entries)
@@ -269,13 +286,15 @@ class Coordinator:
         rank's final share (and, on the coordinator, DCP's global metadata).
 
         Raises:
-            PeerError: another rank failed to plan (the rank that failed raises its own error).
+            PeerError: another rank failed to plan, or the coordinator's global step failed
+                (the rank that failed raises its own error).
         """
         sent: DcpSavePlan | _Failure = (
-            _Failure(self.rank, _describe(local)) if isinstance(local, BaseException) else local)
+            _Failure(self.rank, describe(local)) if isinstance(local, BaseException) else local)
         gathered = await self.planning.gather_object(sent, dst=0)
         shares: list[Any] | None = None
         metadata: Metadata | None = None
+        coordinator_error: Exception | None = None
         if self.is_coordinator:
             assert gathered is not None
             failures = [p for p in gathered if isinstance(p, _Failure)]
@@ -283,20 +302,30 @@ class Coordinator:
                 shares = [failures[0]] * len(gathered)
             else:
                 assert planner is not None
-                plans, metadata = await self._run_blocking(plan_global, planner, gathered)
-                shares = list(plans)
+                try:
+                    plans, metadata = await self._run_blocking(plan_global, planner, gathered)
+                    shares = list(plans)
+                except Exception as error:  # e.g. one key holding different tensors on ranks
+                    coordinator_error = error
+                    shares = [_Failure(0, describe(error))] * len(gathered)
         share = await self.planning.scatter_object(shares, src=0)
         if isinstance(local, BaseException):
             raise local
+        if coordinator_error is not None:
+            raise coordinator_error
         if isinstance(share, _Failure):
-            raise PeerError(f"rank {share.rank} failed to plan the save: {share.what}",
-                            rank=share.rank)
+            raise PeerError(f"save plan: expected every rank to plan, found rank {share.rank} "
+                            f"failing: {share.what}; fix it and save again", rank=share.rank)
         return share, metadata
 
     async def finish(self, report: WriteReport, *, path: str, tmp_dir: str, seq: int,
-                     publish: Publish, metadata: Metadata | None) -> None:
+                     publish: Publish, metadata: Metadata | None) -> tuple[str, ...]:
         """Gather every rank's report; the coordinator commits if all succeeded (else removes
         the tmp dir); every rank learns the outcome.
+
+        Returns:
+            problems after the commit that did not undo it (moving `latest`, pruning), also
+            logged on the coordinator.
 
         Raises:
             PeerError: another rank failed, or the coordinator could not commit.
@@ -306,31 +335,53 @@ class Coordinator:
         done), then the cancellation is raised.
         """
         reports = await self.finishing.gather_object(report, dst=0)
-        outcome: _Failure | None = None
-        commit_error: BaseException | None = None
+        outcome: _Outcome = _Outcome(None, ())
+        commit_error: Exception | None = None
         if self.is_coordinator:
             assert reports is not None
             failed = [r for r in reports if r.error is not None]
             if failed:
-                outcome = _Failure(failed[0].rank, failed[0].error or "")
-                await self._run_blocking(_sysio.remove_tree, tmp_dir)
+                outcome = _Outcome(_Failure(failed[0].rank, failed[0].error or ""), ())
             else:
                 try:
                     files = await self._run_blocking(publish, reports, metadata)
-                    await self._committer.commit(tmp_dir, path, files, seq)
-                except Exception as error:
+                    warnings = await self._committer.commit(tmp_dir, path, files, seq)
+                    outcome = _Outcome(None, warnings)
+                except Exception as error:  # every rank must reach the broadcast
                     commit_error = error
-                    outcome = _Failure(0, _describe(error))
-                    await self._run_blocking(_sysio.remove_tree, tmp_dir)
+                    outcome = _Outcome(_Failure(0, describe(error)), ())
+            if outcome.failure is not None:
+                await self._run_blocking(_remove_quietly, tmp_dir)
         outcome = await self.finishing.broadcast_object(outcome, src=0)
         if commit_error is not None:
             raise commit_error
-        if outcome is not None and outcome.rank != self.rank:
-            raise PeerError(f"rank {outcome.rank} failed, so the checkpoint {path} was not "
-                            f"committed: {outcome.what}", rank=outcome.rank)
+        failure = outcome.failure
+        if failure is not None and failure.rank != self.rank:
+            raise PeerError(f"checkpoint {path}: expected every rank to write its share, found "
+                            f"rank {failure.rank} failing: {failure.what}; nothing was "
+                            "committed", rank=failure.rank)
+        return outcome.warnings
 
 
-def _describe(error: BaseException) -> str:
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """What the coordinator tells every rank at the end of a save."""
+
+    failure: _Failure | None
+    warnings: tuple[str, ...]
+
+
+def _remove_quietly(path: str) -> None:
+    """Blocks: remove a failed save's tmp dir; a failure here is logged, not raised (the save's
+    own error is the one that matters, and debris never looks committed)."""
+    try:
+        _sysio.remove_tree(path)
+    except StorageError as error:
+        logger.warning("could not remove the failed save's tmp dir: %s", error)
+
+
+def describe(error: BaseException | None) -> str:
+    """A failure as one line for the other ranks: its type and message."""
     if isinstance(error, asyncio.CancelledError):
         return "the save was cancelled"
     return f"{type(error).__name__}: {error}"

@@ -132,6 +132,10 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._saves: dict[str, asyncio.Task[SaveResult]] = {}
+        self._failed: list[SaveTask] = []
+        self._num_loads = 0
+        self._loads_done = asyncio.Event()
+        self._loads_done.set()
         self._seq = 0
         self._closed = False
         pin = self.config.pin_memory
@@ -150,11 +154,15 @@ class Engine:
         if exc_type is not None:
             for task in self._saves.values():
                 task.cancel()
-        await self.aclose()
+        await self.aclose(raise_unobserved=exc_type is None)
 
     async def start(self) -> None:
         """Bind to the running loop, start the executor and, across ranks, join the coordination
         group (done by `async with`).
+
+        Raises:
+            PeerError: a rank did not start its engine within `coordination_timeout_s`; this
+                engine is left unstarted, with nothing running.
 
         Concurrency: across ranks this is collective when no `process_group` was given (a gloo
         group is created): every rank starts its engine, in the same order relative to its
@@ -168,7 +176,12 @@ class Engine:
         self._executor = ThreadPoolExecutor(
             self.config.num_workers, thread_name_prefix="asynctron-io",
             initializer=_lower_thread_priority, initargs=(self.config.worker_nice_increment,))
-        planning, finishing = await self._collectives()
+        try:
+            planning, finishing = await self._collectives()
+        except BaseException:  # e.g. a rank never joined: leave nothing running
+            executor, self._executor, self._loop = self._executor, None, None
+            executor.shutdown(wait=False)
+            raise
         self._coordinator = Coordinator(planning, finishing, self.run_blocking,
                                         Committer(self.run_blocking, self.config.keep_last))
         logger.debug("engine started: %s, rank %d of %d", self.config,
@@ -183,8 +196,15 @@ class Engine:
         ranks = (None if self._process_group is None
                  else dist.get_process_group_ranks(self._process_group))
         new_group = functools.partial(new_gloo_group, timeout_s=timeout_s, ranks=ranks)
-        planning = self._process_group or await self.run_blocking(new_group)
-        finishing = await self.run_blocking(new_group)
+        try:
+            planning = self._process_group or await self.run_blocking(new_group)
+            finishing = await self.run_blocking(new_group)
+        except RuntimeError as error:  # dist.DistError: a rank never came
+            raise PeerError(
+                "engine start: expected every rank to start its Engine (creating the "
+                f"coordination groups), found a rank absent within {timeout_s:g} s "
+                f"({type(error).__name__}: {error}); start an Engine on every rank, in the same "
+                "order relative to other process-group creations", rank=None) from error
         return (CollectiveGroup(planning, run_blocking=self.run_blocking, timeout_s=timeout_s),
                 CollectiveGroup(finishing, run_blocking=self.run_blocking, timeout_s=timeout_s))
 
@@ -204,8 +224,14 @@ class Engine:
             raise RuntimeError("engine: not started; use `async with Engine() as engine`")
         return self._coordinator
 
-    async def aclose(self) -> None:
-        """Wait for every save in flight, then stop the executor and free the staging pool.
+    async def aclose(self, *, raise_unobserved: bool = True) -> None:
+        """Wait for every save (and load) in flight, then stop the executor and free the
+        staging pool.
+
+        Raises:
+            the error of the first failed save whose `SaveTask` nobody awaited (nor asked for
+            its result), unless `raise_unobserved` is False: a failed checkpoint is never
+            silent (every failure is also logged when it happens).
 
         Cancellation: the saves in flight are cancelled (their tmp dirs removed) and the
         executor still shuts down.
@@ -213,15 +239,20 @@ class Engine:
         if self._closed:
             return
         self._closed = True
+        loads = asyncio.ensure_future(self._loads_done.wait())  # no new save or load starts now
         try:
-            if self._saves:
-                await asyncio.wait(list(self._saves.values()))
+            await asyncio.wait([*self._saves.values(), loads])
         except asyncio.CancelledError:
             for task in self._saves.values():
                 task.cancel()
             await uncancellable(asyncio.ensure_future(asyncio.wait(list(self._saves.values()))))
             raise
+        else:
+            unobserved = [handle for handle in self._failed if not handle.observed]
+            if unobserved and raise_unobserved:
+                raise unobserved[0].failure()
         finally:
+            loads.cancel()
             self.free_idle_staging()
             if self._executor is not None:
                 # Every run_blocking caller waits for its thread, so none is busy for long;
@@ -315,12 +346,21 @@ class Engine:
                       on_staged=on_staged)
         task = loop.create_task(self._run_save(job, staged), name=f"asynctron-save:{target}")
         self._saves[target] = task
-        return SaveTask(task, staged, loop, target)
+        handle = SaveTask(task, staged, loop, target)
+        task.add_done_callback(lambda _: self._settled(handle))
+        return handle
+
+    def _settled(self, handle: SaveTask) -> None:
+        if handle.failed():
+            self._failed.append(handle)
 
     async def _run_save(self, job: SaveJob, staged: asyncio.Future[None]) -> SaveResult:
         try:
             return await job.run()
         except BaseException as error:
+            if not isinstance(error, asyncio.CancelledError):
+                logger.error("checkpoint %s: save failed: %s: %s", job.path,
+                             type(error).__name__, error)
             if not staged.done():
                 if isinstance(error, asyncio.CancelledError):
                     staged.cancel()
@@ -356,7 +396,10 @@ class Engine:
         self._check_open()
         if mmap and into is not None:
             raise ValueError("load: mmap=True and into= are exclusive; choose one")
-        reader = CheckpointReader(self._fio, os.fspath(path), self.run_blocking)
+        reader = CheckpointReader(self._fio, os.fspath(path), self.run_blocking,
+                                  max_files_at_once=self.config.num_workers)
+        self._num_loads += 1
+        self._loads_done.clear()
         try:
             manifest = await reader.open()
             loader = Loader(reader, manifest, pool=self._pool, stager=self._stager,
@@ -368,7 +411,12 @@ class Engine:
                 return await loader.into(into)
             return await loader.fresh()
         finally:
-            await reader.aclose()
+            try:
+                await reader.aclose()
+            finally:
+                self._num_loads -= 1
+                if not self._num_loads:
+                    self._loads_done.set()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("running" if self._loop else "not started")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from asynctron._concurrency import RunBlocking, first_error
-from asynctron.engine._staging import SlabPool, Stager, flat_range_views
+from asynctron.engine._staging import SlabPool, Stager, copy_flat_range
 from asynctron.storage._checksum import ItemHasher
 from asynctron.storage._chunk_index import ChunkIndex, Overlap
 from asynctron.storage._dcp import decode_blob, tensor_of
@@ -137,11 +138,12 @@ class Loader:
             try:
                 await self._reader.read_range(record, start, slab.view[:nbytes], hasher)
                 typed = slab.tensor[:nbytes].view(target.dtype)
-                views = flat_range_views(target, start // itemsize, (start + nbytes) // itemsize)
+                elements = (start // itemsize, (start + nbytes) // itemsize)
                 if target.device.type == "cuda":
-                    await self._run_blocking(self._copy_to_cuda, views, typed, target.device)
+                    await self._run_blocking(self._copy_to_cuda, typed, target, elements)
                 else:
-                    await self._run_blocking(_copy_views, views, typed)
+                    await self._run_blocking(functools.partial(
+                        copy_flat_range, typed, target, *elements, into_tensor=True))
             finally:
                 self._pool.release(slab)
         if hasher is not None:
@@ -149,12 +151,13 @@ class Loader:
             if error is not None:
                 raise error
 
-    def _copy_to_cuda(self, views: list[torch.Tensor], source: torch.Tensor,
-                      device: torch.device) -> None:
-        """Blocks: H2D on the device's copy stream, waited for in this thread."""
-        stream = self._stager.copy_stream(device)
+    def _copy_to_cuda(self, source: torch.Tensor, target: torch.Tensor,
+                      elements: tuple[int, int]) -> None:
+        """Blocks: H2D of `target`'s flat `elements` range on the device's copy stream, waited
+        for in this thread."""
+        stream = self._stager.copy_stream(target.device)
         with torch.cuda.stream(stream):
-            _copy_views(views, source, non_blocking=True)
+            copy_flat_range(source, target, *elements, into_tensor=True, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         event.synchronize()
@@ -393,16 +396,6 @@ def _region(tensor: torch.Tensor, lo: Sequence[int], hi: Sequence[int], *,
     for dim, (start, stop, at) in enumerate(zip(lo, hi, origin, strict=True)):
         view = view.narrow(dim, start - at, stop - start)
     return view
-
-
-def _copy_views(views: list[torch.Tensor], source: torch.Tensor,
-                non_blocking: bool = False) -> None:
-    """Copy consecutive elements of 1-D `source` into `views`."""
-    cursor = 0
-    for view in views:
-        count = view.numel()
-        view.copy_(source[cursor:cursor + count].view(view.shape), non_blocking=non_blocking)
-        cursor += count
 
 
 def _rebuild(structure: Structure, items: dict[str, Any], saved_values: dict[str, Any],

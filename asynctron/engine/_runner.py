@@ -11,7 +11,7 @@ import asyncio
 import os
 import threading
 from collections.abc import Coroutine, Mapping
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import uvloop
 
@@ -36,14 +36,15 @@ class BackgroundEngine:
                                         name="asynctron-loop", daemon=True)
         self._thread.start()
         self._closed = False
-        self._call(self._start())
+        try:
+            self._call(self._engine.start())
+        except BaseException:
+            self._stop_loop()
+            raise
 
     @property
     def engine(self) -> Engine:
         return self._engine
-
-    async def _start(self) -> None:
-        await self._engine.start()
 
     def _call(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         if self._closed:
@@ -52,15 +53,17 @@ class BackgroundEngine:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
     def save(self, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
-             snapshot: bool = True) -> SaveTask:
-        """Start a save; returns once it is planned. See `Engine.save`.
+             snapshot: bool = True, format: Literal["asynctron", "dcp"] = "asynctron"
+             ) -> SaveTask:
+        """Start a save; returns once it is validated (planning and writing go on in the
+        background). See `Engine.save`.
 
         `task.staged.result()` blocks until the tensors may be mutated; `task.result()` until
         the checkpoint is committed.
         """
 
         async def start() -> SaveTask:
-            return self._engine.save(state_dict, path, snapshot=snapshot)
+            return self._engine.save(state_dict, path, snapshot=snapshot, format=format)
 
         return self._call(start())
 
@@ -75,10 +78,13 @@ class BackgroundEngine:
         try:
             self._call(self._engine.aclose())
         finally:
-            self._closed = True
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
     def __enter__(self) -> BackgroundEngine:
         return self

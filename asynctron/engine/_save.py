@@ -33,7 +33,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from asynctron._concurrency import RunBlocking, first_error, uncancellable
-from asynctron.engine._coordinator import Coordinator, Start, WriteReport
+from asynctron.engine._coordinator import Coordinator, Start, WriteReport, describe
 from asynctron.engine._plan_cache import FilePlan, PlanCache
 from asynctron.engine._save_plan import SaveRequest, build_request, file_plan, structure_digest
 from asynctron.engine._staging import SlabPool, StagedBatch, Stager
@@ -135,6 +135,8 @@ class SaveJob:
         except BaseException:
             await coordinator.skip_finishing(seq)  # the start failed on every rank
             raise
+        if local_error is None and self._aborted:  # cancelled while planning
+            local_error = asyncio.CancelledError()
         t_planned = time.perf_counter()
         if local_error is None:
             assert request is not None
@@ -145,12 +147,13 @@ class SaveJob:
                 local_error = error
         t_written = time.perf_counter()
         report = (request.report(coordinator.rank) if request is not None and local_error is None
-                  else WriteReport(rank=coordinator.rank,
-                                   error=f"{type(local_error).__name__}: {local_error}"))
+                  else WriteReport(rank=coordinator.rank, error=describe(local_error)))
+        warnings: tuple[str, ...] = ()
         async with coordinator.finishing_turn(seq):
             try:
-                await coordinator.finish(report, path=self.path, tmp_dir=start.tmp_dir, seq=seq,
-                                         publish=self._publish, metadata=metadata)
+                warnings = await coordinator.finish(
+                    report, path=self.path, tmp_dir=start.tmp_dir, seq=seq,
+                    publish=self._publish, metadata=metadata)
             except BaseException:
                 if local_error is None:
                     raise
@@ -168,6 +171,7 @@ class SaveJob:
             write_s=t_written - self._t_request,
             commit_s=t_done - t_written,
             total_s=t_done - self._t_request,
+            warnings=warnings,
         )
 
     async def _digest(self) -> str | None:
@@ -214,6 +218,8 @@ class SaveJob:
 
     async def _write(self, request: SaveRequest, tmp_dir: str) -> None:
         """Stage and write every bin of this rank into `tmp_dir`, fsynced."""
+        if self._aborted:
+            raise asyncio.CancelledError
         self._pool.pressure_listeners.add(self._write_gate)
         try:
             await self._write_bins(request, tmp_dir)
@@ -243,8 +249,8 @@ class SaveJob:
     async def _save_bin(self, request: SaveRequest, index: int, writer: BinWriter) -> None:
         # Unbounded by count on purpose: every entry holds a slab, so the budget bounds it.
         queue: asyncio.Queue[StagedBatch | None] = asyncio.Queue(maxsize=0)
-        await writer.open()
         try:
+            await writer.open()
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._stage_bin(request, index, queue))
                 group.create_task(self._write_bin(writer, queue))

@@ -172,13 +172,18 @@ def flat_range_views(tensor: torch.Tensor, start: int, stop: int) -> list[torch.
     return views
 
 
-def _copy_strided(typed: torch.Tensor, tensor: torch.Tensor, start: int, stop: int,
-                  non_blocking: bool) -> None:
-    """Copy elements [start, stop) of `tensor` (flattened order) into 1-D `typed`."""
+def copy_flat_range(flat: torch.Tensor, tensor: torch.Tensor, start: int, stop: int, *,
+                    into_tensor: bool, non_blocking: bool = False) -> None:
+    """Copy between 1-D `flat` and elements [start, stop) of `tensor` in flattened order (any
+    strides): out of `tensor` (staging a save) or, with `into_tensor`, into it (a load)."""
     cursor = 0
     for view in flat_range_views(tensor, start, stop):
         count = view.numel()
-        typed[cursor:cursor + count].view(view.shape).copy_(view, non_blocking=non_blocking)
+        part = flat[cursor:cursor + count].view(view.shape)
+        if into_tensor:
+            view.copy_(part, non_blocking=non_blocking)
+        else:
+            part.copy_(view, non_blocking=non_blocking)
         cursor += count
 
 
@@ -229,8 +234,8 @@ def stage_batch(batch: Batch, sources: Sequence[ItemSource], slab: Slab | None, 
                 else:
                     assert source.tensor is not None
                     typed = slab.tensor[at:at + nbytes].view(source.tensor.dtype)
-                    _copy_strided(typed, source.tensor, lo // source.itemsize,
-                                  hi // source.itemsize, non_blocking=False)
+                    copy_flat_range(typed, source.tensor, lo // source.itemsize,
+                                    hi // source.itemsize, into_tensor=False)
             at += nbytes
         views.append(segment_views)
     events = [_launch_d2h(slab, copies, ready[device], copy_stream(device))
@@ -266,8 +271,9 @@ def _launch_d2h(slab: Slab | None, copies: Sequence[_DeviceCopy],
             assert tensor is not None
             itemsize = copy.source.itemsize
             typed = slab.tensor[copy.at:copy.at + copy.nbytes].view(tensor.dtype)
-            _copy_strided(typed, tensor, copy.body_offset // itemsize,
-                          (copy.body_offset + copy.nbytes) // itemsize, non_blocking=True)
+            copy_flat_range(typed, tensor, copy.body_offset // itemsize,
+                            (copy.body_offset + copy.nbytes) // itemsize, into_tensor=False,
+                            non_blocking=True)
         event = torch.cuda.Event()
         event.record(stream)
     return event

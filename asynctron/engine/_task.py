@@ -85,6 +85,9 @@ class SaveResult:
     """Manifest, directory fsyncs, rename and `latest` update."""
     total_s: float
     """From the request until committed."""
+    warnings: tuple[str, ...] = ()
+    """Problems after the commit that did not undo it: `latest` not moved, older checkpoints
+    not pruned (also logged)."""
 
     @property
     def throughput_bytes_per_s(self) -> float:
@@ -107,12 +110,27 @@ class SaveTask:
         self._loop = loop
         self.path = path
         self.staged: Milestone[None] = Milestone(staged, loop, "SaveTask.staged")
+        self.observed = False
+        """Whether anyone awaited the save or asked for its result (the engine's `aclose`
+        raises a failure nobody observed)."""
 
     def __await__(self) -> Generator[Any, None, SaveResult]:
+        self.observed = True
         return asyncio.shield(self._task).__await__()
 
     def done(self) -> bool:
         return self._task.done()
+
+    def failed(self) -> bool:
+        """Whether the save ended with an error (not a cancellation)."""
+        return self._task.done() and not self._task.cancelled() and (
+            self._task.exception() is not None)
+
+    def failure(self) -> BaseException:
+        """The error the save ended with (call when `failed()`)."""
+        error = self._task.exception()
+        assert error is not None, "failure() of a save that did not fail"
+        return error
 
     def cancel(self) -> bool:
         """Request cancellation (thread-safe); returns False if already done."""
@@ -128,6 +146,7 @@ class SaveTask:
             RuntimeError: called on the engine's loop thread.
             TimeoutError: not committed within `timeout` seconds (the save goes on).
         """
+        self.observed = True
         return Milestone(self._task, self._loop, "SaveTask").result(timeout)
 
     def __repr__(self) -> str:

@@ -12,12 +12,13 @@ A crash before the rename leaves only a tmp dir, which no reader takes for a che
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
 from collections.abc import Mapping
 
-from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError
+from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from asynctron.storage import _sysio
 from asynctron.storage._dcp import METADATA_NAME as DCP_METADATA_NAME
 from asynctron.storage._dcp import is_dcp_checkpoint
@@ -44,13 +45,20 @@ def commit_dir(tmp_dir: str, final_path: str, files: Mapping[str, bytes]) -> Non
 
     Raises:
         FileExistsError: `final_path` appeared meanwhile; the tmp dir is left for the caller.
-        StorageError: a write, fsync or rename failed.
+        StorageError: a write, fsync or the rename failed; `tmp_dir` still holds the save (a
+            rename whose directory fsync failed is undone).
     """
     for name, data in files.items():
         _sysio.write_small_file(os.path.join(tmp_dir, name), data)
     _sysio.fsync_dir(tmp_dir)
     _sysio.rename_no_replace(tmp_dir, final_path)
-    _sysio.fsync_dir(os.path.dirname(os.path.abspath(final_path)))
+    try:
+        _sysio.fsync_dir(os.path.dirname(os.path.abspath(final_path)))
+    except StorageError:
+        # The rename may not survive a crash: un-publish, so failure means "not committed".
+        with contextlib.suppress(OSError):
+            os.rename(final_path, tmp_dir)
+        raise
 
 
 def point_latest(final_path: str) -> None:

@@ -46,7 +46,7 @@ from torch.distributed.checkpoint.metadata import (
 from asynctron.errors import CorruptCheckpointError
 from asynctron.storage import _sysio
 from asynctron.storage._dtypes import TORCH_DTYPES, dtype_name
-from asynctron.storage._manifest import ItemRecord, Manifest
+from asynctron.storage._manifest import ItemRecord, Manifest, check_chunks, is_count
 from asynctron.storage._plan import Structure
 
 METADATA_NAME = ".metadata"
@@ -138,19 +138,16 @@ def read_dcp_manifest(checkpoint: str) -> Manifest:
                     "a file", path=file_path, key=key)
             files[name] = _sysio.file_size(file_path)
         offset, length = info.offset, info.length
-        if not (_is_count(offset) and _is_count(length)) or offset + length > files[name]:
+        if not (is_count(offset) and is_count(length)) or offset + length > files[name]:
             raise fail(f"item {key!r} bytes [{offset!r}, +{length!r}): expected inside {name} "
                        f"({files[name]} bytes)", key)
         items.append(_record(metadata, index, name, offset, length, fail))
+    check_chunks(items, fail)
     stored = {item.key for item in items}
     structure = _structure(metadata.planner_data,
                            [key for key in metadata.state_dict_metadata if key in stored])
     return Manifest(structure=structure, items=tuple(items), files=files,
                     created_unix_s=os.path.getmtime(path), checksum=None)
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _record(metadata: Metadata, index: MetadataIndex, file: str, offset: int, length: int,

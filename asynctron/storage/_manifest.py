@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -87,10 +88,7 @@ class Manifest:
 
     def by_key(self) -> dict[str, list[ItemRecord]]:
         """Items grouped by key (a sharded tensor has one record per chunk)."""
-        grouped: dict[str, list[ItemRecord]] = {}
-        for item in self.items:
-            grouped.setdefault(item.key, []).append(item)
-        return grouped
+        return _group_by_key(self.items)
 
 
 def _item_json(item: ItemRecord) -> dict[str, Any]:
@@ -128,7 +126,7 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
     for name, size in files.items():
         if not _BIN_FILE.fullmatch(name):
             raise fail(f"file name {name!r}: expected __<rank>_<bin>.distcp")
-        if not _is_count(size):
+        if not is_count(size):
             raise fail(f"size of file {name!r}: expected a non-negative integer, found {size!r}")
     algorithm = body.get("checksum")
     if algorithm not in ALGORITHMS:
@@ -138,13 +136,7 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
     if not isinstance(raw_items, list):
         raise fail("field 'items': expected a list")
     items = tuple(_parse_item(raw, files, algorithm, fail) for raw in raw_items)
-    seen = set()
-    for item in items:
-        ident = (item.key, item.chunk_offsets)
-        if ident in seen:
-            raise fail(f"item {item.key!r} at chunk {list(item.chunk_offsets or ())}: listed "
-                       "twice", item.key)
-        seen.add(ident)
+    check_chunks(items, fail)
     created = body.get("created_unix_s")
     if not isinstance(created, int | float):
         raise fail(f"field 'created_unix_s': expected a number, found {created!r}")
@@ -154,12 +146,66 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
                     checksum=algorithm)
 
 
-def _is_count(value: Any) -> bool:
+def check_chunks(items: Sequence[ItemRecord],
+                 fail: Callable[[str, str | None], CorruptCheckpointError]) -> None:
+    """Check that each key's records agree (kind, dtype, global shape) and that its chunks
+    tile the whole tensor: none overlaps another, and together they cover every element.
+
+    Raises:
+        the `fail(what, key)` error naming the key (and chunk) at fault.
+    """
+    for key, records in _group_by_key(items).items():
+        first = records[0]
+        for record in records[1:]:
+            if (record.kind, record.dtype, record.global_shape) != (
+                    first.kind, first.dtype, first.global_shape):
+                raise fail(f"item {key!r}: expected every chunk with one kind, dtype and global "
+                           f"shape, found {first.kind}/{first.dtype}/{first.global_shape} and "
+                           f"{record.kind}/{record.dtype}/{record.global_shape}", key)
+        if first.global_shape is None:
+            if len(records) > 1:
+                raise fail(f"item {key!r}: listed {len(records)} times", key)
+            continue
+        _check_tiling(key, records, first.global_shape, fail)
+
+
+def _group_by_key(items: Sequence[ItemRecord]) -> dict[str, list[ItemRecord]]:
+    grouped: dict[str, list[ItemRecord]] = {}
+    for item in items:
+        grouped.setdefault(item.key, []).append(item)
+    return grouped
+
+
+def _check_tiling(key: str, records: list[ItemRecord], global_shape: tuple[int, ...],
+                  fail: Callable[[str, str | None], CorruptCheckpointError]) -> None:
+    """No two chunks overlap (a sweep along dim 0 compares only chunks whose rows meet), and
+    their volumes add up to the tensor's, so together they cover it."""
+    boxes = sorted((r.chunk_offsets or (), r.shape or ()) for r in records)
+    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+    for offsets, shape in boxes:
+        if 0 in shape:
+            continue
+        if offsets:
+            active = [(o, s) for o, s in active if o[0] + s[0] > offsets[0]]
+        for other_offsets, other_shape in active:
+            if all(a < b + m and b < a + n for a, n, b, m in zip(
+                    offsets, shape, other_offsets, other_shape, strict=True)):
+                raise fail(f"item {key!r}: chunk at {list(offsets)} of shape {list(shape)} "
+                           f"overlaps the chunk at {list(other_offsets)}", key)
+        active.append((offsets, shape))
+    covered = sum(math.prod(shape) for _, shape in boxes)
+    if covered != math.prod(global_shape):
+        raise fail(f"item {key!r}: expected chunks covering all {math.prod(global_shape)} "
+                   f"elements of shape {list(global_shape)}, found {covered}", key)
+
+
+def is_count(value: Any) -> bool:
+    """Whether a parsed JSON value is a non-negative int (not a bool)."""
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _parse_shape(value: Any) -> tuple[int, ...] | None:
-    if isinstance(value, list) and all(_is_count(v) for v in value):
+    if isinstance(value, list) and all(is_count(v) for v in value):
         return tuple(value)
     return None
 
@@ -181,7 +227,7 @@ def _parse_item(raw: Any, files: dict[str, int], algorithm: str | None, fail: An
                    "otherwise", key)
     if file not in files:
         raise fail(f"item {key!r} file {file!r}: expected one of the manifest's files", key)
-    if not (_is_count(offset) and _is_count(nbytes)) or offset + nbytes > files[file]:
+    if not (is_count(offset) and is_count(nbytes)) or offset + nbytes > files[file]:
         raise fail(f"item {key!r} bytes [{offset!r}, +{nbytes!r}): expected inside {file} "
                    f"({files[file]} bytes)", key)
     if not (is_digest(checksum) if algorithm is not None else checksum is None):

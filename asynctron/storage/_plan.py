@@ -289,8 +289,32 @@ def plan_local(flat: FlatStateDict, *, is_coordinator: bool
 def plan_global(planner: DefaultSavePlanner, local_plans: list[DcpSavePlan]
                 ) -> tuple[list[DcpSavePlan], Metadata]:
     """DCP's global step (on the coordinator): every rank's local plan, deduplicated (an item
-    several ranks hold is written by one of them, spread by size), and the global metadata."""
-    return planner.create_global_plan(local_plans)
+    several ranks hold is written by one of them, spread by size), and the global metadata.
+
+    Raises:
+        ValueError: ranks hold different kinds of value (tensor, bytes) under one key.
+    """
+    try:
+        return planner.create_global_plan(local_plans)
+    except AssertionError as error:  # DCP asserts one kind of item per key
+        raise ValueError(f"save plan: {_kind_conflict(local_plans)}; every rank must hold the "
+                         "same kind of value under one key") from error
+
+
+def _kind_conflict(local_plans: list[DcpSavePlan]) -> str:
+    """The first key that ranks hold as different kinds of item, in words."""
+    seen: dict[str, tuple[int, WriteItemType]] = {}
+    for rank, plan in enumerate(local_plans):
+        for item in plan.items:
+            first = seen.setdefault(item.index.fqn, (rank, item.type))
+            if (first[1] == WriteItemType.BYTE_IO) != (item.type == WriteItemType.BYTE_IO):
+                return (f"key {item.index.fqn!r} is {_kind_words(first[1])} on rank {first[0]} "
+                        f"and {_kind_words(item.type)} on rank {rank}")
+    return "DCP's global planning step failed"
+
+
+def _kind_words(item_type: WriteItemType) -> str:
+    return "bytes" if item_type == WriteItemType.BYTE_IO else "a tensor"
 
 
 def plan_final(flat: FlatStateDict, planner: DefaultSavePlanner, plan: DcpSavePlan,

@@ -162,12 +162,15 @@ def read_range(fio: FileIO, fd: int, path: str, key: str, offset: int, destinati
 class CheckpointReader:
     """Reads items of one committed checkpoint; call `aclose` when done.
 
-    Concurrency: several `read` calls may run at once.
+    Concurrency: several `read` calls may run at once; together they read at most
+    `max_files_at_once` files at a time.
     """
 
-    def __init__(self, fio: FileIO, path: str, run_blocking: RunBlocking) -> None:
+    def __init__(self, fio: FileIO, path: str, run_blocking: RunBlocking, *,
+                 max_files_at_once: int) -> None:
         self._fio = fio
         self._run_blocking = run_blocking
+        self._file_slots = asyncio.Semaphore(max_files_at_once)
         self.requested_path = path
         self.path = path
         self.manifest: Manifest | None = None
@@ -197,13 +200,15 @@ class CheckpointReader:
     async def fd(self, name: str) -> int:
         """The open descriptor of data file `name` (opened on first use, closed by `aclose`)."""
         if name not in self._fds:
-            fd = await self._run_blocking(_sysio.open_read, self._fio,
-                                          os.path.join(self.path, name))
-            if name in self._fds:  # another task opened it meanwhile
-                await self._run_blocking(_sysio.close, self._fio, fd, name)
-            else:
-                self._fds[name] = fd
+            await self._run_blocking(self._open_file, name)
         return self._fds[name]
+
+    def _open_file(self, name: str) -> None:
+        """Blocks: open `name` and register it in the thread itself, so a cancelled caller
+        leaves no descriptor unowned (`aclose` closes it)."""
+        fd = _sysio.open_read(self._fio, os.path.join(self.path, name))
+        if self._fds.setdefault(name, fd) != fd:  # another task opened it meanwhile
+            _sysio.close(self._fio, fd, name)
 
     async def read(self, jobs: Sequence[ReadJob], *, verify: bool, call_nbytes: int,
                    progress: Callable[[int], None] | None = None
@@ -219,7 +224,8 @@ class CheckpointReader:
             CorruptCheckpointError: a file ends early (names the file and item).
             StorageError: a read failed.
 
-        Memory: jobs without a destination share one scratch buffer of `call_nbytes` per file.
+        Memory: jobs without a destination share one scratch buffer of `call_nbytes` per file
+        being read, so at most `max_files_at_once` buffers at once.
         Cancellation: the executor call in flight finishes; destinations are partly filled.
         """
         check = verify and self.verifiable
@@ -229,6 +235,10 @@ class CheckpointReader:
         found: dict[int, str] = {}
 
         async def read_file(name: str, indices: list[int]) -> None:
+            async with self._file_slots:
+                await read_one_file(name, indices)
+
+        async def read_one_file(name: str, indices: list[int]) -> None:
             indices.sort(key=lambda i: jobs[i].record.offset)
             file_jobs = [jobs[i] for i in indices]
             hashers = [ItemHasher() for _ in file_jobs] if check else None

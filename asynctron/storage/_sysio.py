@@ -246,8 +246,28 @@ def fsync_dir(path: str) -> None:
             os.close(fd)
 
 
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+_renameat2 = getattr(_libc, "renameat2", None)
+if _renameat2 is not None:
+    _renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                           ctypes.c_uint]
+
+
 def rename_no_replace(src: str, dst: str) -> None:
-    """Rename `src` to `dst`; fails with FileExistsError if `dst` exists (never overwrites)."""
+    """Rename `src` to `dst`; fails with FileExistsError if `dst` exists, even if it appears
+    at the same instant (Linux `renameat2(RENAME_NOREPLACE)`; a check-then-rename where the
+    filesystem lacks it). Never overwrites, not even an empty directory."""
+    if _renameat2 is not None:
+        if _renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst),
+                      _RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno_codes.EINVAL, errno_codes.ENOSYS):  # else: unsupported here
+            if code == errno_codes.EEXIST:
+                raise FileExistsError(code, "checkpoint exists", dst)
+            with translate_os_errors("renaming into", dst):
+                raise OSError(code, os.strerror(code), dst)
     if os.path.lexists(dst):
         raise FileExistsError(errno_codes.EEXIST, "checkpoint exists", dst)
     with translate_os_errors("renaming into", dst):

@@ -38,10 +38,16 @@ class BinWriter:
         self._next_offset = 0
 
     async def open(self) -> None:
-        """Create the file (with O_DIRECT if asked for and the filesystem allows it)."""
-        self._fd, direct = await self._run_blocking(_sysio.open_new, self._fio, self.path,
-                                                    self._want_direct)
-        self._direct = _sysio.DirectIO(self._fd, self.path) if direct else None
+        """Create the file (with O_DIRECT if asked for and the filesystem allows it). Even if
+        cancelled, an opened file is owned here, and `aclose` closes it."""
+        await self._run_blocking(self._open_file)
+
+    def _open_file(self) -> None:
+        """Blocks: the descriptor is recorded in the thread itself, so cancellation cannot
+        lose it."""
+        fd, direct = _sysio.open_new(self._fio, self.path, self._want_direct)
+        self._fd = fd
+        self._direct = _sysio.DirectIO(fd, self.path) if direct else None
 
     async def write(self, batch: Batch, buffers: Sequence[memoryview],
                     bodies: Sequence[tuple[int, memoryview]]) -> None:

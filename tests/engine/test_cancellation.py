@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 
 import pytest
 import torch
@@ -14,15 +15,25 @@ from asynctron.testing import FaultyFileIO
 SMALL = {"slab_bytes": 64 << 10, "memory_budget_bytes": 256 << 10}
 
 
-@pytest.mark.parametrize("cancel_after", ["request", "first_yield", "staged", "during_fsync"])
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("cancel_after",
+                         ["request", "first_yield", "during_open", "staged", "during_fsync"])
 async def test_cancel_leaves_no_trace(shm_path: str, cancel_after: str) -> None:
     """Invariant: after a cancelled save, the previous checkpoint is `latest` and loads, no tmp
-    dir remains, and the whole memory budget is free."""
-    async with Engine(file_io=FaultyFileIO(fsync_delay_s=0.2), **SMALL) as engine:
+    dir remains, no file stays open, and the whole memory budget is free."""
+    file_io = FaultyFileIO(fsync_delay_s=0.2)
+    async with Engine(file_io=file_io, **SMALL) as engine:
         await engine.save({"step": 1}, f"{shm_path}/step_1")
+        fds_before = _open_fds()
+        file_io.open_delay_s = 0.2 if cancel_after == "during_open" else 0.0
         task = engine.save({"w": torch.ones(400_000), "step": 2}, f"{shm_path}/step_2")
         if cancel_after == "first_yield":
             await asyncio.sleep(0)
+        elif cancel_after == "during_open":
+            await asyncio.sleep(0.1)
         elif cancel_after == "staged":
             await task.staged
         elif cancel_after == "during_fsync":
@@ -32,8 +43,24 @@ async def test_cancel_leaves_no_trace(shm_path: str, cancel_after: str) -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         assert engine.budget.borrowed_bytes == 0
+        assert _open_fds() == fds_before
+        file_io.open_delay_s = 0.0
         assert (await engine.load(shm_path))["step"] == 1
     assert sorted(os.listdir(shm_path)) == ["latest", "step_1"]
+
+
+async def test_cancelling_a_load_while_it_opens_files_leaves_none_open(shm_path: str) -> None:
+    file_io = FaultyFileIO()
+    async with Engine(file_io=file_io, **SMALL) as engine:
+        await engine.save({"w": torch.ones(400_000)}, f"{shm_path}/step_1")
+        fds_before = _open_fds()
+        file_io.open_delay_s = 0.2
+        load = asyncio.create_task(engine.load(f"{shm_path}/step_1"))
+        await asyncio.sleep(0.1)
+        load.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await load
+        assert _open_fds() == fds_before
 
 
 async def test_cancelling_the_awaiter_does_not_cancel_the_save(shm_path: str) -> None:
@@ -54,3 +81,30 @@ async def test_closing_the_engine_waits_for_saves_in_flight(shm_path: str) -> No
     async with Engine(**SMALL) as engine:
         task = engine.save({"w": torch.ones(400_000)}, f"{shm_path}/s")
     assert task.done() and (await task).nbytes == 1_600_000
+
+
+async def test_cancelling_while_planning_commits_nothing(
+        shm_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cancellation that arrives while the save plans (on the executor) aborts it too:
+    nothing is written, the tmp dir goes, `latest` stays where it was."""
+    import time
+
+    from asynctron.engine import _save
+
+    real_plan_local = _save.plan_local
+    planning = threading.Event()
+
+    def slow_plan_local(*args: object, **kwargs: object) -> object:
+        planning.set()
+        time.sleep(0.2)
+        return real_plan_local(*args, **kwargs)  # type: ignore[arg-type]
+
+    async with Engine(**SMALL) as engine:
+        await engine.save({"w": torch.ones(10)}, f"{shm_path}/step_1")
+        monkeypatch.setattr(_save, "plan_local", slow_plan_local)
+        task = engine.save({"w": torch.zeros(10), "other": torch.ones(2)}, f"{shm_path}/step_2")
+        await asyncio.get_running_loop().run_in_executor(None, planning.wait)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert sorted(os.listdir(shm_path)) == ["latest", "step_1"]

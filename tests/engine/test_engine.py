@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -314,3 +315,30 @@ async def test_keep_last_ranks_by_request_not_commit_order(shm_path: str, keep_l
     assert sorted(os.listdir(shm_path)) == ["latest", *expected]
     with open(f"{shm_path}/latest") as f:
         assert f.read().strip() == "step_6"
+
+
+async def test_a_failed_save_nobody_awaited_is_raised_by_aclose(
+        shm_path: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A trainer that only awaits `staged` still learns that a checkpoint failed: the failure
+    is logged when it happens, and leaving the engine raises it."""
+    from asynctron.testing import FaultyFileIO
+
+    with pytest.raises(asynctron.StorageError, match=r"failed: ENOSPC"):
+        async with Engine(file_io=FaultyFileIO(enospc_after_bytes=0), **SMALL) as engine:
+            task = engine.save({"w": torch.ones(100_000)}, f"{shm_path}/s")
+            with contextlib.suppress(asynctron.StorageError):
+                await task.staged
+            await asyncio.sleep(0.1)
+            while not task.done():
+                await asyncio.sleep(0.01)
+    assert any("save failed: StorageError" in r.getMessage() for r in caplog.records)
+
+
+async def test_moving_latest_failing_after_the_commit_is_a_warning(shm_path: str) -> None:
+    """The rename is the commit: a `latest` that cannot be replaced afterwards leaves a
+    committed checkpoint, reported in `SaveResult.warnings`, not a failed save."""
+    os.mkdir(f"{shm_path}/latest")  # a directory: replacing it with the pointer fails
+    async with Engine(**SMALL) as engine:
+        result = await engine.save({"w": torch.ones(3)}, f"{shm_path}/step_1")
+        assert result.warnings and "`latest` was not moved" in result.warnings[0]
+        assert_same({"w": torch.ones(3)}, await engine.load(f"{shm_path}/step_1"))

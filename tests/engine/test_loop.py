@@ -37,4 +37,6 @@ async def test_staging_stays_within_budget_for_a_state_four_times_larger(shm_pat
         task = engine.save(state, f"{shm_path}/waves")
         await task
         stats = engine.budget.statistics()
+        slabs_made = engine._pool.num_allocated  # kept for reuse, so the most ever held
     assert stats.peak_borrowed_bytes <= budget and stats.borrowed_bytes == 0
+    assert 1 <= slabs_made <= budget // (1 << 20)  # the memory itself, not just the accounting
