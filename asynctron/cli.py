@@ -4,8 +4,9 @@ Subcommands:
 - `inspect PATH`: the manifest as a table (or `--json`); reads the manifest and file sizes only.
 - `verify PATH`: re-reads every item and checks its checksum. A `CheckpointReader` on an
   `Engine`'s executor reads each file in batched calls into one reused buffer per file and
-  hashes as it goes, so memory stays bounded by one call per file, where `asynctron.load(path)`
-  would hold the whole checkpoint, and every corrupt item is reported, not only the first.
+  hashes as it goes, two files at a time, so memory stays bounded by two calls, where
+  `asynctron.load(path)` would hold the whole checkpoint, and every corrupt item is reported,
+  not only the first.
 - `demo`: generates a corpus, trains a small GPT on local gloo ranks (async loader, awaitable
   gradient buckets, async checkpoints every K steps), stops half-way, resumes from the newest
   checkpoint, and checks the resumed run repeats an uninterrupted one bit for bit.

@@ -32,7 +32,7 @@ RUNS = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asynctron bench all",
-                                     description=__doc__.split("\n")[0])
+                                     description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--only", default=",".join(RUNS),
                         help=f"comma-separated subset of {','.join(RUNS)}")
     parser.add_argument("--disk", default=os.path.join(os.getcwd(), ".benchtmp"),
