@@ -47,6 +47,7 @@ class FaultyFileIO(LocalFileIO):
         self.eio_on_read = eio_on_read
         self.open_delay_s = open_delay_s
         self.bytes_written = 0
+        self.bytes_read = 0
         self.num_short_writes = 0
         self._lock = threading.Lock()
 
@@ -78,7 +79,10 @@ class FaultyFileIO(LocalFileIO):
     def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
         if self.eio_on_read:
             raise OSError(errno.EIO, "injected by FaultyFileIO")
-        return super().preadv(fd, buffers, offset)
+        got = super().preadv(fd, buffers, offset)
+        with self._lock:
+            self.bytes_read += got
+        return got
 
     def fsync(self, fd: int) -> None:
         if self.fsync_delay_s:

@@ -91,6 +91,14 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
             await engine.load(f"{root}/four", into=four)  # saved by 4 ranks, loaded by 2
             out["four_to_two"] = torch.equal(four["dt"].full_tensor(), _full(1)) and all(
                 torch.equal(four["shared"][k], v) for k, v in _shared().items())
+        # Each rank reads only the saved chunks its own shard needs: half of the tensor.
+        counting = FaultyFileIO()
+        async with Engine(file_io=counting, coordination_timeout_s=30) as engine:
+            rows = {"dt": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(0)])}
+            await engine.load(f"{root}/four", into=rows)
+            out["four_to_two_bytes_read"] = counting.bytes_read
+            out["four_to_two_rows_ok"] = torch.equal(rows["dt"].full_tensor(), _full(1))
+        async with Engine(coordination_timeout_s=30) as engine:
 
             # Plan cache: an unchanged structure skips the plan collectives.
             calls = []
@@ -194,6 +202,8 @@ def test_dtensor_shards_reshard_n_to_m(two_rank_results: tuple[str, list[dict[st
     root, results = two_rank_results
     for r in results:
         assert r["reshard_shard0"] and r["reshard_shard1"] and r["reshard_replicate"]
+        assert r["four_to_two_rows_ok"]
+        assert r["four_to_two_bytes_read"] == ROWS * COLS * 4 // 2  # its half, no more
         assert r["four_to_two"]
     chunks = [(i["chunk_offsets"], i["shape"]) for i in _manifest(f"{root}/four")["items"]
               if i["key"] == "dt"]
