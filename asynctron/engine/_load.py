@@ -1,16 +1,18 @@
 """Loading a committed checkpoint: fresh CPU tensors, in place into the caller's tensors, or mmap.
 
-Every destination that is contiguous CPU memory (a fresh tensor, a row chunk of one, a
-contiguous `into` target) is read straight into, in batched calls (`CheckpointReader.read`:
-one task per file). CUDA and non-contiguous targets go through budgeted slabs (H2D on the copy
-stream, waited off the loop). Nothing is ever unpickled: the structure is JSON and bytes items
-come back as `bytes`.
+Every destination that is contiguous CPU memory (a fresh tensor, a shard's part of a saved
+chunk, a contiguous `into` target) is read straight into, in batched calls
+(`CheckpointReader.read`: one task per file). CUDA and non-contiguous targets go through
+budgeted slabs (H2D on the copy stream, waited off the loop). Nothing is ever unpickled: the
+structure is JSON and bytes items come back as `bytes`.
+
+Resharding, a rank reads of each saved chunk only the runs its shard holds: a range of rows, or
+each row's range of columns when skipping between them saves reading (`Overlap.runs`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +29,7 @@ from asynctron.storage._dcp import decode_blob, tensor_of
 from asynctron.storage._dtypes import NUMPY_DTYPES, TORCH_DTYPES
 from asynctron.storage._manifest import ItemRecord, Manifest
 from asynctron.storage._plan import Structure, flatten, unflatten
-from asynctron.storage._reader import CheckpointReader, ReadJob
+from asynctron.storage._reader import MAX_GAP_BYTES, CheckpointReader, ReadJob
 
 #: (destination, source): bytes read apart, copied into their place once read.
 _Placement = tuple[torch.Tensor, torch.Tensor]
@@ -346,38 +348,31 @@ class Loader:
             decodes.append(_Decode(record, bytearray(record.nbytes), destination, region))
             jobs.append(ReadJob(record, memoryview(decodes[-1].buffer)))
             return
-        if not overlap.covers_record:
-            record = _rows_of(record, overlap)
-        assert record.shape is not None and record.chunk_offsets is not None
+        if overlap.covers_record:
+            if destination.device.type == "cpu" and destination.is_contiguous() and (
+                    tuple(destination.shape) == record.shape):
+                jobs.append(ReadJob(record, _tensor_bytes(destination)))
+            else:  # CUDA or strided: through budgeted slabs
+                staged.append((record, destination))
+            return
+        runs, lo, hi = overlap.runs(MAX_GAP_BYTES)
         if destination.device.type == "cpu" and destination.is_contiguous() and (
-                tuple(destination.shape) == record.shape):
-            jobs.append(ReadJob(record, _tensor_bytes(destination)))
-        elif overlap.covers_record:  # CUDA or strided: through budgeted slabs
-            staged.append((record, destination))
+                (lo, hi) == (overlap.lo, overlap.hi)):
+            into = destination
         else:
-            piece = torch.empty(record.shape, dtype=_torch_dtype(record))
-            jobs.append(ReadJob(record, _tensor_bytes(piece)))
-            partial.append((destination, _region(piece, overlap.lo, overlap.hi,
-                                                 origin=record.chunk_offsets)))
+            into = torch.empty([h - low for low, h in zip(lo, hi, strict=True)],
+                               dtype=_torch_dtype(record))
+            partial.append((destination, _region(into, overlap.lo, overlap.hi, origin=lo)))
+        view, cursor = _tensor_bytes(into), 0
+        for run in runs:
+            jobs.append(ReadJob(run, view[cursor:cursor + run.nbytes]))
+            cursor += run.nbytes
 
 
 def _place_chunks(partial: Sequence[_Placement]) -> None:
     """Blocks: copy each piece read on its own into its place."""
     for destination, source in partial:
         destination.copy_(source)
-
-
-def _rows_of(record: ItemRecord, overlap: Overlap) -> ItemRecord:
-    """The rows of a saved chunk that an overlap spans, as a record of their own: contiguous
-    in the file. Its checksum is None: a digest covers whole items only."""
-    assert record.shape is not None and record.chunk_offsets is not None
-    first = overlap.lo[0] - record.chunk_offsets[0]
-    num_rows = overlap.hi[0] - overlap.lo[0]
-    row_nbytes = record.nbytes // record.shape[0]
-    return dataclasses.replace(
-        record, shape=(num_rows, *record.shape[1:]),
-        chunk_offsets=(overlap.lo[0], *record.chunk_offsets[1:]),
-        offset=record.offset + first * row_nbytes, nbytes=num_rows * row_nbytes, checksum=None)
 
 
 def _target_box(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:

@@ -11,10 +11,16 @@ the smallest. For the grid tilings sharding produces, that is O(log n + k) per d
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from asynctron.storage._manifest import ItemRecord
+
+#: At most this many separate runs are read of one saved chunk; with more, whole rows are.
+MAX_RUNS_PER_CHUNK = 1 << 12
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +37,45 @@ class Overlap:
         assert self.record.chunk_offsets is not None and self.record.shape is not None
         return self.lo == self.record.chunk_offsets and self.hi == tuple(
             o + s for o, s in zip(self.record.chunk_offsets, self.record.shape, strict=True))
+
+    def runs(self, min_gap_bytes: int) -> tuple[list[ItemRecord], tuple[int, ...],
+                                                 tuple[int, ...]]:
+        """What to read of the saved chunk: its runs (contiguous in the file, in file order;
+        records of their own whose checksum is None, as a digest covers whole items only) and
+        the box [lo, hi) they hold, in global coordinates, as its bytes in row-major order.
+
+        The box is the overlap itself (a column shard's part of each row, say) unless its runs
+        are more than `MAX_RUNS_PER_CHUNK` or closer than `min_gap_bytes` (reading between them
+        costs no more than skipping); then it widens to the whole inner dimensions, down to
+        one run of whole rows.
+        """
+        shape, origin = self.record.shape, self.record.chunk_offsets
+        assert shape is not None and origin is not None
+        lo = [low - at for low, at in zip(self.lo, origin, strict=True)]
+        hi = [high - at for high, at in zip(self.hi, origin, strict=True)]
+        strides = [math.prod(shape[dim + 1:]) * self.record.nbytes // math.prod(shape)
+                   for dim in range(len(shape))]
+        level = len(shape) - 1  # the outermost of the dims the box spans whole, less one
+        while level > 0 and lo[level] == 0 and hi[level] == shape[level]:
+            level -= 1
+        while level > 0 and ((shape[level] - hi[level] + lo[level]) * strides[level]
+                             < min_gap_bytes or math.prod(
+                                 hi[dim] - lo[dim] for dim in range(level)) > MAX_RUNS_PER_CHUNK):
+            level -= 1
+        run_shape = (1,) * level + (hi[level] - lo[level], *shape[level + 1:])
+        runs = []
+        for index in itertools.product(*(range(lo[dim], hi[dim]) for dim in range(level))):
+            start = (*index, lo[level], *(0,) * (len(shape) - level - 1))
+            runs.append(dataclasses.replace(
+                self.record, shape=run_shape,
+                chunk_offsets=tuple(at + s for at, s in zip(origin, start, strict=True)),
+                offset=self.record.offset + sum(
+                    s * stride for s, stride in zip(start, strides, strict=True)),
+                nbytes=(hi[level] - lo[level]) * strides[level], checksum=None))
+        box_lo = (*self.lo[:level + 1], *origin[level + 1:])
+        box_hi = (*self.hi[:level + 1], *(at + n for at, n in zip(
+            origin[level + 1:], shape[level + 1:], strict=True)))
+        return runs, box_lo, box_hi
 
 
 class ChunkIndex:

@@ -29,6 +29,7 @@ from asynctron.testing import FaultyFileIO
 pytestmark = pytest.mark.slow
 
 ROWS, COLS = 24, 10
+WIDE = (8, 1 << 16)  # rows of 256 KiB: a column shard skips the other half of each
 
 
 def _full(seed: int) -> torch.Tensor:
@@ -38,6 +39,10 @@ def _full(seed: int) -> torch.Tensor:
 def _shared() -> dict[str, torch.Tensor]:
     """Tensors every rank holds identically (replicated, as in data parallel)."""
     return {f"layer{i}": torch.full((256, 64), float(i)) for i in range(6)}
+
+
+def _wide() -> torch.Tensor:
+    return torch.arange(WIDE[0] * WIDE[1], dtype=torch.float32).reshape(WIDE)
 
 
 def _dtensor(mesh: Any, placement: Any, seed: int = 1) -> DTensor:
@@ -55,6 +60,7 @@ def save_four_ranks(rank: int, world: int, root: str) -> int:
     async def run() -> int:
         async with Engine() as engine:
             await engine.save({"dt": _dtensor(mesh, Shard(0)), "shared": _shared(),
+                               "wide": distribute_tensor(_wide(), mesh, [Shard(0)]),
                                "step": 4}, f"{root}/four")
             return engine.rank
 
@@ -91,13 +97,17 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
             await engine.load(f"{root}/four", into=four)  # saved by 4 ranks, loaded by 2
             out["four_to_two"] = torch.equal(four["dt"].full_tensor(), _full(1)) and all(
                 torch.equal(four["shared"][k], v) for k, v in _shared().items())
-        # Each rank reads only the saved chunks its own shard needs: half of the tensor.
+        # Each rank reads only the bytes its own shard needs: half of each tensor, saved as
+        # row chunks and wanted as row or column shards.
         counting = FaultyFileIO()
         async with Engine(file_io=counting, coordination_timeout_s=30) as engine:
-            rows = {"dt": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(0)])}
-            await engine.load(f"{root}/four", into=rows)
+            halves = {"dt": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(0)]),
+                      "wide": distribute_tensor(torch.zeros(WIDE), mesh, [Shard(1)])}
+            await engine.load(f"{root}/four", into=halves)
             out["four_to_two_bytes_read"] = counting.bytes_read
-            out["four_to_two_rows_ok"] = torch.equal(rows["dt"].full_tensor(), _full(1))
+            out["four_to_two_halves_ok"] = (
+                torch.equal(halves["dt"].full_tensor(), _full(1))
+                and torch.equal(halves["wide"].full_tensor(), _wide()))
         async with Engine(coordination_timeout_s=30) as engine:
 
             # Plan cache: an unchanged structure skips the plan collectives.
@@ -202,8 +212,8 @@ def test_dtensor_shards_reshard_n_to_m(two_rank_results: tuple[str, list[dict[st
     root, results = two_rank_results
     for r in results:
         assert r["reshard_shard0"] and r["reshard_shard1"] and r["reshard_replicate"]
-        assert r["four_to_two_rows_ok"]
-        assert r["four_to_two_bytes_read"] == ROWS * COLS * 4 // 2  # its half, no more
+        assert r["four_to_two_halves_ok"]
+        assert r["four_to_two_bytes_read"] == (ROWS * COLS + WIDE[0] * WIDE[1]) * 4 // 2
         assert r["four_to_two"]
     chunks = [(i["chunk_offsets"], i["shape"]) for i in _manifest(f"{root}/four")["items"]
               if i["key"] == "dt"]
