@@ -164,9 +164,9 @@ class Engine:
             PeerError: a rank did not start its engine within `coordination_timeout_s`; this
                 engine is left unstarted, with nothing running.
 
-        Concurrency: across ranks this is collective when no `process_group` was given (a gloo
-        group is created): every rank starts its engine, in the same order relative to its
-        other group creations.
+        Concurrency: across ranks this is collective (a gloo group for finishing saves is
+        created, and one for planning unless `process_group` was given): every rank starts its
+        engine, in the same order relative to its other group creations.
         """
         if self._closed:
             raise ClosedError("engine: closed; create a new Engine")
