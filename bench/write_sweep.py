@@ -7,6 +7,11 @@ next to the physical baselines measured in the same run (one thread: buffered pw
 O_DIRECT). Prints a table and a recommendation (the fastest setting whose loop delay stays under
 `--max-loop-delay-ms`, preferring fewer threads and bins when within 5%), and draws a PNG.
 
+Each state dict is frozen out of the garbage collector's reach once built (`gc.freeze()`), as a
+tuned trainer freezes its model: otherwise a full collection, which stops every thread and
+scans torch's ~300K objects in ~200 ms on a 2-core VM, lands in the loop delay whenever a
+save of thousands of items allocates enough to trigger one (docs/guide.md, "Tuning").
+
 Run: `python -m bench.write_sweep --target DIR` (or `asynctron bench write --target DIR`);
 `--quick` for a small smoke grid.
 """
@@ -14,6 +19,7 @@ Run: `python -m bench.write_sweep --target DIR` (or `asynctron bench write --tar
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import os
 import shutil
@@ -216,11 +222,14 @@ def main(argv: list[str] | None = None) -> int:
         with tqdm(settings, desc="bench write", unit="setting", disable=None) as progress:
             for item_bytes, group in itertools.groupby(settings, key=lambda s: s.item_bytes):
                 state = _state(nbytes, item_bytes)
+                gc.collect()
+                gc.freeze()
                 for setting in group:
                     progress.set_postfix_str(setting.label())
                     results_list.append(uvloop.run(_measure(setting, state, nbytes, base,
                                                             args.repeats)))
                     progress.update(1)
+                gc.unfreeze()
                 del state
     finally:
         shutil.rmtree(base, ignore_errors=True)

@@ -146,8 +146,14 @@ class SaveJob:
             except BaseException as error:  # reported to the others, then raised below
                 local_error = error
         t_written = time.perf_counter()
-        report = (request.report(coordinator.rank) if request is not None and local_error is None
-                  else WriteReport(rank=coordinator.rank, error=describe(local_error)))
+        report: WriteReport | None = None
+        if request is not None and local_error is None:  # a record per item: off the loop
+            try:
+                report = await self._run_blocking(request.report, coordinator.rank)
+            except BaseException as error:  # reported to the others, then raised below
+                local_error = error
+        if report is None:
+            report = WriteReport(rank=coordinator.rank, error=describe(local_error))
         warnings: tuple[str, ...] = ()
         async with coordinator.finishing_turn(seq):
             try:
