@@ -61,7 +61,10 @@ def machine(results: dict[str, Any]) -> list[str]:
             "The disk is the VM's virtio disk under the working directory (ext4); `/dev/shm` is "
             "tmpfs (RAM). Guest memory is touched once before timing (first touch of a guest "
             "page costs 20x a later one on this VM), and methods take turns within each round, "
-            "so drift hits all alike. Medians of the rounds; ratios are measured in one run."]
+            "so drift hits all alike. Medians of the rounds; ratios are measured in one run. "
+            "The host is shared: between two runs on the same day a method's median moved by up "
+            "to 1.5x (the disk above all, whose writeback the host caches), so compare within "
+            "one table and read differences under ~10% as ties."]
 
 
 def section_save(result: dict[str, Any], docs: str) -> list[str]:
