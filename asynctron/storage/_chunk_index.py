@@ -55,12 +55,19 @@ class Overlap:
         hi = [high - at for high, at in zip(self.hi, origin, strict=True)]
         strides = [math.prod(shape[dim + 1:]) * self.record.nbytes // math.prod(shape)
                    for dim in range(len(shape))]
-        level = len(shape) - 1  # the outermost of the dims the box spans whole, less one
+
+        def gap_bytes(dim: int) -> int:  # between two runs cut at `dim`
+            return (shape[dim] - (hi[dim] - lo[dim])) * strides[dim]
+
+        def num_runs(dim: int) -> int:
+            return math.prod(hi[outer] - lo[outer] for outer in range(dim))
+
+        # `level`: the dimension runs are cut at, the innermost the box does not span whole
+        level = len(shape) - 1
         while level > 0 and lo[level] == 0 and hi[level] == shape[level]:
             level -= 1
-        while level > 0 and ((shape[level] - hi[level] + lo[level]) * strides[level]
-                             < min_gap_bytes or math.prod(
-                                 hi[dim] - lo[dim] for dim in range(level)) > MAX_RUNS_PER_CHUNK):
+        while level > 0 and (gap_bytes(level) < min_gap_bytes
+                             or num_runs(level) > MAX_RUNS_PER_CHUNK):
             level -= 1
         run_shape = (1,) * level + (hi[level] - lo[level], *shape[level + 1:])
         runs = []
