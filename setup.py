@@ -1,0 +1,6 @@
+"""The build step for asynctron's one C module (everything else is in pyproject.toml)."""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension("asynctron._native", ["asynctron/_native.c"],
+                             extra_compile_args=["-O2"])])
