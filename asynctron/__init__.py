@@ -10,6 +10,7 @@ from asynctron.engine import (
     EngineConfig,
     SaveResult,
     SaveTask,
+    free_idle_staging,
     load,
     save,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "SaveResult",
     "SaveTask",
     "StorageError",
+    "free_idle_staging",
     "load",
     "save",
 ]

@@ -51,6 +51,7 @@ BENCH_SCENARIOS = {
     "write": "bench.write_sweep",
     "comm": "bench.allreduce_overlap",
     "data": "bench.data_throughput",
+    "train": "bench.train",
     "all": "bench.all",
 }
 

@@ -35,6 +35,7 @@ import psutil
 import torch
 import uvloop
 
+import asynctron
 from asynctron import Engine
 from asynctron.testing import LoopWatchdog
 from bench import _baselines, _peers, _results, save_ranks
@@ -114,8 +115,7 @@ class AsynctronRunner:
         self.loop.run_until_complete(run())
 
     def free_staging(self) -> None:
-        for engine in self.engines.values():
-            engine.free_idle_staging()
+        asynctron.free_idle_staging()
 
     def close(self) -> None:
         for engine in self.engines.values():

@@ -15,14 +15,15 @@ def test_top_level() -> None:
     assert set(asynctron.__all__) == {
         "AsynctronError", "BackgroundEngine", "BusyError", "CheckpointNotFoundError",
         "ClosedError", "CorruptCheckpointError", "Engine", "EngineConfig", "PeerError",
-        "SaveResult", "SaveTask", "StorageError", "load", "save",
+        "SaveResult", "SaveTask", "StorageError", "free_idle_staging", "load", "save",
     }
 
 
 def test_subpackages() -> None:
     assert set(asynctron.engine.__all__) == {
         "BackgroundEngine", "BudgetStatistics", "ByteBudget", "Engine", "EngineConfig",
-        "Milestone", "SaveResult", "SaveTask", "load", "save",
+        "Milestone", "SaveResult", "SaveTask", "SlabCacheStatistics", "free_idle_staging",
+        "load", "save", "staging_statistics",
     }
     assert set(asynctron.storage.__all__) == {
         "FileIO", "ItemRecord", "LocalFileIO", "Manifest", "read_manifest",

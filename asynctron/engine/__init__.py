@@ -1,9 +1,11 @@
-"""The engine: the loop-bound `Engine`, its handles, the background runner, the budget."""
+"""The engine: the loop-bound `Engine`, its handles, the background runner, the budget and the
+process-wide staging memory."""
 
 from asynctron._budget import BudgetStatistics, ByteBudget
 from asynctron.engine._engine import Engine, EngineConfig
 from asynctron.engine._oneshot import load, save
 from asynctron.engine._runner import BackgroundEngine
+from asynctron.engine._slabs import SlabCacheStatistics, free_idle_staging, staging_statistics
 from asynctron.engine._task import Milestone, SaveResult, SaveTask
 
 __all__ = [
@@ -15,6 +17,9 @@ __all__ = [
     "Milestone",
     "SaveResult",
     "SaveTask",
+    "SlabCacheStatistics",
+    "free_idle_staging",
     "load",
     "save",
+    "staging_statistics",
 ]

@@ -27,12 +27,12 @@ from asynctron.engine._coordinator import Collectives, Committer, Coordinator, S
 from asynctron.engine._load import Loader
 from asynctron.engine._plan_cache import PlanCache
 from asynctron.engine._save import SaveJob, SaveOptions
-from asynctron.engine._staging import SlabPool, Stager
+from asynctron.engine._slabs import SlabPool
+from asynctron.engine._staging import CopyStreams, mark_ready
 from asynctron.engine._task import SaveResult, SaveTask
 from asynctron.errors import BusyError, ClosedError, PeerError
 from asynctron.storage._checksum import ALGORITHMS, XXH3_64
 from asynctron.storage._layout import ALIGN_BYTES
-from asynctron.storage._plan import flatten
 from asynctron.storage._reader import CheckpointReader
 from asynctron.storage._sysio import FileIO, LocalFileIO
 
@@ -142,7 +142,7 @@ class Engine:
         self._pin = torch.cuda.is_available() if pin is None else pin
         self.budget = ByteBudget(self.config.memory_budget_bytes)
         self._pool = SlabPool(self.budget, self.config.slab_bytes, self._pin, self.run_blocking)
-        self._stager = Stager(self._pool, self.run_blocking)
+        self._copy_streams = CopyStreams()
         self._coordinator: Coordinator | None = None
         self.plan_cache = PlanCache(max_entries=8)
 
@@ -225,8 +225,9 @@ class Engine:
         return self._coordinator
 
     async def aclose(self, *, raise_unobserved: bool = True) -> None:
-        """Wait for every save (and load) in flight, then stop the executor and free the
-        staging pool.
+        """Wait for every save (and load) in flight, then stop the executor. The staging slabs
+        stay in the process-wide cache for later engines (`asynctron.free_idle_staging()`
+        frees them).
 
         Raises:
             the error of the first failed save whose `SaveTask` nobody awaited (nor asked for
@@ -253,17 +254,28 @@ class Engine:
                 raise unobserved[0].failure()
         finally:
             loads.cancel()
-            self.free_idle_staging()
             if self._executor is not None:
                 # Every run_blocking caller waits for its thread, so none is busy for long;
                 # waiting here would block the loop.
                 self._executor.shutdown(wait=False)
                 self._executor = None
 
-    def free_idle_staging(self) -> None:
-        """Free the staging slabs no save is using (they are otherwise kept for reuse, so later
-        saves touch warm pages)."""
-        self._pool.trim()
+    async def prefault_staging(self, nbytes: int | None = None) -> int:
+        """Allocate and touch staging slabs for `nbytes` (default and at most:
+        `memory_budget_bytes`) now, off the loop, so that the first save copies into warm
+        pages instead of paying the first touch of every page (several times a copy, on a VM).
+        The slabs stay in the process-wide cache. Returns the bytes made ready.
+
+        Memory: at most `memory_budget_bytes`, borrowed from the engine's budget while they
+        are touched (a save running meanwhile shares it).
+        Cancellation: the slabs touched so far stay ready.
+        """
+        self._check_open()
+        budget = self.config.memory_budget_bytes
+        if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int)
+                                   or nbytes < 0):
+            raise ValueError(f"nbytes: expected None or an int >= 0, found {nbytes!r}")
+        return await self._pool.prefault(budget if nbytes is None else min(nbytes, budget))
 
     def _check_open(self) -> asyncio.AbstractEventLoop:
         if self._closed:
@@ -295,14 +307,20 @@ class Engine:
     def save(self, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
              snapshot: bool = True, format: Literal["asynctron", "dcp"] = "asynctron"
              ) -> SaveTask:
-        """Start saving `state_dict` to the new directory `path`; returns at once.
+        """Start saving `state_dict` to the new directory `path`; returns at once (whatever
+        the state dict's size: it is read on the executor, never on the loop).
+
+        The state dict and its tensors must not change until `await task.staged`: the
+        snapshot is their value then, and for CUDA tensors the value after the work queued on
+        the current device's current stream before this call.
 
         Args:
             state_dict: nested dicts/lists/tuples of tensors (CPU or CUDA), numpy arrays,
                 bytes, and JSON values (str, int, float, bool, None).
             path: the checkpoint directory to create; its parent gets a `latest` pointer.
             snapshot: copy tensors out (True), so they may change after `await task.staged`;
-                False writes CPU tensors in place, and they must not change until `await task`.
+                False writes CPU tensors in place, and they must not change until `await task`
+                (no copy: the fastest save for a caller that waits for the commit anyway).
             format: `"asynctron"`; or `"dcp"`: also readable by stock
                 `torch.distributed.checkpoint.load` (and Megatron's torch_dist loader): tensors
                 as `torch.save` blobs, other values pickled as DCP pickles them, a `.metadata`
@@ -313,10 +331,13 @@ class Engine:
             a `SaveTask`: `await task.staged`, then `await task` for the `SaveResult`.
 
         Raises:
-            TypeError, ValueError: bad keys, leaves or dtypes (nothing is started).
+            ValueError: an unknown `format`.
+            TypeError: `state_dict` is not a dict.
             BusyError: a save to the same path is already in flight.
             ClosedError: the engine is closed.
-        The task raises FileExistsError if `path` exists, StorageError on I/O failure.
+        The task (and `task.staged`) raises TypeError or ValueError for bad keys, leaves or
+        dtypes (naming the key; nothing is written), FileExistsError if `path` exists,
+        StorageError on I/O failure.
 
         Memory: staging holds at most `memory_budget_bytes` (shared by all saves).
         """
@@ -327,10 +348,11 @@ class Engine:
                             "await it first or save to another path")
         if format not in ("asynctron", "dcp"):
             raise ValueError(f"format: expected 'asynctron' or 'dcp', found {format!r}")
-        flat = flatten(state_dict, values_as_items=format == "dcp")
-        ready = Stager.mark_ready(leaf.value for leaf in flat.leaves.values())
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict: expected a dict, found {type(state_dict).__name__}; "
+                            "wrap the value in a dict")
         options = SaveOptions(num_bins=self.config.num_bins, snapshot=snapshot,
-                              batch_nbytes=self.config.slab_bytes,
+                              slab_bytes=self.config.slab_bytes,
                               direct_io=self.config.direct_io, checksum=self.config.checksum,
                               format=format)
         self._seq += 1
@@ -340,10 +362,10 @@ class Engine:
             if not staged.done():
                 staged.set_result(None)
 
-        job = SaveJob(flat, target, seq=self._seq, options=options, ready=ready,
-                      stager=self._stager, fio=self._fio, run_blocking=self.run_blocking,
-                      coordinator=self._started(), plan_cache=self.plan_cache,
-                      on_staged=on_staged)
+        job = SaveJob(state_dict, target, seq=self._seq, options=options, ready=mark_ready(),
+                      pool=self._pool, copy_streams=self._copy_streams, fio=self._fio,
+                      run_blocking=self.run_blocking, coordinator=self._started(),
+                      plan_cache=self.plan_cache, on_staged=on_staged)
         task = loop.create_task(self._run_save(job, staged), name=f"asynctron-save:{target}")
         self._saves[target] = task
         handle = SaveTask(task, staged, loop, target)
@@ -402,7 +424,7 @@ class Engine:
         self._loads_done.clear()
         try:
             manifest = await reader.open()
-            loader = Loader(reader, manifest, pool=self._pool, stager=self._stager,
+            loader = Loader(reader, manifest, pool=self._pool, copy_streams=self._copy_streams,
                             run_blocking=self.run_blocking, call_nbytes=self.config.slab_bytes,
                             verify=(not mmap) if verify is None else verify)
             if mmap:

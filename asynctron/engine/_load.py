@@ -13,7 +13,6 @@ each row's range of columns when skipping between them saves reading (`Overlap.r
 from __future__ import annotations
 
 import asyncio
-import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +21,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from asynctron._concurrency import RunBlocking, first_error
-from asynctron.engine._staging import SlabPool, Stager, copy_flat_range
+from asynctron.engine._slabs import SlabPool
+from asynctron.engine._staging import CopyStreams, copy_into_flat_range
 from asynctron.storage._checksum import ItemHasher
 from asynctron.storage._chunk_index import ChunkIndex, Overlap
 from asynctron.storage._dcp import decode_blob, tensor_of
@@ -93,11 +93,12 @@ class Loader:
     """
 
     def __init__(self, reader: CheckpointReader, manifest: Manifest, *, pool: SlabPool,
-                 stager: Stager, run_blocking: RunBlocking, call_nbytes: int, verify: bool):
+                 copy_streams: CopyStreams, run_blocking: RunBlocking, call_nbytes: int,
+                 verify: bool):
         self._reader = reader
         self._manifest = manifest
         self._pool = pool
-        self._stager = stager
+        self._copy_streams = copy_streams
         self._run_blocking = run_blocking
         self._call_nbytes = call_nbytes
         self._verify = verify and reader.verifiable
@@ -136,7 +137,7 @@ class Loader:
         hasher = ItemHasher() if self._verify else None
         for start in range(0, record.nbytes, piece_nbytes):
             nbytes = min(piece_nbytes, record.nbytes - start)
-            slab = await self._pool.acquire()
+            (slab,) = await self._pool.acquire(1)
             try:
                 await self._reader.read_range(record, start, slab.view[:nbytes], hasher)
                 typed = slab.tensor[:nbytes].view(target.dtype)
@@ -144,8 +145,7 @@ class Loader:
                 if target.device.type == "cuda":
                     await self._run_blocking(self._copy_to_cuda, typed, target, elements)
                 else:
-                    await self._run_blocking(functools.partial(
-                        copy_flat_range, typed, target, *elements, into_tensor=True))
+                    await self._run_blocking(copy_into_flat_range, target, *elements, typed)
             finally:
                 self._pool.release(slab)
         if hasher is not None:
@@ -157,9 +157,9 @@ class Loader:
                       elements: tuple[int, int]) -> None:
         """Blocks: H2D of `target`'s flat `elements` range on the device's copy stream, waited
         for in this thread."""
-        stream = self._stager.copy_stream(target.device)
+        stream = self._copy_streams(target.device)
         with torch.cuda.stream(stream):
-            copy_flat_range(source, target, *elements, into_tensor=True, non_blocking=True)
+            copy_into_flat_range(target, *elements, source, non_blocking=True)
             event = torch.cuda.Event()
             event.record(stream)
         event.synchronize()

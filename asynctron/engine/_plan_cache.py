@@ -14,26 +14,31 @@ import threading
 from collections.abc import Hashable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
 
-from asynctron.storage._layout import Batch, BinLayout
+from asynctron.storage._layout import Batches, BinLayout
 from asynctron.storage._manifest import ItemRecord
 from asynctron.storage._plan import FlatStateDict
 
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class FilePlan:
     """Per item (in plan order): its key, the dim-0 rows of the key's payload it holds (None:
-    all), and its manifest record (checksum still None); per bin: its layout and batches."""
+    all), and its manifest record (checksum still None); per bin: its layout, its batches and
+    the addresses of its frame pieces."""
 
     keys: tuple[str, ...]
     rows: tuple[tuple[int, int] | None, ...]
     records: tuple[ItemRecord, ...]
     layouts: tuple[BinLayout, ...]
-    batches: tuple[tuple[Batch, ...], ...]
+    batches: tuple[Batches, ...]
+    frame_addresses: tuple[np.ndarray, ...]
+    """Per bin, uint64 per piece: where a frame piece's bytes (in `frames`) are; 0 for
+    bodies."""
     write_items: tuple[WriteItem, ...]
     """Per item, DCP's write item it is (a chunk of)."""
     frames: tuple[tuple[bytes, bytes] | None, ...]
@@ -48,10 +53,10 @@ class PlanCacheStatistics:
 
 
 def structure_signature(flat: FlatStateDict, *, num_bins: int, rank: int,
-                        batch_nbytes: int) -> Hashable | None:
+                        slab_bytes: int) -> Hashable | None:
     """What a file plan depends on; None when the state holds tensors whose plan must be made
     fresh each time (DTensor and other subclasses: their sharding may change)."""
-    parts: list[Hashable] = [num_bins, rank, batch_nbytes]
+    parts: list[Hashable] = [num_bins, rank, slab_bytes]
     for key, leaf in flat.leaves.items():
         value = leaf.value
         if isinstance(value, bytes):

@@ -7,10 +7,10 @@ thousands of tensors never stalls the event loop):
    ranks by the coordinator (`storage._plan`, `_coordinator.exchange_plans`);
 2. `file_plan`: tensors larger than their fair share of the bins are cut into dim-0 chunks
    (`storage._chunking`), Megatron's splitter deals the items onto bins (`storage._split`),
-   each bin file is laid out (4 KiB-aligned items) and cut into batches (`storage._layout`).
+   each bin file is laid out (aligned items) and cut into batches (`storage._layout`).
 Steps 1-2 depend only on the structure of every rank's state dict, so an unchanged structure
-takes them from the `PlanCache` (seed 002). Per save remain (`build_request`) the item sources,
-which batches need a staging slab, and a fresh hasher per item.
+takes them from the `PlanCache` (seed 002). Per save remain (`build_request`) where each
+item's bytes are (their addresses, vectorised per bin) and a fresh hasher per item.
 """
 
 from __future__ import annotations
@@ -19,23 +19,24 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from asynctron.engine._coordinator import WriteReport
 from asynctron.engine._plan_cache import FilePlan, structure_signature
-from asynctron.engine._staging import ItemSource
+from asynctron.engine._staging import BinSources, Sources, piece_addresses
 from asynctron.storage._checksum import ItemHasher, digest
 from asynctron.storage._chunking import PlannedItem, chunk_large_items
 from asynctron.storage._dcp import torch_save_frame
 from asynctron.storage._dtypes import dtype_name
-from asynctron.storage._layout import Batch, bin_file_name, layout_bin
+from asynctron.storage._layout import BinLayout, Part, bin_file_name, layout_bin
 from asynctron.storage._manifest import ItemRecord
 from asynctron.storage._plan import FlatStateDict, SavePlan, Structure
 from asynctron.storage._split import split_by_size_and_type
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class SaveRequest:
     """A planned save on this rank. Not constructed directly; `build_request` makes one."""
 
@@ -43,13 +44,10 @@ class SaveRequest:
     structure: Structure
     """The state dict's nesting and JSON values, as the manifest stores them."""
     plan: FilePlan
-    sources: tuple[ItemSource, ...]
-    """Per item, where its bytes come from."""
-    needs_slab: tuple[tuple[bool, ...], ...]
-    """Per bin and batch: False where every segment is written in place (no copy)."""
+    bins: tuple[BinSources, ...]
+    """Per bin: its layout and batches, and where each of its pieces' bytes are."""
     hashers: tuple[ItemHasher, ...] | None
     """Per item, its running digest; None when the engine saves without checksums."""
-    snapshot: bool
 
     @property
     def nbytes(self) -> int:
@@ -69,40 +67,52 @@ class SaveRequest:
 
 
 def structure_digest(flat: FlatStateDict, *, num_bins: int, rank: int,
-                     batch_nbytes: int) -> str | None:
+                     slab_bytes: int) -> str | None:
     """Blocks: a digest of everything this rank's file plan depends on; None when the plan must
     be made fresh each time (DTensor and other tensor subclasses)."""
-    signature = structure_signature(flat, num_bins=num_bins, rank=rank,
-                                    batch_nbytes=batch_nbytes)
+    signature = structure_signature(flat, num_bins=num_bins, rank=rank, slab_bytes=slab_bytes)
     return None if signature is None else digest(memoryview(repr(signature).encode()))
 
 
-def file_plan(plan: SavePlan, *, num_bins: int, rank: int, batch_nbytes: int,
+def file_plan(plan: SavePlan, *, num_bins: int, rank: int, slab_bytes: int,
               torch_save_frames: bool) -> FilePlan:
     """Blocks (CPU-bound): this rank's final DCP items cut into chunks, split onto bins (seed
-    000), laid out and cut into batches. With `torch_save_frames` (DCP's format) every tensor
-    item is laid out inside its `torch.save` frame: prefix, raw bytes, suffix."""
+    000), laid out and cut into batches of `slab_bytes`. With `torch_save_frames` (DCP's
+    format) every tensor item is laid out inside its `torch.save` frame: prefix, raw bytes,
+    suffix."""
     items = chunk_large_items(plan.items, [plan.nbytes(item) for item in plan.items], num_bins)
     frames = tuple(_frame(plan, item) if torch_save_frames else None for item in items)
     index_of = {id(item): i for i, item in enumerate(items)}
-    nbytes = [item.nbytes + (len(frame[0]) + len(frame[1]) if frame else 0)
+    pieces = [(len(frame[0]), item.nbytes, len(frame[1])) if frame else (item.nbytes,)
               for item, frame in zip(items, frames, strict=True)]
     bins = split_by_size_and_type(num_bins, items, lambda item: item.nbytes)
     layouts = tuple(
-        layout_bin(bin_file_name(rank, b), [index_of[id(item)] for item in bin_items], nbytes)
+        layout_bin(bin_file_name(rank, b), [index_of[id(item)] for item in bin_items], pieces)
         for b, bin_items in enumerate(bins) if bin_items
     )
-    placed = {p.item_index: (layout.file_name, p.offset)
-              for layout in layouts for p in layout.placements}
-    records = tuple(_record(plan, item, placed[i][0],
-                            placed[i][1] + (len(frames[i][0]) if frames[i] else 0))
-                    for i, item in enumerate(items))
-    batches: tuple[tuple[Batch, ...], ...] = tuple(
-        tuple(layout.batches(batch_nbytes)) for layout in layouts)
+    placed = {item: (layout.file_name, offset)
+              for layout in layouts for item, offset in layout.body_offsets().items()}
+    records = tuple(_record(plan, item, *placed[i]) for i, item in enumerate(items))
     return FilePlan(keys=tuple(item.key for item in items),
                     rows=tuple(item.rows for item in items), records=records,
-                    layouts=layouts, batches=batches,
+                    layouts=layouts,
+                    batches=tuple(layout.batches(slab_bytes) for layout in layouts),
+                    frame_addresses=tuple(_frame_addresses(layout, frames)
+                                          for layout in layouts),
                     write_items=tuple(item.write_item for item in items), frames=frames)
+
+
+def _frame_addresses(layout: BinLayout, frames: tuple[tuple[bytes, bytes] | None, ...]
+                     ) -> np.ndarray:
+    """uint64 per piece: the address of a frame piece's bytes (held by `frames`), 0 for
+    bodies (and for empty frame pieces)."""
+    addresses = np.zeros(len(layout.item), dtype=np.uint64)
+    for piece in np.flatnonzero((layout.part != Part.BODY) & (layout.size > 0)).tolist():
+        frame = frames[int(layout.item[piece])]
+        assert frame is not None
+        data = frame[0] if layout.part[piece] == Part.HEAD else frame[1]
+        addresses[piece] = np.frombuffer(data, dtype=np.uint8).ctypes.data
+    return addresses
 
 
 def _frame(plan: SavePlan, item: PlannedItem) -> tuple[bytes, bytes] | None:
@@ -116,30 +126,22 @@ def _frame(plan: SavePlan, item: PlannedItem) -> tuple[bytes, bytes] | None:
 
 
 def build_request(flat: FlatStateDict, path: str, plan: FilePlan, save_plan: SavePlan | None,
-                  *, snapshot: bool, checksum: bool) -> SaveRequest:
+                  *, checksum: bool) -> SaveRequest:
     """Blocks: the per-save part of a request: where each item's bytes come from (`save_plan`
-    resolves DTensor shards; a cached plan takes plain tensors by key), which batches need a
-    slab, a fresh hasher per item."""
+    resolves DTensor shards; a cached plan takes plain tensors by key), per bin every piece's
+    address, a fresh hasher per item."""
     if save_plan is not None:
         payloads = [save_plan.payload(item) for item in plan.write_items]
     else:
-        payloads = [_plain_payload(flat.leaves[key].value) for key in plan.keys]
-    sources = tuple(ItemSource(_rows(payload, rows), head=frame[0] if frame else b"",
-                               tail=frame[1] if frame else b"")
-                    for payload, rows, frame in zip(payloads, plan.rows, plan.frames,
-                                                    strict=True))
-    needs_slab = tuple(tuple(snapshot or any(sources[s.item_index].flat is None
-                                             for s in batch.segments)
-                             for batch in batches)
-                       for batches in plan.batches)
+        payloads = [flat.leaves[key].value for key in plan.keys]
+    sources = Sources([_rows(payload, rows)
+                       for payload, rows in zip(payloads, plan.rows, strict=True)])
+    bins = tuple(BinSources(layout, batches, piece_addresses(layout, sources, frames), sources)
+                 for layout, batches, frames in zip(plan.layouts, plan.batches,
+                                                    plan.frame_addresses, strict=True))
     hashers = tuple(ItemHasher() for _ in plan.records) if checksum else None
     return SaveRequest(path=os.path.abspath(path), structure=flat.structure, plan=plan,
-                       sources=sources, needs_slab=needs_slab, hashers=hashers,
-                       snapshot=snapshot)
-
-
-def _plain_payload(value: torch.Tensor | bytes) -> torch.Tensor | bytes:
-    return value.detach() if isinstance(value, torch.Tensor) else value
+                       bins=bins, hashers=hashers)
 
 
 def _rows(payload: torch.Tensor | bytes, rows: tuple[int, int] | None) -> torch.Tensor | bytes:

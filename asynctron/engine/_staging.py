@@ -1,150 +1,265 @@
-"""Staging: copying item bytes out of the caller's tensors into slabs, within the memory budget.
+"""Staging: copying a save's bytes out of the caller's tensors into slabs, and the batches the
+writers write (from slabs, or in place from the caller's memory).
 
-A *slab* is a reusable byte buffer (pinned when CUDA is in use) holding one batch of one bin
-file. `SlabPool` hands out slabs under a `ByteBudget` and keeps released ones for reuse, so
-a steady stream of saves re-touches warm pages instead of faulting new ones.
-
-A batch is staged by ONE executor call (`stage_batch`), whatever its number of segments, so
-the loop's work per batch is constant. Staging only copies (hashing is the writer's, off the
-caller's blocking time). Copies, per segment:
-- contiguous CPU tensor or bytes: a memcpy (numpy, GIL released);
-- any CUDA tensor: `copy_(non_blocking=True)` launched on a per-device copy stream that first
-  waits for the stream the save was requested on; the batch's CUDA event is then waited in
-  the same executor call, never on the loop;
-- non-contiguous (or conjugate/negative-bit) tensors: the segment's flat element range is cut
-  into at most 2·ndim+1 strided views copied straight into the slab, so no full contiguous
-  temporary is ever made.
+A *wave* (every batch a slab could be borrowed for) is staged by ONE executor call, whatever
+its number of batches, segments and items: the loop wakes once per wave, and a trainer thread
+busy in Python loses the GIL for microseconds, not once per piece. In that call:
+- every contiguous CPU piece (tensor bytes, `bytes` values, `torch.save` frames) and every
+  gap's zero bytes: one `asynctron._native.copy_ranges` call, a plain memcpy loop with the
+  GIL released once (numpy would release and re-take it per piece; torch's copies fan out to
+  an intra-op thread pool that stalls on a core the trainer holds);
+- CUDA pieces: one `torch._foreach_copy_(non_blocking=True)` per device, launched first on
+  the device's copy stream after the event the save was requested at, waited for last;
+- strided (non-contiguous, conjugate or negative-bit) CPU pieces: their flat element range
+  cut into at most 2·ndim+1 strided views, copied by one `torch._foreach_copy_`, so no full
+  contiguous temporary is ever made.
 """
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import math
-import mmap
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from asynctron._budget import ByteBudget
-from asynctron._concurrency import RunBlocking
-from asynctron.errors import WouldBlock
-from asynctron.storage._layout import Batch
+from asynctron import _native
+from asynctron.engine._slabs import Slab
+from asynctron.storage._layout import Batches, BinLayout, Part
+
+_ZEROS = memoryview(bytes(4096))
 
 
-class Slab:
-    """One page-aligned staging buffer of `nbytes` (uint8), with numpy and memoryview faces.
+class Sources:
+    """Where one save's item bodies come from: per item its payload (tensor or bytes) and,
+    when its bytes can be memcpy'd (contiguous CPU memory), their address.
 
-    Page alignment lets writes of whole slabs bypass the page cache (O_DIRECT). Pinned slabs
-    come from CUDA's host allocator (page-aligned); others from an anonymous mmap.
+    Holds the payloads, so the memory the addresses point at stays alive.
     """
 
-    __slots__ = ("_mapping", "array", "nbytes", "tensor", "view")
+    __slots__ = ("_flat", "addresses", "payloads")
 
-    def __init__(self, nbytes: int, pin_memory: bool) -> None:
-        self.nbytes = nbytes
-        if pin_memory:
-            self._mapping = None
-            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        else:
-            self._mapping = mmap.mmap(-1, nbytes)
-            self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8)
-        self.array = self.tensor.numpy()
-        self.view = memoryview(self.array)
+    def __init__(self, payloads: Sequence[torch.Tensor | bytes]) -> None:
+        self.payloads = tuple(payloads)
+        self.addresses = np.array([_address(payload) for payload in self.payloads],
+                                  dtype=np.uint64)
+        self._flat: dict[int, np.ndarray] = {}
 
-
-class SlabPool:
-    """Slabs of `slab_nbytes` each, never more bytes than the budget allows at once.
-
-    Memory: at most `budget.total_bytes` rounded down to whole slabs are held (at least one);
-    released slabs stay allocated for reuse until `trim()`.
-    """
-
-    def __init__(self, budget: ByteBudget, slab_nbytes: int, pin_memory: bool,
-                 run_blocking: RunBlocking) -> None:
-        self.budget = budget
-        self.slab_nbytes = slab_nbytes
-        self.pin_memory = pin_memory
-        self._run_blocking = run_blocking
-        self._free: list[Slab] = []
-        self.num_allocated = 0
-        #: Events set whenever an acquire has to wait: writers holding back start writing.
-        self.pressure_listeners: set[asyncio.Event] = set()
-
-    async def acquire(self) -> Slab:
-        """A slab for one batch. Cancellation: nothing is borrowed."""
-        try:
-            self.budget.acquire_nowait(self.slab_nbytes)
-        except WouldBlock:
-            for listener in self.pressure_listeners:
-                listener.set()
-            await self.budget.acquire(self.slab_nbytes)
-        if self._free:
-            return self._free.pop()
-        try:
-            slab = await self._run_blocking(Slab, self.slab_nbytes, self.pin_memory)
-        except BaseException:
-            self.budget.release(self.slab_nbytes)
-            raise
-        self.num_allocated += 1
-        return slab
-
-    def release(self, slab: Slab) -> None:
-        self._free.append(slab)
-        self.budget.release(self.slab_nbytes)
-
-    def trim(self) -> None:
-        """Free every slab not in use (e.g. after the budget shrank, or on close)."""
-        self.num_allocated -= len(self._free)
-        self._free.clear()
+    def flat(self, item: int) -> np.ndarray:
+        """The item's bytes as a uint8 array over its own memory (contiguous CPU only)."""
+        if item not in self._flat:
+            payload = self.payloads[item]
+            self._flat[item] = (np.frombuffer(payload, dtype=np.uint8)
+                                if isinstance(payload, bytes)
+                                else payload.detach().reshape(-1).view(torch.uint8).numpy())
+        return self._flat[item]
 
 
-class ItemSource:
-    """The bytes of one item, as the stager reads them: `head`, then the body, then `tail`.
+def _address(payload: torch.Tensor | bytes) -> int:
+    """The address of the payload's bytes, or 0 if they are not contiguous CPU memory."""
+    if isinstance(payload, bytes):
+        return int(np.frombuffer(payload, dtype=np.uint8).ctypes.data) if payload else 0
+    if payload.device.type != "cpu" or not payload.is_contiguous() or payload.is_conj() or (
+            payload.is_neg()) or not payload.numel():
+        return 0
+    return payload.data_ptr()
 
-    The body is the payload: `flat` is a uint8 numpy view when it can be memcpy'd (contiguous
-    CPU tensor or bytes); otherwise `tensor` is copied range by range with torch. `head` and
-    `tail` are constant bytes around it (a `torch.save` frame, in DCP's format), empty for
-    plain items; only the body is hashed.
-    """
 
-    __slots__ = ("body_nbytes", "flat", "head", "itemsize", "tail", "tensor")
+def piece_addresses(layout: BinLayout, sources: Sources, frames: np.ndarray) -> np.ndarray:
+    """uint64 per piece of `layout`: where its bytes start in memory (0: copied with torch).
+    `frames` holds the frame pieces' addresses (0 for bodies)."""
+    return np.where(layout.part == Part.BODY, sources.addresses[layout.item], frames)
 
-    def __init__(self, payload: torch.Tensor | bytes, *, head: bytes = b"",
-                 tail: bytes = b"") -> None:
-        self.tensor: torch.Tensor | None = None
-        self.flat: np.ndarray | None = None
-        self.head, self.tail = head, tail
-        if isinstance(payload, bytes):
-            self.flat = np.frombuffer(payload, dtype=np.uint8)
-            self.itemsize = 1
-            self.body_nbytes = len(payload)
-            return
-        self.itemsize = payload.dtype.itemsize
-        self.body_nbytes = payload.numel() * payload.dtype.itemsize
-        plain = payload.is_contiguous() and not (payload.is_conj() or payload.is_neg())
-        if payload.device.type == "cpu" and plain:
-            self.flat = payload.reshape(-1).view(torch.uint8).numpy()
-        else:
-            self.tensor = payload
+
+@dataclass(frozen=True, slots=True)
+class BinSources:
+    """One bin of one save: its layout, batches and every piece's address."""
+
+    layout: BinLayout
+    batches: Batches
+    addresses: np.ndarray
+    sources: Sources
+
+
+@dataclass(slots=True, eq=False)
+class StagedBatch:
+    """A batch ready to write: from `slab`, or (no slab) in place from the sources' memory.
+    Implements the writer's `WriteBatch`; its methods run on the writer's executor thread."""
+
+    bin: BinSources
+    index: int
+    slab: Slab | None
 
     @property
-    def is_cuda(self) -> bool:
-        return self.tensor is not None and self.tensor.device.type == "cuda"
+    def file_offset(self) -> int:
+        return self.bin.batches.file_offset(self.index)
 
-    def pieces(self, start: int, nbytes: int) -> list[tuple[str, int, int]]:
-        """Item bytes [start, +nbytes) as (`"head"`|`"body"`|`"tail"`, lo, hi) ranges, each in
-        its piece's own coordinates, in order."""
-        bounds = (("head", 0, len(self.head)),
-                  ("body", len(self.head), len(self.head) + self.body_nbytes),
-                  ("tail", len(self.head) + self.body_nbytes,
-                   len(self.head) + self.body_nbytes + len(self.tail)))
-        stop = start + nbytes
-        return [(name, max(start, lo) - lo, min(stop, hi) - lo) for name, lo, hi in bounds
-                if max(start, lo) < min(stop, hi)]
+    @property
+    def nbytes(self) -> int:
+        return self.bin.batches.batch_size(self.index)
+
+    def buffers(self) -> list[memoryview]:
+        """iovecs covering the batch, padding included."""
+        if self.slab is not None:
+            return [self.slab.view[:self.nbytes]]
+        batches, layout, sources = self.bin.batches, self.bin.layout, self.bin.sources
+        segments = batches.segments(self.index)
+        buffers: list[memoryview] = []
+        cursor = 0
+        for piece, start, at, size in zip(
+                batches.piece[segments].tolist(), batches.piece_offset[segments].tolist(),
+                batches.batch_offset[segments].tolist(), batches.size[segments].tolist(),
+                strict=True):
+            _pad(buffers, at - cursor)
+            item = int(layout.item[piece])
+            buffers.append(memoryview(sources.flat(item))[start:start + size])
+            cursor = at + size
+        _pad(buffers, self.nbytes - cursor)
+        return buffers
+
+    def bodies(self) -> list[tuple[int, memoryview]]:
+        """Per body segment, in file order: its item and its bytes (to hash)."""
+        batches, layout = self.bin.batches, self.bin.layout
+        segments = batches.segments(self.index)
+        pieces = batches.piece[segments]
+        is_body = layout.part[pieces] == Part.BODY
+        items = layout.item[pieces][is_body].tolist()
+        starts = batches.piece_offset[segments][is_body].tolist()
+        ats = batches.batch_offset[segments][is_body].tolist()
+        sizes = batches.size[segments][is_body].tolist()
+        if self.slab is not None:
+            view = self.slab.view
+            return [(item, view[at:at + size])
+                    for item, at, size in zip(items, ats, sizes, strict=True)]
+        sources = self.bin.sources
+        return [(item, memoryview(sources.flat(item))[start:start + size])
+                for item, start, size in zip(items, starts, sizes, strict=True)]
+
+
+def _pad(buffers: list[memoryview], nbytes: int) -> None:
+    while nbytes > 0:
+        buffers.append(_ZEROS[:min(nbytes, _ZEROS.nbytes)])
+        nbytes -= buffers[-1].nbytes
+
+
+def in_place(bin: BinSources, index: int) -> bool:
+    """Whether a batch can be written straight from the sources' memory: every piece is
+    contiguous CPU memory, and the pieces are few and large enough that their iovecs cost
+    less than a copy."""
+    segments = bin.batches.segments(index)
+    count = segments.stop - segments.start
+    return count <= _MAX_IN_PLACE_SEGMENTS and bool(
+        (bin.addresses[bin.batches.piece[segments]] != 0).all())
+
+
+_MAX_IN_PLACE_SEGMENTS = 64
+
+
+class CopyStreams:
+    """One CUDA copy stream per device, made on first use (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, device: torch.device) -> torch.cuda.Stream:
+        with self._lock:
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device=device)
+            return self._streams[device]
+
+
+def mark_ready() -> dict[torch.device, torch.cuda.Event]:
+    """Record, on the current device's current stream, the point a save copies from (called
+    where the save is requested, so work queued later is not copied). Without CUDA in use
+    there is nothing to record."""
+    if not torch.cuda.is_initialized():
+        return {}
+    device = torch.device("cuda", torch.cuda.current_device())
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return {device: event}
+
+
+def stage_wave(wave: Sequence[StagedBatch], ready: Mapping[torch.device, torch.cuda.Event],
+               copy_streams: CopyStreams) -> None:
+    """Blocks: copy every batch of `wave` into its slab (padding zeroed).
+
+    CUDA pieces are copied on each device's copy stream after its `ready` event (a device
+    without one: after the work queued on its current stream now), launched before the CPU
+    copies so they overlap, and waited for here, never on the loop.
+    """
+    destinations: list[np.ndarray] = []
+    addresses: list[np.ndarray] = []
+    sizes: list[np.ndarray] = []
+    by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for staged in wave:
+        slab, batches = staged.slab, staged.bin.batches
+        assert slab is not None, "a staged batch needs a slab"
+        segments, gaps = batches.segments(staged.index), batches.gaps(staged.index)
+        piece_offset = batches.piece_offset[segments].astype(np.uint64)
+        at = batches.batch_offset[segments].astype(np.uint64) + np.uint64(slab.address)
+        source = staged.bin.addresses[batches.piece[segments]]
+        copyable = source != 0
+        destinations += [at[copyable],
+                         batches.gap_offset[gaps].astype(np.uint64) + np.uint64(slab.address)]
+        addresses += [source[copyable] + piece_offset[copyable],
+                      np.zeros(gaps.stop - gaps.start, dtype=np.uint64)]
+        sizes += [batches.size[segments][copyable].astype(np.uint64),
+                  batches.gap_size[gaps].astype(np.uint64)]
+        if not copyable.all():
+            _add_tensor_copies(staged, np.flatnonzero(~copyable) + segments.start, by_device)
+    events = [_launch_d2h(dsts, srcs, ready.get(device), copy_streams(device))
+              for device, (dsts, srcs) in by_device.items() if device.type == "cuda"]
+    if destinations:
+        _native.copy_ranges(np.concatenate(destinations), np.concatenate(addresses),
+                            np.concatenate(sizes))
+    cpu = by_device.get(torch.device("cpu"))
+    if cpu is not None:
+        torch._foreach_copy_(*cpu)
+    for event in events:
+        event.synchronize()
+
+
+def _add_tensor_copies(staged: StagedBatch, segment_indices: np.ndarray,
+                       by_device: dict[torch.device, tuple[list[torch.Tensor],
+                                                          list[torch.Tensor]]]) -> None:
+    """Queue the segments (body pieces of CUDA or strided tensors) as strided view pairs."""
+    assert staged.slab is not None
+    batches, layout = staged.bin.batches, staged.bin.layout
+    for segment in segment_indices.tolist():
+        item = int(layout.item[batches.piece[segment]])
+        tensor = staged.bin.sources.payloads[item]
+        assert isinstance(tensor, torch.Tensor)
+        tensor = tensor.detach()
+        itemsize = tensor.dtype.itemsize
+        at, size = int(batches.batch_offset[segment]), int(batches.size[segment])
+        start = int(batches.piece_offset[segment])
+        typed = staged.slab.tensor[at:at + size].view(tensor.dtype)
+        device = tensor.device if tensor.device.type == "cuda" else torch.device("cpu")
+        destinations, sources = by_device.setdefault(device, ([], []))
+        cursor = 0
+        for view in flat_range_views(tensor, start // itemsize, (start + size) // itemsize):
+            count = view.numel()
+            destinations.append(typed[cursor:cursor + count].view(view.shape))
+            sources.append(view)
+            cursor += count
+
+
+def _launch_d2h(destinations: list[torch.Tensor], sources: list[torch.Tensor],
+                ready: torch.cuda.Event | None, stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """Queue the device-to-host copies on `stream` (returns at once); returns their event."""
+    if ready is None:  # a device other than the one current at the request
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        stream.wait_event(ready)
+        torch._foreach_copy_(destinations, sources, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)
+    return event
 
 
 def flat_range_views(tensor: torch.Tensor, start: int, stop: int) -> list[torch.Tensor]:
@@ -172,205 +287,12 @@ def flat_range_views(tensor: torch.Tensor, start: int, stop: int) -> list[torch.
     return views
 
 
-def copy_flat_range(flat: torch.Tensor, tensor: torch.Tensor, start: int, stop: int, *,
-                    into_tensor: bool, non_blocking: bool = False) -> None:
-    """Copy between 1-D `flat` and elements [start, stop) of `tensor` in flattened order (any
-    strides): out of `tensor` (staging a save) or, with `into_tensor`, into it (a load)."""
+def copy_into_flat_range(tensor: torch.Tensor, start: int, stop: int, flat: torch.Tensor, *,
+                         non_blocking: bool = False) -> None:
+    """Copy 1-D `flat` into elements [start, stop) of `tensor` in flattened order (any strides),
+    as a load fills a CUDA or strided target."""
     cursor = 0
     for view in flat_range_views(tensor, start, stop):
         count = view.numel()
-        part = flat[cursor:cursor + count].view(view.shape)
-        if into_tensor:
-            view.copy_(part, non_blocking=non_blocking)
-        else:
-            part.copy_(view, non_blocking=non_blocking)
+        view.copy_(flat[cursor:cursor + count].view(view.shape), non_blocking=non_blocking)
         cursor += count
-
-
-def stage_batch(batch: Batch, sources: Sequence[ItemSource], slab: Slab | None, *,
-                snapshot: bool, ready: Mapping[torch.device, torch.cuda.Event],
-                copy_stream: Callable[[torch.device], torch.cuda.Stream]
-                ) -> tuple[list[memoryview], list[tuple[int, memoryview]]]:
-    """Blocks: copy `batch` out of its sources into `slab`. Returns the buffers to write
-    (covering the whole batch, padding included) and, per segment, its item's body bytes as
-    `(item index, view)`, in file order, for the writer to hash.
-
-    Without `snapshot`, contiguous CPU bytes are not copied: their buffers are the sources'
-    own memory. CUDA segments are copied first, on each device's copy stream after the event
-    the save was requested at, and waited for here, so CPU copies overlap them.
-    """
-    views: list[list[memoryview]] = []
-    bodies: list[tuple[int, memoryview]] = []
-    cuda: dict[torch.device, list[_DeviceCopy]] = {}
-    in_place = False
-    for segment in batch.segments:
-        source = sources[segment.item_index]
-        at = segment.batch_offset
-        segment_views: list[memoryview] = []
-        for piece, lo, hi in source.pieces(segment.item_offset, segment.nbytes):
-            nbytes = hi - lo
-            if piece != "body":  # frame bytes: constant, not hashed
-                frame = memoryview(source.head if piece == "head" else source.tail)[lo:hi]
-                if slab is None:
-                    in_place = True
-                    segment_views.append(frame)
-                else:
-                    slab.view[at:at + nbytes] = frame
-                    segment_views.append(slab.view[at:at + nbytes])
-            elif source.flat is not None and not snapshot:
-                in_place = True
-                segment_views.append(memoryview(source.flat[lo:hi]))
-                bodies.append((segment.item_index, segment_views[-1]))
-            else:
-                assert slab is not None, "a copied segment needs a slab"
-                segment_views.append(slab.view[at:at + nbytes])
-                bodies.append((segment.item_index, segment_views[-1]))
-                if source.flat is not None:
-                    np.copyto(slab.array[at:at + nbytes], source.flat[lo:hi])
-                elif source.is_cuda:
-                    assert source.tensor is not None
-                    cuda.setdefault(source.tensor.device, []).append(
-                        _DeviceCopy(source, lo, at, nbytes))
-                else:
-                    assert source.tensor is not None
-                    typed = slab.tensor[at:at + nbytes].view(source.tensor.dtype)
-                    copy_flat_range(typed, source.tensor, lo // source.itemsize,
-                                    hi // source.itemsize, into_tensor=False)
-            at += nbytes
-        views.append(segment_views)
-    events = [_launch_d2h(slab, copies, ready[device], copy_stream(device))
-              for device, copies in cuda.items()]
-    if slab is not None:
-        for lo, hi in _gaps(batch):
-            slab.array[lo:hi] = 0
-    for event in events:
-        event.synchronize()
-    if slab is not None and not in_place:
-        return [slab.view[:batch.nbytes]], bodies
-    return _with_padding(batch, views), bodies
-
-
-@dataclass(frozen=True, slots=True)
-class _DeviceCopy:
-    """Body bytes [body_offset, +nbytes) of a CUDA source → slab bytes [at, +nbytes)."""
-
-    source: ItemSource
-    body_offset: int
-    at: int
-    nbytes: int
-
-
-def _launch_d2h(slab: Slab | None, copies: Sequence[_DeviceCopy],
-                ready: torch.cuda.Event, stream: torch.cuda.Stream) -> torch.cuda.Event:
-    """Queue the device-to-host copies on `stream` (returns at once); returns their event."""
-    assert slab is not None
-    with torch.cuda.stream(stream):
-        stream.wait_event(ready)
-        for copy in copies:
-            tensor = copy.source.tensor
-            assert tensor is not None
-            itemsize = copy.source.itemsize
-            typed = slab.tensor[copy.at:copy.at + copy.nbytes].view(tensor.dtype)
-            copy_flat_range(typed, tensor, copy.body_offset // itemsize,
-                            (copy.body_offset + copy.nbytes) // itemsize, into_tensor=False,
-                            non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(stream)
-    return event
-
-
-@dataclass(slots=True)
-class StagedBatch:
-    """A batch ready to write: `buffers` cover all its bytes; `bodies` are its items' bytes,
-    `(item index, view)` in file order, to hash; `slab` (if any) goes back to the pool once
-    written."""
-
-    batch: Batch
-    buffers: list[memoryview]
-    bodies: list[tuple[int, memoryview]]
-    slab: Slab | None
-
-
-_ZEROS = memoryview(bytes(4096))
-
-
-class Stager:
-    """Stages batches for one engine: CPU memcpy on the executor, CUDA D2H on copy streams."""
-
-    def __init__(self, pool: SlabPool, run_blocking: RunBlocking) -> None:
-        self.pool = pool
-        self._run_blocking = run_blocking
-        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
-        self._streams_lock = threading.Lock()
-
-    def copy_stream(self, device: torch.device) -> torch.cuda.Stream:
-        """The engine's copy stream for `device` (thread-safe; created on first use)."""
-        with self._streams_lock:
-            if device not in self._copy_streams:
-                self._copy_streams[device] = torch.cuda.Stream(device=device)
-            return self._copy_streams[device]
-
-    @staticmethod
-    def mark_ready(tensors: Iterable[torch.Tensor | bytes]
-                   ) -> dict[torch.device, torch.cuda.Event]:
-        """Record, on each device's current stream, the point a save must copy from.
-
-        Called when the save is requested, so work the caller queues later is not copied.
-        """
-        events: dict[torch.device, torch.cuda.Event] = {}
-        for tensor in tensors:
-            if (isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda"
-                    and tensor.device not in events):
-                events[tensor.device] = torch.cuda.Event()
-                events[tensor.device].record(torch.cuda.current_stream(tensor.device))
-        return events
-
-    async def stage(self, batch: Batch, sources: Sequence[ItemSource], *, needs_slab: bool,
-                    snapshot: bool, ready: Mapping[torch.device, torch.cuda.Event]
-                    ) -> StagedBatch:
-        """Copy out `batch`: one executor call, whatever its number of segments.
-
-        Memory: borrows one slab from the pool when `needs_slab`.
-        Cancellation: the copy in flight finishes; the slab goes back to the pool.
-        """
-        slab = await self.pool.acquire() if needs_slab else None
-        try:
-            buffers, bodies = await self._run_blocking(
-                functools.partial(stage_batch, snapshot=snapshot, ready=ready,
-                                  copy_stream=self.copy_stream),
-                batch, sources, slab)
-        except BaseException:
-            if slab is not None:
-                self.pool.release(slab)
-            raise
-        return StagedBatch(batch, buffers, bodies, slab)
-
-
-def _gaps(batch: Batch) -> list[tuple[int, int]]:
-    """Batch byte ranges no segment covers (padding between items)."""
-    gaps, cursor = [], 0
-    for segment in batch.segments:
-        if segment.batch_offset > cursor:
-            gaps.append((cursor, segment.batch_offset))
-        cursor = segment.batch_offset + segment.nbytes
-    if batch.nbytes > cursor:
-        gaps.append((cursor, batch.nbytes))
-    return gaps
-
-
-def _with_padding(batch: Batch, views: Sequence[Sequence[memoryview]]) -> list[memoryview]:
-    """iovecs for a batch: each segment's views, with zero bytes for the gaps between them."""
-    buffers: list[memoryview] = []
-    cursor = 0
-    for segment, segment_views in zip(batch.segments, views, strict=True):
-        gap = segment.batch_offset - cursor
-        while gap > 0:
-            buffers.append(_ZEROS[:min(gap, _ZEROS.nbytes)])
-            gap -= buffers[-1].nbytes
-        buffers.extend(segment_views)
-        cursor = segment.batch_offset + segment.nbytes
-    tail = batch.nbytes - cursor
-    while tail > 0:
-        buffers.append(_ZEROS[:min(tail, _ZEROS.nbytes)])
-        tail -= buffers[-1].nbytes
-    return buffers

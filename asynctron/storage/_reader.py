@@ -26,7 +26,6 @@ from asynctron.storage import _sysio
 from asynctron.storage._checksum import ItemHasher, check_digest, digest
 from asynctron.storage._commit import resolve_checkpoint
 from asynctron.storage._dcp import METADATA_NAME, is_dcp_checkpoint, read_dcp_manifest
-from asynctron.storage._layout import Batch, Segment
 from asynctron.storage._manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -86,6 +85,27 @@ def _check_no_overlap(manifest: Manifest, manifest_path: str) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class ReadSegment:
+    """Bytes [item_offset, +nbytes) of job `item_index` land at [batch_offset, +nbytes) of
+    its read batch."""
+
+    item_index: int
+    item_offset: int
+    batch_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReadBatch:
+    """File bytes [file_offset, +nbytes), read by one preadv; bytes no segment covers are
+    read into a scratch sink."""
+
+    file_offset: int
+    nbytes: int
+    segments: tuple[ReadSegment, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class ReadJob:
     """Read `record`'s bytes into `destination` (exactly `record.nbytes`), or, with
     `destination` None, only hash them (verification)."""
@@ -94,16 +114,16 @@ class ReadJob:
     destination: memoryview | None
 
 
-def plan_reads(records: Sequence[ItemRecord], call_nbytes: int) -> list[Batch]:
+def plan_reads(records: Sequence[ItemRecord], call_nbytes: int) -> list[ReadBatch]:
     """Read batches for `records` (all of one file, sorted by offset, not overlapping); a
     segment's `item_index` is its record's index in `records`."""
-    batches: list[Batch] = []
+    batches: list[ReadBatch] = []
     start = end = 0
-    segments: list[Segment] = []
+    segments: list[ReadSegment] = []
 
     def flush() -> None:
         if segments:
-            batches.append(Batch(start, end - start, tuple(segments)))
+            batches.append(ReadBatch(start, end - start, tuple(segments)))
             segments.clear()
 
     for index, record in enumerate(records):
@@ -114,14 +134,14 @@ def plan_reads(records: Sequence[ItemRecord], call_nbytes: int) -> list[Batch]:
                 flush()
                 start = end = at
             nbytes = min(record.nbytes - done, start + call_nbytes - at)
-            segments.append(Segment(index, done, at - start, nbytes))
+            segments.append(ReadSegment(index, done, at - start, nbytes))
             done += nbytes
             end = at + nbytes
     flush()
     return batches
 
 
-def read_batch(fio: FileIO, fd: int, path: str, batch: Batch, jobs: Sequence[ReadJob],
+def read_batch(fio: FileIO, fd: int, path: str, batch: ReadBatch, jobs: Sequence[ReadJob],
                hashers: Sequence[ItemHasher] | None, scratch: memoryview | None) -> None:
     """Blocks: one preadv for the whole batch into the jobs' destinations (or `scratch`, which
     holds `batch.nbytes`, for jobs without one), then continue each segment's digest."""

@@ -1,8 +1,9 @@
 """The per-bin writer: one file, written batch by batch in file order, each item hashed.
 
-Each `write` is one executor call that continues the digest of every item the batch holds,
-then pwritev's the batch (looping over short writes, with O_DIRECT for the aligned part where
-the file has it), so the loop thread never touches file bytes. Hashing here rather than while
+`write` takes every batch that is ready and writes them all in ONE executor call: for each
+batch, continue the digest of every item it holds, then pwritev it (looping over short writes,
+with O_DIRECT for the aligned part where the file has it). So the loop wakes once per call, not
+once per batch, and the loop thread never touches file bytes. Hashing here rather than while
 staging keeps it out of the caller's blocking time: staging is then a plain copy, bound by
 memory bandwidth.
 """
@@ -10,13 +11,32 @@ memory bandwidth.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from asynctron._concurrency import RunBlocking
 from asynctron.storage import _sysio
 from asynctron.storage._checksum import ItemHasher
-from asynctron.storage._layout import Batch, BinLayout
 from asynctron.storage._sysio import FileIO
+
+
+class WriteBatch(Protocol):
+    """File bytes [file_offset, +nbytes) ready to write. Its methods are called on the
+    executor, once each."""
+
+    @property
+    def file_offset(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def buffers(self) -> Sequence[memoryview]:
+        """iovecs covering all the batch's bytes, padding included."""
+        ...
+
+    def bodies(self) -> Sequence[tuple[int, memoryview]]:
+        """Its items' bytes to hash, `(item index, bytes)` in file order."""
+        ...
 
 
 class BinWriter:
@@ -25,12 +45,12 @@ class BinWriter:
     Durability: the file's bytes are durable once `finish` returns.
     """
 
-    def __init__(self, fio: FileIO, path: str, layout: BinLayout, run_blocking: RunBlocking, *,
+    def __init__(self, fio: FileIO, path: str, nbytes: int, run_blocking: RunBlocking, *,
                  direct_io: bool, hashers: Sequence[ItemHasher] | None):
         self.path = path
+        self.nbytes = nbytes
         self._want_direct = direct_io
         self._direct: _sysio.DirectIO | None = None
-        self.layout = layout
         self._fio = fio
         self._run_blocking = run_blocking
         self._hashers = hashers
@@ -49,24 +69,26 @@ class BinWriter:
         self._fd = fd
         self._direct = _sysio.DirectIO(fd, self.path) if direct else None
 
-    async def write(self, batch: Batch, buffers: Sequence[memoryview],
-                    bodies: Sequence[tuple[int, memoryview]]) -> None:
-        """Write `batch` from `buffers` (covering all its bytes, padding included), hashing
-        `bodies` (`(item index, bytes)` in file order) first.
+    async def write(self, batches: Sequence[WriteBatch],
+                    on_written: Callable[[WriteBatch], None]) -> None:
+        """Write `batches` (consecutive, continuing the file) in one executor call, hashing
+        each batch's bodies first; `on_written(batch)` is called on the executor thread after
+        each batch.
 
         Cancellation: the executor call runs to completion; the file is then incomplete and
         the caller discards the whole tmp dir.
         """
         assert self._fd is not None, "open() first"
-        assert batch.file_offset == self._next_offset, "batches must be written in file order"
-        await self._run_blocking(_write_batch, self._fio, self._fd, self.path, batch, buffers,
-                                 self._direct, bodies, self._hashers)
-        self._next_offset = batch.file_offset + batch.nbytes
+        for batch in batches:
+            assert batch.file_offset == self._next_offset, "batches must be written in order"
+            self._next_offset += batch.nbytes
+        await self._run_blocking(_write_batches, self._fio, self._fd, self.path, batches,
+                                 self._direct, self._hashers, on_written)
 
     async def finish(self) -> None:
         """fsync and close the file. Raises StorageError if fsync fails."""
         assert self._fd is not None
-        assert self._next_offset == self.layout.nbytes, "finish() before every batch was written"
+        assert self._next_offset == self.nbytes, "finish() before every batch was written"
         fd, self._fd = self._fd, None
         try:
             await self._run_blocking(_sysio.fsync, self._fio, fd, self.path)
@@ -80,24 +102,28 @@ class BinWriter:
             await self._run_blocking(_close_quietly, self._fio, fd)
 
 
-def _write_batch(fio: FileIO, fd: int, path: str, batch: Batch, buffers: Sequence[memoryview],
-                 direct: _sysio.DirectIO | None, bodies: Sequence[tuple[int, memoryview]],
-                 hashers: Sequence[ItemHasher] | None) -> None:
-    """Blocks: hash the batch's item bytes, then write the batch at its file offset (a
-    one-buffer batch with an unaligned end goes O_DIRECT up to its last full block, then
-    buffered)."""
-    if hashers is not None:
-        for item_index, body in bodies:
-            hashers[item_index].update(body)
-    calls = [list(buffers)]
-    head_nbytes = batch.nbytes // _sysio.DIRECT_IO_ALIGN_BYTES * _sysio.DIRECT_IO_ALIGN_BYTES
-    if direct is not None and len(buffers) == 1 and 0 < head_nbytes < batch.nbytes:
-        calls = [[buffers[0][:head_nbytes]], [buffers[0][head_nbytes:]]]
-    written = 0
-    for call in calls:
-        written += _sysio.write_fully(fio, fd, call, batch.file_offset + written, path, direct)
-    assert written == batch.nbytes, f"wrote {written} bytes of a {batch.nbytes}-byte batch"
-    _sysio.start_writeback(fd, batch.file_offset, batch.nbytes)
+def _write_batches(fio: FileIO, fd: int, path: str, batches: Sequence[WriteBatch],
+                   direct: _sysio.DirectIO | None, hashers: Sequence[ItemHasher] | None,
+                   on_written: Callable[[WriteBatch], None]) -> None:
+    """Blocks: per batch, hash its item bytes, then write it at its file offset (a one-buffer
+    batch with an unaligned end goes O_DIRECT up to its last full block, then buffered)."""
+    for batch in batches:
+        if hashers is not None:
+            for item_index, body in batch.bodies():
+                hashers[item_index].update(body)
+        buffers = list(batch.buffers())
+        calls = [buffers]
+        nbytes = batch.nbytes
+        head_nbytes = nbytes // _sysio.DIRECT_IO_ALIGN_BYTES * _sysio.DIRECT_IO_ALIGN_BYTES
+        if direct is not None and len(buffers) == 1 and 0 < head_nbytes < nbytes:
+            calls = [[buffers[0][:head_nbytes]], [buffers[0][head_nbytes:]]]
+        written = 0
+        for call in calls:
+            written += _sysio.write_fully(fio, fd, call, batch.file_offset + written, path,
+                                          direct)
+        assert written == nbytes, f"wrote {written} bytes of a {nbytes}-byte batch"
+        _sysio.start_writeback(fd, batch.file_offset, nbytes)
+        on_written(batch)
 
 
 def _close_quietly(fio: FileIO, fd: int) -> None:

@@ -186,10 +186,13 @@ async def test_format_dcp_items_are_checksummed(shm_path: str) -> None:
 
 async def test_format_dcp_refuses_what_loading_could_not_read(shm_path: str) -> None:
     async with Engine() as engine:
-        with pytest.raises(TypeError, match=r"^value at key 'extra': expected tensors, ndarrays, "
-                                            r"bytes, JSON values and containers of them, found "
-                                            r".*Gadget"):
-            engine.save({"extra": (1, Gadget())}, f"{shm_path}/d", format="dcp")
+        task = engine.save({"extra": (1, Gadget())}, f"{shm_path}/d", format="dcp")
+        for milestone in (task.staged, task):
+            with pytest.raises(TypeError, match=r"^value at key 'extra': expected tensors, "
+                                                r"ndarrays, bytes, JSON values and containers of "
+                                                r"them, found .*Gadget"):
+                await milestone
+        assert not os.listdir(shm_path)  # nothing written, not even a tmp dir
         with pytest.raises(ValueError, match=r"^format: expected 'asynctron' or 'dcp', found "
                                              r"'zip'$"):
             engine.save({"w": torch.ones(1)}, f"{shm_path}/d", format="zip")  # type: ignore[arg-type]

@@ -1,0 +1,149 @@
+"""The stage+write pipeline of one save on one rank: every bin's batches copied into slabs and
+written to the bin's file, fsynced.
+
+Tasks (one `TaskGroup`):
+- the stager: batches that need a copy, interleaved across bins, are staged wave by wave: each
+  wave takes as many slabs as the budget allows at once and is ONE executor call
+  (`stage_wave`); batches written in place (no snapshot) need no copy and are ready at once;
+- one writer per bin: it holds back until staging is done or the budget runs short (so the
+  caller's blocking time stays close to a plain memcpy), then writes every consecutive ready
+  batch in ONE executor call, and fsyncs once the file is complete.
+So the loop wakes a few times per save, not per batch. A slab goes back to the pool when its
+batch is written: at the end of the writer's call, or, when another acquire is waiting for
+budget, right after that batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable, Mapping
+
+import torch
+
+from asynctron._concurrency import RunBlocking, first_error
+from asynctron.engine._save_plan import SaveRequest
+from asynctron.engine._slabs import SlabPool
+from asynctron.engine._staging import CopyStreams, StagedBatch, in_place, stage_wave
+from asynctron.storage._sysio import FileIO
+from asynctron.storage._writer import BinWriter, WriteBatch
+
+
+class _ReadyBatches:
+    """One bin's batches that are ready to write, handed to its writer in file order."""
+
+    def __init__(self, num_batches: int) -> None:
+        self.num_batches = num_batches
+        self.next_index = 0
+        self._ready: dict[int, StagedBatch] = {}
+        self._changed = asyncio.Event()
+
+    def put(self, batch: StagedBatch) -> None:
+        self._ready[batch.index] = batch
+        self._changed.set()
+
+    async def take(self) -> list[StagedBatch]:
+        """The next run of consecutive ready batches (waits for the first of them)."""
+        while self.next_index not in self._ready:
+            self._changed.clear()
+            await self._changed.wait()
+        run = []
+        while self.next_index in self._ready:
+            run.append(self._ready.pop(self.next_index))
+            self.next_index += 1
+        return run
+
+    def drain(self) -> list[StagedBatch]:
+        """Every batch never taken (after a failure)."""
+        left, self._ready = list(self._ready.values()), {}
+        return left
+
+
+async def stage_and_write(request: SaveRequest, tmp_dir: str, *, snapshot: bool,
+                          direct_io: bool, ready: Mapping[torch.device, torch.cuda.Event],
+                          pool: SlabPool, copy_streams: CopyStreams, fio: FileIO,
+                          run_blocking: RunBlocking, on_staged: Callable[[], None]) -> None:
+    """Stage and write every bin of `request` into `tmp_dir`, fsynced; `on_staged()` once
+    nothing of the caller's is needed any more (with `snapshot`, once every batch is staged;
+    without, once every file is written).
+
+    Raises the first error of any task (the others are cancelled).
+    Cancellation: copies and writes in flight finish; every slab goes back to the pool and
+    every file is closed (the caller removes the tmp dir).
+    """
+    queues = [_ReadyBatches(len(bin.batches)) for bin in request.bins]
+    writers = [BinWriter(fio, os.path.join(tmp_dir, bin.layout.file_name), bin.layout.nbytes,
+                         run_blocking, direct_io=direct_io, hashers=request.hashers)
+               for bin in request.bins]
+    gate = asyncio.Event()
+    pool.pressure_listeners.add(gate)
+    loop = asyncio.get_running_loop()
+
+    def release(batch: StagedBatch) -> None:
+        if batch.slab is not None:
+            pool.release(batch.slab)
+            batch.slab = None
+
+    def on_written(batch: WriteBatch) -> None:  # on the writer's executor thread
+        if pool.num_waiting:
+            loop.call_soon_threadsafe(release, batch)
+
+    async def stage() -> None:
+        waiting = []
+        for index in range(max((len(bin.batches) for bin in request.bins), default=0)):
+            for bin, queue in zip(request.bins, queues, strict=True):
+                if index >= len(bin.batches):
+                    continue
+                if not snapshot and in_place(bin, index):
+                    queue.put(StagedBatch(bin, index, None))
+                else:
+                    waiting.append((bin, queue, index))
+        waiting.reverse()
+        while waiting:
+            slabs = await pool.acquire(len(waiting))
+            wave = []
+            for slab in slabs:
+                bin, queue, index = waiting.pop()
+                wave.append((queue, StagedBatch(bin, index, slab)))
+            try:
+                await run_blocking(stage_wave, [staged for _, staged in wave], ready,
+                                   copy_streams)
+            except BaseException:
+                for _, staged in wave:
+                    release(staged)
+                raise
+            for queue, staged in wave:
+                queue.put(staged)
+        gate.set()
+        if snapshot:
+            on_staged()
+
+    async def write(writer: BinWriter, queue: _ReadyBatches) -> None:
+        try:
+            await writer.open()
+            await gate.wait()
+            while queue.next_index < queue.num_batches:
+                run = await queue.take()
+                try:
+                    await writer.write(run, on_written)
+                finally:
+                    for batch in run:
+                        release(batch)
+            await writer.finish()
+        finally:
+            await writer.aclose()
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(stage())
+            for writer, queue in zip(writers, queues, strict=True):
+                group.create_task(write(writer, queue))
+    except BaseExceptionGroup as group_error:
+        raise first_error(group_error)  # noqa: B904 (the group stays as __context__)
+    finally:
+        pool.pressure_listeners.discard(gate)
+        for queue in queues:
+            for batch in queue.drain():
+                release(batch)
+    if not snapshot:
+        on_staged()
