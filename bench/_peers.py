@@ -63,6 +63,7 @@ import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 import numpy as np
 import safetensors.torch
@@ -162,6 +163,46 @@ def save_dcp_async(
     future.result()
 
 
+class DcpAsyncSaver:
+    """``dcp.async_save`` with its best settings, kept across saves, as a trainer keeps it.
+
+    A persistent ``DefaultStager`` caches its staging copy of every storage, so from the
+    second save on the blocking copy goes into warm memory (a fresh stager per call, DCP's
+    default, faults in new memory each time); ``FileSystemWriter(thread_count, sync_files=
+    True)`` writes. ``process=True`` is ``AsyncCheckpointerType.PROCESS``: the stager puts the
+    staged state in shared memory and a persistent background process writes it; that mode
+    needs a process group, so a one-rank gloo group is created.
+    """
+
+    def __init__(self, *, process: bool, thread_count: int = 4) -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+        self.thread_count = thread_count
+        self._type = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
+        if process:
+            _ensure_single_rank_process_group()
+            # The writer process logs every request at INFO on the root logger.
+            logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
+        self._stager = DefaultStager(StagingOptions(
+            use_pinned_memory=False, use_shared_memory=process, use_async_staging=False,
+            use_non_blocking_copy=False))
+        self._no_dist = not process
+
+    def start(self, state_dict: StateDict, directory: str) -> Future:
+        """Stage (the blocking part) and start the write; the future completes once durable."""
+        writer = dcp.FileSystemWriter(directory, thread_count=self.thread_count, sync_files=True)
+        future = dcp.async_save(state_dict, storage_writer=writer, async_stager=self._stager,
+                                async_checkpointer_type=self._type, no_dist=self._no_dist)
+        if not isinstance(future, Future):
+            raise TypeError(f"DcpAsyncSaver: async_save returned {type(future).__name__}, "
+                            "expected a Future")
+        return future
+
+    def close(self) -> None:
+        self._stager.close()
+
+
 def _safetensors_ready(state_dict: StateDict) -> dict[str, torch.Tensor]:
     """Flatten keys and copy exactly the tensors safetensors would reject.
 
@@ -257,17 +298,58 @@ def save_megatron_async(
     thread_count: int = 2,
     on_staged: Callable[[], None] | None = None,
 ) -> None:
-    """Megatron-core ``FileSystemWriterAsync`` save, waited to completion, on one CPU process.
+    """Megatron-core ``FileSystemWriterAsync`` save, waited to completion, on one CPU process:
+    :func:`start_megatron_async`, ``on_staged()``, then its ``finish()``."""
+    save = start_megatron_async(state_dict, directory, thread_count=thread_count)
+    if on_staged is not None:
+        on_staged()
+    save.finish()
+
+
+class MegatronSave:
+    """A Megatron async save in flight: its writer process, and what finalizing needs."""
+
+    def __init__(self, writer: Any, metadata: Any, dist_wrapper: Any,
+                 process: multiprocessing.process.BaseProcess | None, directory: str) -> None:
+        self._writer = writer
+        self._metadata = metadata
+        self._dist_wrapper = dist_wrapper
+        self._process = process
+        self._directory = directory
+
+    def done(self) -> bool:
+        return self._process is None or not self._process.is_alive()
+
+    def finish(self) -> None:
+        """Wait for the writer process, then finalize (gather results, write ``.metadata``)."""
+        if self._process is not None:
+            self._process.join()
+            if self._process.exitcode != 0:
+                raise RuntimeError(
+                    f"save_megatron_async: writer process for {self._directory} exited with "
+                    f"code {self._process.exitcode}"
+                )
+        all_results = self._dist_wrapper.gather_object(self._writer.retrieve_write_results())
+        failures = _get_failure_dict(all_results)
+        if failures:
+            raise dcp.CheckpointException("write", failures)
+        self._writer.finish(self._metadata, all_results)
+
+
+def start_megatron_async(
+    state_dict: StateDict, directory: str, *, thread_count: int = 2
+) -> MegatronSave:
+    """Start a Megatron-core ``FileSystemWriterAsync`` save on one CPU process; returns once
+    training could go on (after the fork), with a handle whose ``finish()`` completes it.
 
     Replicates ``TorchDistSaveShardedStrategy.async_save`` (thread_count 2 is its default):
     ``save_state_dict_async_plan`` with ``MCoreSavePlanner`` (decentralised plan) on the
     flattened state dict; ``preload_tensors`` (no copy for CPU tensors); a *forked* process
     running ``write_preloaded_data_multiproc``, which forks ``thread_count`` writers that
     write and fsync one ``__0_<i>.distcp`` file each (fork copy-on-write is the snapshot);
-    then ``save_state_dict_async_finalize``'s work: gather the write results, fail on any
-    worker error, and ``finish`` (``.metadata`` fsync'ed and renamed). The result loads with
-    :func:`load_dcp` given a flat template. ``on_staged`` is called right after the fork,
-    where Megatron returns control to training.
+    then ``save_state_dict_async_finalize``'s work in ``finish()``: gather the write results,
+    fail on any worker error, and ``finish`` (``.metadata`` fsync'ed and renamed). The result
+    loads with :func:`load_dcp` given a flat template.
 
     Megatron's own ``TemporalAsyncCaller``/``AsyncRequest`` and the finalize function cannot
     run here: they call ``torch.cuda.synchronize()`` / ``torch.cuda.current_device()``,
@@ -299,20 +381,7 @@ def save_megatron_async(
             target=save_fn, args=tuple(save_args), name="megatron-async-writer"
         )
         process.start()
-    if on_staged is not None:
-        on_staged()
-    if process is not None:
-        process.join()
-        if process.exitcode != 0:
-            raise RuntimeError(
-                f"save_megatron_async: writer process for {directory} exited with "
-                f"code {process.exitcode}"
-            )
-    all_results = dist_wrapper.gather_object(writer.retrieve_write_results())
-    failures = _get_failure_dict(all_results)
-    if failures:
-        raise dcp.CheckpointException("write", failures)
-    writer.finish(metadata, all_results)
+    return MegatronSave(writer, metadata, dist_wrapper, process, directory)
 
 
 def peer_versions() -> dict[str, str]:

@@ -1,0 +1,417 @@
+"""Checkpoints inside a busy trainer: asynctron against DCP `async_save` (thread and process
+modes) and Megatron's async writer, in one process, while a trainer keeps working.
+
+Trainers:
+- `idle`: none (the reference for every method's blocking and total time);
+- `python`: a thread spinning pure Python, holding the GIL (as a GPU trainer's dispatch thread
+  does);
+- `torch`: a thread running 1-thread CPU matmuls (releases the GIL, takes a core);
+- `gpt`: the demo's small GPT training on the event loop itself (an async trainer), saving
+  every few steps and going on once the save is staged.
+The event loop runs on the main thread; every method is started there. Per method and trainer,
+medians of the repeats: blocking (until the trainer may change its tensors: `await
+task.staged`, `async_save` returning, Megatron's fork), total (until durable), and the
+trainer's work retained while the save runs (its rate during the save / its rate in the
+second before). For `gpt`: step time while a save is in flight / without.
+
+torch runs with one intra-op thread (the trainers and DCP's copies alike), so the 2-core
+machine has one core for the trainer and one for checkpointing.
+
+Run: `python -m bench.train` (or `asynctron bench train`); `--quick` for a smoke run.
+Results: printed, and written as JSON to bench/results/train_<host>_<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+import uvloop
+
+from asynctron import Engine
+from asynctron._demo._model import TinyGPT, language_model_loss
+from asynctron.testing import LoopWatchdog
+from bench import _baselines, _peers, _results
+
+GiB = 1 << 30
+MiB = 1 << 20
+OURS = "asynctron"
+TRAINERS = ("idle", "python", "torch", "gpt")
+
+
+class TrainerThread(threading.Thread):
+    """Works in units until stopped, counting them: pure Python (`python`) or a 1-thread
+    256x256 matmul (`torch`)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(name=f"trainer-{kind}", daemon=True)
+        self.kind = kind
+        self.count = 0
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        while not self._halt.is_set():
+            if self.kind == "python":
+                total = 0
+                for i in range(2000):
+                    total += i * i
+            else:
+                torch.mm(a, b)
+            self.count += 1
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
+
+
+@dataclass
+class Save:
+    """One save in flight, as the harness sees it: `staged` awaits the point the trainer may
+    change its tensors; `done` awaits durability."""
+
+    staged: Callable[[], Awaitable[None]]
+    done: Callable[[], Awaitable[None]]
+
+
+class Method:
+    """How one library saves: `start(state, path)` on the loop thread (its blocking part runs
+    there, as a trainer would call it), returning the `Save`."""
+
+    name: str
+
+    async def start(self, state: dict[str, Any], path: str) -> Save:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        return None
+
+
+class Asynctron(Method):
+    name = OURS
+
+    def __init__(self) -> None:
+        self.engine = Engine(memory_budget_bytes=2 * GiB + 512 * MiB)
+
+    async def open(self) -> None:
+        await self.engine.start()
+
+    async def start(self, state: dict[str, Any], path: str) -> Save:
+        task = self.engine.save(state, path)
+
+        async def staged() -> None:
+            await task.staged
+
+        async def done() -> None:
+            await task
+
+        return Save(staged, done)
+
+    async def close(self) -> None:
+        await self.engine.aclose()
+
+
+class DcpAsync(Method):
+    def __init__(self, process: bool) -> None:
+        self.name = f"dcp async_save ({'process' if process else 'thread'})"
+        self._saver = _peers.DcpAsyncSaver(process=process)
+
+    async def start(self, state: dict[str, Any], path: str) -> Save:
+        future = self._saver.start(state, path)  # stages on the caller's thread
+
+        async def staged() -> None:
+            return None
+
+        async def done() -> None:
+            await asyncio.wrap_future(future)
+
+        return Save(staged, done)
+
+    async def close(self) -> None:
+        self._saver.close()
+
+
+class MegatronAsync(Method):
+    name = "megatron FileSystemWriterAsync"
+
+    async def start(self, state: dict[str, Any], path: str) -> Save:
+        save = _peers.start_megatron_async(state, path)  # plans and forks on the caller
+
+        async def staged() -> None:
+            return None
+
+        async def done() -> None:
+            while not save.done():
+                await asyncio.sleep(0.005)
+            save.finish()
+
+        return Save(staged, done)
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+async def _timed_save(method: Method, state: dict[str, Any], path: str
+                      ) -> tuple[float, float]:
+    """(blocking, total) seconds of one save."""
+    start = time.perf_counter()
+    save = await method.start(state, path)
+    await save.staged()
+    staged = time.perf_counter()
+    await save.done()
+    return staged - start, time.perf_counter() - start
+
+
+async def run_thread_trainer(kind: str, methods: list[Method], state: dict[str, Any],
+                             base: str, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Saves while a trainer thread works (or none, for `idle`), methods taking turns."""
+    trainer = None if kind == "idle" else TrainerThread(kind)
+    if trainer is not None:
+        trainer.start()
+    samples: dict[str, dict[str, list[float]]] = {m.name: {} for m in methods}
+    try:
+        for round_index in range(repeats + 1):  # round 0 warms every method
+            for method in methods[round_index % len(methods):] + methods[
+                    :round_index % len(methods)]:
+                path = os.path.join(base, f"{kind}-{round_index}-{len(method.name)}")
+                gc.collect()
+                before = _rate_probe(trainer)
+                await asyncio.sleep(1.0)
+                alone = _rate_probe(trainer)
+                async with LoopWatchdog() as dog:
+                    blocking, total = await _timed_save(method, state, path)
+                during = _rate_probe(trainer)
+                await asyncio.to_thread(shutil.rmtree, path, True)
+                if round_index == 0:
+                    continue
+                record = samples[method.name]
+                record.setdefault("blocking_s", []).append(blocking)
+                record.setdefault("total_s", []).append(total)
+                record.setdefault("loop_worst_delay_s", []).append(dog.report().worst_delay_s)
+                if trainer is not None:
+                    rate_alone = (alone[0] - before[0]) / (alone[1] - before[1])
+                    rate_during = (during[0] - alone[0]) / (during[1] - alone[1])
+                    record.setdefault("retained", []).append(rate_during / rate_alone)
+                print(f"  {kind:<7} round {round_index} {method.name:<32} blocking "
+                      f"{blocking:7.3f} s  total {total:7.3f} s"
+                      + (f"  retained {record['retained'][-1]:.0%}" if trainer else ""),
+                      flush=True)
+    finally:
+        if trainer is not None:
+            trainer.stop()
+    return samples
+
+
+def _rate_probe(trainer: TrainerThread | None) -> tuple[int, float]:
+    return (trainer.count if trainer is not None else 0), time.perf_counter()
+
+
+async def run_gpt_trainer(methods: list[Method], base: str, *, num_steps: int,
+                          save_every: int, hidden: int, num_layers: int
+                          ) -> dict[str, dict[str, list[float]]]:
+    """The demo's small GPT trains on the loop; every `save_every` steps the method saves
+    model and optimizer state; training goes on once the save is staged (and, as in
+    torchtitan, a save first waits for the previous one: that wait is blocking too)."""
+    torch.manual_seed(0)
+    model = TinyGPT(vocab_size=256, sequence_length=128, hidden=hidden, num_layers=num_layers,
+                    num_heads=8)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, 256, (8, 128))
+    batch = {"tokens": tokens, "position_ids": torch.arange(128).expand(8, 128),
+             "labels": tokens.roll(-1, 1), "loss_mask": torch.ones(8, 128)}
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        language_model_loss(model, batch).backward()
+        optimizer.step()
+
+    for _ in range(3):  # optimizer state exists from here on
+        step()
+    samples: dict[str, dict[str, list[float]]] = {}
+    for method in methods:
+        record: dict[str, list[float]] = {}
+        in_flight: asyncio.Task[None] | None = None
+        for index in range(num_steps):
+            started = time.perf_counter()
+            step()
+            elapsed = time.perf_counter() - started
+            busy = in_flight is not None and not in_flight.done()
+            if index >= save_every:  # the first period warms the method
+                record.setdefault("step_busy_s" if busy else "step_idle_s", []).append(elapsed)
+            if (index + 1) % save_every == 0:
+                path = os.path.join(base, f"gpt-{index}-{len(method.name)}")
+                state = _flat_training_state(model, optimizer)
+                started = time.perf_counter()
+                if in_flight is not None:  # as torchtitan: the previous save must finish first
+                    await in_flight
+                save = await method.start(state, path)
+                await save.staged()
+                if index >= save_every:
+                    record.setdefault("blocking_s", []).append(time.perf_counter() - started)
+                in_flight = asyncio.ensure_future(_finish(save, path, started, record,
+                                                          index >= save_every))
+            await asyncio.sleep(0)  # the loop's other tasks run between steps
+        if in_flight is not None:
+            await in_flight
+        samples[method.name] = record
+        idle, busy = _median(record.get("step_idle_s", [])), _median(
+            record.get("step_busy_s", []))
+        print(f"  gpt     {method.name:<32} blocking {_median(record['blocking_s']):7.3f} s  "
+              f"step {idle * 1e3:.1f} ms idle, {busy * 1e3:.1f} ms with a save in flight "
+              f"({busy / idle:.2f}x)", flush=True)
+    return samples
+
+
+def _flat_training_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                         ) -> dict[str, torch.Tensor]:
+    """Model and optimizer state as one flat dict of tensors, the form every method takes
+    (Megatron's writer takes flat string keys only)."""
+    state = {f"model.{name}": tensor for name, tensor in model.state_dict().items()}
+    for name, parameter in model.named_parameters():
+        for key, value in optimizer.state[parameter].items():
+            state[f"optim.{name}.{key}"] = value
+    return state
+
+
+async def _finish(save: Save, path: str, started: float, record: dict[str, list[float]],
+                  keep: bool) -> None:
+    await save.done()
+    if keep:
+        record.setdefault("total_s", []).append(time.perf_counter() - started)
+    await asyncio.to_thread(shutil.rmtree, path, True)
+
+
+def summarize(samples: dict[str, dict[str, dict[str, list[float]]]]) -> dict[str, Any]:
+    """Medians per trainer and method, and the issue's ratios."""
+    out: dict[str, Any] = {}
+    for kind, by_method in samples.items():
+        out[kind] = {name: {key: _median(values) for key, values in record.items()}
+                     | {"samples": record} for name, record in by_method.items()}
+    idle = out.get("idle", {}).get(OURS, {})
+    for kind in ("python", "torch"):
+        ours = out.get(kind, {}).get(OURS)
+        if ours is None or not idle:
+            continue
+        peers = {name: m["blocking_s"] for name, m in out[kind].items()
+                 if name.startswith("dcp async_save")}
+        best = min(peers, key=peers.get) if peers else None
+        ours["blocking_vs_idle"] = ours["blocking_s"] / idle["blocking_s"]
+        if best is not None:
+            ours["blocking_vs_best_dcp_async"] = ours["blocking_s"] / peers[best]
+            ours["best_dcp_async"] = best
+    return out
+
+
+def report(summary: dict[str, Any]) -> list[str]:
+    lines = []
+    for kind, by_method in summary.items():
+        lines.append(f"\n== trainer: {kind} ==")
+        if kind == "gpt":
+            lines.append(f"{'method':<34}{'blocking s':>11}{'total s':>9}{'step idle ms':>14}"
+                         f"{'step busy ms':>14}{'busy/idle':>10}")
+            for name, m in by_method.items():
+                ratio = m.get("step_busy_s", float("nan")) / m.get("step_idle_s", float("nan"))
+                lines.append(f"{name:<34}{m['blocking_s']:>11.3f}{m.get('total_s', 0):>9.3f}"
+                             f"{m.get('step_idle_s', 0) * 1e3:>14.1f}"
+                             f"{m.get('step_busy_s', 0) * 1e3:>14.1f}{ratio:>10.2f}")
+            continue
+        lines.append(f"{'method':<34}{'blocking s':>11}{'total s':>9}{'retained':>10}"
+                     f"{'loop ms':>9}")
+        for name, m in sorted(by_method.items(), key=lambda kv: kv[1]["blocking_s"]):
+            retained = f"{m['retained']:.0%}" if "retained" in m else "-"
+            lines.append(f"{name:<34}{m['blocking_s']:>11.3f}{m['total_s']:>9.3f}"
+                         f"{retained:>10}{m['loop_worst_delay_s'] * 1e3:>9.1f}")
+        ours = by_method.get(OURS, {})
+        if "blocking_vs_idle" in ours:
+            lines.append(f"asynctron blocking: {ours['blocking_vs_idle']:.2f}x its idle "
+                         "blocking (target <= 3x); "
+                         + (f"{ours['blocking_vs_best_dcp_async']:.2f}x {ours['best_dcp_async']}"
+                            " (target <= 0.5x); " if "best_dcp_async" in ours else "")
+                         + f"trainer kept {ours['retained']:.0%} (target >= 90%)")
+    for line in lines:
+        print(line)
+    return lines
+
+
+async def main_async(args: argparse.Namespace, base: str) -> dict[str, Any]:
+    state = _baselines.make_state_dict(int(args.size_gib * GiB), seed=1)
+    ours = Asynctron()
+    await ours.open()
+    methods: list[Method] = [ours, DcpAsync(process=False), DcpAsync(process=True)]
+    reason = _peers.megatron_available() if not args.skip_megatron else "--skip-megatron"
+    if reason is None:
+        methods.append(MegatronAsync())
+    samples: dict[str, Any] = {}
+    try:
+        for kind in args.trainers.split(","):
+            if kind == "gpt":
+                samples[kind] = await run_gpt_trainer(
+                    methods, base, num_steps=args.gpt_steps, save_every=args.gpt_save_every,
+                    hidden=args.gpt_hidden, num_layers=args.gpt_layers)
+            else:
+                samples[kind] = await run_thread_trainer(kind, methods, state, base,
+                                                         args.repeats)
+    finally:
+        for method in methods:
+            await method.close()
+    summary = summarize(samples)
+    summary["notes"] = {"megatron": "run" if reason is None else f"not run: {reason}"}
+    summary["state"] = {"nbytes": sum(t.nbytes for t in state.values()),
+                        "num_tensors": len(state)}
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="asynctron bench train",
+                                     description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--size-gib", type=float, default=1.0, help="state dict size")
+    parser.add_argument("--target", default="/dev/shm", help="directory to save into")
+    parser.add_argument("--trainers", default=",".join(TRAINERS),
+                        help=f"comma-separated subset of {','.join(TRAINERS)}")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--gpt-steps", type=int, default=60)
+    parser.add_argument("--gpt-save-every", type=int, default=10)
+    parser.add_argument("--gpt-hidden", type=int, default=512)
+    parser.add_argument("--gpt-layers", type=int, default=8)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke)")
+    parser.add_argument("--out", default=None, help="JSON results path")
+    parser.add_argument("--skip-megatron", action="store_true",
+                        help="do not run Megatron's writer even where megatron-core imports")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.size_gib, args.repeats = 0.02, 1
+        args.gpt_steps, args.gpt_save_every, args.gpt_hidden, args.gpt_layers = 6, 2, 64, 2
+    unknown = sorted(set(args.trainers.split(",")) - set(TRAINERS))
+    if unknown:
+        parser.error(f"--trainers: expected names from {list(TRAINERS)}, found {unknown}")
+    torch.set_num_threads(1)
+    started = time.time()
+    warmed = 0 if args.quick else _baselines.warm_guest_memory()
+    base = tempfile.mkdtemp(prefix=f"asynctron-bench-{os.getpid()}-", dir=args.target)
+    try:
+        summary = uvloop.run(main_async(args, base))
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    summary["lines"] = report({k: v for k, v in summary.items() if k in TRAINERS})
+    summary["meta"] = _results.run_meta(
+        started, args, memory_bytes=psutil.virtual_memory().total, peers=_peers.peer_versions(),
+        warmed_guest_memory_bytes=warmed, torch_threads=torch.get_num_threads())
+    _results.write_results("train", summary, out=args.out, quick=args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
