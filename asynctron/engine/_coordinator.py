@@ -38,7 +38,7 @@ from asynctron.errors import AsynctronError, PeerError, StorageError
 from asynctron.storage import _commit, _sysio
 from asynctron.storage._checksum import digest
 from asynctron.storage._manifest import ItemRecord
-from asynctron.storage._plan import Structure, plan_global
+from asynctron.storage._plan import plan_global
 
 logger = logging.getLogger(__name__)
 
@@ -127,13 +127,17 @@ class Start:
 
 @dataclass(frozen=True, slots=True)
 class WriteReport:
-    """One rank's result: its files and items (with checksums) and its state dict's structure;
-    or, when it failed, what went wrong."""
+    """One rank's result: its files, its items and their checksums, and its state dict's
+    structure; or, when it failed, what went wrong."""
 
     rank: int
     records: tuple[ItemRecord, ...] = ()
+    """The items' records (their checksums in `checksums`)."""
+    checksums: tuple[str, ...] | None = None
+    """Per record, its digest; None when saved without checksums."""
     files: dict[str, int] = field(default_factory=dict)
-    structure: Structure | None = None
+    structure: str | None = None
+    """The structure, as JSON text."""
     error: str | None = None
     frames: tuple[tuple[int, int] | None, ...] = ()
     """Per record, in DCP's format, the lengths of the `torch.save` frame around its bytes."""

@@ -283,10 +283,11 @@ class Loader:
                 kind that differs (names the key).
         """
         flat = flatten(target)
+        structure = flat.structure
         by_key = self._manifest.by_key()
         saved_values = _values_by_key(self._manifest.structure)
         # A stock DCP checkpoint keeps non-tensor values as pickled items: decode them too.
-        object_keys = [key for key in _values_by_key(flat.structure)
+        object_keys = [key for key in _values_by_key(structure)
                        if key in by_key and by_key[key][0].kind == "object"]
         items: dict[str, Any] = {}
         jobs: list[ReadJob] = []
@@ -296,26 +297,27 @@ class Loader:
         for key in object_keys:
             decodes.append(_Decode(by_key[key][0], bytearray(by_key[key][0].nbytes), None))
             jobs.append(ReadJob(by_key[key][0], memoryview(decodes[-1].buffer)))
-        for key, leaf in flat.leaves.items():
+        for key, value in flat.values.items():
+            kind = flat.kinds[key]
             records = by_key.get(key)
             if records is None:
                 raise ValueError(f"key {key!r}: expected in checkpoint {self._reader.path}, "
                                  "found no such item; load without `into` to see its keys")
             first = records[0]
             if first.kind == "object":
-                raise ValueError(f"key {key!r}: expected a {leaf.kind} as in `into`, found a "
+                raise ValueError(f"key {key!r}: expected a {kind} as in `into`, found a "
                                  "pickled Python value in the DCP checkpoint; load it without "
                                  "`into`")
-            if leaf.kind == "bytes" or first.kind == "bytes":
-                if leaf.kind != first.kind:
-                    raise ValueError(f"key {key!r}: expected {leaf.kind} (as in `into`), "
+            if kind == "bytes" or first.kind == "bytes":
+                if kind != first.kind:
+                    raise ValueError(f"key {key!r}: expected {kind} (as in `into`), "
                                      f"found {first.kind} in the checkpoint")
                 items[key] = bytearray(first.nbytes)
                 jobs.append(ReadJob(first, memoryview(items[key])))
                 continue
-            assert isinstance(leaf.value, torch.Tensor)
-            tensor = leaf.value.detach()
-            if leaf.kind == "ndarray" and tensor.data_ptr() != leaf.original.ctypes.data:
+            assert isinstance(value, torch.Tensor)
+            tensor = value.detach()
+            if kind == "ndarray" and tensor.data_ptr() != flat.original(key).ctypes.data:
                 raise ValueError(f"key {key!r}: an ndarray with negative strides cannot be "
                                  "filled in place; pass a view with positive strides")
             saved_dtype = _torch_dtype(first)
@@ -327,14 +329,14 @@ class Loader:
             local, origin = _target_box(tensor)
             for overlap in ChunkIndex(records).overlapping(origin, tuple(local.shape)):
                 self._plan_overlap(overlap, local, origin, jobs, staged, partial, decodes)
-            items[key] = leaf.original
+            items[key] = flat.original(key)
         await self._read_all(jobs, staged)
         await self._finish_reads(items, partial, decodes)
         saved_values.update((key, items.pop(key)) for key in object_keys)
         for key, value in items.items():
             if isinstance(value, bytearray):
                 items[key] = bytes(value)
-        return _rebuild(flat.structure, items, saved_values, self._reader.path)
+        return _rebuild(structure, items, saved_values, self._reader.path)
 
     def _plan_overlap(self, overlap: Overlap, local: torch.Tensor, origin: tuple[int, ...],
                       jobs: list[ReadJob], staged: list[tuple[ItemRecord, torch.Tensor]],

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.planner import WriteItem
 
 from asynctron.storage._layout import Batches, BinLayout
 from asynctron.storage._manifest import ItemRecord
@@ -39,8 +38,6 @@ class FilePlan:
     frame_addresses: tuple[np.ndarray, ...]
     """Per bin, uint64 per piece: where a frame piece's bytes (in `frames`) are; 0 for
     bodies."""
-    write_items: tuple[WriteItem, ...]
-    """Per item, DCP's write item it is (a chunk of)."""
     frames: tuple[tuple[bytes, bytes] | None, ...]
     """Per item, the `torch.save` frame around its bytes (DCP's format), or None."""
 
@@ -53,20 +50,21 @@ class PlanCacheStatistics:
 
 
 def structure_signature(flat: FlatStateDict, *, num_bins: int, rank: int,
-                        slab_bytes: int) -> Hashable | None:
-    """What a file plan depends on; None when the state holds tensors whose plan must be made
-    fresh each time (DTensor and other subclasses: their sharding may change)."""
-    parts: list[Hashable] = [num_bins, rank, slab_bytes]
-    for key, leaf in flat.leaves.items():
-        value = leaf.value
+                        slab_bytes: int) -> str | None:
+    """What a file plan depends on, as text; None when the state holds tensors whose plan must
+    be made fresh each time (DTensor and other subclasses: their sharding may change)."""
+    parts = [f"{num_bins}/{rank}/{slab_bytes}"]
+    arrays = flat.arrays
+    for key, value in flat.values.items():
         if isinstance(value, bytes):
-            parts.append((key, "bytes", len(value)))
+            parts.append(f"{key}\0bytes\0{len(value)}")
         elif type(value) in _PLAIN_TENSORS:
-            parts.append((key, leaf.kind, leaf.numpy_dtype, value.dtype, tuple(value.shape),
-                          value.device, value.layout))
+            numpy_dtype = arrays[key][0] if key in arrays else ""
+            parts.append(f"{key}\0{numpy_dtype}\0{value.dtype}\0{tuple(value.shape)}\0"
+                         f"{value.device}")
         else:
             return None
-    return tuple(parts)
+    return "\n".join(parts)
 
 
 class PlanCache:

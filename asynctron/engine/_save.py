@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
@@ -30,6 +31,7 @@ from typing import Any, Literal, TypeVar
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import WriteItem
 
 from asynctron._concurrency import RunBlocking, uncancellable
 from asynctron.engine._coordinator import Coordinator, Start, WriteReport, describe
@@ -41,9 +43,10 @@ from asynctron.engine._staging import CopyStreams
 from asynctron.engine._task import SaveResult
 from asynctron.storage._dcp import METADATA_NAME as DCP_METADATA_NAME
 from asynctron.storage._dcp import metadata_bytes
-from asynctron.storage._manifest import MANIFEST_NAME, Manifest
+from asynctron.storage._manifest import MANIFEST_NAME, encode_manifest
 from asynctron.storage._plan import (
     FlatStateDict,
+    SavePlan,
     flatten,
     item_paths,
     merge_structures,
@@ -243,13 +246,13 @@ class SaveJob:
         assert planner is not None and not isinstance(flat, BaseException)
         save_plan = await abort.run(self._run_blocking(plan_final, flat, planner, share,
                                                        metadata))
-        plan = await abort.run(self._run_blocking(functools.partial(
+        plan, write_items = await abort.run(self._run_blocking(functools.partial(
             file_plan, save_plan, num_bins=options.num_bins, rank=rank,
             slab_bytes=options.slab_bytes, torch_save_frames=options.format == "dcp")))
         if start.plan_key is not None:
             self._plan_cache.store(start.plan_key, plan)
         request = await abort.run(self._run_blocking(_request, flat, self.path, plan,
-                                                     save_plan, options))
+                                                     (save_plan, write_items), options))
         return request, metadata
 
     # phase 2 ------------------------------------------------------------------------------
@@ -297,18 +300,20 @@ class SaveJob:
             files.update(report.files)
         structure = merge_structures([r.structure for r in reports if r.structure is not None])
         records = tuple(item for r in reports for item in r.records)
-        manifest = Manifest(structure=structure, items=records, files=files,
-                            created_unix_s=self._requested_unix_s,
-                            checksum=self._options.checksum)
-        published = {MANIFEST_NAME: manifest.to_json()}
+        checksums = None
+        if self._options.checksum is not None:
+            checksums = tuple(digest for r in reports for digest in r.checksums or ())
+        published = {MANIFEST_NAME: encode_manifest(
+            structure=structure, items=records, checksums=checksums, files=files,
+            created_unix_s=self._requested_unix_s, checksum=self._options.checksum)}
         if self._options.format == "dcp":
             published[DCP_METADATA_NAME] = metadata_bytes(
-                records, [frame for r in reports for frame in r.frames], item_paths(structure),
-                self.path)
+                records, [frame for r in reports for frame in r.frames],
+                item_paths(json.loads(structure)), self.path)
         return published
 
 
-def _request(flat: FlatStateDict, path: str, plan: FilePlan, save_plan: object,
+def _request(flat: FlatStateDict, path: str, plan: FilePlan,
+             fresh: tuple[SavePlan, Sequence[WriteItem]] | None,
              options: SaveOptions) -> SaveRequest:
-    return build_request(flat, path, plan, save_plan,  # type: ignore[arg-type]
-                         checksum=options.checksum is not None)
+    return build_request(flat, path, plan, fresh, checksum=options.checksum is not None)

@@ -15,13 +15,13 @@ item's bytes are (their addresses, vectorised per bin) and a fresh hasher per it
 
 from __future__ import annotations
 
-import dataclasses
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.planner import WriteItemType
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from asynctron.engine._coordinator import WriteReport
 from asynctron.engine._plan_cache import FilePlan, structure_signature
@@ -32,7 +32,7 @@ from asynctron.storage._dcp import torch_save_frame
 from asynctron.storage._dtypes import dtype_name
 from asynctron.storage._layout import BinLayout, Part, bin_file_name, layout_bin
 from asynctron.storage._manifest import ItemRecord
-from asynctron.storage._plan import FlatStateDict, SavePlan, Structure
+from asynctron.storage._plan import FlatStateDict, SavePlan
 from asynctron.storage._split import split_by_size_and_type
 
 
@@ -41,8 +41,8 @@ class SaveRequest:
     """A planned save on this rank. Not constructed directly; `build_request` makes one."""
 
     path: str
-    structure: Structure
-    """The state dict's nesting and JSON values, as the manifest stores them."""
+    structure: str
+    """The state dict's nesting and JSON values, as JSON text (the manifest's)."""
     plan: FilePlan
     bins: tuple[BinSources, ...]
     """Per bin: its layout and batches, and where each of its pieces' bytes are."""
@@ -54,12 +54,11 @@ class SaveRequest:
         return sum(record.nbytes for record in self.plan.records)
 
     def report(self, rank: int) -> WriteReport:
-        """This rank's write report, once every item has been staged (its digest is final)."""
-        records = self.plan.records
-        if self.hashers is not None:
-            records = tuple(dataclasses.replace(record, checksum=hasher.hexdigest())
-                            for record, hasher in zip(records, self.hashers, strict=True))
-        return WriteReport(rank=rank, records=records, structure=self.structure,
+        """This rank's write report, once every item has been written (its digest is final)."""
+        checksums = None if self.hashers is None else tuple(
+            hasher.hexdigest() for hasher in self.hashers)
+        return WriteReport(rank=rank, records=self.plan.records, checksums=checksums,
+                           structure=self.structure,
                            files={layout.file_name: layout.nbytes
                                   for layout in self.plan.layouts},
                            frames=tuple((len(frame[0]), len(frame[1])) if frame else None
@@ -71,15 +70,17 @@ def structure_digest(flat: FlatStateDict, *, num_bins: int, rank: int,
     """Blocks: a digest of everything this rank's file plan depends on; None when the plan must
     be made fresh each time (DTensor and other tensor subclasses)."""
     signature = structure_signature(flat, num_bins=num_bins, rank=rank, slab_bytes=slab_bytes)
-    return None if signature is None else digest(memoryview(repr(signature).encode()))
+    return None if signature is None else digest(memoryview(signature.encode()))
 
 
 def file_plan(plan: SavePlan, *, num_bins: int, rank: int, slab_bytes: int,
-              torch_save_frames: bool) -> FilePlan:
+              torch_save_frames: bool) -> tuple[FilePlan, tuple[WriteItem, ...]]:
     """Blocks (CPU-bound): this rank's final DCP items cut into chunks, split onto bins (seed
-    000), laid out and cut into batches of `slab_bytes`. With `torch_save_frames` (DCP's
-    format) every tensor item is laid out inside its `torch.save` frame: prefix, raw bytes,
-    suffix."""
+    000), laid out and cut into batches of `slab_bytes`; and per item of the plan, DCP's write
+    item it is (a chunk of), to resolve its payload (kept out of the plan: a cached plan needs
+    none, and DCP's objects are a dozen per item for the garbage collector to walk). With
+    `torch_save_frames` (DCP's format) every tensor item is laid out inside its `torch.save`
+    frame: prefix, raw bytes, suffix."""
     items = chunk_large_items(plan.items, [plan.nbytes(item) for item in plan.items], num_bins)
     frames = tuple(_frame(plan, item) if torch_save_frames else None for item in items)
     index_of = {id(item): i for i, item in enumerate(items)}
@@ -99,7 +100,7 @@ def file_plan(plan: SavePlan, *, num_bins: int, rank: int, slab_bytes: int,
                     batches=tuple(layout.batches(slab_bytes) for layout in layouts),
                     frame_addresses=tuple(_frame_addresses(layout, frames)
                                           for layout in layouts),
-                    write_items=tuple(item.write_item for item in items), frames=frames)
+                    frames=frames), tuple(item.write_item for item in items)
 
 
 def _frame_addresses(layout: BinLayout, frames: tuple[tuple[bytes, bytes] | None, ...]
@@ -125,22 +126,25 @@ def _frame(plan: SavePlan, item: PlannedItem) -> tuple[bytes, bytes] | None:
     return torch_save_frame(item.chunk()[0], data.properties.dtype)
 
 
-def build_request(flat: FlatStateDict, path: str, plan: FilePlan, save_plan: SavePlan | None,
-                  *, checksum: bool) -> SaveRequest:
-    """Blocks: the per-save part of a request: where each item's bytes come from (`save_plan`
-    resolves DTensor shards; a cached plan takes plain tensors by key), per bin every piece's
-    address, a fresh hasher per item."""
-    if save_plan is not None:
-        payloads = [save_plan.payload(item) for item in plan.write_items]
+def build_request(flat: FlatStateDict, path: str, plan: FilePlan,
+                  fresh: tuple[SavePlan, Sequence[WriteItem]] | None, *,
+                  checksum: bool) -> SaveRequest:
+    """Blocks: the per-save part of a request: where each item's bytes come from (a fresh
+    plan's `SavePlan` resolves each write item, DTensor shards too; a cached plan takes plain
+    tensors by key), per bin every piece's address, a fresh hasher per item."""
+    if fresh is not None:
+        save_plan, write_items = fresh
+        payloads = [save_plan.payload(item) for item in write_items]
     else:
-        payloads = [flat.leaves[key].value for key in plan.keys]
+        values = flat.values
+        payloads = [values[key] for key in plan.keys]
     sources = Sources([_rows(payload, rows)
                        for payload, rows in zip(payloads, plan.rows, strict=True)])
     bins = tuple(BinSources(layout, batches, piece_addresses(layout, sources, frames), sources)
                  for layout, batches, frames in zip(plan.layouts, plan.batches,
                                                     plan.frame_addresses, strict=True))
     hashers = tuple(ItemHasher() for _ in plan.records) if checksum else None
-    return SaveRequest(path=os.path.abspath(path), structure=flat.structure, plan=plan,
+    return SaveRequest(path=os.path.abspath(path), structure=flat.structure_json, plan=plan,
                        bins=bins, hashers=hashers)
 
 
@@ -153,16 +157,16 @@ def _rows(payload: torch.Tensor | bytes, rows: tuple[int, int] | None) -> torch.
 
 def _record(plan: SavePlan, item: PlannedItem, file: str, offset: int) -> ItemRecord:
     key = item.key
+    kind = plan.flat.kinds[key]
     if item.type == WriteItemType.BYTE_IO:
-        if plan.flat.leaves[key].kind == "object":
+        if kind == "object":
             return ItemRecord(key, "object", None, None, None, None, file, offset, item.nbytes,
                               None, encoding="torch_save")
         return ItemRecord(key, "bytes", None, None, None, None, file, offset, item.nbytes, None)
-    leaf = plan.flat.leaves[key]
     data = item.write_item.tensor_data
     assert data is not None
-    dtype = leaf.numpy_dtype if leaf.kind == "ndarray" else dtype_name(
+    dtype = plan.flat.arrays[key][0] if kind == "ndarray" else dtype_name(
         data.properties.dtype, key)
     shape, offsets = item.chunk()
-    return ItemRecord(key, leaf.kind, dtype, shape, tuple(data.size), offsets, file, offset,
+    return ItemRecord(key, kind, dtype, shape, tuple(data.size), offsets, file, offset,
                       item.nbytes, None)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -119,23 +119,27 @@ class StagedBatch:
         _pad(buffers, self.nbytes - cursor)
         return buffers
 
-    def bodies(self) -> list[tuple[int, memoryview]]:
-        """Per body segment, in file order: its item and its bytes (to hash)."""
+    def bodies(self) -> Iterator[tuple[int, memoryview]]:
+        """Per body segment, in file order: its item and its bytes (to hash). A generator:
+        each view is dropped once hashed, so 100k tiny items leave nothing behind for the
+        garbage collector."""
         batches, layout = self.bin.batches, self.bin.layout
         segments = batches.segments(self.index)
         pieces = batches.piece[segments]
         is_body = layout.part[pieces] == Part.BODY
         items = layout.item[pieces][is_body].tolist()
-        starts = batches.piece_offset[segments][is_body].tolist()
-        ats = batches.batch_offset[segments][is_body].tolist()
-        sizes = batches.size[segments][is_body].tolist()
         if self.slab is not None:
             view = self.slab.view
-            return [(item, view[at:at + size])
-                    for item, at, size in zip(items, ats, sizes, strict=True)]
+            ats = batches.batch_offset[segments][is_body].tolist()
+            sizes = batches.size[segments][is_body].tolist()
+            for item, at, size in zip(items, ats, sizes, strict=True):
+                yield item, view[at:at + size]
+            return
         sources = self.bin.sources
-        return [(item, memoryview(sources.flat(item))[start:start + size])
-                for item, start, size in zip(items, starts, sizes, strict=True)]
+        starts = batches.piece_offset[segments][is_body].tolist()
+        sizes = batches.size[segments][is_body].tolist()
+        for item, start, size in zip(items, starts, sizes, strict=True):
+            yield item, memoryview(sources.flat(item))[start:start + size]
 
 
 def _pad(buffers: list[memoryview], nbytes: int) -> None:

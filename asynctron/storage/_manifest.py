@@ -11,7 +11,7 @@ import json
 import math
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from asynctron.errors import CorruptCheckpointError
@@ -71,16 +71,10 @@ class Manifest:
     checksum: str | None
 
     def to_json(self) -> bytes:
-        """The manifest's JSON, encoded item by item: the C encoder holds the GIL for a whole
-        call, and one call over thousands of items would stall every other thread (the event
-        loop's too) for tens of milliseconds."""
-        head = json.dumps({"format": FORMAT, "version": VERSION,
-                           "created_unix_s": self.created_unix_s, "checksum": self.checksum,
-                           "files": self.files}, separators=_COMPACT)
-        items = ",".join(json.dumps(_item_json(item), separators=_COMPACT)
-                         for item in self.items)
-        structure = json.dumps(self.structure, separators=_COMPACT)
-        return f'{head[:-1]},"items":[{items}],"structure":{structure}}}'.encode()
+        """The manifest's JSON (see `encode_manifest`)."""
+        return encode_manifest(structure=json.dumps(self.structure, separators=_COMPACT),
+                               items=self.items, checksums=None, files=self.files,
+                               created_unix_s=self.created_unix_s, checksum=self.checksum)
 
     @property
     def nbytes(self) -> int:
@@ -92,13 +86,38 @@ class Manifest:
 
 
 _COMPACT = (",", ":")
+_string = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
 
 
-def _item_json(item: ItemRecord) -> dict[str, Any]:
-    fields = asdict(item)
-    if item.encoding == "raw":
-        del fields["encoding"]
-    return fields
+def encode_manifest(*, structure: str, items: Sequence[ItemRecord],
+                    checksums: Sequence[str] | None, files: dict[str, int],
+                    created_unix_s: float, checksum: str | None) -> bytes:
+    """A manifest's JSON, from its structure's JSON text and its items (`checksums`, when
+    given, are the items' digests in place of their records' own).
+
+    Encoded item by item, each by a format string: one C encoder call over 100k items would
+    hold the GIL (stalling every other thread, the event loop's too) for seconds.
+    """
+    head = json.dumps({"format": FORMAT, "version": VERSION, "created_unix_s": created_unix_s,
+                       "checksum": checksum, "files": files}, separators=_COMPACT)
+    if checksums is None:
+        checksums = [item.checksum for item in items]
+    encoded = ",".join(map(_item_json, items, checksums))
+    return f'{head[:-1]},"items":[{encoded}],"structure":{structure}}}'.encode()
+
+
+def _item_json(item: ItemRecord, checksum: str | None) -> str:
+    dtype = "null" if item.dtype is None else f'"{item.dtype}"'
+    digest = "null" if checksum is None else f'"{checksum}"'
+    encoding = "" if item.encoding == "raw" else f',"encoding":"{item.encoding}"'
+    return (f'{{"key":{_string(item.key)},"kind":"{item.kind}","dtype":{dtype},'
+            f'"shape":{_ints(item.shape)},"global_shape":{_ints(item.global_shape)},'
+            f'"chunk_offsets":{_ints(item.chunk_offsets)},"file":"{item.file}",'
+            f'"offset":{item.offset},"nbytes":{item.nbytes},"checksum":{digest}{encoding}}}')
+
+
+def _ints(values: tuple[int, ...] | None) -> str:
+    return "null" if values is None else f"[{','.join(map(str, values))}]"
 
 
 def parse_manifest(data: bytes, path: str) -> Manifest:

@@ -2,13 +2,15 @@
 
 Stages: `flatten` walks dicts/lists/tuples, turning tensors, numpy arrays and bytes into *items*
 keyed by their dotted path and keeping every other leaf (str, int, float, bool, None) as a JSON
-value in the *structure*; `plan_save` hands the items to torch.distributed.checkpoint's
-`DefaultSavePlanner`, so sharded tensors (DTensor) and deduplication come from DCP.
+value in the *structure* (written as JSON text during the walk); `plan_save` hands the items to
+torch.distributed.checkpoint's `DefaultSavePlanner`, so sharded tensors (DTensor) and
+deduplication come from DCP.
 Keys are names, never paths: no key ever becomes part of a file name.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 from collections.abc import Mapping
@@ -34,28 +36,34 @@ Structure = dict[str, Any]
 _JSON_LEAVES = (str, int, float, bool, type(None))
 
 
-@dataclass(frozen=True, slots=True)
-class Leaf:
-    """One item's payload: a CPU/CUDA tensor (numpy arrays are viewed as tensors), bytes, or
-    (kind `"object"`, for DCP's format) a Python value DCP pickles."""
-
-    kind: ItemKind
-    value: Any
-    numpy_dtype: str | None = None
-    original: Any = None
-    """The caller's own object (tensor or ndarray) that `value` views, for in-place loads."""
-
-
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class FlatStateDict:
-    """A state dict as a structure tree plus its items by flat key."""
+    """A state dict as its structure (the JSON text of its nesting and JSON values) plus its
+    items by flat key.
 
-    structure: Structure
-    leaves: dict[str, Leaf]
+    Flat: no object per item but the caller's own payloads (a state dict of 100k tensors adds
+    a few objects for the garbage collector to walk, not 100k).
+    """
 
+    structure_json: str
+    """The structure as JSON text (`Structure`), as the manifest stores it."""
+    values: dict[str, Any]
+    """Each item's payload: a tensor (an ndarray viewed as one), bytes, or (kind `"object"`,
+    DCP's format) a Python value DCP pickles."""
+    kinds: dict[str, ItemKind]
+    arrays: dict[str, tuple[str, np.ndarray]]
+    """The ndarray items: their numpy dtype name and the caller's array (which `values` views
+    as a tensor)."""
 
-def _join(prefix: str, key: str | int) -> str:
-    return f"{prefix}.{key}" if prefix else str(key)
+    @property
+    def structure(self) -> Structure:
+        """The structure, parsed (a fresh object per call)."""
+        return json.loads(self.structure_json)
+
+    def original(self, key: str) -> Any:
+        """The caller's own object for `key`: its ndarray, else the payload itself."""
+        array = self.arrays.get(key)
+        return array[1] if array is not None else self.values[key]
 
 
 def flatten(state_dict: Mapping[str, Any], *, values_as_items: bool = False) -> FlatStateDict:
@@ -64,6 +72,8 @@ def flatten(state_dict: Mapping[str, Any], *, values_as_items: bool = False) -> 
     With `values_as_items` (DCP's format), the state dict is cut where DCP's own traversal
     cuts it: every value that is not a tensor becomes an item of kind `"object"`, as DCP
     pickles it, and so do tuples and lists holding no tensor or dict (e.g. `betas`).
+
+    Blocks (CPU-bound, about a microsecond per value): the engine runs it on its executor.
 
     Raises:
         TypeError: a key, a leaf or a tensor dtype/layout asynctron cannot store (names the key
@@ -75,52 +85,74 @@ def flatten(state_dict: Mapping[str, Any], *, values_as_items: bool = False) -> 
             f"state_dict: expected a dict, found {type(state_dict).__name__}; "
             "wrap the value in a dict"
         )
-    leaves: dict[str, Leaf] = {}
+    parts: list[str] = []
+    values: dict[str, Any] = {}
+    kinds: dict[str, ItemKind] = {}
+    arrays: dict[str, tuple[str, np.ndarray]] = {}
     active: set[int] = set()
+    emit = parts.append
 
-    def walk(node: Any, path: str) -> Structure:
-        if isinstance(node, torch.Tensor):
-            return _add_leaf(path, _tensor_leaf(node, path))
-        if values_as_items and _dcp_terminal(node):
-            _check_object(node, path)
-            return _add_leaf(path, Leaf("object", bytes(node) if isinstance(
-                node, bytearray | memoryview) else node))
-        if isinstance(node, np.ndarray):
-            return _add_leaf(path, _ndarray_leaf(node, path))
-        if isinstance(node, bytes | bytearray | memoryview):
-            return _add_leaf(path, Leaf("bytes", bytes(node)))
-        if isinstance(node, _JSON_LEAVES):
-            return {"value": node}
-        if id(node) in active:
-            raise ValueError(f"state dict at key {path!r}: contains itself; remove the cycle")
-        if isinstance(node, Mapping):
-            active.add(id(node))
-            entries = [[key, walk(value, _join(path, _check_key(key, path)))]
-                       for key, value in node.items()]
-            active.discard(id(node))
-            return {"dict": entries}
-        if type(node) in (list, tuple):
-            active.add(id(node))
-            children = [walk(value, _join(path, i)) for i, value in enumerate(node)]
-            active.discard(id(node))
-            return {type(node).__name__: children}
-        raise TypeError(
-            f"value at key {path!r}: expected a tensor, ndarray, bytes, str, int, float, bool, "
-            f"None, dict, list or tuple, found {type(node).__module__}.{type(node).__qualname__}; "
-            "convert it to one of these before saving"
-        )
-
-    def _add_leaf(path: str, leaf: Leaf) -> Structure:
-        if path in leaves:
+    def add_item(path: str, kind: ItemKind, value: Any) -> None:
+        if path in values:
             raise ValueError(
                 f"state dict key {path!r}: two different paths flatten to this key; "
                 "rename one (keys are joined with '.')"
             )
-        leaves[path] = leaf
-        return {"item": path}
+        values[path] = value
+        kinds[path] = kind
+        emit(f'{{"item":{_json_string(path)}}}')
 
-    structure = walk(state_dict, "")
-    return FlatStateDict(structure=structure, leaves=leaves)
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, torch.Tensor):
+            _check_tensor(node, path)
+            add_item(path, "tensor", node)
+        elif values_as_items and _dcp_terminal(node):
+            _check_object(node, path)
+            add_item(path, "object", bytes(node) if isinstance(
+                node, bytearray | memoryview) else node)
+        elif isinstance(node, np.ndarray):
+            name = numpy_dtype_name(node.dtype, path)
+            add_item(path, "ndarray", _ndarray_tensor(node))
+            arrays[path] = (name, node)
+        elif isinstance(node, bytes | bytearray | memoryview):
+            add_item(path, "bytes", bytes(node))
+        elif isinstance(node, _JSON_LEAVES):
+            emit(f'{{"value":{json.dumps(node)}}}')
+        elif id(node) in active:
+            raise ValueError(f"state dict at key {path!r}: contains itself; remove the cycle")
+        elif isinstance(node, Mapping):
+            active.add(id(node))
+            emit('{"dict":[')
+            for index, (key, value) in enumerate(node.items()):
+                _check_key(key, path)
+                emit(f"[{json.dumps(key)}," if index == 0 else f",[{json.dumps(key)},")
+                walk(value, f"{path}.{key}" if path else str(key))
+                emit("]")
+            emit("]}")
+            active.discard(id(node))
+        elif type(node) in (list, tuple):
+            active.add(id(node))
+            emit(f'{{"{type(node).__name__}":[')
+            for index, value in enumerate(node):
+                if index:
+                    emit(",")
+                walk(value, f"{path}.{index}" if path else str(index))
+            emit("]}")
+            active.discard(id(node))
+        else:
+            raise TypeError(
+                f"value at key {path!r}: expected a tensor, ndarray, bytes, str, int, float, "
+                f"bool, None, dict, list or tuple, found "
+                f"{type(node).__module__}.{type(node).__qualname__}; "
+                "convert it to one of these before saving"
+            )
+
+    walk(state_dict, "")
+    return FlatStateDict(structure_json="".join(parts), values=values, kinds=kinds,
+                         arrays=arrays)
+
+
+_json_string = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
 
 
 def _dcp_terminal(value: Any) -> bool:
@@ -164,24 +196,22 @@ def _check_key(key: object, path: str) -> str | int:
     return key
 
 
-def _tensor_leaf(tensor: torch.Tensor, path: str) -> Leaf:
+def _check_tensor(tensor: torch.Tensor, path: str) -> None:
     dtype_name(tensor.dtype, path)
     if tensor.layout != torch.strided:
         raise TypeError(
             f"tensor at key {path!r}: expected a strided (dense) tensor, found layout "
             f"{tensor.layout}; call .to_dense() before saving"
         )
-    return Leaf("tensor", tensor, original=tensor)
 
 
-def _ndarray_leaf(array: np.ndarray, path: str) -> Leaf:
-    name = numpy_dtype_name(array.dtype, path)
+def _ndarray_tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor viewing `array` (a copy if its strides are negative)."""
     viewable = array if all(stride >= 0 for stride in array.strides) else array.copy()
     with warnings.catch_warnings():
         # A read-only array is only ever read from; torch warns about writes we never do.
         warnings.simplefilter("ignore", UserWarning)
-        tensor = torch.from_numpy(viewable)
-    return Leaf("ndarray", tensor, numpy_dtype=name, original=array)
+        return torch.from_numpy(viewable)
 
 
 def unflatten(structure: Structure, items: Mapping[str, Any]) -> Any:
@@ -217,13 +247,16 @@ def item_paths(structure: Structure) -> dict[str, tuple[str | int, ...]]:
     return paths
 
 
-def merge_structures(structures: list[Structure]) -> Structure:
-    """One structure for several ranks' state dicts: the first's, plus, at every depth, the
-    dict keys only later ones have. Values and lists come from the first rank that has them."""
-    merged = structures[0]
+def merge_structures(structures: list[str]) -> str:
+    """One structure (JSON text) for several ranks' state dicts: the first's, plus, at every
+    depth, the dict keys only later ones have. Values and lists come from the first rank that
+    has them. Identical structures (the common case) are not parsed."""
+    if all(structure == structures[0] for structure in structures[1:]):
+        return structures[0]
+    merged = json.loads(structures[0])
     for other in structures[1:]:
-        merged = _merge(merged, other)
-    return merged
+        merged = _merge(merged, json.loads(other))
+    return json.dumps(merged, separators=(",", ":"))
 
 
 def _merge(first: Structure, other: Structure) -> Structure:
@@ -235,12 +268,12 @@ def _merge(first: Structure, other: Structure) -> Structure:
     return {"dict": [[key, node] for key, node in entries.items()]}
 
 
-def item_nbytes(item: WriteItem, leaf: Leaf) -> int:
+def item_nbytes(item: WriteItem, value: Any) -> int:
     """Bytes of a tensor or bytes item on storage: its LOCAL chunk (Megatron's fix), not the
     global tensor. (A pickled object's size is known once pickled: `SavePlan.nbytes`.)"""
     if item.type == WriteItemType.BYTE_IO:
-        assert isinstance(leaf.value, bytes)
-        return len(leaf.value)
+        assert isinstance(value, bytes)
+        return len(value)
     assert item.tensor_data is not None
     itemsize = item.tensor_data.properties.dtype.itemsize
     return math.prod(item.tensor_data.chunk.sizes) * itemsize
@@ -262,7 +295,7 @@ class SavePlan:
         """The tensor (local shard for DTensor) or bytes to write for `item`."""
         if item.type == WriteItemType.BYTE_IO:
             key = item.index.fqn
-            return self.pickled[key] if key in self.pickled else self.flat.leaves[key].value
+            return self.pickled[key] if key in self.pickled else self.flat.values[key]
         tensor = self.planner.resolve_data(item)
         assert isinstance(tensor, torch.Tensor)
         return tensor.detach()
@@ -271,7 +304,7 @@ class SavePlan:
         """Bytes of `item` on storage (`item_nbytes`, or its pickle's size)."""
         key = item.index.fqn
         return len(self.pickled[key]) if key in self.pickled else item_nbytes(
-            item, self.flat.leaves[key])
+            item, self.flat.values[key])
 
 
 def plan_local(flat: FlatStateDict, *, is_coordinator: bool
@@ -279,10 +312,8 @@ def plan_local(flat: FlatStateDict, *, is_coordinator: bool
     """DCP's local step for this rank's leaves: a planner set up on them and its local plan.
     Blocks (CPU-bound: about 60 µs per item); `flatten` already validated every leaf."""
     planner = DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=True)
-    planner.set_up_planner(
-        {key: leaf.value for key, leaf in flat.leaves.items()}, storage_meta=None,
-        is_coordinator=is_coordinator,
-    )
+    planner.set_up_planner(dict(flat.values), storage_meta=None,
+                           is_coordinator=is_coordinator)
     return planner, planner.create_local_plan()
 
 
@@ -324,7 +355,7 @@ def plan_final(flat: FlatStateDict, planner: DefaultSavePlanner, plan: DcpSavePl
     items = list(planner.finish_plan(plan).items)
     pickled = {item.index.fqn: planner.resolve_data(item).getvalue() for item in items
                if item.type == WriteItemType.BYTE_IO
-               and flat.leaves[item.index.fqn].kind == "object"}
+               and flat.kinds[item.index.fqn] == "object"}
     return SavePlan(flat=flat, items=items, metadata=metadata, planner=planner, pickled=pickled)
 
 

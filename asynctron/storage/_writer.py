@@ -11,7 +11,7 @@ memory bandwidth.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from asynctron._concurrency import RunBlocking
@@ -34,7 +34,7 @@ class WriteBatch(Protocol):
         """iovecs covering all the batch's bytes, padding included."""
         ...
 
-    def bodies(self) -> Sequence[tuple[int, memoryview]]:
+    def bodies(self) -> Iterable[tuple[int, memoryview]]:
         """Its items' bytes to hash, `(item index, bytes)` in file order."""
         ...
 

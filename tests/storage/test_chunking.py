@@ -14,7 +14,7 @@ MiB = 1 << 20
 def _plan(state: dict) -> tuple[list, list[int]]:
     flat = flatten(state)
     plan = plan_save(flat)
-    return plan.items, [item_nbytes(item, flat.leaves[item.index.fqn]) for item in plan.items]
+    return plan.items, [item_nbytes(item, flat.values[item.index.fqn]) for item in plan.items]
 
 
 def test_a_dominant_tensor_is_cut_into_one_chunk_per_bin() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import numpy as np
@@ -14,11 +15,20 @@ from asynctron.storage._plan import flatten, plan_save, unflatten
 def test_structure_round_trips_containers_and_json_leaves() -> None:
     state = {"a": {"b": [1, 2.5, (True, None)], 3: "x"}, "t": torch.zeros(2), "raw": b"\x00\x01"}
     flat = flatten(state)
-    assert sorted(flat.leaves) == ["raw", "t"]
-    rebuilt = unflatten(flat.structure, {k: leaf.value for k, leaf in flat.leaves.items()})
+    assert sorted(flat.values) == ["raw", "t"] and flat.kinds == {"t": "tensor", "raw": "bytes"}
+    assert json.loads(flat.structure_json) == flat.structure
+    rebuilt = unflatten(flat.structure, flat.values)
     assert rebuilt["a"] == {"b": [1, 2.5, (True, None)], 3: "x"}
     assert isinstance(rebuilt["a"]["b"][2], tuple)
     assert list(rebuilt["a"]) == ["b", 3]
+
+
+def test_structure_json_escapes_keys_and_keeps_json_values() -> None:
+    state = {'q"uote': {"\\back": 1.5, "ünï": "x\ny"}, 7: [None, False, float("inf")],
+             "t": torch.zeros(1)}
+    structure = flatten(state).structure
+    assert unflatten(structure, {"t": "T"}) == {'q"uote': {"\\back": 1.5, "ünï": "x\ny"},
+                                                7: [None, False, float("inf")], "t": "T"}
 
 
 @pytest.mark.parametrize(
