@@ -27,11 +27,16 @@ def _run(name: str, coroutine: Any) -> Any:
 def save(state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
          format: Literal["asynctron", "dcp"] = "asynctron", **engine_kwargs: Any) -> SaveResult:
     """Save `state_dict` to `path` and return once committed (own loop, own engine; see
-    `Engine.save` for `format`)."""
+    `Engine.save` for `format`).
+
+    The caller waits for the commit, so nothing is snapshotted: CPU tensors are written from
+    their own memory, with no copy and no staging memory to fault in (`snapshot=False`).
+    They must not change until this returns (say, from another thread).
+    """
 
     async def main() -> SaveResult:
         async with Engine(**engine_kwargs) as engine:
-            return await engine.save(state_dict, path, format=format)
+            return await engine.save(state_dict, path, snapshot=False, format=format)
 
     return _run("save", main())
 
