@@ -21,7 +21,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from asynctron import Engine
 
 
-async def main(out: str) -> None:
+async def main(out: str) -> int:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     weight = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
     state = {"model": {"weight": distribute_tensor(weight, mesh, [Shard(0)]),
@@ -39,13 +39,25 @@ async def main(out: str) -> None:
           and torch.equal(target["model"]["bias"], torch.ones(16)) and loaded["step"] == 100)
     print(f"rank {dist.get_rank()}: wrote {result.files}, reloaded resharded: "
           f"{'ok' if ok else 'MISMATCH'}", flush=True)
-    if not ok:
-        raise SystemExit(1)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
+    status = 1
     try:
-        uvloop.run(main(sys.argv[1]))
+        status = uvloop.run(main(sys.argv[1]))
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
     finally:
         dist.destroy_process_group()
+    # End without finalizing the interpreter. Gloo's worker threads outlive
+    # destroy_process_group (DTensor's caches keep the default group alive; only its destructor
+    # joins them), and one may still be releasing the last collective (full_tensor's all-gather)
+    # after this rank printed its line. Freeing that work's tensors needs the GIL, which a thread
+    # cannot take once the interpreter is finalizing: CPython ends the thread, the unwind crosses
+    # a noexcept destructor and the rank aborts ("terminate called without an active exception",
+    # pytorch/pytorch#190489). asynctron._launch ends its ranks the same way.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
