@@ -17,6 +17,7 @@ busy in Python loses the GIL for microseconds, not once per piece. In that call:
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -39,22 +40,12 @@ class Sources:
     Holds the payloads, so the memory the addresses point at stays alive.
     """
 
-    __slots__ = ("_flat", "addresses", "payloads")
+    __slots__ = ("addresses", "payloads")
 
     def __init__(self, payloads: Sequence[torch.Tensor | bytes]) -> None:
         self.payloads = tuple(payloads)
         self.addresses = np.array([_address(payload) for payload in self.payloads],
                                   dtype=np.uint64)
-        self._flat: dict[int, np.ndarray] = {}
-
-    def flat(self, item: int) -> np.ndarray:
-        """The item's bytes as a uint8 array over its own memory (contiguous CPU only)."""
-        if item not in self._flat:
-            payload = self.payloads[item]
-            self._flat[item] = (np.frombuffer(payload, dtype=np.uint8)
-                                if isinstance(payload, bytes)
-                                else payload.detach().reshape(-1).view(torch.uint8).numpy())
-        return self._flat[item]
 
 
 def _address(payload: torch.Tensor | bytes) -> int:
@@ -104,17 +95,17 @@ class StagedBatch:
         """iovecs covering the batch, padding included."""
         if self.slab is not None:
             return [self.slab.view[:self.nbytes]]
-        batches, layout, sources = self.bin.batches, self.bin.layout, self.bin.sources
+        batches, addresses = self.bin.batches, self.bin.addresses
         segments = batches.segments(self.index)
         buffers: list[memoryview] = []
         cursor = 0
-        for piece, start, at, size in zip(
-                batches.piece[segments].tolist(), batches.piece_offset[segments].tolist(),
+        for address, at, size in zip(
+                (addresses[batches.piece[segments]]
+                 + batches.piece_offset[segments].astype(np.uint64)).tolist(),
                 batches.batch_offset[segments].tolist(), batches.size[segments].tolist(),
                 strict=True):
             _pad(buffers, at - cursor)
-            item = int(layout.item[piece])
-            buffers.append(memoryview(sources.flat(item))[start:start + size])
+            buffers.append(_memory(address, size))
             cursor = at + size
         _pad(buffers, self.nbytes - cursor)
         return buffers
@@ -128,18 +119,22 @@ class StagedBatch:
         pieces = batches.piece[segments]
         is_body = layout.part[pieces] == Part.BODY
         items = layout.item[pieces][is_body].tolist()
+        sizes = batches.size[segments][is_body].tolist()
         if self.slab is not None:
             view = self.slab.view
             ats = batches.batch_offset[segments][is_body].tolist()
-            sizes = batches.size[segments][is_body].tolist()
             for item, at, size in zip(items, ats, sizes, strict=True):
                 yield item, view[at:at + size]
             return
-        sources = self.bin.sources
-        starts = batches.piece_offset[segments][is_body].tolist()
-        sizes = batches.size[segments][is_body].tolist()
-        for item, start, size in zip(items, starts, sizes, strict=True):
-            yield item, memoryview(sources.flat(item))[start:start + size]
+        addresses = (self.bin.addresses[pieces[is_body]]
+                     + batches.piece_offset[segments][is_body].astype(np.uint64)).tolist()
+        for item, address, size in zip(items, addresses, sizes, strict=True):
+            yield item, _memory(address, size)
+
+
+def _memory(address: int, size: int) -> memoryview:
+    """Bytes [address, +size) of memory the sources hold alive, as a memoryview."""
+    return memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
 
 
 def _pad(buffers: list[memoryview], nbytes: int) -> None:

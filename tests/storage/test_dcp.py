@@ -135,12 +135,14 @@ def _template(state: dict) -> dict:
     return state if isinstance(state, tuple) else None
 
 
-async def test_format_dcp_is_read_by_stock_dcp_load(shm_path: str) -> None:
+@pytest.mark.parametrize("snapshot", [True, False])
+async def test_format_dcp_is_read_by_stock_dcp_load(shm_path: str, snapshot: bool) -> None:
     """`format="dcp"`: stock `torch.distributed.checkpoint.load` fills a nested state dict with
-    what asynctron saved (tensors of every kind, a tensor cut into chunks, pickled values)."""
+    what asynctron saved (tensors of every kind, a tensor cut into chunks, pickled values),
+    staged or written in place (frames from the plan, bodies from the caller's memory)."""
     state = _rich_state()
     async with Engine(num_bins=2) as engine:
-        await engine.save(state, f"{shm_path}/d", format="dcp")
+        await engine.save(state, f"{shm_path}/d", format="dcp", snapshot=snapshot)
     target = _template(state)
     dcp.load(target, checkpoint_id=f"{shm_path}/d", no_dist=True)
     expected = dict(state, model=dict(state["model"], t=state["model"]["t"].contiguous()))
