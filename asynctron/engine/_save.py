@@ -186,17 +186,14 @@ class SaveJob:
         the outcome (the other ranks learn of them at finish); a failed start raises."""
         planned = _Planned()
         flat: FlatStateDict | BaseException
+        digest: str | None = None
         try:
-            flat = await self._abort.run(self._run_blocking(functools.partial(
-                flatten, self._state_dict, values_as_items=self._options.format == "dcp")))
+            flat, digest = await self._abort.run(self._run_blocking(self._flatten))
         except (Exception, asyncio.CancelledError) as error:
             flat = error
         coordinator, seq = self._coordinator, self.seq
         try:
             async with coordinator.planning_turn(seq):
-                digest = None
-                if not isinstance(flat, BaseException):
-                    digest = await self._digest(flat)
                 held = self._plan_cache.snapshot()  # the plans announced are the plans used
                 planned.start = await coordinator.start(self.path, digest, list(held))
                 try:
@@ -209,16 +206,16 @@ class SaveJob:
             raise
         return planned
 
-    async def _digest(self, flat: FlatStateDict) -> str | None:
+    def _flatten(self) -> tuple[FlatStateDict, str | None]:
+        """Blocks: the state dict's items, and the digest of what its file plan depends on
+        (None in DCP's format, whose pickled values change size: planned afresh each time).
+        One executor call: each is a GIL hand-off that a busy trainer makes cost up to 5 ms."""
         options = self._options
-        if options.format == "dcp":  # pickled values change size: planned afresh each time
-            return None
-        try:
-            return await self._abort.run(self._run_blocking(functools.partial(
-                structure_digest, flat, num_bins=options.num_bins,
-                rank=self._coordinator.rank, slab_bytes=options.slab_bytes)))
-        except (Exception, asyncio.CancelledError):
-            return None  # planned afresh, where the error shows again
+        flat = flatten(self._state_dict, values_as_items=options.format == "dcp")
+        if options.format == "dcp":
+            return flat, None
+        return flat, structure_digest(flat, num_bins=options.num_bins,
+                                      rank=self._coordinator.rank, slab_bytes=options.slab_bytes)
 
     async def _plan(self, flat: FlatStateDict | BaseException, start: Start,
                     held: Mapping[Hashable, FilePlan]) -> tuple[SaveRequest, Metadata | None]:
