@@ -52,6 +52,7 @@ BENCH_SCENARIOS = {
     "comm": "bench.allreduce_overlap",
     "data": "bench.data_throughput",
     "train": "bench.train",
+    "many": "bench.save_many",
     "all": "bench.all",
 }
 

@@ -164,17 +164,19 @@ def save_dcp_async(
 
 
 class DcpAsyncSaver:
-    """``dcp.async_save`` with its best settings, kept across saves, as a trainer keeps it.
+    """``dcp.async_save``, kept across saves as a trainer keeps it.
 
-    A persistent ``DefaultStager`` caches its staging copy of every storage, so from the
-    second save on the blocking copy goes into warm memory (a fresh stager per call, DCP's
-    default, faults in new memory each time); ``FileSystemWriter(thread_count, sync_files=
-    True)`` writes. ``process=True`` is ``AsyncCheckpointerType.PROCESS``: the stager puts the
-    staged state in shared memory and a persistent background process writes it; that mode
-    needs a process group, so a one-rank gloo group is created.
+    With ``persistent_stager`` (its best settings) one ``DefaultStager`` caches its staging
+    copy of every storage, so from the second save on the blocking copy goes into warm memory;
+    without it (DCP's default, what a trainer gets from ``async_save(sd, checkpoint_id=...)``)
+    every call stages into fresh memory. ``FileSystemWriter(thread_count, sync_files=True)``
+    writes. ``process=True`` is ``AsyncCheckpointerType.PROCESS``: the stager puts the staged
+    state in shared memory and a persistent background process writes it; that mode needs a
+    process group, so a one-rank gloo group is created.
     """
 
-    def __init__(self, *, process: bool, thread_count: int = 4) -> None:
+    def __init__(self, *, process: bool, thread_count: int = 4,
+                 persistent_stager: bool = True) -> None:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -186,7 +188,7 @@ class DcpAsyncSaver:
             logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
         self._stager = DefaultStager(StagingOptions(
             use_pinned_memory=False, use_shared_memory=process, use_async_staging=False,
-            use_non_blocking_copy=False))
+            use_non_blocking_copy=False)) if persistent_stager else None
         self._no_dist = not process
 
     def start(self, state_dict: StateDict, directory: str) -> Future:
@@ -200,7 +202,8 @@ class DcpAsyncSaver:
         return future
 
     def close(self) -> None:
-        self._stager.close()
+        if self._stager is not None:
+            self._stager.close()
 
 
 def _safetensors_ready(state_dict: StateDict) -> dict[str, torch.Tensor]:

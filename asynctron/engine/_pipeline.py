@@ -6,8 +6,9 @@ Tasks (one `TaskGroup`):
   wave takes as many slabs as the budget allows at once and is ONE executor call
   (`stage_wave`); batches written in place (no snapshot) need no copy and are ready at once;
 - one writer per bin: it holds back until staging is done or the budget runs short (so the
-  caller's blocking time stays close to a plain memcpy), then writes every consecutive ready
-  batch in ONE executor call, and fsyncs once the file is complete.
+  caller's blocking time stays close to a plain memcpy; a state larger than the budget, whose
+  blocking waits for writes anyway, is written from the first batch on), then writes every
+  consecutive ready batch in ONE executor call, and fsyncs once the file is complete.
 So the loop wakes a few times per save, not per batch. A slab goes back to the pool when its
 batch is written: at the end of the writer's call, or, when another acquire is waiting for
 budget, right after that batch.
@@ -99,6 +100,8 @@ async def stage_and_write(request: SaveRequest, tmp_dir: str, *, snapshot: bool,
                 else:
                     waiting.append((bin, queue, index))
         waiting.reverse()
+        if len(waiting) * pool.slab_nbytes > pool.budget.total_bytes:
+            gate.set()  # streaming through the budget: blocking waits for writes anyway
         while waiting:
             slabs = await pool.acquire(len(waiting))
             wave = []
