@@ -4,8 +4,9 @@ repeat and reports the medians.
 
 Methods: `asynctron` (an Engine, snapshot save: blocking is `await task.staged`),
 `asynctron prefaulted` (the same after `engine.prefault_staging(state bytes)`, as a
-trainer calls it at start-up, timed apart as `prefault_s`), `asynctron.save` (one call), and the peers' durable saves (`torch.save`,
-`dcp (4 threads)`, `dcp async_save` (blocking: until it returns), `safetensors`).
+trainer calls it at start-up, timed apart as `prefault_s`), `asynctron.save` (one call),
+and the peers' durable saves (`torch.save`, `dcp (4 threads)`, `dcp async_save` (blocking:
+until it returns), `safetensors`).
 
 Run: `python -m bench.first_save METHOD TARGET_DIR --size-gib N` (prints one JSON line).
 """
