@@ -3,4 +3,5 @@
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("asynctron._native", ["asynctron/_native.c"],
-                             extra_compile_args=["-O2"])])
+                             include_dirs=["third_party/xxhash"], extra_compile_args=["-O2"],
+                             depends=["third_party/xxhash/xxhash.h"])])

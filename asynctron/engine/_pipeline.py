@@ -74,7 +74,7 @@ async def stage_and_write(request: SaveRequest, tmp_dir: str, *, snapshot: bool,
     """
     queues = [_ReadyBatches(len(bin.batches)) for bin in request.bins]
     writers = [BinWriter(fio, os.path.join(tmp_dir, bin.layout.file_name), bin.layout.nbytes,
-                         run_blocking, direct_io=direct_io, hashers=request.hashers)
+                         run_blocking, direct_io=direct_io, checksums=request.checksums)
                for bin in request.bins]
     gate = asyncio.Event()
     pool.pressure_listeners.add(gate)

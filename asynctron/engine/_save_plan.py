@@ -10,7 +10,7 @@ thousands of tensors never stalls the event loop):
    each bin file is laid out (aligned items) and cut into batches (`storage._layout`).
 Steps 1-2 depend only on the structure of every rank's state dict, so an unchanged structure
 takes them from the `PlanCache` (seed 002). Per save remain (`build_request`) where each
-item's bytes are (their addresses, vectorised per bin) and a fresh hasher per item.
+item's bytes are (their addresses, vectorised per bin) and fresh checksums.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from asynctron.engine._coordinator import WriteReport
 from asynctron.engine._plan_cache import FilePlan, structure_signature
 from asynctron.engine._staging import BinSources, Sources, piece_addresses
-from asynctron.storage._checksum import ItemHasher, digest
+from asynctron.storage._checksum import Checksums, digest
 from asynctron.storage._chunking import PlannedItem, chunk_large_items
 from asynctron.storage._dcp import torch_save_frame
 from asynctron.storage._dtypes import dtype_name
@@ -46,8 +46,9 @@ class SaveRequest:
     plan: FilePlan
     bins: tuple[BinSources, ...]
     """Per bin: its layout and batches, and where each of its pieces' bytes are."""
-    hashers: tuple[ItemHasher, ...] | None
-    """Per item, its running digest; None when the engine saves without checksums."""
+    checksums: Checksums | None
+    """The items' digests, filled as they are written; None when the engine saves without
+    checksums."""
 
     @property
     def nbytes(self) -> int:
@@ -55,8 +56,7 @@ class SaveRequest:
 
     def report(self, rank: int) -> WriteReport:
         """This rank's write report, once every item has been written (its digest is final)."""
-        checksums = None if self.hashers is None else tuple(
-            hasher.hexdigest() for hasher in self.hashers)
+        checksums = None if self.checksums is None else tuple(self.checksums.hexdigests())
         return WriteReport(rank=rank, records=self.plan.records, checksums=checksums,
                            structure=self.structure,
                            files={layout.file_name: layout.nbytes
@@ -143,9 +143,9 @@ def build_request(flat: FlatStateDict, path: str, plan: FilePlan,
     bins = tuple(BinSources(layout, batches, piece_addresses(layout, sources, frames), sources)
                  for layout, batches, frames in zip(plan.layouts, plan.batches,
                                                     plan.frame_addresses, strict=True))
-    hashers = tuple(ItemHasher() for _ in plan.records) if checksum else None
+    checksums = Checksums(len(plan.records)) if checksum else None
     return SaveRequest(path=os.path.abspath(path), structure=flat.structure_json, plan=plan,
-                       bins=bins, hashers=hashers)
+                       bins=bins, checksums=checksums)
 
 
 def _rows(payload: torch.Tensor | bytes, rows: tuple[int, int] | None) -> torch.Tensor | bytes:

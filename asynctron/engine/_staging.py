@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +28,7 @@ import torch
 
 from asynctron import _native
 from asynctron.engine._slabs import Slab
+from asynctron.storage._checksum import BodySegments
 from asynctron.storage._layout import Batches, BinLayout, Part
 
 _ZEROS = memoryview(bytes(4096))
@@ -110,26 +111,22 @@ class StagedBatch:
         _pad(buffers, self.nbytes - cursor)
         return buffers
 
-    def bodies(self) -> Iterator[tuple[int, memoryview]]:
-        """Per body segment, in file order: its item and its bytes (to hash). A generator:
-        each view is dropped once hashed, so 100k tiny items leave nothing behind for the
-        garbage collector."""
+    def bodies(self) -> BodySegments:
+        """Its body segments, in file order, where their bytes are (the slab, or in place)."""
         batches, layout = self.bin.batches, self.bin.layout
         segments = batches.segments(self.index)
         pieces = batches.piece[segments]
         is_body = layout.part[pieces] == Part.BODY
-        items = layout.item[pieces][is_body].tolist()
-        sizes = batches.size[segments][is_body].tolist()
+        sizes = batches.size[segments][is_body]
         if self.slab is not None:
-            view = self.slab.view
-            ats = batches.batch_offset[segments][is_body].tolist()
-            for item, at, size in zip(items, ats, sizes, strict=True):
-                yield item, view[at:at + size]
-            return
-        addresses = (self.bin.addresses[pieces[is_body]]
-                     + batches.piece_offset[segments][is_body].astype(np.uint64)).tolist()
-        for item, address, size in zip(items, addresses, sizes, strict=True):
-            yield item, _memory(address, size)
+            addresses = batches.batch_offset[segments][is_body].astype(np.uint64) + np.uint64(
+                self.slab.address)
+        else:
+            addresses = (self.bin.addresses[pieces[is_body]]
+                         + batches.piece_offset[segments][is_body].astype(np.uint64))
+        return BodySegments(items=layout.item[pieces][is_body], addresses=addresses,
+                            sizes=sizes.astype(np.uint64),
+                            whole=sizes == layout.size[pieces[is_body]])
 
 
 def _memory(address: int, size: int) -> memoryview:

@@ -1,5 +1,5 @@
-"""Item checksums: one xxh3-64 digest per item, streamed over the item's bytes in any number of
-pieces, stored in the manifest as 16 lowercase hex digits.
+"""Item checksums: one xxh3-64 digest per item, over the item's bytes in any number of pieces,
+stored in the manifest as 16 lowercase hex digits.
 
 Why xxh3-64: on this project's VM one core hashes 30 GiB/s with it against 15 GiB/s for
 crc32c, and fused into the staging copy (hash each 1 MiB piece right after copying it, while it
@@ -12,9 +12,13 @@ checksums (a saver's choice) and verification has nothing to check.
 
 from __future__ import annotations
 
+import ctypes
+from dataclasses import dataclass
+
 import numpy as np
 import xxhash
 
+from asynctron import _native
 from asynctron.errors import CorruptCheckpointError
 
 XXH3_64 = "xxh3_64"
@@ -37,6 +41,62 @@ class ItemHasher:
 
     def hexdigest(self) -> str:
         return self._state.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class BodySegments:
+    """Item bytes at addresses in memory, in file order: per segment its item, address and
+    size, and whether it is the item's whole body (else one piece of it, in order)."""
+
+    items: np.ndarray
+    addresses: np.ndarray
+    """uint64"""
+    sizes: np.ndarray
+    """uint64"""
+    whole: np.ndarray
+    """bool"""
+
+
+class Checksums:
+    """The digests of one save's items, computed as their bytes are written.
+
+    Items whose whole body is one segment are digested many at a time by one native call (the
+    GIL released once); an item cut across batches is streamed piece by piece (its pieces must
+    arrive in order).
+
+    Concurrency: several writers may update it at once, for different items.
+    """
+
+    def __init__(self, num_items: int) -> None:
+        self._whole = np.full(num_items, _EMPTY_DIGEST, dtype=np.uint64)
+        self._streams: dict[int, ItemHasher] = {}
+
+    def update(self, segments: BodySegments) -> None:
+        """Blocks: digest whole items, continue streamed ones (the memory must stay alive for
+        the call)."""
+        whole = segments.whole
+        if whole.any():
+            digests = np.empty(int(whole.sum()), dtype=np.uint64)
+            _native.hash_ranges(segments.addresses[whole], segments.sizes[whole], digests)
+            self._whole[segments.items[whole]] = digests
+        for item, address, size in zip(segments.items[~whole].tolist(),
+                                       segments.addresses[~whole].tolist(),
+                                       segments.sizes[~whole].tolist(), strict=True):
+            self._streams.setdefault(item, ItemHasher()).update(_memory_at(address, size))
+
+    def hexdigests(self) -> list[str]:
+        """Every item's digest (an item with no bytes: the digest of nothing)."""
+        digests = [f"{value:016x}" for value in self._whole.tolist()]
+        for item, hasher in self._streams.items():
+            digests[item] = hasher.hexdigest()
+        return digests
+
+
+_EMPTY_DIGEST = xxhash.xxh3_64_intdigest(b"")
+
+
+def _memory_at(address: int, size: int) -> memoryview:
+    return memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
 
 
 def digest(data: memoryview) -> str:

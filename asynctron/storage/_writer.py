@@ -11,12 +11,12 @@ memory bandwidth.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from asynctron._concurrency import RunBlocking
 from asynctron.storage import _sysio
-from asynctron.storage._checksum import ItemHasher
+from asynctron.storage._checksum import BodySegments, Checksums
 from asynctron.storage._sysio import FileIO
 
 
@@ -34,8 +34,8 @@ class WriteBatch(Protocol):
         """iovecs covering all the batch's bytes, padding included."""
         ...
 
-    def bodies(self) -> Iterable[tuple[int, memoryview]]:
-        """Its items' bytes to hash, `(item index, bytes)` in file order."""
+    def bodies(self) -> BodySegments:
+        """Its items' bytes to digest, in file order."""
         ...
 
 
@@ -46,14 +46,14 @@ class BinWriter:
     """
 
     def __init__(self, fio: FileIO, path: str, nbytes: int, run_blocking: RunBlocking, *,
-                 direct_io: bool, hashers: Sequence[ItemHasher] | None):
+                 direct_io: bool, checksums: Checksums | None):
         self.path = path
         self.nbytes = nbytes
         self._want_direct = direct_io
         self._direct: _sysio.DirectIO | None = None
         self._fio = fio
         self._run_blocking = run_blocking
-        self._hashers = hashers
+        self._checksums = checksums
         self._fd: int | None = None
         self._next_offset = 0
 
@@ -83,7 +83,7 @@ class BinWriter:
             assert batch.file_offset == self._next_offset, "batches must be written in order"
             self._next_offset += batch.nbytes
         await self._run_blocking(_write_batches, self._fio, self._fd, self.path, batches,
-                                 self._direct, self._hashers, on_written)
+                                 self._direct, self._checksums, on_written)
 
     async def finish(self) -> None:
         """fsync and close the file. Raises StorageError if fsync fails."""
@@ -103,14 +103,14 @@ class BinWriter:
 
 
 def _write_batches(fio: FileIO, fd: int, path: str, batches: Sequence[WriteBatch],
-                   direct: _sysio.DirectIO | None, hashers: Sequence[ItemHasher] | None,
+                   direct: _sysio.DirectIO | None, checksums: Checksums | None,
                    on_written: Callable[[WriteBatch], None]) -> None:
-    """Blocks: per batch, hash its item bytes, then write it at its file offset (a one-buffer
-    batch with an unaligned end goes O_DIRECT up to its last full block, then buffered)."""
+    """Blocks: per batch, digest its item bytes, then write it at its file offset (a
+    one-buffer batch with an unaligned end goes O_DIRECT up to its last full block, then
+    buffered)."""
     for batch in batches:
-        if hashers is not None:
-            for item_index, body in batch.bodies():
-                hashers[item_index].update(body)
+        if checksums is not None:
+            checksums.update(batch.bodies())
         buffers = list(batch.buffers())
         calls = [buffers]
         nbytes = batch.nbytes
