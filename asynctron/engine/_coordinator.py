@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
@@ -166,11 +167,12 @@ class Committer:
         self._locks: dict[str, asyncio.Lock] = {}
         self._newest: dict[str, int] = {}
 
-    async def commit(self, tmp_dir: str, final_path: str, files: Mapping[str, bytes],
-                     seq: int) -> tuple[str, ...]:
-        """Write `files` (the checkpoint's metadata) into `tmp_dir` and publish it as
+    async def commit(self, tmp_dir: str, final_path: str,
+                     files: Callable[[], Mapping[str, bytes]], seq: int) -> tuple[str, ...]:
+        """Write `files()` (the checkpoint's metadata) into `tmp_dir` and publish it as
         `final_path`: the rename is the commit. Then point `latest` at it unless a newer save
-        (higher `seq`) already committed, and prune beyond `keep_last`.
+        (higher `seq`) already committed, and prune beyond `keep_last`. All in one executor
+        call (a loop turn is a step of an async trainer that holds the loop).
 
         Returns:
             the problems after the commit (moving `latest`, pruning): logged, not raised, since
@@ -182,25 +184,38 @@ class Committer:
         """
         root = os.path.dirname(final_path)
         lock = self._locks.setdefault(root, asyncio.Lock())
-        warnings: list[str] = []
         async with lock:
-            await self._run_blocking(_commit.commit_dir, tmp_dir, final_path, files)
-            if seq > self._newest.get(root, -1):
-                try:
-                    await self._run_blocking(_commit.point_latest, final_path)
-                    self._newest[root] = seq
-                except AsynctronError as error:
-                    warnings.append(f"checkpoint {final_path} is committed, but `latest` was not "
-                                    f"moved to it: {error}")
-            if self._keep_last is not None:
-                try:
-                    await self._run_blocking(_commit.prune_checkpoints, root, self._keep_last)
-                except AsynctronError as error:
-                    warnings.append(f"checkpoint {final_path} is committed, but pruning older "
-                                    f"ones failed: {error}")
+            moved, warnings = await self._run_blocking(
+                _publish, tmp_dir, final_path, files, seq > self._newest.get(root, -1),
+                self._keep_last)
+            if moved:
+                self._newest[root] = seq
         for warning in warnings:
             logger.warning("%s", warning)
-        return tuple(warnings)
+        return warnings
+
+
+def _publish(tmp_dir: str, final_path: str, files: Callable[[], Mapping[str, bytes]],
+             move_latest: bool, keep_last: int | None) -> tuple[bool, tuple[str, ...]]:
+    """Blocks: commit, then move `latest` and prune. Returns whether `latest` moved, and the
+    problems after the commit."""
+    _commit.commit_dir(tmp_dir, final_path, files())
+    warnings = []
+    moved = False
+    if move_latest:
+        try:
+            _commit.point_latest(final_path)
+            moved = True
+        except AsynctronError as error:
+            warnings.append(f"checkpoint {final_path} is committed, but `latest` was not moved "
+                            f"to it: {error}")
+    if keep_last is not None:
+        try:
+            _commit.prune_checkpoints(os.path.dirname(final_path), keep_last)
+        except AsynctronError as error:
+            warnings.append(f"checkpoint {final_path} is committed, but pruning older ones "
+                            f"failed: {error}")
+    return moved, tuple(warnings)
 
 
 class Coordinator:
@@ -348,8 +363,8 @@ class Coordinator:
                 outcome = _Outcome(_Failure(failed[0].rank, failed[0].error or ""), ())
             else:
                 try:
-                    files = await self._run_blocking(publish, reports, metadata)
-                    warnings = await self._committer.commit(tmp_dir, path, files, seq)
+                    warnings = await self._committer.commit(
+                        tmp_dir, path, functools.partial(publish, reports, metadata), seq)
                     outcome = _Outcome(None, warnings)
                 except Exception as error:  # every rank must reach the broadcast
                     commit_error = error

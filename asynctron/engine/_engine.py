@@ -7,6 +7,7 @@ memory budget, the CUDA copy streams, and every save task it started.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import os
@@ -287,6 +288,9 @@ class Engine:
     async def run_blocking(self, fn: Callable[..., T], /, *args: Any) -> T:
         """Run blocking `fn(*args)` on the engine's executor; the loop stays free.
 
+        The result reaches the awaiting task in two loop iterations (the thread's callback,
+        then the task): an async trainer whose steps hold the loop gives one per step.
+
         Cancellation: the thread cannot be interrupted; the call finishes, then the
         cancellation is raised (so no buffer is reused while a thread still touches it).
         """
@@ -295,13 +299,15 @@ class Engine:
             raise RuntimeError("engine: not started; use `async with Engine() as engine`")
         if self._executor is None:
             raise ClosedError("engine: closed; create a new Engine")
-        future = loop.run_in_executor(self._executor, functools.partial(fn, *args))
+        done: asyncio.Future[T] = loop.create_future()
+        call = self._executor.submit(fn, *args)
+        call.add_done_callback(lambda _: loop.call_soon_threadsafe(_settle, done, call))
         try:
-            return await asyncio.shield(future)
+            return await done
         except asyncio.CancelledError:
-            await uncancellable(future)
-            if not future.cancelled():
-                future.exception()  # the cancellation wins; mark the thread's error as seen
+            await uncancellable(asyncio.wrap_future(call, loop=loop))
+            if not call.cancelled():
+                call.exception()  # the cancellation wins; mark the thread's error as seen
             raise
 
     def save(self, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
@@ -443,6 +449,17 @@ class Engine:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("running" if self._loop else "not started")
         return f"<Engine {state}, {len(self._saves)} saves in flight, {self.budget!r}>"
+
+
+def _settle(future: asyncio.Future[T], call: concurrent.futures.Future[T]) -> None:
+    """On the loop: pass the executor call's outcome to `future` (unless its awaiter left)."""
+    if future.cancelled():
+        return
+    error = call.exception()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(call.result())
 
 
 def _lower_thread_priority(increment: int) -> None:

@@ -8,7 +8,8 @@ Tasks (one `TaskGroup`):
 - one writer per bin: it holds back until staging is done or the budget runs short (so the
   caller's blocking time stays close to a plain memcpy; a state larger than the budget, whose
   blocking waits for writes anyway, is written from the first batch on), then writes every
-  consecutive ready batch in ONE executor call, and fsyncs once the file is complete.
+  consecutive ready batch in ONE executor call; the call that completes the file also fsyncs
+  and closes it.
 So the loop wakes a few times per save, not per batch. A slab goes back to the pool when its
 batch is written: at the end of the writer's call, or, when another acquire is waiting for
 budget, right after that batch.
@@ -125,14 +126,13 @@ async def stage_and_write(request: SaveRequest, tmp_dir: str, *, snapshot: bool,
         try:
             await writer.open()
             await gate.wait()
-            while queue.next_index < queue.num_batches:
-                run = await queue.take()
+            while not writer.done:
+                run = await queue.take() if queue.next_index < queue.num_batches else []
                 try:
-                    await writer.write(run, on_written)
+                    await writer.write(run, on_written)  # the last call fsyncs and closes
                 finally:
                     for batch in run:
                         release(batch)
-            await writer.finish()
         finally:
             await writer.aclose()
 

@@ -42,7 +42,9 @@ class WriteBatch(Protocol):
 class BinWriter:
     """Writes one bin file; owned by one writer task (not safe for concurrent `write`s).
 
-    Durability: the file's bytes are durable once `finish` returns.
+    Durability: the file's bytes are durable once the `write` that completes it returns: that
+    call also fsyncs and closes the file (one executor call, one loop turn, fewer for an async
+    trainer to give).
     """
 
     def __init__(self, fio: FileIO, path: str, nbytes: int, run_blocking: RunBlocking, *,
@@ -69,11 +71,20 @@ class BinWriter:
         self._fd = fd
         self._direct = _sysio.DirectIO(fd, self.path) if direct else None
 
+    @property
+    def done(self) -> bool:
+        """Whether the file is complete, durable and closed."""
+        return self._fd is None and self._next_offset == self.nbytes
+
     async def write(self, batches: Sequence[WriteBatch],
                     on_written: Callable[[WriteBatch], None]) -> None:
-        """Write `batches` (consecutive, continuing the file) in one executor call, hashing
+        """Write `batches` (consecutive, continuing the file) in one executor call, digesting
         each batch's bodies first; `on_written(batch)` is called on the executor thread after
-        each batch.
+        each batch. When they complete the file (an empty file: with no batches), the same call
+        fsyncs and closes it.
+
+        Raises:
+            StorageError: a write, fsync or close failed.
 
         Cancellation: the executor call runs to completion; the file is then incomplete and
         the caller discards the whole tmp dir.
@@ -82,18 +93,12 @@ class BinWriter:
         for batch in batches:
             assert batch.file_offset == self._next_offset, "batches must be written in order"
             self._next_offset += batch.nbytes
-        await self._run_blocking(_write_batches, self._fio, self._fd, self.path, batches,
-                                 self._direct, self._checksums, on_written)
-
-    async def finish(self) -> None:
-        """fsync and close the file. Raises StorageError if fsync fails."""
-        assert self._fd is not None
-        assert self._next_offset == self.nbytes, "finish() before every batch was written"
-        fd, self._fd = self._fd, None
-        try:
-            await self._run_blocking(_sysio.fsync, self._fio, fd, self.path)
-        finally:
-            await self._run_blocking(_sysio.close, self._fio, fd, self.path)
+        complete = self._next_offset == self.nbytes
+        fd = self._fd
+        if complete:
+            self._fd = None  # from here on, the call below closes it
+        await self._run_blocking(_write_batches, self._fio, fd, self.path, batches,
+                                 self._direct, self._checksums, on_written, complete)
 
     async def aclose(self) -> None:
         """Close the file if still open (after a failure); never raises StorageError."""
@@ -104,10 +109,22 @@ class BinWriter:
 
 def _write_batches(fio: FileIO, fd: int, path: str, batches: Sequence[WriteBatch],
                    direct: _sysio.DirectIO | None, checksums: Checksums | None,
-                   on_written: Callable[[WriteBatch], None]) -> None:
+                   on_written: Callable[[WriteBatch], None], complete: bool) -> None:
     """Blocks: per batch, digest its item bytes, then write it at its file offset (a
     one-buffer batch with an unaligned end goes O_DIRECT up to its last full block, then
-    buffered)."""
+    buffered); with `complete`, then fsync and close the file (closed even if that fails)."""
+    try:
+        _write_all(fio, fd, path, batches, direct, checksums, on_written)
+        if complete:
+            _sysio.fsync(fio, fd, path)
+    finally:
+        if complete:
+            _sysio.close(fio, fd, path)
+
+
+def _write_all(fio: FileIO, fd: int, path: str, batches: Sequence[WriteBatch],
+               direct: _sysio.DirectIO | None, checksums: Checksums | None,
+               on_written: Callable[[WriteBatch], None]) -> None:
     for batch in batches:
         if checksums is not None:
             checksums.update(batch.bodies())
