@@ -13,6 +13,7 @@ from asynctron.engine import (
     free_idle_staging,
     load,
     save,
+    staging_statistics,
 )
 from asynctron.errors import (
     AsynctronError,
@@ -42,4 +43,5 @@ __all__ = [
     "free_idle_staging",
     "load",
     "save",
+    "staging_statistics",
 ]

@@ -1,5 +1,6 @@
 """Every benchmark of the engine in one command, then the report: save (one process and across
-2 and 4 ranks), datasets, comm, the write sweep, and CUDA staging where there is a GPU. Each
+2 and 4 ranks), datasets, comm, the write sweep, CUDA staging where there is a GPU, saves
+inside a busy trainer, and many small tensors. Each
 scenario runs in its own process (fresh memory), writing JSON into one results directory;
 `bench/report.py` then renders `docs/benchmarks.md` and its plots from it.
 
@@ -27,6 +28,8 @@ RUNS = {
     "comm": ("bench.allreduce_overlap", []),
     "write": ("bench.write_sweep", ["--target", "{disk}"]),
     "cuda": ("bench.cuda_staging", []),
+    "train": ("bench.train", []),
+    "many": ("bench.save_many", []),
 }
 
 

@@ -33,6 +33,8 @@ SCENARIOS = {
     "comm": ("comm.json", "asynctron bench comm"),
     "write": ("write.json", "asynctron bench write --target $PWD/.benchtmp"),
     "cuda": ("cuda.json", "asynctron bench cuda"),
+    "train": ("train.json", "asynctron bench train"),
+    "many": ("many.json", "asynctron bench many"),
 }
 
 
@@ -97,8 +99,27 @@ def section_save(result: dict[str, Any], docs: str) -> list[str]:
               f"{growth_mib:.0f} MiB (target <= budget + 256 MiB = {limit_mib:.0f} MiB "
               f"{_ok(growth_mib <= limit_mib)}); staging peaked at "
               f"{budget['peak_borrowed_bytes'] / MiB:.0f} MiB.", ""]
+    lines += _first_saves(result.get("first_save"))
     _plot_save(result, os.path.join(docs, "benchmarks_save.png"))
     return [*lines, "![save throughput](benchmarks_save.png)"]
+
+
+def _first_saves(first: dict[str, Any] | None) -> list[str]:
+    """The first save in a fresh process, per target."""
+    if first is None:
+        return []
+    lines = [f"**The first save in a fresh process** ({first['size_gib']:g} GiB mixed state; "
+             "one process per save, so no staging memory is warm; medians). `asynctron "
+             "prefaulted` called `engine.prefault_staging(state bytes)` first, as a trainer does "
+             "at start-up; that call is the *prefault* column, outside the save.", ""]
+    for kind, data in first["targets"].items():
+        medians = data["medians"]
+        rows = [[method, f"{m['blocking_s']:.3f}", f"{m['total_s']:.3f}",
+                 f"{m['prefault_s']:.3f}" if "prefault_s" in m else "–"]
+                for method, m in sorted(medians.items(), key=lambda kv: kv[1]["total_s"])]
+        lines += [f"{kind}:", "", *_table(["method", "blocking s", "total s", "prefault s"],
+                                          rows), ""]
+    return lines
 
 
 def _plot_save(result: dict[str, Any], path: str) -> None:
@@ -254,6 +275,99 @@ def section_cuda(result: dict[str, Any], docs: str) -> list[str]:
             f"{result['h2d_vs_raw']:.2f}x a raw pinned H2D copy."]
 
 
+_TRAINERS = {"idle": "no trainer", "python": "a trainer thread busy in Python (holds the GIL)",
+             "torch": "a trainer thread running 1-thread matmuls (holds a core)"}
+
+
+def section_train(result: dict[str, Any], docs: str) -> list[str]:
+    state = result["state"]
+    lines = [f"A save of {state['nbytes'] / GiB:.2f} GiB ({state['num_tensors']} tensors) to "
+             "`/dev/shm`, requested on the event loop (the main thread) while a trainer works; "
+             "every method warm (asynctron's engine and DCP's stager kept across saves), methods "
+             "taking turns, medians of the rounds. *Blocking*: until the trainer may change its "
+             "tensors (`await task.staged`; `async_save` returning; Megatron's fork). *Total*: "
+             "until durable. *Retained*: the trainer's work rate during the save / in the second "
+             "before. *Loop*: the event loop's worst heartbeat delay during the save. torch runs "
+             "with one intra-op thread, so the 2-core machine has a core for the trainer and one "
+             "for checkpointing. `dcp async_save` runs with a persistent `DefaultStager` (its "
+             "best settings; the process mode stages into shared memory); `default stager` is "
+             "what `dcp.async_save(sd, checkpoint_id=...)` does, fresh memory each save.", ""]
+    for kind in ("idle", "python", "torch"):
+        if kind not in result:
+            continue
+        lines += [f"**{_TRAINERS[kind]}**", ""]
+        rows = []
+        for name, m in sorted(result[kind].items(), key=lambda kv: kv[1]["blocking_s"]):
+            retained = f"{m['retained']:.0%}" if "retained" in m else "–"
+            rows.append([name, f"{m['blocking_s']:.3f}", f"{m['total_s']:.3f}", retained,
+                         f"{m['loop_worst_delay_s'] * 1e3:.1f}"])
+        lines += [*_table(["method", "blocking s", "total s", "retained", "loop ms"], rows), ""]
+        ours = result[kind].get("asynctron", {})
+        if "blocking_vs_idle" in ours:
+            lines.append(f"- asynctron's blocking: {ours['blocking_vs_idle']:.2f}x its idle "
+                         f"blocking (target <= 3x {_ok(ours['blocking_vs_idle'] <= 3)})")
+            for name, ratio in ours["blocking_vs"].items():
+                lines.append(f"- vs {name}: {ratio:.2f}x (target <= 0.5x {_ok(ratio <= 0.5)})")
+            lines += [f"- the trainer kept {ours['retained']:.0%} of its work (target >= 90% "
+                      f"{_ok(ours['retained'] >= 0.9)})", ""]
+    if "gpt" in result:
+        lines += ["**the demo's small GPT training on the event loop** (an async trainer; one "
+                  "loop turn between steps; a save every 5 steps, each waiting for the one "
+                  "before, as torchtitan does)", ""]
+        rows = [[name, f"{m['blocking_s']:.3f}", f"{m['total_s']:.3f}",
+                 f"{m['step_alone_s'] * 1e3:.1f}", f"{m['step_saving_s'] * 1e3:.1f}",
+                 f"{m['step_saving_s'] / m['step_alone_s']:.2f}x"]
+                for name, m in result["gpt"].items()]
+        lines += [*_table(["method", "blocking s", "total s", "step ms, no saves",
+                           "step ms, saving", "ratio"], rows), "",
+                  "Here asynctron's *total* counts loop turns, not I/O: after `staged` a save "
+                  "needs about ten, and this trainer gives one per step, so a save commits just "
+                  "before the next one starts. DCP and Megatron finish on their own thread or "
+                  "process.", ""]
+    _plot_train(result, os.path.join(docs, "benchmarks_train.png"))
+    return [*lines, "![saves inside a busy trainer](benchmarks_train.png)"]
+
+
+def _plot_train(result: dict[str, Any], path: str) -> None:
+    labels = {"idle": "no trainer", "python": "Python trainer", "torch": "torch trainer"}
+    kinds = [k for k in labels if k in result]
+    busy = [k for k in kinds if k != "idle"]
+    methods = sorted({name for k in kinds for name in result[k]})
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
+    width = 0.8 / len(methods)
+    for i, name in enumerate(methods):
+        color = "tab:orange" if name == "asynctron" else None
+        shift = (i - len(methods) / 2 + 0.5) * width
+        left.bar([x + shift for x in range(len(kinds))],
+                 [result[k].get(name, {}).get("blocking_s", 0) for k in kinds], width,
+                 label=name, color=color)
+        right.bar([x + shift for x in range(len(busy))],
+                  [result[k].get(name, {}).get("retained", 0) * 100 for k in busy], width,
+                  color=color)
+    left.set_xticks(range(len(kinds)), [labels[k] for k in kinds])
+    left.set_ylabel("blocking s (median, log scale; lower is better)")
+    left.set_yscale("log")
+    left.legend(fontsize=7)
+    right.set_xticks(range(len(busy)), [labels[k] for k in busy])
+    right.set_ylabel("trainer's work kept during the save, %")
+    right.axhline(90, color="gray", linestyle="--", linewidth=1)
+    figure.suptitle("a 1 GiB save while a trainer works (orange: asynctron; dashed: the 90% "
+                    "target)", fontsize=11)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def section_many(result: dict[str, Any], docs: str) -> list[str]:
+    medians = result["medians_s"]
+    rows = [[name, f"{median:.3f}"] for name, median in sorted(medians.items(),
+                                                               key=lambda kv: kv[1])]
+    lines = [f"{result['num_tensors']:,} tensors of 4 floats (one optimizer entry per "
+             "parameter) saved to `/dev/shm`, every method durable; medians.", "",
+             *_table(["method", "median s"], rows), ""]
+    return [*lines, *[f"- {line}" for line in result["targets"]]]
+
+
 SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any], str], list[str]]]] = {
     "save": ("Checkpoint save and load, one process (issue 2)", section_save),
     "save_ranks2": ("Save across 2 ranks (issue 5)", section_save_ranks),
@@ -262,6 +376,8 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any], str], list[str]]]] = {
     "comm": ("Gradient buckets against PyTorch DDP (issue 4)", section_comm),
     "write": ("Concurrent write sweep (issue 6)", section_write),
     "cuda": ("CUDA staging", section_cuda),
+    "train": ("Checkpoints inside a busy trainer (issue 11)", section_train),
+    "many": ("Many small tensors (issue 11)", section_many),
 }
 
 
@@ -281,6 +397,9 @@ def render(results_dir: str, docs: str) -> str:
     for name, (title, section) in SECTIONS.items():
         lines += [f"## {title}", "", f"Command: `{SCENARIOS[name][1]}`", ""]
         if name in results:
+            meta = results[name].get("meta", {})
+            if "date" in meta:
+                lines += [f"Measured on {meta['date']}, asynctron {meta['asynctron']}.", ""]
             lines += section(results[name], docs)
         else:
             lines.append("Not run here" + (" (no GPU on this machine)." if name == "cuda"

@@ -187,7 +187,8 @@ async def _timed_save(method: Method, state: dict[str, Any], path: str
 
 
 async def run_thread_trainer(kind: str, methods: list[Method], state: dict[str, Any],
-                             base: str, repeats: int) -> dict[str, dict[str, list[float]]]:
+                             base: str, repeats: int, rate_window_s: float
+                             ) -> dict[str, dict[str, list[float]]]:
     """Saves while a trainer thread works (or none, for `idle`), methods taking turns."""
     trainer = None if kind == "idle" else TrainerThread(kind)
     if trainer is not None:
@@ -200,7 +201,7 @@ async def run_thread_trainer(kind: str, methods: list[Method], state: dict[str, 
                 path = os.path.join(base, f"{kind}-{round_index}-{len(method.name)}")
                 gc.collect()
                 before = _rate_probe(trainer)
-                await asyncio.sleep(1.0)
+                await asyncio.sleep(rate_window_s)
                 alone = _rate_probe(trainer)
                 async with LoopWatchdog() as dog:
                     blocking, total = await _timed_save(method, state, path)
@@ -377,7 +378,7 @@ async def main_async(args: argparse.Namespace, base: str) -> dict[str, Any]:
                     hidden=args.gpt_hidden, num_layers=args.gpt_layers)
             else:
                 samples[kind] = await run_thread_trainer(kind, methods, state, base,
-                                                         args.repeats)
+                                                         args.repeats, 0.05 if args.quick else 1.0)
     finally:
         for method in methods:
             await method.close()

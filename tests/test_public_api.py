@@ -16,6 +16,7 @@ def test_top_level() -> None:
         "AsynctronError", "BackgroundEngine", "BusyError", "CheckpointNotFoundError",
         "ClosedError", "CorruptCheckpointError", "Engine", "EngineConfig", "PeerError",
         "SaveResult", "SaveTask", "StorageError", "free_idle_staging", "load", "save",
+        "staging_statistics",
     }
 
 

@@ -270,7 +270,7 @@ async def test_saving_without_checksums(shm_path: str) -> None:
 async def test_planning_runs_off_the_loop_thread(shm_path: str,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """DCP planning (CPU-bound, ~60 us per tensor) runs on the engine's executor, never on the
-    loop: `save()` itself only validates the state dict."""
+    loop: `save()` itself reads nothing of the state dict."""
     from asynctron.engine import _save
 
     threads: list[str] = []
