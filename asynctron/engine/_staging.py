@@ -17,7 +17,6 @@ busy in Python loses the GIL for microseconds, not once per piece. In that call:
 
 from __future__ import annotations
 
-import ctypes
 import math
 import threading
 from collections.abc import Mapping, Sequence
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 
 from asynctron import _native
+from asynctron._memory import memory_at
 from asynctron.engine._slabs import Slab
 from asynctron.storage._checksum import BodySegments
 from asynctron.storage._layout import Batches, BinLayout, Part
@@ -106,7 +106,7 @@ class StagedBatch:
                 batches.batch_offset[segments].tolist(), batches.size[segments].tolist(),
                 strict=True):
             _pad(buffers, at - cursor)
-            buffers.append(_memory(address, size))
+            buffers.append(memory_at(address, size))  # the sources hold it alive
             cursor = at + size
         _pad(buffers, self.nbytes - cursor)
         return buffers
@@ -127,11 +127,6 @@ class StagedBatch:
         return BodySegments(items=layout.item[pieces][is_body], addresses=addresses,
                             sizes=sizes.astype(np.uint64),
                             whole=sizes == layout.size[pieces[is_body]])
-
-
-def _memory(address: int, size: int) -> memoryview:
-    """Bytes [address, +size) of memory the sources hold alive, as a memoryview."""
-    return memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
 
 
 def _pad(buffers: list[memoryview], nbytes: int) -> None:

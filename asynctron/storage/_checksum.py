@@ -12,13 +12,13 @@ checksums (a saver's choice) and verification has nothing to check.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import numpy as np
 import xxhash
 
 from asynctron import _native
+from asynctron._memory import memory_at
 from asynctron.errors import CorruptCheckpointError
 
 XXH3_64 = "xxh3_64"
@@ -82,7 +82,7 @@ class Checksums:
         for item, address, size in zip(segments.items[~whole].tolist(),
                                        segments.addresses[~whole].tolist(),
                                        segments.sizes[~whole].tolist(), strict=True):
-            self._streams.setdefault(item, ItemHasher()).update(_memory_at(address, size))
+            self._streams.setdefault(item, ItemHasher()).update(memory_at(address, size))
 
     def hexdigests(self) -> list[str]:
         """Every item's digest (an item with no bytes: the digest of nothing)."""
@@ -93,10 +93,6 @@ class Checksums:
 
 
 _EMPTY_DIGEST = xxhash.xxh3_64_intdigest(b"")
-
-
-def _memory_at(address: int, size: int) -> memoryview:
-    return memoryview((ctypes.c_ubyte * size).from_address(address)).cast("B")
 
 
 def digest(data: memoryview) -> str:
