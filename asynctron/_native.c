@@ -38,6 +38,37 @@ static int get_u64_array(PyObject *obj, Py_buffer *view, const char *name, int w
     return 0;
 }
 
+static void release_three(Py_buffer views[3]) {
+    for (int i = 0; i < 3; i++) {
+        PyBuffer_Release(&views[i]);
+    }
+}
+
+/* `function`'s three arguments as uint64 arrays of one length (the last writable if asked);
+ * on failure, an error naming the argument, and nothing held. */
+static int get_three_arrays(const char *function, PyObject *const *args, Py_ssize_t nargs,
+                            const char *const names[3], int last_writable, Py_buffer views[3]) {
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "%s: expected 3 arguments, found %zd", function, nargs);
+        return -1;
+    }
+    for (int i = 0; i < 3; i++) {
+        if (get_u64_array(args[i], &views[i], names[i], last_writable && i == 2) < 0) {
+            for (int j = 0; j < i; j++) {
+                PyBuffer_Release(&views[j]);
+            }
+            return -1;
+        }
+    }
+    if (views[1].shape[0] != views[0].shape[0] || views[2].shape[0] != views[0].shape[0]) {
+        PyErr_Format(PyExc_ValueError, "%s: expected arrays of one length, found %zd, %zd and "
+                     "%zd", function, views[0].shape[0], views[1].shape[0], views[2].shape[0]);
+        release_three(views);
+        return -1;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(copy_ranges_doc,
 "copy_ranges(destinations, sources, nbytes, /)\n--\n\n"
 "For each i, copy nbytes[i] bytes from address sources[i] to address destinations[i], or\n"
@@ -48,29 +79,12 @@ PyDoc_STRVAR(copy_ranges_doc,
 
 static PyObject *copy_ranges(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "copy_ranges: expected 3 arguments, found %zd", nargs);
-        return NULL;
-    }
+    static const char *const names[3] = {"destinations", "sources", "nbytes"};
     Py_buffer views[3];
-    static const char *names[3] = {"destinations", "sources", "nbytes"};
-    for (int i = 0; i < 3; i++) {
-        if (get_u64_array(args[i], &views[i], names[i], 0) < 0) {
-            for (int j = 0; j < i; j++) {
-                PyBuffer_Release(&views[j]);
-            }
-            return NULL;
-        }
+    if (get_three_arrays("copy_ranges", args, nargs, names, 0, views) < 0) {
+        return NULL;
     }
     Py_ssize_t count = views[0].shape[0];
-    if (views[1].shape[0] != count || views[2].shape[0] != count) {
-        PyErr_Format(PyExc_ValueError, "copy_ranges: expected arrays of one length, found %zd, "
-                     "%zd and %zd", count, views[1].shape[0], views[2].shape[0]);
-        for (int i = 0; i < 3; i++) {
-            PyBuffer_Release(&views[i]);
-        }
-        return NULL;
-    }
     const uint64_t *destinations = views[0].buf;
     const uint64_t *sources = views[1].buf;
     const uint64_t *nbytes = views[2].buf;
@@ -84,9 +98,7 @@ static PyObject *copy_ranges(PyObject *module, PyObject *const *args, Py_ssize_t
         }
     }
     Py_END_ALLOW_THREADS
-    for (int i = 0; i < 3; i++) {
-        PyBuffer_Release(&views[i]);
-    }
+    release_three(views);
     Py_RETURN_NONE;
 }
 
@@ -99,29 +111,12 @@ PyDoc_STRVAR(hash_ranges_doc,
 
 static PyObject *hash_ranges(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "hash_ranges: expected 3 arguments, found %zd", nargs);
-        return NULL;
-    }
+    static const char *const names[3] = {"addresses", "nbytes", "digests"};
     Py_buffer views[3];
-    static const char *names[3] = {"addresses", "nbytes", "digests"};
-    for (int i = 0; i < 3; i++) {
-        if (get_u64_array(args[i], &views[i], names[i], i == 2) < 0) {
-            for (int j = 0; j < i; j++) {
-                PyBuffer_Release(&views[j]);
-            }
-            return NULL;
-        }
+    if (get_three_arrays("hash_ranges", args, nargs, names, 1, views) < 0) {
+        return NULL;
     }
     Py_ssize_t count = views[0].shape[0];
-    if (views[1].shape[0] != count || views[2].shape[0] != count) {
-        PyErr_Format(PyExc_ValueError, "hash_ranges: expected arrays of one length, found "
-                     "%zd, %zd and %zd", count, views[1].shape[0], views[2].shape[0]);
-        for (int i = 0; i < 3; i++) {
-            PyBuffer_Release(&views[i]);
-        }
-        return NULL;
-    }
     const uint64_t *addresses = views[0].buf;
     const uint64_t *nbytes = views[1].buf;
     uint64_t *digests = views[2].buf;
@@ -130,9 +125,7 @@ static PyObject *hash_ranges(PyObject *module, PyObject *const *args, Py_ssize_t
         digests[i] = XXH3_64bits((const void *)(uintptr_t)addresses[i], (size_t)nbytes[i]);
     }
     Py_END_ALLOW_THREADS
-    for (int i = 0; i < 3; i++) {
-        PyBuffer_Release(&views[i]);
-    }
+    release_three(views);
     Py_RETURN_NONE;
 }
 
