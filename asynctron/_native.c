@@ -16,8 +16,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#define XXH_INLINE_ALL
 #include "xxhash.h"
+#ifdef ASYNCTRON_XXH_X86_DISPATCH
+#include "xxh_x86dispatch.h" /* XXH3_64bits picks SSE2, AVX2 or AVX-512 at run time */
+#endif
 
 /* A 1-D C-contiguous buffer of uint64 (`writable` if asked), or an error naming it. */
 static int get_u64_array(PyObject *obj, Py_buffer *view, const char *name, int writable) {

@@ -6,8 +6,9 @@ every rank learns the outcome. Collectives per save, in this order on every rank
 1. `start`: all-gather of each rank's structure digest and the plan keys it has cached; the
    coordinator's entry also carries the tmp dir it created, or why it could not;
 2. `exchange_plans`, skipped when every rank holds the file plan of this global structure
-   (seed 002's plan cache): gather the local DCP plans at the coordinator, which deduplicates
-   them (`plan_global`), then scatter each rank its final plan;
+   (seed 002's plan cache): gather the local plans at the coordinator, which deduplicates them
+   (DCP's `create_global_plan`, or for plain items `plan_plain_global`), then scatter each
+   rank its final plan;
 3. `finish`: gather every rank's write report (its items with checksums, files and structure;
    or its error) at the coordinator, which commits only if all succeeded; broadcast the outcome.
 A failure on any rank travels through these collectives, so every rank calls the same ones in
@@ -30,16 +31,13 @@ from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import SavePlan as DcpSavePlan
 
 from asynctron._concurrency import RunBlocking
 from asynctron.errors import AsynctronError, PeerError, StorageError
 from asynctron.storage import _commit, _sysio
 from asynctron.storage._checksum import digest
 from asynctron.storage._manifest import ItemRecord
-from asynctron.storage._plan import plan_global
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +122,9 @@ class Start:
     """The global structure (every rank's digest, hashed); None when it cannot be cached."""
     cached: bool
     """Every rank holds the file plan for `plan_key`: no plan collectives this time."""
+    plain: bool
+    """Every rank's items are plain (no DTensor, no pickled value): planned without DCP's
+    planner."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,16 +265,17 @@ class Coordinator:
         """Save `seq` never reached `finish` (its start failed, on every rank)."""
         await self._finishing_turns.skip(seq)
 
-    async def start(self, path: str, digest: str | None,
-                    cached_keys: Sequence[Hashable]) -> Start:
-        """Create the tmp dir (coordinator) and agree on the plan key.
+    async def start(self, path: str, digest: str | None, cached_keys: Sequence[Hashable], *,
+                    plain: bool) -> Start:
+        """Create the tmp dir (coordinator), agree on the plan key and on whether every rank's
+        items are plain.
 
         Raises:
             FileExistsError: the target exists (on every rank).
             StorageError: the coordinator could not create the tmp dir (there); `PeerError`
                 naming rank 0 elsewhere.
         """
-        entry: dict[str, Any] = {"digest": digest, "cached": list(cached_keys)}
+        entry: dict[str, Any] = {"digest": digest, "cached": list(cached_keys), "plain": plain}
         coordinator_error: Exception | None = None
         if self.is_coordinator:
             tmp_dir = _commit.tmp_dir_for(path)
@@ -296,20 +298,20 @@ class Coordinator:
         digests = [e["digest"] for e in entries]
         plan_key = None if None in digests else _global_key(digests)
         cached = plan_key is not None and all(plan_key in e["cached"] for e in entries)
-        return Start(tmp_dir=head["tmp_dir"], plan_key=plan_key, cached=cached)
+        return Start(tmp_dir=head["tmp_dir"], plan_key=plan_key, cached=cached,
+                     plain=all(e["plain"] for e in entries))
 
-    async def exchange_plans(self, planner: DefaultSavePlanner | None,
-                             local: DcpSavePlan | BaseException
-                             ) -> tuple[DcpSavePlan, Metadata | None]:
+    async def exchange_plans(self, local: Any, global_step: Callable[[list[Any]], tuple[
+            Sequence[Any], Metadata | None]] | None) -> tuple[Any, Metadata | None]:
         """Give the coordinator this rank's local plan (or its planning error); get back this
-        rank's final share (and, on the coordinator, DCP's global metadata).
+        rank's final share (and, on the coordinator, DCP's global metadata). On the
+        coordinator, `global_step(every rank's plan)` makes the shares (on the executor).
 
         Raises:
             PeerError: another rank failed to plan, or the coordinator's global step failed
                 (the rank that failed raises its own error).
         """
-        sent: DcpSavePlan | _Failure = (
-            _Failure(self.rank, describe(local)) if isinstance(local, BaseException) else local)
+        sent = _Failure(self.rank, describe(local)) if isinstance(local, BaseException) else local
         gathered = await self.planning.gather_object(sent, dst=0)
         shares: list[Any] | None = None
         metadata: Metadata | None = None
@@ -320,9 +322,9 @@ class Coordinator:
             if failures:
                 shares = [failures[0]] * len(gathered)
             else:
-                assert planner is not None
+                assert global_step is not None
                 try:
-                    plans, metadata = await self._run_blocking(plan_global, planner, gathered)
+                    plans, metadata = await self._run_blocking(global_step, gathered)
                     shares = list(plans)
                 except Exception as error:  # e.g. one key holding different tensors on ranks
                     coordinator_error = error

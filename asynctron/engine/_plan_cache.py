@@ -15,13 +15,10 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from asynctron.storage._layout import Batches, BinLayout
 from asynctron.storage._manifest import ItemRecord
-from asynctron.storage._plan import FlatStateDict
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+from asynctron.storage._plan import PLAIN_TENSORS, FlatStateDict
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -58,7 +55,7 @@ def structure_signature(flat: FlatStateDict, *, num_bins: int, rank: int,
     for key, value in flat.values.items():
         if isinstance(value, bytes):
             parts.append(f"{key}\0bytes\0{len(value)}")
-        elif type(value) in _PLAIN_TENSORS:
+        elif type(value) in PLAIN_TENSORS:
             numpy_dtype = arrays[key][0] if key in arrays else ""
             parts.append(f"{key}\0{numpy_dtype}\0{value.dtype}\0{tuple(value.shape)}\0"
                          f"{value.device}")

@@ -37,21 +37,33 @@ from asynctron._concurrency import RunBlocking, uncancellable
 from asynctron.engine._coordinator import Coordinator, Start, WriteReport, describe
 from asynctron.engine._pipeline import stage_and_write
 from asynctron.engine._plan_cache import FilePlan, PlanCache
-from asynctron.engine._save_plan import SaveRequest, build_request, file_plan, structure_digest
+from asynctron.engine._save_plan import (
+    SaveRequest,
+    build_request,
+    dcp_items,
+    file_plan,
+    plain_items,
+    structure_digest,
+)
 from asynctron.engine._slabs import SlabPool
 from asynctron.engine._staging import CopyStreams
 from asynctron.engine._task import SaveResult
+from asynctron.storage._chunking import PlannedItem
 from asynctron.storage._dcp import METADATA_NAME as DCP_METADATA_NAME
 from asynctron.storage._dcp import metadata_bytes
 from asynctron.storage._manifest import MANIFEST_NAME, encode_manifest
 from asynctron.storage._plan import (
     FlatStateDict,
+    PlainPlan,
     SavePlan,
     flatten,
+    is_plain,
     item_paths,
     merge_structures,
     plan_final,
+    plan_global,
     plan_local,
+    plan_plain_global,
 )
 from asynctron.storage._sysio import FileIO
 
@@ -206,7 +218,10 @@ class SaveJob:
         try:
             async with coordinator.planning_turn(seq):
                 held = self._plan_cache.snapshot()  # the plans announced are the plans used
-                planned.start = await coordinator.start(self.path, digest, list(held))
+                plain = (not isinstance(flat, BaseException) and self._options.format != "dcp"
+                         and is_plain(flat))
+                planned.start = await coordinator.start(self.path, digest, list(held),
+                                                        plain=plain)
                 try:
                     planned.request, planned.metadata = await self._plan(flat, planned.start,
                                                                          held)
@@ -230,38 +245,53 @@ class SaveJob:
 
     async def _plan(self, flat: FlatStateDict | BaseException, start: Start,
                     held: Mapping[Hashable, FilePlan]) -> tuple[SaveRequest, Metadata | None]:
-        """This rank's request: from the cached file plan when every rank holds it, else from
-        DCP's planner through the plan exchange (which a rank whose state dict could not be
-        flattened joins with its error)."""
-        options, rank, abort = self._options, self._coordinator.rank, self._abort
+        """This rank's request: from the cached file plan when every rank holds it, else
+        planned through the plan exchange (which a rank whose state dict could not be
+        flattened joins with its error): without DCP's planner when every rank's items are
+        plain, else with it (DTensor shards, pickled values, DCP's metadata)."""
+        options, abort = self._options, self._abort
         cached = held[start.plan_key] if start.cached else None
         self._plan_cache.record_use(start.plan_key, hit=cached is not None)
         if cached is not None:
             assert not isinstance(flat, BaseException)
             return await abort.run(self._run_blocking(_request, flat, self.path, cached, None,
                                                       options)), None
-        local: BaseException | tuple
+        local: Any
         if isinstance(flat, BaseException):
             local = flat
         else:
             try:
-                local = await abort.run(self._run_blocking(functools.partial(
-                    plan_local, flat, is_coordinator=self._coordinator.is_coordinator)))
+                local = await abort.run(self._run_blocking(
+                    PlainPlan.of if start.plain else functools.partial(
+                        plan_local, is_coordinator=self._coordinator.is_coordinator), flat))
             except (Exception, asyncio.CancelledError) as error:
                 local = error
+        if start.plain:
+            mine, metadata = await self._coordinator.exchange_plans(local, _plain_global)
+            assert not isinstance(flat, BaseException)
+            items = await abort.run(self._run_blocking(plain_items, flat, local, mine))
+            return await self._planned(flat, start, items, None), metadata
         planner, local_plan = (None, local) if isinstance(local, BaseException) else local
-        share, metadata = await self._coordinator.exchange_plans(planner, local_plan)
+        share, metadata = await self._coordinator.exchange_plans(
+            local_plan, None if planner is None else functools.partial(plan_global, planner))
         assert planner is not None and not isinstance(flat, BaseException)
         save_plan = await abort.run(self._run_blocking(plan_final, flat, planner, share,
                                                        metadata))
-        plan, write_items = await abort.run(self._run_blocking(functools.partial(
-            file_plan, save_plan, num_bins=options.num_bins, rank=rank,
+        return await self._planned(flat, start, dcp_items(save_plan), save_plan), metadata
+
+    async def _planned(self, flat: FlatStateDict, start: Start, items: list[PlannedItem],
+                       save_plan: SavePlan | None) -> SaveRequest:
+        """The file plan of this rank's items (kept in the cache), and the request."""
+        options = self._options
+        plan, sources = await self._abort.run(self._run_blocking(functools.partial(
+            file_plan, flat, items, num_bins=options.num_bins, rank=self._coordinator.rank,
             slab_bytes=options.slab_bytes, torch_save_frames=options.format == "dcp")))
         if start.plan_key is not None:
             self._plan_cache.store(start.plan_key, plan)
-        request = await abort.run(self._run_blocking(_request, flat, self.path, plan,
-                                                     (save_plan, write_items), options))
-        return request, metadata
+        dcp = None if save_plan is None else (save_plan, [save_plan.items[source]
+                                                          for source in sources])
+        return await self._abort.run(self._run_blocking(_request, flat, self.path, plan, dcp,
+                                                        options))
 
     # phase 2 ------------------------------------------------------------------------------
 
@@ -322,6 +352,10 @@ class SaveJob:
 
 
 def _request(flat: FlatStateDict, path: str, plan: FilePlan,
-             fresh: tuple[SavePlan, Sequence[WriteItem]] | None,
+             dcp: tuple[SavePlan, Sequence[WriteItem]] | None,
              options: SaveOptions) -> SaveRequest:
-    return build_request(flat, path, plan, fresh, checksum=options.checksum is not None)
+    return build_request(flat, path, plan, dcp, checksum=options.checksum is not None)
+
+
+def _plain_global(plans: list[PlainPlan]) -> tuple[list[list[bool]], None]:
+    return plan_plain_global(plans), None

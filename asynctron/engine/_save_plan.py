@@ -32,7 +32,7 @@ from asynctron.storage._dcp import torch_save_frame
 from asynctron.storage._dtypes import dtype_name
 from asynctron.storage._layout import BinLayout, Part, bin_file_name, layout_bin
 from asynctron.storage._manifest import ItemRecord
-from asynctron.storage._plan import FlatStateDict, SavePlan
+from asynctron.storage._plan import FlatStateDict, PlainPlan, SavePlan
 from asynctron.storage._split import split_by_size_and_type
 
 
@@ -73,16 +73,15 @@ def structure_digest(flat: FlatStateDict, *, num_bins: int, rank: int,
     return None if signature is None else digest(memoryview(signature.encode()))
 
 
-def file_plan(plan: SavePlan, *, num_bins: int, rank: int, slab_bytes: int,
-              torch_save_frames: bool) -> tuple[FilePlan, tuple[WriteItem, ...]]:
-    """Blocks (CPU-bound): this rank's final DCP items cut into chunks, split onto bins (seed
-    000), laid out and cut into batches of `slab_bytes`; and per item of the plan, DCP's write
-    item it is (a chunk of), to resolve its payload (kept out of the plan: a cached plan needs
-    none, and DCP's objects are a dozen per item for the garbage collector to walk). With
+def file_plan(flat: FlatStateDict, items: Sequence[PlannedItem], *, num_bins: int, rank: int,
+              slab_bytes: int, torch_save_frames: bool) -> tuple[FilePlan, tuple[int, ...]]:
+    """Blocks (CPU-bound): this rank's items (from DCP's planner or the plain plan) cut into
+    chunks, split onto bins (seed 000), laid out and cut into batches of `slab_bytes`; and per
+    item of the plan, its source (the index of its payload among `items`' sources). With
     `torch_save_frames` (DCP's format) every tensor item is laid out inside its `torch.save`
     frame: prefix, raw bytes, suffix."""
-    items = chunk_large_items(plan.items, [plan.nbytes(item) for item in plan.items], num_bins)
-    frames = tuple(_frame(plan, item) if torch_save_frames else None for item in items)
+    items = chunk_large_items(items, num_bins)
+    frames = tuple(_frame(item) if torch_save_frames else None for item in items)
     index_of = {id(item): i for i, item in enumerate(items)}
     pieces = [(len(frame[0]), item.nbytes, len(frame[1])) if frame else (item.nbytes,)
               for item, frame in zip(items, frames, strict=True)]
@@ -93,14 +92,28 @@ def file_plan(plan: SavePlan, *, num_bins: int, rank: int, slab_bytes: int,
     )
     placed = {item: (layout.file_name, offset)
               for layout in layouts for item, offset in layout.body_offsets().items()}
-    records = tuple(_record(plan, item, *placed[i]) for i, item in enumerate(items))
+    records = tuple(_record(flat, item, *placed[i]) for i, item in enumerate(items))
     return FilePlan(keys=tuple(item.key for item in items),
                     rows=tuple(item.rows for item in items), records=records,
                     layouts=layouts,
                     batches=tuple(layout.batches(slab_bytes) for layout in layouts),
                     frame_addresses=tuple(_frame_addresses(layout, frames)
                                           for layout in layouts),
-                    frames=frames), tuple(item.write_item for item in items)
+                    frames=frames), tuple(item.source for item in items)
+
+
+def dcp_items(save_plan: SavePlan) -> list[PlannedItem]:
+    """This rank's share of DCP's plan as planned items (source: the write item's index)."""
+    return [PlannedItem.of_write_item(i, item, save_plan.nbytes(item))
+            for i, item in enumerate(save_plan.items)]
+
+
+def plain_items(flat: FlatStateDict, plan: PlainPlan, mine: Sequence[bool]) -> list[PlannedItem]:
+    """The plain items this rank writes (`mine`, per key of its plain plan; a key several
+    ranks hold is written by one of them), planned without DCP's planner."""
+    values = flat.values
+    return [PlannedItem.of_value(i, key, values[key])
+            for i, (key, write) in enumerate(zip(plan.keys, mine, strict=True)) if write]
 
 
 def _frame_addresses(layout: BinLayout, frames: tuple[tuple[bytes, bytes] | None, ...]
@@ -116,24 +129,23 @@ def _frame_addresses(layout: BinLayout, frames: tuple[tuple[bytes, bytes] | None
     return addresses
 
 
-def _frame(plan: SavePlan, item: PlannedItem) -> tuple[bytes, bytes] | None:
+def _frame(item: PlannedItem) -> tuple[bytes, bytes] | None:
     """The `torch.save` frame of a tensor item's chunk (None for pickled objects: their bytes
     are already a `torch.save` blob)."""
     if item.type == WriteItemType.BYTE_IO:
         return None
-    data = item.write_item.tensor_data
-    assert data is not None
-    return torch_save_frame(item.chunk()[0], data.properties.dtype)
+    assert item.dtype is not None
+    return torch_save_frame(item.chunk()[0], item.dtype)
 
 
 def build_request(flat: FlatStateDict, path: str, plan: FilePlan,
-                  fresh: tuple[SavePlan, Sequence[WriteItem]] | None, *,
+                  dcp: tuple[SavePlan, Sequence[WriteItem]] | None, *,
                   checksum: bool) -> SaveRequest:
-    """Blocks: the per-save part of a request: where each item's bytes come from (a fresh
-    plan's `SavePlan` resolves each write item, DTensor shards too; a cached plan takes plain
-    tensors by key), per bin every piece's address, a fresh hasher per item."""
-    if fresh is not None:
-        save_plan, write_items = fresh
+    """Blocks: the per-save part of a request: where each item's bytes come from (a plan made
+    by DCP's planner resolves each item's write item, DTensor shards too; otherwise the plain
+    tensors are taken by key), per bin every piece's address, fresh checksums."""
+    if dcp is not None:
+        save_plan, write_items = dcp
         payloads = [save_plan.payload(item) for item in write_items]
     else:
         values = flat.values
@@ -155,18 +167,16 @@ def _rows(payload: torch.Tensor | bytes, rows: tuple[int, int] | None) -> torch.
     return payload.narrow(0, rows[0], rows[1] - rows[0])
 
 
-def _record(plan: SavePlan, item: PlannedItem, file: str, offset: int) -> ItemRecord:
+def _record(flat: FlatStateDict, item: PlannedItem, file: str, offset: int) -> ItemRecord:
     key = item.key
-    kind = plan.flat.kinds[key]
+    kind = flat.kinds[key]
     if item.type == WriteItemType.BYTE_IO:
         if kind == "object":
             return ItemRecord(key, "object", None, None, None, None, file, offset, item.nbytes,
                               None, encoding="torch_save")
         return ItemRecord(key, "bytes", None, None, None, None, file, offset, item.nbytes, None)
-    data = item.write_item.tensor_data
-    assert data is not None
-    dtype = plan.flat.arrays[key][0] if kind == "ndarray" else dtype_name(
-        data.properties.dtype, key)
+    assert item.dtype is not None
+    dtype = flat.arrays[key][0] if kind == "ndarray" else dtype_name(item.dtype, key)
     shape, offsets = item.chunk()
-    return ItemRecord(key, kind, dtype, shape, tuple(data.size), offsets, file, offset,
+    return ItemRecord(key, kind, dtype, shape, item.global_shape, offsets, file, offset,
                       item.nbytes, None)

@@ -11,10 +11,12 @@ shards of a sharded tensor are, so every reader of sharded checkpoints reads it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 #: Chunks are never cut smaller than this: below it, parallel files buy nothing.
@@ -23,52 +25,64 @@ MIN_CHUNK_BYTES = 32 << 20
 
 @dataclass(frozen=True, slots=True)
 class PlannedItem:
-    """One item to write: all of a DCP write item's payload, or rows [start, stop) of its
-    dim 0 (`rows`)."""
+    """One item to write: all of payload `source` (its index in the plan), or rows
+    [start, stop) of its dim 0 (`rows`). A tensor payload is a chunk of a global tensor: its
+    `shape` at `offsets` in `global_shape` (a plain tensor is the whole of itself)."""
 
-    write_item: WriteItem
+    key: str
+    source: int
+    type: WriteItemType
     nbytes: int
+    dtype: torch.dtype | None = None
+    shape: tuple[int, ...] | None = None
+    offsets: tuple[int, ...] | None = None
+    global_shape: tuple[int, ...] | None = None
     rows: tuple[int, int] | None = None
 
-    @property
-    def type(self) -> WriteItemType:
-        return self.write_item.type
+    @classmethod
+    def of_write_item(cls, source: int, item: WriteItem, nbytes: int) -> PlannedItem:
+        """A DCP write item (a DTensor shard, a tensor, bytes or a pickled value)."""
+        data = item.tensor_data
+        if data is None:
+            return cls(item.index.fqn, source, item.type, nbytes)
+        return cls(item.index.fqn, source, item.type, nbytes, data.properties.dtype,
+                   tuple(data.chunk.sizes), tuple(data.chunk.offsets), tuple(data.size))
 
-    @property
-    def key(self) -> str:
-        return self.write_item.index.fqn
+    @classmethod
+    def of_value(cls, source: int, key: str, value: torch.Tensor | bytes) -> PlannedItem:
+        """A plain tensor (whole) or bytes value, planned without DCP's planner."""
+        if isinstance(value, bytes):
+            return cls(key, source, WriteItemType.BYTE_IO, len(value))
+        shape = tuple(value.shape)
+        return cls(key, source, WriteItemType.TENSOR, value.numel() * value.dtype.itemsize,
+                   value.dtype, shape, (0,) * len(shape), shape)
 
     def chunk(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(shape, offsets) of this item's chunk within the global tensor."""
-        data = self.write_item.tensor_data
-        assert data is not None, "bytes items have no chunk"
-        sizes, offsets = list(data.chunk.sizes), list(data.chunk.offsets)
-        if self.rows is not None:
-            start, stop = self.rows
-            sizes[0] = stop - start
-            offsets[0] += start
-        return tuple(sizes), tuple(offsets)
+        assert self.shape is not None and self.offsets is not None, "bytes items have no chunk"
+        if self.rows is None:
+            return self.shape, self.offsets
+        start, stop = self.rows
+        return (stop - start, *self.shape[1:]), (self.offsets[0] + start, *self.offsets[1:])
 
 
-def chunk_large_items(items: Sequence[WriteItem], nbytes: Sequence[int],
-                      num_bins: int) -> list[PlannedItem]:
-    """`items` (with their sizes) as planned items, large tensors cut into dim-0 chunks.
+def chunk_large_items(items: Sequence[PlannedItem], num_bins: int) -> list[PlannedItem]:
+    """`items`, large tensors cut into dim-0 chunks.
 
-    Deterministic: the same items, sizes and `num_bins` give the same chunks.
+    Deterministic: the same items and `num_bins` give the same chunks.
     """
-    tensor_nbytes = sum(n for item, n in zip(items, nbytes, strict=True)
-                        if item.type != WriteItemType.BYTE_IO)
+    tensor_nbytes = sum(item.nbytes for item in items if item.type != WriteItemType.BYTE_IO)
     share = max(MIN_CHUNK_BYTES, -(-tensor_nbytes // num_bins))
     planned: list[PlannedItem] = []
-    for item, size in zip(items, nbytes, strict=True):
-        rows = item.tensor_data.chunk.sizes[0] if (
-            item.tensor_data is not None and item.tensor_data.chunk.sizes) else 0
-        if item.type == WriteItemType.BYTE_IO or size <= share or rows < 2:
-            planned.append(PlannedItem(item, size))
+    for item in items:
+        rows = item.shape[0] if item.shape else 0
+        if item.type == WriteItemType.BYTE_IO or item.nbytes <= share or rows < 2:
+            planned.append(item)
             continue
-        num_chunks = min(rows, -(-size // share))
-        row_nbytes = size // rows
+        num_chunks = min(rows, -(-item.nbytes // share))
+        row_nbytes = item.nbytes // rows
         bounds = [rows * k // num_chunks for k in range(num_chunks + 1)]
-        planned.extend(PlannedItem(item, (stop - start) * row_nbytes, (start, stop))
+        planned.extend(dataclasses.replace(item, nbytes=(stop - start) * row_nbytes,
+                                           rows=(start, stop))
                        for start, stop in itertools.pairwise(bounds))
     return planned

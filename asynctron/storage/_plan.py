@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -305,6 +305,61 @@ class SavePlan:
         key = item.index.fqn
         return len(self.pickled[key]) if key in self.pickled else item_nbytes(
             item, self.flat.values[key])
+
+
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+"""Tensor types whose plan never changes for one shape (subclasses, DTensor among them, may
+be sharded differently each time)."""
+
+
+def is_plain(flat: FlatStateDict) -> bool:
+    """Whether every item is a plain tensor (an ndarray viewed as one) or bytes: nothing a
+    planner must resolve (DTensor shards, other tensor subclasses, pickled values)."""
+    return all(type(value) in PLAIN_TENSORS or (isinstance(value, bytes) and kind == "bytes")
+               for value, kind in zip(flat.values.values(), flat.kinds.values(), strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class PlainPlan:
+    """A rank's local plan when all its items are plain: each item's key and bytes. DCP's
+    planner costs ~20 µs and a dozen objects per item (seconds and GC passes for 100k items);
+    a plain item needs none of it: it is written whole, by one rank."""
+
+    keys: tuple[str, ...]
+    nbytes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, flat: FlatStateDict) -> PlainPlan:
+        """Blocks (a step per item)."""
+        return cls(tuple(flat.values), tuple(
+            value.numel() * value.dtype.itemsize if isinstance(value, torch.Tensor)
+            else len(value) for value in flat.values.values()))
+
+
+def plan_plain_global(plans: Sequence[PlainPlan]) -> list[list[bool]]:
+    """The coordinator's step over every rank's plain plan: per rank, per key, whether it
+    writes it. A key several ranks hold (a replicated tensor) is written once, by the holder
+    with the fewest bytes so far, keys taken in the order ranks list them (DCP's
+    `dedup_save_plans` rule).
+
+    Raises:
+        ValueError: ranks hold different sizes under one key.
+    """
+    holders: dict[str, list[tuple[int, int]]] = {}
+    for rank, plan in enumerate(plans):
+        for index, key in enumerate(plan.keys):
+            holders.setdefault(key, []).append((rank, index))
+    assigned = [0] * len(plans)
+    writes = [[False] * len(plan.keys) for plan in plans]
+    for key, where in holders.items():
+        sizes = {plans[rank].nbytes[index] for rank, index in where}
+        if len(sizes) > 1:
+            raise ValueError(f"save plan: key {key!r} holds {sorted(sizes)} bytes on different "
+                             "ranks; every rank must hold the same value under one key")
+        rank, index = min(where, key=lambda entry: assigned[entry[0]])
+        assigned[rank] += max(plans[rank].nbytes[index], 1)
+        writes[rank][index] = True
+    return writes
 
 
 def plan_local(flat: FlatStateDict, *, is_coordinator: bool
