@@ -321,19 +321,22 @@ def is_plain(flat: FlatStateDict) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class PlainPlan:
-    """A rank's local plan when all its items are plain: each item's key and bytes. DCP's
-    planner costs ~20 µs and a dozen objects per item (seconds and GC passes for 100k items);
-    a plain item needs none of it: it is written whole, by one rank."""
+    """A rank's local plan when all its items are plain: each item's key, bytes and whether
+    it is a tensor. DCP's planner costs ~20 µs and a dozen objects per item (seconds and GC
+    passes for 100k items); a plain item needs none of it: it is written whole, by one rank."""
 
     keys: tuple[str, ...]
     nbytes: tuple[int, ...]
+    tensors: tuple[bool, ...]
 
     @classmethod
     def of(cls, flat: FlatStateDict) -> PlainPlan:
         """Blocks (a step per item)."""
+        values = flat.values.values()
         return cls(tuple(flat.values), tuple(
             value.numel() * value.dtype.itemsize if isinstance(value, torch.Tensor)
-            else len(value) for value in flat.values.values()))
+            else len(value) for value in values),
+            tuple(isinstance(value, torch.Tensor) for value in values))
 
 
 def plan_plain_global(plans: Sequence[PlainPlan]) -> list[list[bool]]:
@@ -343,7 +346,7 @@ def plan_plain_global(plans: Sequence[PlainPlan]) -> list[list[bool]]:
     `dedup_save_plans` rule).
 
     Raises:
-        ValueError: ranks hold different sizes under one key.
+        ValueError: ranks hold different kinds (tensor, bytes) or sizes under one key.
     """
     holders: dict[str, list[tuple[int, int]]] = {}
     for rank, plan in enumerate(plans):
@@ -352,6 +355,14 @@ def plan_plain_global(plans: Sequence[PlainPlan]) -> list[list[bool]]:
     assigned = [0] * len(plans)
     writes = [[False] * len(plan.keys) for plan in plans]
     for key, where in holders.items():
+        (first_rank, first_index), *others = where
+        first_tensor = plans[first_rank].tensors[first_index]
+        for rank, index in others:
+            if plans[rank].tensors[index] != first_tensor:
+                raise ValueError(
+                    f"save plan: key {key!r} is {_kind_words(first_tensor)} on rank "
+                    f"{first_rank} and {_kind_words(not first_tensor)} on rank {rank}; every "
+                    "rank must hold the same kind of value under one key")
         sizes = {plans[rank].nbytes[index] for rank, index in where}
         if len(sizes) > 1:
             raise ValueError(f"save plan: key {key!r} holds {sorted(sizes)} bytes on different "
@@ -394,13 +405,14 @@ def _kind_conflict(local_plans: list[DcpSavePlan]) -> str:
         for item in plan.items:
             first = seen.setdefault(item.index.fqn, (rank, item.type))
             if (first[1] == WriteItemType.BYTE_IO) != (item.type == WriteItemType.BYTE_IO):
-                return (f"key {item.index.fqn!r} is {_kind_words(first[1])} on rank {first[0]} "
-                        f"and {_kind_words(item.type)} on rank {rank}")
+                first_tensor = first[1] != WriteItemType.BYTE_IO
+                return (f"key {item.index.fqn!r} is {_kind_words(first_tensor)} on rank "
+                        f"{first[0]} and {_kind_words(not first_tensor)} on rank {rank}")
     return "DCP's global planning step failed"
 
 
-def _kind_words(item_type: WriteItemType) -> str:
-    return "bytes" if item_type == WriteItemType.BYTE_IO else "a tensor"
+def _kind_words(tensor: bool) -> str:
+    return "a tensor" if tensor else "bytes"
 
 
 def plan_final(flat: FlatStateDict, planner: DefaultSavePlanner, plan: DcpSavePlan,

@@ -91,19 +91,19 @@ async def test_cancelling_while_planning_commits_nothing(
 
     from asynctron.engine import _save
 
-    real_plan_local = _save.plan_local
+    real_file_plan = _save.file_plan
     planning = threading.Event()
 
-    def slow_plan_local(*args: object, **kwargs: object) -> object:
+    def slow_file_plan(*args: object, **kwargs: object) -> object:
         planning.set()
         time.sleep(0.2)
-        return real_plan_local(*args, **kwargs)  # type: ignore[arg-type]
+        return real_file_plan(*args, **kwargs)  # type: ignore[arg-type]
 
     async with Engine(**SMALL) as engine:
         await engine.save({"w": torch.ones(10)}, f"{shm_path}/step_1")
-        monkeypatch.setattr(_save, "plan_local", slow_plan_local)
+        monkeypatch.setattr(_save, "file_plan", slow_file_plan)
         task = engine.save({"w": torch.zeros(10), "other": torch.ones(2)}, f"{shm_path}/step_2")
-        await asyncio.get_running_loop().run_in_executor(None, planning.wait)
+        assert await asyncio.get_running_loop().run_in_executor(None, planning.wait, 30)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

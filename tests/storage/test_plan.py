@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from asynctron.storage._plan import flatten, plan_save, unflatten
+from asynctron.storage._plan import (
+    PlainPlan,
+    flatten,
+    is_plain,
+    plan_plain_global,
+    plan_save,
+    unflatten,
+)
 
 
 def test_structure_round_trips_containers_and_json_leaves() -> None:
@@ -74,3 +81,27 @@ def test_plan_items_use_local_chunks() -> None:
     by_key = {item.index.fqn: item for item in plan.items}
     assert tuple(by_key["w"].tensor_data.chunk.sizes) == (4, 8)
     assert plan.payload(by_key["b"]) == b"xyz"
+
+
+def test_plain_plans_write_each_replicated_key_once_spread_by_size() -> None:
+    """DCP's dedup rule, without DCP's objects: a key several ranks hold goes to the holder
+    with the fewest bytes so far; a key one rank holds stays there."""
+    tensors = (True,) * 4
+    plans = [PlainPlan(("a", "b", "c", "own0"), (100, 100, 100, 5), tensors),
+             PlainPlan(("a", "b", "c", "own1"), (100, 100, 100, 7), tensors)]
+    assert plan_plain_global(plans) == [[True, False, True, True], [False, True, False, True]]
+
+
+def test_plain_plans_name_the_key_ranks_disagree_on() -> None:
+    with pytest.raises(ValueError, match=r"^save plan: key 'a' holds \[4, 100\] bytes on "
+                                         r"different ranks"):
+        plan_plain_global([PlainPlan(("a",), (100,), (True,)),
+                           PlainPlan(("a",), (4,), (True,))])
+    with pytest.raises(ValueError, match=r"^save plan: key 'a' is a tensor on rank 0 and "
+                                         r"bytes on rank 1"):
+        plan_plain_global([PlainPlan(("a",), (4,), (True,)), PlainPlan(("a",), (4,), (False,))])
+
+
+def test_only_plain_tensors_and_bytes_are_planned_without_dcp() -> None:
+    assert is_plain(flatten({"w": torch.ones(2), "n": np.ones(3), "b": b"x", "step": 3}))
+    assert not is_plain(flatten({"w": torch.ones(2), "extra": (1, 2)}, values_as_items=True))
