@@ -4,7 +4,8 @@ written to the bin's file, fsynced.
 Tasks (one `TaskGroup`):
 - the stager: batches that need a copy, interleaved across bins, are staged wave by wave: each
   wave takes as many slabs as the budget allows at once and is ONE executor call
-  (`stage_wave`); batches written in place (no snapshot) need no copy and are ready at once;
+  (`stage_wave`); batches written in place (no snapshot, on a memory filesystem or without
+  O_DIRECT) need no copy and are ready at once;
 - one writer per bin: it holds back until staging is done or the budget runs short (so the
   caller's blocking time stays close to a plain memcpy; a state larger than the budget, whose
   blocking waits for writes anyway, is written from the first batch on), then writes every
@@ -27,6 +28,7 @@ from asynctron._concurrency import RunBlocking, first_error
 from asynctron.engine._save_plan import SaveRequest
 from asynctron.engine._slabs import SlabPool
 from asynctron.engine._staging import CopyStreams, StagedBatch, in_place, stage_wave
+from asynctron.storage import _sysio
 from asynctron.storage._sysio import FileIO
 from asynctron.storage._writer import BinWriter, WriteBatch
 
@@ -91,12 +93,17 @@ async def stage_and_write(request: SaveRequest, tmp_dir: str, *, snapshot: bool,
             loop.call_soon_threadsafe(release, batch)
 
     async def stage() -> None:
+        # In place (no copy) only where a buffered write is all the storage does (a memory
+        # filesystem), or where O_DIRECT is off: O_DIRECT needs aligned memory, and on a
+        # device it beats buffered writes from the caller's memory (2.4 against 0.9 GB/s here).
+        write_in_place = not snapshot and (not direct_io or await run_blocking(
+            _sysio.filesystem_type, tmp_dir) in _sysio.MEMORY_FILESYSTEMS)
         waiting = []
         for index in range(max((len(bin.batches) for bin in request.bins), default=0)):
             for bin, queue in zip(request.bins, queues, strict=True):
                 if index >= len(bin.batches):
                     continue
-                if not snapshot and in_place(bin, index):
+                if write_in_place and in_place(bin, index):
                     queue.put(StagedBatch(bin, index, None))
                 else:
                     waiting.append((bin, queue, index))

@@ -186,6 +186,29 @@ def open_new(fio: FileIO, path: str, direct: bool) -> tuple[int, bool]:
         return fio.open_new(path, False), False
 
 
+#: Filesystems whose files live in memory: a buffered write is the storage's only copy.
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def filesystem_type(path: str) -> str | None:
+    """The type of the filesystem `path` is on (`/proc/self/mountinfo`'s entry for its mount
+    point), or None where there is no mountinfo."""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            mounts = f.read().splitlines()
+    except OSError:
+        return None
+    real = os.path.realpath(path)
+    best, fstype = "", None
+    for line in mounts:
+        fields = line.split(" - ", 1)
+        mount_point = fields[0].split()[4].replace("\\040", " ")
+        inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
+        if len(fields) == 2 and inside and len(mount_point) >= len(best):
+            best, fstype = mount_point, fields[1].split()[0]
+    return fstype
+
+
 def is_direct_io_aligned(buffers: Sequence[memoryview], offset: int) -> bool:
     """Whether O_DIRECT accepts this call: offset, lengths and addresses 4 KiB-aligned."""
     return offset % DIRECT_IO_ALIGN_BYTES == 0 and all(

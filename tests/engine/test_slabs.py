@@ -70,3 +70,17 @@ def test_one_call_save_writes_in_place_without_staging(shm_path: str) -> None:
     assert (after.num_allocated, after.num_reused) == (before.num_allocated, before.num_reused)
     loaded = asynctron.load(f"{shm_path}/one")
     assert all(torch.equal(loaded[k], v) for k, v in _state().items())
+
+
+def test_on_a_device_one_call_saves_stage_for_o_direct(tmp_path: object) -> None:
+    """On a disk, O_DIRECT (aligned slabs) beats buffered writes from the caller's memory: a
+    save without a snapshot is staged there; on a memory filesystem it is written in place."""
+    from asynctron.storage._sysio import filesystem_type
+
+    if filesystem_type(str(tmp_path)) in ("tmpfs", "ramfs", None):
+        pytest.skip("the temporary directory is not on a device")
+    before = staging_statistics()
+    asynctron.save(_state(), f"{tmp_path}/disk")
+    after = staging_statistics()
+    assert after.num_allocated + after.num_reused > before.num_allocated + before.num_reused
+    assert filesystem_type("/proc/self") == "proc"
