@@ -95,6 +95,11 @@ class SlabCache:
             self._num_reused += 1
             return free.pop()
 
+    def num_idle(self, nbytes: int, pinned: bool) -> int:
+        """Idle slabs of this size and kind (a momentary value)."""
+        with self._lock:
+            return len(self._free.get((nbytes, pinned), ()))
+
     def allocate(self, nbytes: int, pinned: bool) -> Slab:
         """Blocks (mmap or pinned allocation): a fresh slab; its pages are not touched yet."""
         slab = Slab(nbytes, pinned)
@@ -165,6 +170,12 @@ class SlabPool:
     def num_waiting(self) -> int:
         """Acquires waiting for budget (read from any thread: a momentary value)."""
         return self.budget.statistics().num_waiting
+
+    @property
+    def num_warm(self) -> int:
+        """Idle slabs of this pool's size and kind in the cache: copies into them touch no
+        fresh page (a momentary value)."""
+        return self._cache.num_idle(self.slab_nbytes, self.pinned)
 
     async def acquire(self, count: int) -> list[Slab]:
         """At least one slab (waiting for budget), then as many more as the budget allows now,
