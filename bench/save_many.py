@@ -30,6 +30,7 @@ import uvloop
 from asynctron import Engine
 from asynctron.testing import LoopWatchdog
 from bench import _peers, _results
+from bench._rounds import round_order
 
 OURS = "asynctron (warm engine)"
 FIRST = "asynctron (first save, fresh Engine)"
@@ -86,8 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         names = list(methods)
         for round_index in range(args.repeats + 1):
-            shift = round_index % len(names)
-            for name in names[shift:] + names[:shift]:
+            for name in round_order(names, round_index):
                 path = os.path.join(base, f"{round_index}-{names.index(name)}")
                 gc.collect()
                 start = time.perf_counter()

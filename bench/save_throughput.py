@@ -2,7 +2,7 @@
 
 For each target (/dev/shm and the disk under the working directory) and each state dict
 (mixed sizes; one with a single large tensor), every method saves the same tensors, in
-round-robin order over several repeats after an untimed warm-up round; medians are reported
+a shuffled order over several repeats after an untimed warm-up round; medians are reported
 with ratios (a throughput ratio: above 1 means asynctron is faster). Guest memory is warmed
 first (see `_baselines.warm_guest_memory`), so no method pays the VM's first-touch cost.
 
@@ -45,6 +45,7 @@ import asynctron
 from asynctron import Engine
 from asynctron.testing import LoopWatchdog
 from bench import _baselines, _peers, _results, first_save, save_ranks
+from bench._rounds import round_order
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -211,9 +212,7 @@ def run_saves(ours: AsynctronRunner, scenario: Scenario, repeats: int, quick: bo
         methods = _methods(ours, scenario, quick, megatron)
         names = list(methods)
         for round_index in range(repeats + 1):  # round 0 warms pages, caches and imports
-            # rotate the order each round: no method always follows the same one
-            shift = round_index % len(names)
-            for name in names[shift:] + names[:shift]:
+            for name in round_order(names, round_index):
                 path = _fresh(os.path.join(base, name.replace(" ", "_")))  # untimed
                 os.sync()
                 gc.collect()

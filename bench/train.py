@@ -44,6 +44,7 @@ from asynctron import Engine
 from asynctron._demo._model import TinyGPT, language_model_loss
 from asynctron.testing import LoopWatchdog
 from bench import _baselines, _peers, _results
+from bench._rounds import round_order
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -198,8 +199,7 @@ async def run_thread_trainer(kind: str, methods: list[Method], state: dict[str, 
     samples: dict[str, dict[str, list[float]]] = {m.name: {} for m in methods}
     try:
         for round_index in range(repeats + 1):  # round 0 warms every method
-            for method in methods[round_index % len(methods):] + methods[
-                    :round_index % len(methods)]:
+            for method in round_order(methods, round_index):
                 path = os.path.join(base, f"{kind}-{round_index}-{len(method.name)}")
                 gc.collect()
                 async with LoopWatchdog(HEARTBEAT_S):  # in both windows: its cost cancels out
