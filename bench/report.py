@@ -335,8 +335,10 @@ def _plot_train(result: dict[str, Any], path: str) -> None:
     methods = sorted({name for k in kinds for name in result[k]})
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8))
     width = 0.8 / len(methods)
+    others = iter(["tab:blue", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
+                   "tab:olive", "tab:cyan", "tab:gray"])
     for i, name in enumerate(methods):
-        color = "tab:orange" if name == "asynctron" else None
+        color = "tab:orange" if name == "asynctron" else next(others)
         shift = (i - len(methods) / 2 + 0.5) * width
         left.bar([x + shift for x in range(len(kinds))],
                  [result[k].get(name, {}).get("blocking_s", 0) for k in kinds], width,
