@@ -76,13 +76,6 @@ async def stage_and_write(request: SaveRequest, tmp_dir: str, *, snapshot: bool,
     every file is closed (the caller removes the tmp dir).
     """
     queues = [_ReadyBatches(len(bin.batches)) for bin in request.bins]
-    batches = [(bin, queue, index)
-               for index in range(max((len(bin.batches) for bin in request.bins), default=0))
-               for bin, queue in zip(request.bins, queues, strict=True)
-               if index < len(bin.batches)]
-    write_in_place = not snapshot and await _writes_in_place(
-        tmp_dir, direct_io=direct_io, pool=pool, num_batches=len(batches),
-        run_blocking=run_blocking)
     writers = [BinWriter(fio, os.path.join(tmp_dir, bin.layout.file_name), bin.layout.nbytes,
                          run_blocking, direct_io=direct_io, checksums=request.checksums)
                for bin in request.bins]
@@ -100,6 +93,13 @@ async def stage_and_write(request: SaveRequest, tmp_dir: str, *, snapshot: bool,
             loop.call_soon_threadsafe(release, batch)
 
     async def stage() -> None:
+        batches = [(bin, queue, index)
+                   for index in range(max((len(bin.batches) for bin in request.bins), default=0))
+                   for bin, queue in zip(request.bins, queues, strict=True)
+                   if index < len(bin.batches)]
+        write_in_place = not snapshot and await _writes_in_place(
+            tmp_dir, direct_io=direct_io, pool=pool, num_batches=len(batches),
+            run_blocking=run_blocking)
         waiting = []
         for bin, queue, index in batches:
             if write_in_place and in_place(bin, index):
