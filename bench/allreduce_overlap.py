@@ -40,6 +40,7 @@ from asynctron._launch import run_local_ranks
 from asynctron.comm import BucketManager
 from asynctron.testing import LoopWatchdog
 from bench import _results
+from bench._rounds import round_order
 
 MiB = 1 << 20
 MODELS = {"10M": (1024, 10), "100M": (2896, 12)}  # name -> (width, layers) of an MLP
@@ -174,8 +175,7 @@ async def _compare(ours: torch.nn.Module, theirs: torch.nn.Module, bucket_mb: in
     try:
         for round_index in range(args.warmup + args.repeats):
             record = timings if round_index >= args.warmup else None
-            methods = ["asynctron", "ddp", "compute"]
-            for method in methods[round_index % 3:] + methods[:round_index % 3]:  # rotate
+            for method in round_order(["asynctron", "ddp", "compute"], round_index):
                 if method == "asynctron":
                     await _step_ours(manager, ours, step, record)
                 elif method == "ddp":

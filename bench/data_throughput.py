@@ -48,6 +48,7 @@ from asynctron.datasets import (
 )
 from asynctron.testing import LoopWatchdog
 from bench import _results
+from bench._rounds import round_order
 
 MiB = 1 << 20
 
@@ -298,9 +299,9 @@ def bench_cold(megatron: Any, prefix: str, cache: str, num_samples: int, repeats
     if megatron is not None:
         runs["megatron ds[i]"] = lambda: sequential("megatron")
     idle_worst = []
-    for _ in range(repeats):  # round-robin, so drift hits every method alike
-        for name, run in runs.items():
-            timings.setdefault(name, []).append(run())
+    for round_index in range(repeats):  # methods take turns, so drift hits them alike
+        for name in round_order(list(runs), round_index):
+            timings.setdefault(name, []).append(runs[name]())
         idle_worst.append(uvloop.run(idle(_median(timings["asynctron AsyncLoader (prefetch)"]))))
     return {"num_samples": count, "micro_batch_size": micro_batch_size,
             "prefetch_budget_bytes": budget_bytes, "timings_s": timings,
