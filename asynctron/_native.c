@@ -10,11 +10,19 @@
  * the GIL released (`asynctron bench train` shows the difference). Writing, `hash_ranges`
  * digests every whole item of a batch the same way (xxh3-64, vendored from xxHash: the same
  * digests as the `xxhash` package's, which releases the GIL per item).
+ *
+ * The data loader hears from its worker processes through a pipe. `os.read` releases the GIL
+ * for every read, so a loop thread draining a few bytes would wait a switch interval to get
+ * it back from a busy trainer; `read_nowait` reads what the pipe holds with the GIL kept.
+ * Its workers cut samples out of a token file: `gather_tokens` widens many runs of tokens of
+ * any of megatron's token dtypes to int64 in one call (numpy costs ~2 us per run).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <errno.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "xxhash.h"
 #ifdef ASYNCTRON_XXH_X86_DISPATCH
@@ -131,7 +139,161 @@ static PyObject *hash_ranges(PyObject *module, PyObject *const *args, Py_ssize_t
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(gather_tokens_doc,
+"gather_tokens(tokens, starts, counts, out, destinations, /)\n--\n\n"
+"For each i, write tokens[starts[i] : starts[i] + counts[i]] as int64 to out, from element\n"
+"destinations[i] on. tokens is a 1-D array of uint8, int8, int16, uint16, int32, int64,\n"
+"float32 or float64 (floats are truncated, as numpy's astype); out a C-contiguous int64\n"
+"array; starts, counts and destinations 1-D int64 arrays of one length. Every run must lie\n"
+"inside both arrays (checked).");
+
+#define GATHER_RUN(type)                                                            \
+    do {                                                                            \
+        const type *from = (const type *)source->buf + starts[i];                   \
+        for (int64_t j = 0; j < counts[i]; j++) {                                   \
+            to[j] = (int64_t)from[j];                                               \
+        }                                                                           \
+    } while (0)
+
+static PyObject *gather_tokens(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "gather_tokens: expected 5 arguments, found %zd", nargs);
+        return NULL;
+    }
+    Py_buffer views[5];
+    const int flags[5] = {PyBUF_C_CONTIGUOUS | PyBUF_FORMAT,
+                          PyBUF_C_CONTIGUOUS | PyBUF_FORMAT,
+                          PyBUF_C_CONTIGUOUS | PyBUF_FORMAT,
+                          PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE,
+                          PyBUF_C_CONTIGUOUS | PyBUF_FORMAT};
+    static const char *const names[5] = {"tokens", "starts", "counts", "out", "destinations"};
+    int got = 0;
+    for (; got < 5; got++) {
+        if (PyObject_GetBuffer(args[got], &views[got], flags[got]) < 0) {
+            break;
+        }
+        const char *format = views[got].format == NULL ? "B" : views[got].format;
+        if (got > 0 && (views[got].itemsize != 8 || (format[0] != 'l' && format[0] != 'q'))) {
+            PyErr_Format(PyExc_TypeError, "gather_tokens: expected %s of int64, found format "
+                         "'%s'", names[got], format);
+            PyBuffer_Release(&views[got]);
+            break;
+        }
+    }
+    PyObject *result = NULL;
+    if (got == 5 && !PyErr_Occurred()) {
+        Py_buffer *source = &views[0];
+        const int64_t *starts = views[1].buf;
+        const int64_t *counts = views[2].buf;
+        int64_t *out = views[3].buf;
+        const int64_t *destinations = views[4].buf;
+        Py_ssize_t runs = views[1].len / 8;
+        int64_t source_length = source->len / source->itemsize;
+        int64_t out_length = views[3].len / 8;
+        const char *format = source->format == NULL ? "B" : source->format;
+        char code = format[0] == '<' || format[0] == '=' ? format[1] : format[0];
+        int ok = views[2].len / 8 == runs && views[4].len / 8 == runs;
+        for (Py_ssize_t i = 0; ok && i < runs; i++) {
+            ok = counts[i] >= 0 && starts[i] >= 0 && destinations[i] >= 0 &&
+                 starts[i] <= source_length - counts[i] &&
+                 destinations[i] <= out_length - counts[i];
+        }
+        if (!ok) {
+            PyErr_SetString(PyExc_ValueError, "gather_tokens: expected runs inside tokens and "
+                            "out, and arrays of one length");
+        } else if (strchr("bBhHiIlLqQfd", code) == NULL ||
+                   (source->itemsize != 1 && source->itemsize != 2 && source->itemsize != 4 &&
+                    source->itemsize != 8)) {
+            PyErr_Format(PyExc_TypeError, "gather_tokens: unsupported token format '%s'", format);
+        } else {
+            Py_BEGIN_ALLOW_THREADS
+            for (Py_ssize_t i = 0; i < runs; i++) {
+                int64_t *to = out + destinations[i];
+                switch (code) {
+                case 'b': GATHER_RUN(int8_t); break;
+                case 'B': GATHER_RUN(uint8_t); break;
+                case 'h': GATHER_RUN(int16_t); break;
+                case 'H': GATHER_RUN(uint16_t); break;
+                case 'f': GATHER_RUN(float); break;
+                case 'd': GATHER_RUN(double); break;
+                case 'I': GATHER_RUN(uint32_t); break;
+                default:
+                    if (source->itemsize == 4) {
+                        GATHER_RUN(int32_t);
+                    } else if (code == 'L' || code == 'Q') {
+                        GATHER_RUN(uint64_t);
+                    } else {
+                        GATHER_RUN(int64_t);
+                    }
+                }
+            }
+            Py_END_ALLOW_THREADS
+            result = Py_None;
+            Py_INCREF(result);
+        }
+    }
+    for (int j = 0; j < got; j++) {
+        PyBuffer_Release(&views[j]);
+    }
+    return result;
+}
+
+PyDoc_STRVAR(read_nowait_doc,
+"read_nowait(fd, limit, /)\n--\n\n"
+"Up to limit bytes read from the non-blocking file descriptor fd, without releasing the GIL:\n"
+"b'' when nothing is there, None at the end of the file. For pipes whose writers write\n"
+"small records; a read that could block must not come here.");
+
+static PyObject *read_nowait(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "read_nowait: expected 2 arguments (fd, limit), found %zd",
+                     nargs);
+        return NULL;
+    }
+    long fd = PyLong_AsLong(args[0]);
+    Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (fd < 0 || fd > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "read_nowait: expected a file descriptor, found %ld", fd);
+        return NULL;
+    }
+    if (limit < 0) {
+        PyErr_Format(PyExc_ValueError, "read_nowait: expected limit >= 0, found %zd", limit);
+        return NULL;
+    }
+    PyObject *out = PyBytes_FromStringAndSize(NULL, limit);
+    if (out == NULL) {
+        return NULL;
+    }
+    ssize_t done;
+    do {
+        done = read((int)fd, PyBytes_AS_STRING(out), (size_t)limit);
+    } while (done < 0 && errno == EINTR);
+    if (done < 0) {
+        Py_DECREF(out);
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            return PyBytes_FromStringAndSize(NULL, 0);
+        }
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (done == 0 && limit > 0) {
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    if (_PyBytes_Resize(&out, done) < 0) {
+        return NULL;
+    }
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"gather_tokens", (PyCFunction)(void (*)(void))gather_tokens, METH_FASTCALL,
+     gather_tokens_doc},
+    {"read_nowait", (PyCFunction)(void (*)(void))read_nowait, METH_FASTCALL, read_nowait_doc},
     {"copy_ranges", (PyCFunction)(void (*)(void))copy_ranges, METH_FASTCALL, copy_ranges_doc},
     {"hash_ranges", (PyCFunction)(void (*)(void))hash_ranges, METH_FASTCALL, hash_ranges_doc},
     {NULL, NULL, 0, NULL},
@@ -140,7 +302,7 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "asynctron._native",
-    .m_doc = "Copies and digests that release the GIL once per call, not once per piece.",
+    .m_doc = "Copies and digests that release the GIL once per call, and a pipe read that keeps it.",
     .m_size = 0,
     .m_methods = methods,
 };

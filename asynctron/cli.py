@@ -53,6 +53,7 @@ BENCH_SCENARIOS = {
     "data": "bench.data_throughput",
     "train": "bench.train",
     "many": "bench.save_many",
+    "train_data": "bench.train_data",
     "all": "bench.all",
 }
 

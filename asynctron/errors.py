@@ -6,6 +6,7 @@
 - `CorruptCheckpointError`: the bytes on disk are not what was committed. Never retried.
 - `CorruptDatasetError`: a dataset file (`.idx`, `.bin`, cached `.npy` index) is not in the
   format it claims (magic, version, dtype code, sizes). Never retried.
+- `LoaderWorkerError`: a data loader's worker process failed on a batch, or died.
 - `PeerError`: another rank failed or timed out (a collective could not complete).
 - `CheckpointNotFoundError`: no committed checkpoint at the path (also a `FileNotFoundError`).
 - `WouldBlock`: raised only by `*_nowait` calls that would have to wait.
@@ -22,6 +23,7 @@ __all__ = [
     "ClosedError",
     "CorruptCheckpointError",
     "CorruptDatasetError",
+    "LoaderWorkerError",
     "PeerError",
     "StorageError",
     "WouldBlock",
@@ -85,6 +87,21 @@ class CorruptDatasetError(AsynctronError):
         super().__init__(message)
         self.path = path
         self.offset = offset
+
+
+class LoaderWorkerError(AsynctronError):
+    """A data loader's worker process raised while writing a batch (the message holds its
+    traceback) or died (killed, out of memory).
+
+    Attributes:
+        worker: the worker's index.
+        batch: the batch (counted from where the loader started) it was writing, or None.
+    """
+
+    def __init__(self, message: str, *, worker: int, batch: int | None) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.batch = batch
 
 
 class PeerError(AsynctronError):

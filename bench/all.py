@@ -1,6 +1,6 @@
 """Every benchmark of the engine in one command, then the report: save (one process and across
-2 and 4 ranks), datasets, comm, the write sweep, CUDA staging where there is a GPU, saves
-inside a busy trainer, and many small tensors. Each
+2 and 4 ranks), datasets, comm (idle and beside a GIL-busy thread), the write sweep, CUDA
+staging where there is a GPU, saves and data inside a busy trainer, and many small tensors. Each
 scenario runs in its own process (fresh memory), writing JSON into one results directory;
 `bench/report.py` then renders `docs/benchmarks.md` and its plots from it.
 
@@ -26,10 +26,13 @@ RUNS = {
     "save_ranks4": ("bench.save_ranks", ["--nproc", "4", "--target", "{disk}"]),
     "data": ("bench.data_throughput", ["--dir", "{disk}"]),
     "comm": ("bench.allreduce_overlap", []),
+    "comm_busy": ("bench.allreduce_overlap",
+                  ["--trainer", "python", "--models", "10M", "--bucket-mb", "25"]),
     "write": ("bench.write_sweep", ["--target", "{disk}"]),
     "cuda": ("bench.cuda_staging", []),
     "train": ("bench.train", []),
     "many": ("bench.save_many", []),
+    "train_data": ("bench.train_data", ["--dir", "{disk}"]),
 }
 
 

@@ -15,7 +15,8 @@ reported, with the ratio asynctron / DDP (target <= 1.05). Also measured: comput
 all-reduce of every gradient at once (the communication with nothing to hide it), the exposed
 communication (from the last gradient hook until the gradients are synchronized; DDP: until
 backward returns) and the loop's worst heartbeat delay during `synchronize()` (an extra
-untimed round).
+untimed round). With `--trainer python`, each rank also runs a thread spinning Python (it holds
+the GIL, as a GPU trainer's dispatch thread does) through every measurement.
 
 Run: `python -m bench.allreduce_overlap` (or `asynctron bench comm`); `--quick` for a smoke run;
 `--device cuda --backend nccl` on a machine with one GPU per rank.
@@ -41,6 +42,7 @@ from asynctron.comm import BucketManager
 from asynctron.testing import LoopWatchdog
 from bench import _results
 from bench._rounds import round_order
+from bench._trainers import TrainerThread
 
 MiB = 1 << 20
 MODELS = {"10M": (1024, 10), "100M": (2896, 12)}  # name -> (width, layers) of an MLP
@@ -213,9 +215,16 @@ async def _rank_work(args: argparse.Namespace, device: torch.device) -> list[dic
     aux = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=600))
     models = QUICK_MODELS if args.quick else MODELS
     results = []
-    for name in args.models or list(models):
-        width, num_layers = models[name]
-        results.append(await _measure_model(name, width, num_layers, args, device, aux))
+    trainer = TrainerThread(args.trainer) if args.trainer != "idle" else None
+    if trainer is not None:
+        trainer.start()
+    try:
+        for name in args.models or list(models):
+            width, num_layers = models[name]
+            results.append(await _measure_model(name, width, num_layers, args, device, aux))
+    finally:
+        if trainer is not None:
+            trainer.stop()
     # a step takes as long as its slowest rank: keep the max over ranks, sample by sample
     everyone: list[list[dict[str, Any]]] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(everyone, results, group=aux)
@@ -285,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                         help="default: gloo on cpu, nccl on cuda")
+    parser.add_argument("--trainer", choices=["idle", "python", "torch"], default="idle",
+                        help="a busy thread in each rank: spinning Python (holds the GIL) or "
+                             "1-thread torch matmuls")
     parser.add_argument("--quick", action="store_true", help="tiny models, one repeat (smoke)")
     parser.add_argument("--out", default=None, help="JSON results path")
     args = parser.parse_args(argv)

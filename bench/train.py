@@ -30,7 +30,6 @@ import os
 import shutil
 import statistics
 import tempfile
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from asynctron._demo._model import TinyGPT, language_model_loss
 from asynctron.testing import LoopWatchdog
 from bench import _baselines, _peers, _results
 from bench._rounds import round_order
+from bench._trainers import TrainerThread
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -52,33 +52,6 @@ OURS = "asynctron"
 TRAINERS = ("idle", "python", "torch", "gpt")
 #: The loop's heartbeat: every wake-up takes the GIL from the other threads, so not 1 ms.
 HEARTBEAT_S = 0.005
-
-
-class TrainerThread(threading.Thread):
-    """Works in units until stopped, counting them: pure Python (`python`) or a 1-thread
-    256x256 matmul (`torch`)."""
-
-    def __init__(self, kind: str) -> None:
-        super().__init__(name=f"trainer-{kind}", daemon=True)
-        self.kind = kind
-        self.count = 0
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        torch.set_num_threads(1)  # per thread: a new thread's matmuls would use every core
-        a, b = torch.randn(256, 256), torch.randn(256, 256)
-        while not self._halt.is_set():
-            if self.kind == "python":
-                total = 0
-                for i in range(2000):
-                    total += i * i
-            else:
-                torch.mm(a, b)
-            self.count += 1
-
-    def stop(self) -> None:
-        self._halt.set()
-        self.join()
 
 
 @dataclass

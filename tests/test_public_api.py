@@ -36,8 +36,8 @@ def test_subpackages() -> None:
     }
     assert set(asynctron.errors.__all__) == {
         "AsynctronError", "BusyError", "CheckpointNotFoundError", "ClosedError",
-        "CorruptCheckpointError", "CorruptDatasetError", "PeerError", "StorageError",
-        "WouldBlock",
+        "CorruptCheckpointError", "CorruptDatasetError", "LoaderWorkerError", "PeerError",
+        "StorageError", "WouldBlock",
     }
     assert set(asynctron.datasets.__all__) == {
         "AsyncLoader", "BlendedDataset", "ByteTokenizer", "GPTDataset", "GPTDatasetConfig",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -14,8 +15,18 @@ from asynctron.datasets._blending import (
 )
 from asynctron.datasets._cache import CacheEntry, describe, load_or_build
 from asynctron.datasets._config import GPTDatasetConfig
-from asynctron.datasets._gpt import GPTDataset
+from asynctron.datasets._gpt import GPTDataset, TokenRuns
 from asynctron.datasets._splits import normalize
+
+
+@dataclass(frozen=True, slots=True)
+class BlendedRuns:
+    """Located samples of a blend: their dataset ids, and per dataset read, the batch rows
+    its samples fill and where their tokens lie."""
+
+    dataset_ids: np.ndarray
+    parts: list[tuple[GPTDataset, np.ndarray, TokenRuns]]
+
 
 _INDEX_LAYOUT = {
     "dataset_index": ((np.int16,), 1, None),
@@ -93,10 +104,44 @@ class BlendedDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.dataset_index.shape[0]
 
-    def locate(self, idx: int) -> tuple[GPTDataset, int]:
-        """The dataset and the index in it of blended sample `idx`."""
-        return (self.datasets[int(self.dataset_index[idx])],
-                int(self.dataset_sample_index[idx]))
+    def batch_fields(self) -> list[tuple[str, np.dtype[Any], tuple[int, ...]]]:
+        """`(key, dtype, shape of one sample)` of what `write_samples` writes (see
+        `GPTDataset.batch_fields`)."""
+        fields = self.datasets[0].batch_fields()
+        for dataset in self.datasets[1:]:
+            if dataset.batch_fields() != fields:
+                raise ValueError(f"blend: expected samples of one shape, found {fields} in "
+                                 f"{self.datasets[0].dataset_path} and {dataset.batch_fields()} "
+                                 f"in {dataset.dataset_path}")
+        return [("dataset_id", self.dataset_index.dtype, ()), *fields]
+
+    @property
+    def shared_attention_mask(self) -> torch.Tensor | None:
+        """The causal mask every sample shares (see `GPTDataset.shared_attention_mask`)."""
+        return self.datasets[0].shared_attention_mask
+
+    def locate_batch(self, ids: Sequence[int]) -> BlendedRuns:
+        """Where the tokens of samples `ids` lie (for `token_ranges` and `write_samples`)."""
+        rows = np.asarray(ids, np.int64)
+        owners = self.dataset_index[rows]
+        inner = self.dataset_sample_index[rows]
+        return BlendedRuns(owners, [
+            (self.datasets[d], np.flatnonzero(owners == d),
+             self.datasets[d].locate_batch(inner[owners == d].tolist()))
+            for d in np.unique(owners).tolist()])
+
+    def token_ranges(self, located: BlendedRuns) -> tuple[np.ndarray, np.ndarray]:
+        """`(addresses, nbytes)` of the mapped `.bin` bytes that `located` reads."""
+        found = [dataset.token_ranges(runs) for dataset, _, runs in located.parts]
+        return (np.concatenate([addresses for addresses, _ in found]),
+                np.concatenate([nbytes for _, nbytes in found]))
+
+    def write_samples(self, located: BlendedRuns, out: dict[str, np.ndarray]) -> None:
+        """Write the located samples into `out` (arrays keyed as `batch_fields`, first
+        dimension the batch): the same values as `ds[i]` for each, stacked."""
+        out["dataset_id"][:] = located.dataset_ids
+        for dataset, rows, runs in located.parts:
+            dataset.write_samples(runs, out, rows)
 
     def __getitem__(self, idx: int) -> dict[str, Any]:
         dataset_id = self.dataset_index[idx]

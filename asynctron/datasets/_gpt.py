@@ -9,11 +9,14 @@ sample starts) and the shuffle index (the order samples are served in). They are
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from asynctron import _native
 from asynctron.datasets._cache import CacheEntry, describe, load_or_build
 from asynctron.datasets._config import GPTDatasetConfig
 from asynctron.datasets._indexed import IndexedDataset
@@ -27,6 +30,18 @@ from asynctron.datasets._splits import Split
 #: Final-epoch rule: a last epoch contributing fewer than this share of an epoch's samples is
 #: shuffled on its own (megatron-core's `threshold = 0.80`).
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
+
+@dataclass(frozen=True, slots=True)
+class TokenRuns:
+    """The token runs of located samples: run `i` is `counts[i]` tokens from token
+    `starts[i]` of the `.bin`, going to element `destinations[i]` of a `(num_samples,
+    width)` array."""
+
+    starts: np.ndarray
+    counts: np.ndarray
+    destinations: np.ndarray
+    num_samples: int
+
 
 _INDEX_LAYOUT = {
     "document_index": ((np.int32,), 1, None),
@@ -193,27 +208,89 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def sample_text(self, parts: list[tuple[int, int, int]]) -> np.ndarray:
         """The tokens of `parts` as int64 (`sequence_length` plus the extra token), padded."""
-        tokens, pointers, itemsize = self._tokens, self._pointers, self._itemsize
-        views = []
-        for document, offset, count in parts:
-            start = int(pointers[document]) // itemsize + offset
-            views.append(tokens[start:start + count])
-        total = sum(v.size for v in views)
-        if total == self._width and len(views) == 1:
-            return views[0].astype(np.int64)
-        if total < self._width:
-            views.append(np.full(self._width - total, self.pad_id, np.int64))
-        return np.concatenate(views, dtype=np.int64)
+        return self._texts(self._runs([parts]))[0]
+
+    def _runs(self, parts_of_samples: Sequence[list[tuple[int, int, int]]]) -> TokenRuns:
+        runs: list[tuple[int, int, int]] = []
+        pointers, itemsize, width = self._pointers, self._itemsize, self._width
+        for row, parts in enumerate(parts_of_samples):
+            position = row * width
+            for document, offset, count in parts:
+                runs.append((int(pointers[document]) // itemsize + offset, count, position))
+                position += count
+        table = np.array(runs, np.int64).reshape(-1, 3).T.copy()
+        return TokenRuns(table[0], table[1], table[2], len(parts_of_samples))
+
+    def _texts(self, runs: TokenRuns) -> np.ndarray:
+        """The tokens of each sample of `runs`, a row each, as `sample_text`."""
+        text = np.full((runs.num_samples, self._width), self.pad_id, np.int64)
+        _native.gather_tokens(self._tokens, runs.starts, runs.counts, text, runs.destinations)
+        return text
+
+    def locate_batch(self, ids: Sequence[int]) -> TokenRuns:
+        """Where the tokens of samples `ids` lie (for `token_ranges` and `write_samples`)."""
+        return self._runs([self.sample_parts(int(i)) for i in ids])
+
+    def token_ranges(self, runs: TokenRuns) -> tuple[np.ndarray, np.ndarray]:
+        """`(addresses, nbytes)` of the mapped `.bin` bytes that `runs` read."""
+        return (self._tokens.ctypes.data + runs.starts * self._itemsize,
+                runs.counts * self._itemsize)
+
+    def batch_fields(self) -> list[tuple[str, np.dtype[Any], tuple[int, ...]]]:
+        """`(key, dtype, shape of one sample)` of what `write_samples` writes, in the order of
+        the sample dict; a cached causal mask, the same for every sample, is not among them."""
+        length = self.config.sequence_length
+        fields: list[tuple[str, np.dtype[Any], tuple[int, ...]]] = [
+            ("tokens", np.dtype(np.int64), (length,)),
+            ("labels", np.dtype(np.int64), (length,))]
+        if self.config.create_attention_mask and not self._cacheable:
+            fields.append(("attention_mask", np.dtype(np.bool_), (1, length, length)))
+        fields += [("loss_mask", np.dtype(np.float32), (length,)),
+                   ("position_ids", np.dtype(np.int64), (length,))]
+        return fields
+
+    @property
+    def shared_attention_mask(self) -> torch.Tensor | None:
+        """The causal mask every sample shares, `(1, L, L)`, or None when there is none or
+        each sample has its own."""
+        return self._attention_mask if self._cacheable else None
+
+    def write_samples(self, runs: TokenRuns, out: dict[str, np.ndarray],
+                      rows: slice | np.ndarray = slice(None)) -> None:
+        """Write the located samples into rows `rows` of `out` (arrays keyed as
+        `batch_fields`, first dimension the batch): the same values as `ds[i]` for each,
+        stacked."""
+        text = self._texts(runs)
+        if not self._cacheable:  # per-sample masks: megatron's rules, sample by sample
+            samples = [self._sample_dict(row, padding=False) for row in text]
+            for key, _, _ in self.batch_fields():
+                out[key][rows] = np.stack([sample[key].numpy() for sample in samples])
+            return
+        pad, length = self.pad_id, self.config.sequence_length
+        if self._extra and not (text == pad).any():  # the common case: nothing to mask
+            out["tokens"][rows] = text[:, :length]
+            out["labels"][rows] = text[:, 1:]
+            out["loss_mask"][rows] = 1.0
+            out["position_ids"][rows] = self._position_ids.numpy()
+            return
+        if self._extra:
+            labels = text[:, 1:]
+        else:
+            labels = np.empty_like(text)
+            labels[:, :-1] = text[:, 1:]
+            labels[:, -1] = pad
+        label_pads = labels == pad
+        out["loss_mask"][rows] = ~label_pads
+        out["labels"][rows] = np.where(label_pads, 0, labels)
+        tokens = text[:, :length]
+        out["tokens"][rows] = np.where(tokens == pad, 0, tokens)
+        out["position_ids"][rows] = self._position_ids.numpy()
 
     def __getitem__(self, idx: int | None) -> dict[str, torch.Tensor]:
         """Megatron's sample dict: tokens, labels, attention_mask (if created), loss_mask,
         position_ids. `idx=None` is a padding sample (sample 0 with a zero loss mask)."""
         parts = self.sample_parts(0 if idx is None else int(idx))
         return self._sample_dict(self.sample_text(parts), padding=idx is None)
-
-    def sample_from_parts(self, parts: list[tuple[int, int, int]]) -> dict[str, torch.Tensor]:
-        """The sample dict of already located `parts` (see `sample_parts`)."""
-        return self._sample_dict(self.sample_text(parts), padding=False)
 
     def _sample_dict(self, text: np.ndarray, padding: bool) -> dict[str, torch.Tensor]:
         pad = self.pad_id

@@ -1,16 +1,13 @@
-"""`AsyncLoader`: `async for batch in loader`, with the pages of coming samples read ahead.
+"""`AsyncLoader`: `async for batch in loader`, batches assembled ahead by worker processes.
 
-Pipeline (two tasks owned by the loader, joined by queues):
+For a `GPTDataset` or `BlendedDataset`, `num_workers` long-lived processes read the mapped
+samples, cut and collate them into batch slabs in shared memory, and advise the kernel to read
+the pages of coming batches (as far ahead as the prefetch budget lends bytes). The loop's part
+of a batch is O(1) and never releases the GIL: a trainer thread busy in Python keeps it. A
+batch's tensors are views of its slab, which is reused only once they are all gone.
 
-```
-plan     for each coming batch of this rank: read its indices (their pages populated first, off
-         the loop), find the .bin byte ranges of its samples, borrow their page-rounded size from
-         the prefetch budget (waiting while it is spent), advise WILLNEED (the kernel starts the
-         reads and returns) ──▶ planned queue
-assemble take the next planned batch; populate its .bin pages (off the loop, waiting for the
-         reads); cut the samples from the resident pages and collate them on the loop; give the
-         bytes back to the budget ──▶ ready queue (num_ready_batches) ──▶ `async for`
-```
+Any other map-style dataset (or `num_workers=0`) is read in this process, `collate` of its
+samples, one batch per call on the engine's executor.
 
 Sample order is megatron's pretraining sampler: global batch `g` is samples
 `[g * B, (g + 1) * B)` with `B = micro_batch_size * data_parallel_size`, and rank `r` takes the
@@ -22,28 +19,25 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
 from asynctron._budget import ByteBudget
-from asynctron._concurrency import RunBlocking, first_error, uncancellable
+from asynctron._concurrency import RunBlocking
 from asynctron.datasets import _pages
+from asynctron.datasets._batches import BatchLayout
 from asynctron.datasets._blended import BlendedDataset
-from asynctron.datasets._gpt import GPTDataset
-from asynctron.datasets._indexed import IndexedDataset
-from asynctron.errors import ClosedError, WouldBlock
+from asynctron.datasets._shared_slabs import SharedSlabs
+from asynctron.datasets._workers import BatchWorkers, niceness_of_this_thread
+from asynctron.errors import ClosedError
 
 STATE_VERSION = 1
-#: samples whose index pages are read in one round of calls when planning
-PLAN_WINDOW_SAMPLES = 256
-#: most planned batches whose pages are populated in one call before assembly
-ASSEMBLE_BATCHES = 8
 
 Collate = Callable[[list[dict[str, Any]]], dict[str, Any]]
+Batch = dict[str, Any]
 
 
 def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -64,50 +58,57 @@ def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-@dataclass(slots=True)
-class _Plan:
-    """One batch, its sample parts located and its .bin pages advised."""
-
-    sample_ids: list[int]
-    parts: list[tuple[Any, Any]]  # per sample: (GPTDataset, parts) or (dataset_id, ...)
-    ranges: list[_pages.Range] = field(default_factory=list)
-    nbytes: int = 0
-
-
 class AsyncLoader:
-    """Batches of `dataset` for one data-parallel rank, prefetched under a byte budget.
+    """Batches of `dataset` for one data-parallel rank, assembled ahead of the consumer.
 
     Use as `async with AsyncLoader(...) as loader: async for batch in loader: ...`.
 
     Args:
-        dataset: a `GPTDataset` or `BlendedDataset` (prefetched); any other map-style dataset
-            is read as is, on the loop, without prefetch.
+        dataset: a `GPTDataset` or `BlendedDataset` (assembled by worker processes, pages
+            prefetched); any other map-style dataset is read in this process.
         micro_batch_size: samples per batch on this rank.
         run_blocking: the door for blocking calls, e.g. `engine.run_blocking`.
-        prefetch_budget: bytes of advised-but-not-yet-assembled data pages, as an int (a new
-            `ByteBudget`) or a `ByteBudget` to share.
-        num_ready_batches: assembled batches kept ready ahead of the consumer.
+        prefetch_budget: bytes of data pages advised ahead and not yet assembled, as an int
+            (a new `ByteBudget`) or a `ByteBudget` to share.
+        num_ready_batches: batches asked for ahead of the consumer (being assembled or ready).
         data_parallel_rank, data_parallel_size: this rank and the number of ranks.
-        collate: turns a list of sample dicts into a batch (default: `collate`).
+        collate: turns a list of sample dicts into a batch, where batches are read in this
+            process (default: `collate`).
+        num_workers: worker processes (0: read in this process, one batch per executor call,
+            without prefetch).
+        start_method: how workers start (`multiprocessing`): "fork" (default: milliseconds,
+            as torch's DataLoader on Linux), "forkserver" or "spawn" (the dataset is pickled
+            and reopens its files).
+        worker_nice_increment: workers run at this thread's nice level plus this, so a
+            trainer keeps its cores.
+        pin_memory: page-lock batch memory for CUDA (where CUDA is available), so
+            `batch[k].to("cuda", non_blocking=True)` is asynchronous.
 
-    Memory: the budget bounds the data pages asked for ahead; `num_ready_batches` assembled
-    batches are held.
+    Memory: the budget bounds the data pages asked for ahead; the loader holds at most
+    `num_ready_batches` batches; batches the consumer keeps are its own (a slab is reused only
+    once every tensor of its batch is gone).
     Concurrency: one consumer; a second `async for` at the same time is not supported.
     """
 
     def __init__(self, dataset: Any, *, micro_batch_size: int, run_blocking: RunBlocking,
                  prefetch_budget: int | ByteBudget, num_ready_batches: int,
                  data_parallel_rank: int = 0, data_parallel_size: int = 1,
-                 collate: Collate = collate) -> None:
+                 collate: Collate = collate, num_workers: int = 2,
+                 start_method: str = "fork", worker_nice_increment: int = 10,
+                 pin_memory: bool = False) -> None:
         for name, value, low in (("micro_batch_size", micro_batch_size, 1),
                                  ("num_ready_batches", num_ready_batches, 1),
                                  ("data_parallel_size", data_parallel_size, 1),
-                                 ("data_parallel_rank", data_parallel_rank, 0)):
+                                 ("data_parallel_rank", data_parallel_rank, 0),
+                                 ("num_workers", num_workers, 0)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name}: expected an int >= {low}, found {value!r}")
         if data_parallel_rank >= data_parallel_size:
             raise ValueError(f"data_parallel_rank: expected < data_parallel_size "
                              f"({data_parallel_size}), found {data_parallel_rank}")
+        if start_method not in ("fork", "forkserver", "spawn"):
+            raise ValueError(f"start_method: expected 'fork', 'forkserver' or 'spawn', found "
+                             f"{start_method!r}")
         self.dataset = dataset
         self.micro_batch_size = micro_batch_size
         self.data_parallel_rank = data_parallel_rank
@@ -118,8 +119,19 @@ class AsyncLoader:
         self._run_blocking = run_blocking
         self._collate = collate
         self.consumed_samples = 0
-        self._producer: asyncio.Task[None] | None = None
-        self._ready: asyncio.Queue[Any] | None = None
+        self._workers: BatchWorkers | None = None
+        if num_workers and BatchLayout.supports(dataset):
+            layout = BatchLayout(dataset, micro_batch_size)
+            self._workers = BatchWorkers(
+                dataset, layout, SharedSlabs(layout.slab_bytes, pin_memory=pin_memory),
+                num_workers=num_workers, ring_size=num_ready_batches + 1,
+                micro_batch_size=micro_batch_size, samples_per_step=self.samples_per_step,
+                budget=self.budget, read_bytes_per_batch=micro_batch_size * _read_bytes(dataset),
+                start_method=start_method,
+                niceness=niceness_of_this_thread(worker_nice_increment))
+        self._pending: collections.deque[asyncio.Future[Batch]] = collections.deque()
+        self._next_batch = 0
+        self._num_batches: int | None = None  # set when iteration begins
         self._entered = False
         self._closed = False
 
@@ -129,6 +141,11 @@ class AsyncLoader:
     def samples_per_step(self) -> int:
         """Samples all ranks consume per batch (`micro_batch_size * data_parallel_size`)."""
         return self.micro_batch_size * self.data_parallel_size
+
+    @property
+    def worker_pids(self) -> list[int | None]:
+        """The worker processes' ids (None before they start; empty without workers)."""
+        return self._workers.pids if self._workers is not None else []
 
     def state_dict(self) -> dict[str, int]:
         """The position, JSON-able, to save in a checkpoint: samples consumed by all ranks."""
@@ -145,7 +162,7 @@ class AsyncLoader:
             ValueError: another version or dataset, or a position that is not a whole step
                 of this loader.
         """
-        if self._producer is not None:
+        if self._num_batches is not None:
             raise RuntimeError("load_state_dict: expected a loader not yet iterating, found one "
                                "running; load the state before `async for`")
         if state.get("version") != STATE_VERSION:
@@ -162,15 +179,14 @@ class AsyncLoader:
                              f"found {consumed!r}; resume at a global-batch boundary")
         self.consumed_samples = consumed
 
-    def _sample_ids(self, start: int) -> list[int]:
-        first = start + self.data_parallel_rank * self.micro_batch_size
-        return list(range(first, first + self.micro_batch_size))
-
     # lifetime ---------------------------------------------------------------------------------
 
     async def __aenter__(self) -> AsyncLoader:
+        """Start the workers (so they are up by the first batch)."""
         if self._closed:
             raise ClosedError("loader: closed; create a new AsyncLoader")
+        if not self._entered and self._workers is not None:
+            await self._workers.start(self._run_blocking)
         self._entered = True
         return self
 
@@ -178,202 +194,96 @@ class AsyncLoader:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop prefetching and wait for the loader's tasks.
+        """Stop the workers and wait for batches being read in this process; batches already
+        handed out stay valid. The budget is returned.
 
-        Cancellation: the tasks are still awaited (their executor calls finish) before the
-        cancellation propagates; the budget is returned either way.
+        Cancellation: the workers are still stopped and the reads awaited before the
+        cancellation propagates.
         """
+        if self._closed:
+            return
         self._closed = True
-        if self._producer is not None and not self._producer.done():
-            self._producer.cancel()
-            await uncancellable(self._producer)
-        if self._producer is not None and not self._producer.cancelled():
-            self._producer.exception()  # already handed to the consumer
+        work = asyncio.ensure_future(self._shut_down())
+        await asyncio.wait((work,))
+        work.result()
+
+    async def _shut_down(self) -> None:
+        if self._workers is not None and self._entered:
+            await self._workers.aclose()
+        reads = [future for future in self._pending if not future.done()]
+        if reads:
+            await asyncio.wait(reads)
+        for future in self._pending:
+            if not future.cancelled():
+                future.exception()  # handed to the consumer, or never asked for
+        self._pending.clear()
 
     def __aiter__(self) -> AsyncLoader:
         return self
 
-    async def __anext__(self) -> dict[str, Any]:
+    async def __anext__(self) -> Batch:
         """The next batch of this rank.
 
         Raises:
             StopAsyncIteration: the dataset has no further whole step.
+            LoaderWorkerError: a worker failed on this batch or died (later calls raise it
+                too).
         Cancellation: no batch is lost; the next call returns the batch this one would have.
         """
         if not self._entered:
             raise RuntimeError("loader: iterate inside `async with AsyncLoader(...) as loader`")
         if self._closed:
             raise ClosedError("loader: closed; create a new AsyncLoader")
-        if self._producer is None:
-            self._ready = asyncio.Queue(maxsize=self.num_ready_batches)
-            self._producer = asyncio.get_running_loop().create_task(
-                self._produce(self.consumed_samples, self._ready), name="asynctron-loader")
-        assert self._ready is not None
-        item = await self._ready.get()
-        if isinstance(item, BaseException):
-            self._ready.put_nowait(item)  # every later call raises it too
-            raise item
-        if item is None:
-            self._ready.put_nowait(None)
+        if self._num_batches is None:
+            self._begin()
+        if not self._pending:
             raise StopAsyncIteration
+        future = self._pending[0]
+        if not future.done():
+            await asyncio.wait((future,))  # a cancelled wait leaves the batch coming
+        batch = future.result()  # a failure stays first in line: later calls raise it too
+        self._pending.popleft()
         self.consumed_samples += self.samples_per_step
-        return item
+        self._ask_ahead()
+        return batch
 
-    # producer ---------------------------------------------------------------------------------
+    # batches ----------------------------------------------------------------------------------
 
-    async def _produce(self, start: int, ready: asyncio.Queue[Any]) -> None:
-        planned: asyncio.Queue[_Plan | None] = asyncio.Queue()
-        try:
-            async with asyncio.TaskGroup() as group:
-                group.create_task(self._plan_all(start, planned))
-                group.create_task(self._assemble_all(planned, ready))
-        except BaseException as error:  # handed to the consumer, unless we are closing
-            # (not `task.cancelling()`: on 3.11 a failed TaskGroup leaves it raised)
-            if isinstance(error, asyncio.CancelledError) or self._closed:
-                raise
-            await ready.put(first_error(error))
-        finally:  # batches planned but never assembled give their bytes back
-            while not planned.empty():
-                plan = planned.get_nowait()
-                if plan is not None:
-                    self.budget.release(plan.nbytes)
-
-    async def _plan_all(self, start: int, planned: asyncio.Queue[_Plan | None]) -> None:
-        """Plan windows of batches; queue each batch once its bytes are borrowed, and advise
-        the queued batches' pages in one call (before waiting for more budget)."""
+    def _begin(self) -> None:
         step = self.samples_per_step
-        starts = range(start, len(self.dataset) - step + 1, step)
-        window = max(1, PLAN_WINDOW_SAMPLES // self.micro_batch_size)
-        for w0 in range(0, len(starts), window):
-            plans = await self._plan_window([self._sample_ids(s) for s in starts[w0:w0 + window]])
-            unadvised: list[_pages.Range] = []
-            for plan in plans:
-                try:
-                    self.budget.acquire_nowait(plan.nbytes)
-                except WouldBlock:
-                    await self._advise(unadvised)
-                    unadvised = []
-                    await self.budget.acquire(plan.nbytes)
-                planned.put_nowait(plan)  # from here on, its bytes are released by whoever
-                unadvised.extend(plan.ranges)  # takes it from the queue (or the drain)
-            await self._advise(unadvised)
-        planned.put_nowait(None)
+        self._num_batches = max(0, (len(self.dataset) - self.consumed_samples) // step)
+        self._first_sample = self.consumed_samples + self.data_parallel_rank * self.micro_batch_size
+        if self._workers is not None:
+            self._workers.begin(self._first_sample, self._num_batches)
+        self._ask_ahead()
 
-    async def _advise(self, ranges: list[_pages.Range]) -> None:
-        """Start reading the pages of `ranges` (off the loop; returns once the reads are
-        queued)."""
-        if ranges:
-            await self._run_blocking(_pages.advise_willneed, ranges)
+    def _ask_ahead(self) -> None:
+        """Ask for batches until `num_ready_batches` are on their way or ready."""
+        assert self._num_batches is not None
+        while len(self._pending) < self.num_ready_batches and (
+                self._next_batch < self._num_batches):
+            batch = self._next_batch
+            self._next_batch += 1
+            if self._workers is not None:
+                self._pending.append(self._workers.submit(batch))
+            else:
+                first = self._first_sample + batch * self.samples_per_step
+                self._pending.append(asyncio.ensure_future(self._run_blocking(
+                    self._read, range(first, first + self.micro_batch_size))))
 
-    async def _populate(self, ranges: list[_pages.Range]) -> None:
-        """Make `ranges` resident and mapped, off the loop."""
-        if ranges:
-            await self._run_blocking(_pages.populate, ranges)
-
-    async def _assemble_all(self, planned: asyncio.Queue[_Plan | None],
-                            ready: asyncio.Queue[Any]) -> None:
-        """Populate the pages of every batch already planned, in one call, then assemble them
-        in order."""
-        done = False
-        while not done:
-            taken = [await planned.get()]
-            while not planned.empty() and len(taken) < ASSEMBLE_BATCHES:
-                taken.append(planned.get_nowait())
-            done = taken[-1] is None
-            pending = collections.deque(plan for plan in taken if plan is not None)
-            try:
-                await self._populate([r for plan in pending for r in plan.ranges])
-                while pending:
-                    plan = pending[0]
-                    batch = self._collate([self._sample(parts) for parts in plan.parts])
-                    self.budget.release(pending.popleft().nbytes)
-                    await ready.put(batch)
-            finally:  # batches not handed on give their bytes back
-                for plan in pending:
-                    self.budget.release(plan.nbytes)
-        await ready.put(None)
-
-    # planning ---------------------------------------------------------------------------------
-
-    async def _populated(self, *arrays_rows: tuple[np.ndarray, np.ndarray]) -> None:
-        """Populate the pages of `array[rows]` for each pair, in one blocking call."""
-        await self._populate([r for array, rows in arrays_rows
-                              for r in _pages.array_ranges(array, rows)])
-
-    async def _plan_window(self, batches: list[list[int]]) -> list[_Plan]:
-        """Locate the parts of every sample of `batches` (populating the index pages they read,
-        level by level, one call per level for the whole window) and their .bin pages."""
-        sample_ids = [i for batch in batches for i in batch]
-        ids = np.asarray(sample_ids, np.int64)
-        dataset = self.dataset
-        parts: list[tuple[Any, Any]]
-        if isinstance(dataset, BlendedDataset):
-            await self._populated((dataset.dataset_index, ids),
-                                  (dataset.dataset_sample_index, ids))
-            targets = [dataset.locate(i) for i in sample_ids]
-            parts = [(None, None)] * len(sample_ids)
-            for gpt in dataset.datasets:
-                mine = [k for k, (owner, _) in enumerate(targets) if owner is gpt]
-                if mine:
-                    located = await self._gpt_parts(gpt, [targets[k][1] for k in mine])
-                    for k, found in zip(mine, located, strict=True):
-                        parts[k] = (dataset.dataset_index[sample_ids[k]], (gpt, found))
-        elif isinstance(dataset, GPTDataset):
-            located = await self._gpt_parts(dataset, sample_ids)
-            parts = [(None, (dataset, found)) for found in located]
-        else:
-            parts = [(None, (dataset, i)) for i in sample_ids]
-        plans = []
-        offset = 0
-        for batch in batches:
-            mine = parts[offset:offset + len(batch)]
-            offset += len(batch)
-            ranges = _bin_ranges(mine)
-            plans.append(_Plan(batch, mine, ranges, _pages.total_bytes(ranges)))
-        return plans
-
-    async def _gpt_parts(self, gpt: GPTDataset, ids: Sequence[int]) -> list[Any]:
-        """`gpt.sample_parts(i)` for each id, after populating the index pages they read."""
-        rows = np.asarray(ids, np.int64)
-        await self._populated((gpt.shuffle_index, rows))
-        shuffled = gpt.shuffle_index[rows].astype(np.int64)
-        both = np.concatenate([shuffled, shuffled + 1])
-        await self._populated((gpt.sample_index, both))
-        bounds = gpt.sample_index[both, 0].astype(np.int64)
-        positions = np.concatenate([np.arange(b, e + 1) for b, e in zip(
-            bounds[:len(ids)].tolist(), bounds[len(ids):].tolist(), strict=True)])
-        await self._populated((gpt.document_index, positions))
-        documents = gpt.document_index[positions].astype(np.int64)
-        indexed = gpt.dataset
-        await self._populated((indexed.sequence_pointers, documents),
-                              (indexed.sequence_lengths, documents))
-        return [gpt.sample_parts(i) for i in ids]
-
-    def _sample(self, planned: tuple[Any, Any]) -> dict[str, Any]:
-        dataset_id, (owner, found) = planned
-        if not isinstance(owner, GPTDataset):
-            return owner[found]
-        sample = owner.sample_from_parts(found)
-        if dataset_id is not None:
-            return {"dataset_id": dataset_id, **sample}
-        return sample
+    def _read(self, ids: range) -> Batch:
+        """A batch read in this process (on an executor thread)."""
+        return self._collate([self.dataset[i] for i in ids])
 
     def __repr__(self) -> str:
+        how = (f"{self._workers.num_workers} workers" if self._workers is not None
+               else "in process")
         return (f"<AsyncLoader rank {self.data_parallel_rank}/{self.data_parallel_size}, "
-                f"{self.consumed_samples} samples consumed, {self.budget!r}>")
+                f"{self.consumed_samples} samples consumed, {how}, {self.budget!r}>")
 
 
-def _bin_ranges(parts: list[tuple[Any, Any]]) -> list[_pages.Range]:
-    """Page ranges in the `.bin` maps of every located part."""
-    starts: list[int] = []
-    sizes: list[int] = []
-    for _, (gpt, found) in parts:
-        if not isinstance(gpt, GPTDataset):
-            continue
-        indexed: IndexedDataset = gpt.dataset
-        base = indexed.tokens.ctypes.data
-        for document, offset, count in found:
-            start, nbytes = indexed.byte_range(document, offset, count)
-            starts.append(base + start)
-            sizes.append(nbytes)
-    return _pages.page_ranges_of(np.array(starts, np.int64), np.array(sizes, np.int64))
+def _read_bytes(dataset: Any) -> int:
+    """Bytes of data pages one sample of `dataset` reads, at most (for the budget)."""
+    parts = dataset.datasets if isinstance(dataset, BlendedDataset) else [dataset]
+    return max((part.config.sequence_length + 1) * part.dataset.dtype.itemsize
+               + 2 * _pages.PAGE_BYTES for part in parts)

@@ -1,12 +1,10 @@
-"""Blocking page-cache calls for prefetch: asking the kernel for mapped pages ahead of use.
+"""Page-cache calls for prefetch: asking the kernel for mapped pages ahead of use.
 
-Every call here blocks (or may) and must run on the engine's executor through a `RunBlocking`
-door, never on the loop thread. They go through ctypes or `os.posix_fadvise`, which release the
-GIL while the kernel works (`mmap.madvise` would hold it, stalling the loop thread too).
+The loader's worker processes call these (blocking is theirs to do; never the loop thread's).
+They go through ctypes or `os.posix_fadvise`, which release the GIL while the kernel works.
 
 A *range* is `(address, nbytes)` in this process's address space, inside a read-only file
-mapping. `array_ranges` computes the ranges of some elements of a mapped array from its base
-pointer and strides, without touching (and so faulting in) any of them.
+mapping.
 """
 
 from __future__ import annotations
@@ -14,18 +12,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
-import logging
 import mmap
 import os
 from collections.abc import Sequence
 
 import numpy as np
 
-logger = logging.getLogger(__name__)
-
 PAGE_BYTES = mmap.PAGESIZE
 MADV_WILLNEED = 3
-MADV_POPULATE_READ = 22  # Linux 5.14+: fault the pages in, waiting for the reads
 
 Range = tuple[int, int]
 
@@ -36,7 +30,6 @@ _madvise.restype = ctypes.c_int
 _mincore = _libc.mincore
 _mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _mincore.restype = ctypes.c_int
-_populate_supported = True
 
 
 def page_ranges_of(starts: np.ndarray, nbytes: np.ndarray) -> list[Range]:
@@ -60,38 +53,22 @@ def total_bytes(ranges: Sequence[Range]) -> int:
     return sum(nbytes for _, nbytes in ranges)
 
 
-def array_ranges(array: np.ndarray, rows: np.ndarray) -> list[Range]:
-    """Page ranges holding `array[rows]` (rows along the first axis), computed from the array's
-    address: nothing is read."""
-    if array.size == 0 or rows.size == 0:
-        return []
-    row_bytes = array.strides[0]
-    starts = array.ctypes.data + np.asarray(rows, np.int64) * row_bytes
-    return page_ranges_of(starts, np.full(starts.size, row_bytes, np.int64))
-
-
 def _advise_each(ranges: Sequence[Range], advice: int, what: str) -> None:
     for address, nbytes in ranges:
         if _madvise(address, nbytes, advice) != 0:
             code = ctypes.get_errno()
-            if code == errno.EINVAL and advice == MADV_POPULATE_READ:
-                raise _UnsupportedError
             if code != errno.EINTR:
                 raise OSError(code, f"madvise({what}) of {nbytes} bytes at {address:#x}")
 
 
-class _UnsupportedError(Exception):
-    pass
-
-
 class _ProcessMadvise:
     """`process_madvise(2)` on this process: many ranges, one syscall (so one release of the
-    GIL, not one per range). Linux 5.10+ for WILLNEED; POPULATE_READ on recent kernels."""
+    GIL, not one per range). Linux 5.10+."""
 
     def __init__(self) -> None:
         self._pid = -1
         self._pidfd = -1
-        self.usable = {MADV_WILLNEED: True, MADV_POPULATE_READ: True}
+        self.usable = {MADV_WILLNEED: True}
 
     def __call__(self, ranges: Sequence[Range], advice: int) -> bool:
         """True when every range was advised; False when the kernel refused the call."""
@@ -129,24 +106,6 @@ def advise_willneed(ranges: Sequence[Range]) -> None:
     Blocking call: run it through `RunBlocking`."""
     if ranges and not _process_madvise(ranges, MADV_WILLNEED):
         _advise_each(ranges, MADV_WILLNEED, "WILLNEED")
-
-
-def populate(ranges: Sequence[Range]) -> None:
-    """Read `ranges` in and map them, returning when they are resident: every read is started
-    first (WILLNEED), then awaited (MADV_POPULATE_READ), so the reads overlap. Where the kernel
-    lacks POPULATE_READ (before Linux 5.14), only the reads are started. Blocking call: run it
-    through `RunBlocking`."""
-    global _populate_supported
-    advise_willneed(ranges)
-    if not ranges or not _populate_supported:
-        return
-    if _process_madvise(ranges, MADV_POPULATE_READ):
-        return
-    try:
-        _advise_each(ranges, MADV_POPULATE_READ, "POPULATE_READ")
-    except _UnsupportedError:
-        logger.info("madvise(MADV_POPULATE_READ) unsupported; prefetch only starts reads")
-        _populate_supported = False
 
 
 def _resident_pages(address: int, nbytes: int) -> np.ndarray:

@@ -104,3 +104,14 @@ def gpt(make_corpus, tmp_path, tok) -> GPTDataset:
     dataset = build_gpt_datasets(config, [None, None, None])[0]
     assert isinstance(dataset, GPTDataset)
     return dataset
+
+
+@pytest.fixture
+def blended(make_corpus, tmp_path, tok):
+    """A 200-sample blend of two corpora, weights 1:3, 32-token samples."""
+    prefixes = [make_corpus(name, seed=k, num_documents=150, eod=0).path_prefix
+                for k, name in enumerate("ab")]
+    config = GPTDatasetConfig(random_seed=5, sequence_length=32, tokenizer=tok,
+                              blend=(prefixes, [1.0, 3.0]), split="1",
+                              path_to_cache=str(tmp_path / "cache"))
+    return build_gpt_datasets(config, [200, 0, 0])[0]

@@ -11,19 +11,9 @@ import pytest
 import torch
 
 from asynctron import Engine
-from asynctron.datasets import AsyncLoader, GPTDatasetConfig, build_gpt_datasets, collate
+from asynctron.datasets import AsyncLoader, collate
 from asynctron.engine import ByteBudget
 from asynctron.testing import LoopWatchdog
-
-
-@pytest.fixture
-def blended(make_corpus, tmp_path, tok):
-    prefixes = [make_corpus(name, seed=k, num_documents=150, eod=0).path_prefix
-                for k, name in enumerate("ab")]
-    config = GPTDatasetConfig(random_seed=5, sequence_length=32, tokenizer=tok,
-                              blend=(prefixes, [1.0, 3.0]), split="1",
-                              path_to_cache=str(tmp_path / "cache"))
-    return build_gpt_datasets(config, [200, 0, 0])[0]
 
 
 async def _batches(dataset: Any, engine: Engine, *, micro_batch_size: int, rank: int = 0,

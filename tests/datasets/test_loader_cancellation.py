@@ -1,8 +1,10 @@
-"""Cancelling the loader at its await points: no batch is lost, no task or budget is left."""
+"""Cancelling and closing the loader at its await points: no batch is lost, no worker, task
+or budget is left."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -13,8 +15,31 @@ from asynctron.engine import ByteBudget
 from asynctron.errors import ClosedError
 
 
-async def test_a_cancelled_next_loses_no_batch(gpt) -> None:
+def _alive(pid: int | None) -> bool:
+    assert pid is not None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def test_a_cancelled_next_loses_no_batch_from_workers(gpt) -> None:
     """Invariant: the batch a cancelled `__anext__` would have returned comes next."""
+    async with Engine(num_workers=2) as engine, AsyncLoader(
+            gpt, micro_batch_size=2, run_blocking=engine.run_blocking, prefetch_budget=1 << 20,
+            num_ready_batches=1) as loader:
+        waiting = asyncio.ensure_future(loader.__anext__())
+        await asyncio.sleep(0)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert loader.consumed_samples == 0
+        first = await loader.__anext__()
+    assert torch.equal(first["tokens"], torch.stack([gpt[0]["tokens"], gpt[1]["tokens"]]))
+
+
+async def test_a_cancelled_next_loses_no_batch_read_in_process(gpt) -> None:
     gate = asyncio.Event()
 
     async with Engine(num_workers=2) as engine:
@@ -23,7 +48,8 @@ async def test_a_cancelled_next_loses_no_batch(gpt) -> None:
             return await engine.run_blocking(fn, *args)
 
         async with AsyncLoader(gpt, micro_batch_size=2, run_blocking=slow_run_blocking,
-                               prefetch_budget=1 << 20, num_ready_batches=1) as loader:
+                               prefetch_budget=1 << 20, num_ready_batches=1,
+                               num_workers=0) as loader:
             waiting = asyncio.ensure_future(loader.__anext__())
             await asyncio.sleep(0)
             waiting.cancel()
@@ -32,47 +58,50 @@ async def test_a_cancelled_next_loses_no_batch(gpt) -> None:
             assert loader.consumed_samples == 0
             gate.set()
             first = await loader.__anext__()
-            expected = torch.stack([gpt[0]["tokens"], gpt[1]["tokens"]])
-            assert torch.equal(first["tokens"], expected)
+    assert torch.equal(first["tokens"], torch.stack([gpt[0]["tokens"], gpt[1]["tokens"]]))
 
 
-@pytest.mark.parametrize(("budget_bytes", "rounds"), [(1 << 20, 1), (64 << 10, 20)])
-async def test_aclose_mid_epoch_returns_the_budget_and_ends_the_tasks(
+@pytest.mark.parametrize(("budget_bytes", "rounds"), [(1 << 20, 1), (64 << 10, 10)])
+async def test_aclose_mid_epoch_returns_the_budget_and_stops_the_workers(
         gpt, budget_bytes: int, rounds: int) -> None:
-    """Invariant: after aclose nothing is borrowed or waiting and the producer task is
-    finished, also when prefetch was waiting for a spent budget with the ready queue full
-    (the small budget; repeated, as it depends on timing)."""
+    """Invariant: after aclose nothing is borrowed or waiting and every worker has exited,
+    also when the budget was spent (the small one; repeated, as it depends on timing)."""
     for _ in range(rounds):
         budget = ByteBudget(budget_bytes)
         async with Engine(num_workers=2) as engine:
             loader = AsyncLoader(gpt, micro_batch_size=2, run_blocking=engine.run_blocking,
                                  prefetch_budget=budget, num_ready_batches=2)
             async with loader:
-                await loader.__anext__()
-                await asyncio.sleep(0.005)  # let prefetch run ahead and borrow
-            assert loader._producer is not None and loader._producer.done()
+                kept = await loader.__anext__()
+                await asyncio.sleep(0.005)  # let the workers run ahead
+            assert not any(_alive(pid) for pid in loader.worker_pids)
             with pytest.raises(ClosedError, match=r"^loader: closed; create a new AsyncLoader$"):
                 await loader.__anext__()
         assert budget.statistics().borrowed_bytes == 0
         assert budget.statistics().num_waiting == 0
+        expected = torch.stack([gpt[0]["tokens"], gpt[1]["tokens"]])
+        assert torch.equal(kept["tokens"], expected)  # a batch outlives its loader
 
 
 async def test_cancelling_the_consumer_task_inside_async_with(gpt) -> None:
-    """Invariant: cancelling a task that iterates leaves no borrowed bytes behind."""
+    """Invariant: cancelling a task that iterates leaves no borrowed bytes or workers."""
     budget = ByteBudget(1 << 20)
+    pids: list[int | None] = []
     async with Engine(num_workers=2) as engine:
         started = asyncio.Event()
 
         async def consume() -> None:
             async with AsyncLoader(gpt, micro_batch_size=2, run_blocking=engine.run_blocking,
                                    prefetch_budget=budget, num_ready_batches=1) as loader:
+                pids.extend(loader.worker_pids)
                 async for _ in loader:
                     started.set()
                     await asyncio.sleep(3600)
 
         task = asyncio.ensure_future(consume())
-        await started.wait()
+        await asyncio.wait_for(started.wait(), 30)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
     assert budget.statistics().borrowed_bytes == 0 and budget.statistics().num_waiting == 0
+    assert pids and not any(_alive(pid) for pid in pids)

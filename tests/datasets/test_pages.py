@@ -1,10 +1,11 @@
-"""Page-cache calls: ranges computed without touching memory; WILLNEED + POPULATE make pages
-resident; DONTNEED evicts them."""
+"""Page-cache calls: ranges aligned and merged; WILLNEED reads pages in; DONTNEED evicts
+them."""
 
 from __future__ import annotations
 
 import mmap
 import os
+import time
 
 import numpy as np
 
@@ -20,17 +21,7 @@ def test_page_ranges_align_and_merge() -> None:
     assert _pages.total_bytes([(0, p), (4 * p, 2 * p)]) == 3 * p
 
 
-def test_array_ranges_cover_the_rows() -> None:
-    array = np.zeros((10_000, 2), np.int64)  # 16 bytes per row
-    base = array.ctypes.data
-    ranges = _pages.array_ranges(array, np.array([0, 1, 9_999]))
-    assert ranges[0][0] <= base and base + 32 <= ranges[0][0] + ranges[0][1]
-    last = base + 9_999 * 16
-    assert ranges[-1][0] <= last and last + 16 <= sum(ranges[-1])
-    assert all(start % PAGE_BYTES == 0 and n % PAGE_BYTES == 0 for start, n in ranges)
-
-
-def test_populate_reads_evicted_pages_in(tmp_path) -> None:
+def test_willneed_reads_evicted_pages_in(tmp_path) -> None:
     path = tmp_path / "data.bin"
     path.write_bytes(os.urandom(64 * PAGE_BYTES))
     os.sync()
@@ -40,7 +31,10 @@ def test_populate_reads_evicted_pages_in(tmp_path) -> None:
     view = np.frombuffer(mapped, np.uint8)
     wanted = [(view.ctypes.data + 8 * PAGE_BYTES, 4 * PAGE_BYTES)]
     assert _pages.resident_bytes(wanted) == 0  # evicted (the disk is not tmpfs here)
-    _pages.populate(wanted)
+    _pages.advise_willneed(wanted)  # starts the reads; they finish soon after
+    deadline = time.monotonic() + 30
+    while _pages.resident_bytes(wanted) < 4 * PAGE_BYTES and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert _pages.resident_bytes(wanted) == 4 * PAGE_BYTES
     assert _pages.resident_bytes([(view.ctypes.data + 40 * PAGE_BYTES, PAGE_BYTES)]) == 0
     del view

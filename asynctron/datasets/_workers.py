@@ -1,0 +1,320 @@
+"""`BatchWorkers`: long-lived worker processes that write whole batches into shared slabs.
+
+The trainer's process does O(1) work per batch, none of it a blocking call: the batch's data
+is read, cut and collated in a worker, under the worker's own GIL; the loop learns of it from
+a 16-byte record. The loop asks for batch `k` by writing its slab number into a ring in shared
+memory and releasing worker `k % num_workers`'s semaphore (neither releases the GIL), and it
+reads the records without releasing the GIL either (`_native.read_nowait`): with a trainer
+thread busy in Python, every release of the GIL costs the loop up to a switch interval (5 ms)
+to get it back.
+
+A worker also advises the kernel to read the pages of its coming batches (`WILLNEED`), as far
+ahead as the loader's prefetch budget lets it (the loop moves that horizon).
+
+Worker `w` writes batches `w, w + n, w + 2n, ...` in order; batch `k` holds samples
+`start + k * samples_per_step + [0, micro_batch_size)`, `start` set when iteration begins.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import signal
+import struct
+import threading
+import traceback
+from typing import Any
+
+import numpy as np
+import torch
+
+from asynctron import _native
+from asynctron._budget import ByteBudget
+from asynctron._concurrency import RunBlocking
+from asynctron.datasets import _pages
+from asynctron.datasets._batches import BatchLayout
+from asynctron.datasets._shared_slabs import SharedSlabs, SlabFile
+from asynctron.errors import LoaderWorkerError, WouldBlock
+
+logger = logging.getLogger(__name__)
+
+# the control block, int64 words in shared memory
+_STOP = 0  # 1: workers exit at their next wake-up
+_START = 1  # the first sample of batch 0 (this rank's)
+_HORIZON = 2  # the last batch whose pages may be advised
+_RING = 3  # the slab of batch k is at _RING + k % ring_size
+
+#: a worker's report of one batch: batch, worker, bytes of error text that follow (0: done)
+RECORD = struct.Struct("<qiI")
+#: error text kept (the end of the traceback), so a record is one atomic pipe write
+MAX_ERROR_BYTES = 4096 - RECORD.size
+#: how often an idle worker checks that the loader's process is alive
+PARENT_CHECK_S = 1.0
+#: how long `aclose` waits for workers to exit before killing them
+EXIT_TIMEOUT_S = 5.0
+
+
+def _serve(index: int, num_workers: int, dataset: Any, layout: BatchLayout,
+           slab_file: SlabFile, control_words: Any, semaphore: Any, done: Any,
+           niceness: int, parent: int, micro_batch_size: int, samples_per_step: int) -> None:
+    """A worker's life: wait for a batch, advise the coming ones, write it, report."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the loader's process stops us
+    with contextlib.suppress(OSError):  # below the inherited level needs privilege: keep it
+        os.setpriority(os.PRIO_PROCESS, 0, niceness)
+    torch.set_num_threads(1)
+    memory = slab_file.map()
+    control = np.frombuffer(control_words, np.int64)
+    ring_size = control.size - _RING
+    slab_bytes = layout.slab_bytes
+    done_fd = done.fileno()
+    offsets = np.arange(micro_batch_size, dtype=np.int64)
+    batch, advised = index, index - num_workers
+    located: dict[int, Any] = {}  # batches advised ahead, not yet written
+    while True:
+        if not semaphore.acquire(timeout=PARENT_CHECK_S):
+            if os.getppid() != parent:
+                return
+            continue
+        if control[_STOP]:
+            return
+        start = int(control[_START])
+        coming = []
+        for ahead in range(max(advised + num_workers, batch), int(control[_HORIZON]) + 1,
+                           num_workers):
+            advised = ahead
+            try:
+                located[ahead] = dataset.locate_batch(start + ahead * samples_per_step + offsets)
+                coming.append(dataset.token_ranges(located[ahead]))
+            except Exception:
+                continue
+        if coming:
+            with contextlib.suppress(OSError):  # advice only
+                _pages.advise_willneed(_pages.page_ranges_of(
+                    np.concatenate([addresses for addresses, _ in coming]),
+                    np.concatenate([nbytes for _, nbytes in coming])))
+        try:
+            this = located.pop(batch, None)
+            if this is None:  # beyond the budget's horizon: not advised
+                this = dataset.locate_batch(start + batch * samples_per_step + offsets)
+            slab = int(control[_RING + batch % ring_size])
+            dataset.write_samples(this, layout.arrays(memory, slab * slab_bytes))
+            error = b""
+        except Exception:
+            error = traceback.format_exc().encode()[-MAX_ERROR_BYTES:]
+        os.write(done_fd, RECORD.pack(batch, index, len(error)) + error)
+        batch += num_workers
+
+
+class BatchWorkers:
+    """`num_workers` processes writing batches of `dataset` into `slabs`.
+
+    Args:
+        dataset: a dataset with `batch_fields`, `write_samples` and `token_ranges`.
+        layout: its batch layout; `slabs`: where batches are written.
+        ring_size: the most batches asked for and not yet consumed, plus one.
+        budget, read_bytes_per_batch: pages are advised ahead while the budget lends
+            `read_bytes_per_batch` per batch; given back when the batch is written.
+        start_method: `multiprocessing` start method ("fork" starts in milliseconds;
+            "spawn" and "forkserver" pickle the dataset, which reopens its files).
+        niceness: the workers' nice level.
+
+    Concurrency: one event loop; every method on its thread.
+    """
+
+    def __init__(self, dataset: Any, layout: BatchLayout, slabs: SharedSlabs, *,
+                 num_workers: int, ring_size: int, micro_batch_size: int,
+                 samples_per_step: int, budget: ByteBudget, read_bytes_per_batch: int,
+                 start_method: str, niceness: int) -> None:
+        self.num_workers = num_workers
+        self._layout = layout
+        self._slabs = slabs
+        self._budget = budget
+        self._read_bytes = read_bytes_per_batch
+        context = multiprocessing.get_context(start_method)
+        self._control_words = context.RawArray("q", _RING + ring_size)
+        self._control = np.frombuffer(self._control_words, np.int64)
+        self._control[_HORIZON] = -1
+        self._ring_size = ring_size
+        self._semaphores = [context.Semaphore(0) for _ in range(num_workers)]
+        self._reader, writer = context.Pipe(duplex=False)
+        self._processes = [context.Process(
+            target=_serve, name=f"asynctron-loader-{i}", daemon=True,
+            args=(i, num_workers, dataset, layout, slabs.file, self._control_words,
+                  self._semaphores[i], writer, niceness, os.getpid(), micro_batch_size,
+                  samples_per_step)) for i in range(num_workers)]
+        self._writer = writer
+        self._waiting: dict[int, tuple[asyncio.Future[dict[str, torch.Tensor]], int]] = {}
+        self._borrowed: set[int] = set()
+        self._horizon = -1
+        self._num_batches = 0
+        self._unparsed = b""
+        self._failure: LoaderWorkerError | None = None
+        self._exited: list[asyncio.Future[None]] = []
+        self._reaping: list[asyncio.Future[None]] = []
+        self._run_blocking: RunBlocking | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self, run_blocking: RunBlocking) -> None:
+        """Start the processes, off the loop (a fork copies the page tables), from a thread of
+        their own: a child forked from an executor's thread would try to join itself at
+        exit."""
+        self._loop = asyncio.get_running_loop()
+        self._run_blocking = run_blocking
+        started: asyncio.Future[None] = self._loop.create_future()
+        threading.Thread(target=self._start_all, args=(self._loop, started),
+                         name="asynctron-loader-start", daemon=True).start()
+        await started
+        self._writer.close()
+        os.set_blocking(self._reader.fileno(), False)
+        self._loop.add_reader(self._reader.fileno(), self._on_records)
+        for i, process in enumerate(self._processes):
+            self._exited.append(self._loop.create_future())
+            self._loop.add_reader(process.sentinel, self._on_exit, i)
+
+    def _start_all(self, loop: asyncio.AbstractEventLoop, started: asyncio.Future[None]) -> None:
+        try:
+            for process in self._processes:
+                process.start()
+        except BaseException as error:
+            loop.call_soon_threadsafe(_settle, started, error)
+        else:
+            loop.call_soon_threadsafe(_settle, started, None)
+
+    def begin(self, start: int, num_batches: int) -> None:
+        """Batch 0 starts at sample `start`; there are `num_batches`."""
+        self._control[_START] = start
+        self._num_batches = num_batches
+        self._extend_horizon()
+
+    def submit(self, batch: int) -> asyncio.Future[dict[str, torch.Tensor]]:
+        """Ask for `batch`; the future gets its tensors (in a slab lent to them)."""
+        assert self._loop is not None
+        future: asyncio.Future[dict[str, torch.Tensor]] = self._loop.create_future()
+        if self._failure is not None:
+            future.set_exception(self._failure)
+            return future
+        slab = self._slabs.take()
+        self._control[_RING + batch % self._ring_size] = slab
+        self._waiting[batch] = (future, slab)
+        self._semaphores[batch % self.num_workers].release()
+        return future
+
+    def _extend_horizon(self) -> None:
+        """Let the workers advise further batches while the budget lends the bytes."""
+        while self._horizon + 1 < self._num_batches:
+            try:
+                self._budget.acquire_nowait(self._read_bytes)
+            except WouldBlock:
+                break
+            self._horizon += 1
+            self._borrowed.add(self._horizon)
+        self._control[_HORIZON] = self._horizon
+
+    def _on_records(self) -> None:
+        data = _native.read_nowait(self._reader.fileno(), 1 << 16)
+        if not data:
+            return  # None: every worker is gone (their exits report it)
+        data = self._unparsed + data
+        at = 0
+        while len(data) - at >= RECORD.size:
+            batch, worker, error_bytes = RECORD.unpack_from(data, at)
+            if len(data) - at < RECORD.size + error_bytes:
+                break
+            error = data[at + RECORD.size:at + RECORD.size + error_bytes]
+            at += RECORD.size + error_bytes
+            self._finish(batch, worker, error.decode(errors="replace"))
+        self._unparsed = data[at:]
+        self._extend_horizon()
+
+    def _finish(self, batch: int, worker: int, error: str) -> None:
+        if batch in self._borrowed:
+            self._borrowed.discard(batch)
+            self._budget.release(self._read_bytes)
+        future, slab = self._waiting.pop(batch)
+        if error:
+            self._slabs.give_back(slab)
+            future.set_exception(LoaderWorkerError(
+                f"loader worker {worker} failed on batch {batch} (samples from "
+                f"{int(self._control[_START])} + {batch} steps):\n{error}",
+                worker=worker, batch=batch))
+        elif not future.done():
+            future.set_result(self._layout.tensors(self._slabs.lend(slab)))
+        else:
+            self._slabs.give_back(slab)
+
+    def _on_exit(self, worker: int) -> None:
+        assert self._loop is not None
+        self._loop.remove_reader(self._processes[worker].sentinel)
+        self._reaping.append(asyncio.ensure_future(self._reap(worker)))
+
+    async def _reap(self, worker: int) -> None:
+        """Collect an exited worker (off the loop: its exit status may lag its sentinel) and,
+        unless we stopped it, fail the batches waiting on it."""
+        process = self._processes[worker]
+        assert self._run_blocking is not None
+        await self._run_blocking(process.join)
+        self._exited[worker].set_result(None)
+        if self._control[_STOP] or self._failure is not None:
+            return
+        self._on_records()  # what it reported before it died
+        code = process.exitcode
+        how = (f"was killed by signal {signal.Signals(-code).name}"
+               if code is not None and code < 0 else f"exited with code {code}")
+        self._failure = LoaderWorkerError(
+            f"loader worker {worker} (pid {process.pid}) {how}; the batches it was writing are "
+            "lost (a traceback on stderr, or the kernel log for a kill, says why)",
+            worker=worker,
+            batch=min((b for b in self._waiting if b % self.num_workers == worker),
+                      default=None))
+        for future, _ in self._waiting.values():
+            if not future.done():
+                future.set_exception(self._failure)
+
+    async def aclose(self) -> None:
+        """Stop the workers (killing those that do not exit in `EXIT_TIMEOUT_S`) and give
+        back the budget. Batches already handed out stay valid."""
+        self._control[_STOP] = 1
+        for semaphore in self._semaphores:
+            semaphore.release()
+        if self._exited:
+            _, late = await asyncio.wait(self._exited, timeout=EXIT_TIMEOUT_S)
+            for worker, future in enumerate(self._exited):
+                if future in late:
+                    logger.warning("loader worker %d did not exit in %.0f s; killing it",
+                                   worker, EXIT_TIMEOUT_S)
+                    self._processes[worker].kill()
+            if late:
+                await asyncio.wait(late)
+            await asyncio.gather(*self._reaping)
+        if self._loop is not None:
+            self._loop.remove_reader(self._reader.fileno())
+        self._reader.close()
+        self._budget.release(self._read_bytes * len(self._borrowed))
+        self._borrowed.clear()
+        for future, slab in self._waiting.values():
+            self._slabs.give_back(slab)
+            future.cancel()
+        self._waiting.clear()
+        self._slabs.close()
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [process.pid for process in self._processes]
+
+
+def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+
+
+def niceness_of_this_thread(increment: int) -> int:
+    """This thread's nice level plus `increment`, clamped to the valid range."""
+    return max(-20, min(19, os.getpriority(os.PRIO_PROCESS, 0) + increment))
+

@@ -1,0 +1,35 @@
+"""A trainer's thread for the busy-trainer benchmarks: pure Python that holds the GIL (as a
+GPU trainer's dispatch thread does), or 1-thread torch matmuls that take a core."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+
+class TrainerThread(threading.Thread):
+    """Works in units until stopped, counting them: pure Python (`python`) or a 1-thread
+    256x256 matmul (`torch`)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(name=f"trainer-{kind}", daemon=True)
+        self.kind = kind
+        self.count = 0
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        torch.set_num_threads(1)  # per thread: a new thread's matmuls would use every core
+        a, b = torch.randn(256, 256), torch.randn(256, 256)
+        while not self._halt.is_set():
+            if self.kind == "python":
+                total = 0
+                for i in range(2000):
+                    total += i * i
+            else:
+                torch.mm(a, b)
+            self.count += 1
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join()
