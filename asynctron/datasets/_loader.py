@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from asynctron._budget import ByteBudget
-from asynctron._concurrency import RunBlocking
+from asynctron._concurrency import RunBlocking, uncancellable
 from asynctron.datasets import _pages
 from asynctron.datasets._batches import BatchLayout
 from asynctron.datasets._blended import BlendedDataset
@@ -119,19 +119,17 @@ class AsyncLoader:
         self._run_blocking = run_blocking
         self._collate = collate
         self.consumed_samples = 0
-        self._workers: BatchWorkers | None = None
+        self._workers: BatchWorkers | None = None  # made and started by `async with`
+        self._worker_options: dict[str, Any] | None = None
         if num_workers and BatchLayout.supports(dataset):
-            layout = BatchLayout(dataset, micro_batch_size)
-            self._workers = BatchWorkers(
-                dataset, layout, SharedSlabs(layout.slab_bytes, pin_memory=pin_memory),
-                num_workers=num_workers, ring_size=num_ready_batches + 1,
-                micro_batch_size=micro_batch_size, samples_per_step=self.samples_per_step,
-                budget=self.budget, read_bytes_per_batch=micro_batch_size * _read_bytes(dataset),
-                start_method=start_method,
-                niceness=niceness_of_this_thread(worker_nice_increment))
+            self._worker_options = {
+                "num_workers": num_workers, "start_method": start_method,
+                "pin_memory": pin_memory,
+                "niceness": niceness_of_this_thread(worker_nice_increment)}
         self._pending: collections.deque[asyncio.Future[Batch]] = collections.deque()
         self._next_batch = 0
         self._num_batches: int | None = None  # set when iteration begins
+        self._first_sample = 0
         self._entered = False
         self._closed = False
 
@@ -185,8 +183,23 @@ class AsyncLoader:
         """Start the workers (so they are up by the first batch)."""
         if self._closed:
             raise ClosedError("loader: closed; create a new AsyncLoader")
-        if not self._entered and self._workers is not None:
-            await self._workers.start(self._run_blocking)
+        if not self._entered and self._worker_options is not None:
+            options = self._worker_options
+            layout = BatchLayout(self.dataset, self.micro_batch_size)
+            self._workers = BatchWorkers(
+                self.dataset, layout,
+                SharedSlabs(layout.slab_bytes, pin_memory=options["pin_memory"]),
+                num_workers=options["num_workers"], ring_size=self.num_ready_batches + 1,
+                micro_batch_size=self.micro_batch_size, samples_per_step=self.samples_per_step,
+                budget=self.budget,
+                read_bytes_per_batch=self.micro_batch_size * _read_bytes(self.dataset),
+                start_method=options["start_method"], niceness=options["niceness"])
+            try:
+                await self._workers.start(self._run_blocking)
+            except BaseException:
+                self._closed = True
+                await uncancellable(asyncio.ensure_future(self._workers.aclose()))
+                raise
         self._entered = True
         return self
 
@@ -204,11 +217,11 @@ class AsyncLoader:
             return
         self._closed = True
         work = asyncio.ensure_future(self._shut_down())
-        await asyncio.wait((work,))
+        await uncancellable(work)
         work.result()
 
     async def _shut_down(self) -> None:
-        if self._workers is not None and self._entered:
+        if self._workers is not None:
             await self._workers.aclose()
         reads = [future for future in self._pending if not future.done()]
         if reads:
@@ -276,8 +289,8 @@ class AsyncLoader:
         return self._collate([self.dataset[i] for i in ids])
 
     def __repr__(self) -> str:
-        how = (f"{self._workers.num_workers} workers" if self._workers is not None
-               else "in process")
+        how = (f"{self._worker_options['num_workers']} workers"
+               if self._worker_options is not None else "in process")
         return (f"<AsyncLoader rank {self.data_parallel_rank}/{self.data_parallel_size}, "
                 f"{self.consumed_samples} samples consumed, {how}, {self.budget!r}>")
 

@@ -196,3 +196,13 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+async def test_pinned_batches_copy_to_the_gpu_asynchronously(gpt) -> None:
+    batches = await _all_batches(gpt, 4, pin_memory=True)
+    assert all(batch["tokens"].is_pinned() for batch in batches)
+    on_gpu = [batch["tokens"].to("cuda", non_blocking=True) for batch in batches]
+    torch.cuda.synchronize()
+    for found, batch in zip(on_gpu, batches, strict=True):
+        assert torch.equal(found.cpu(), batch["tokens"])
