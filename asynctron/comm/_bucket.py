@@ -41,25 +41,20 @@ class AllReduceTask:
         self.bucket = bucket
         self.started_s = started_s
         """`time.perf_counter()` when the all-reduce was launched."""
-        self.completed_s: float | None = None
-        """`time.perf_counter()` when the backend reported it done (future path; on CUDA that
-        is when it was enqueued), else None."""
         self._work = work
         self._run_blocking = run_blocking
-        self._future = work_future(work)
-        if self._future is not None:
-            self._future.add_done_callback(self._stamp)
-
-    def _stamp(self, _: torch.futures.Future[Any]) -> None:
-        self.completed_s = time.perf_counter()
+        self.future = work_future(work)
+        """The backend's future for the all-reduce, or None where it offers none. No Python
+        callback is attached to it until someone awaits the task: each one would wait for the
+        GIL on the backend's thread."""
 
     def __await__(self) -> Generator[Any, None, None]:
         return self._wait().__await__()
 
     async def _wait(self) -> None:
         try:
-            if self._future is not None:
-                await wait_future(self._future)
+            if self.future is not None:
+                await wait_future(self.future)
             elif self._run_blocking is not None:
                 await self._run_blocking(self._work.wait)
             else:
@@ -71,8 +66,8 @@ class AllReduceTask:
 
     def done(self) -> bool:
         """Whether the backend has finished (or failed) the all-reduce."""
-        if self._future is not None:  # it completes before the work's own flag is set
-            return self._future.done()
+        if self.future is not None:  # it completes before the work's own flag is set
+            return self.future.done()
         return self._work.is_completed()
 
     def result(self, timeout_s: float | None = None) -> None:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from asynctron._concurrency import RunBlocking
-from asynctron.comm._bridge import peer_error, wait_work
+from asynctron.comm._bridge import peer_error, wait_future, wait_work
 from asynctron.comm._bucket import AllReduceTask, MiB, layout_buckets
 from asynctron.errors import BusyError
 
@@ -96,7 +96,8 @@ class StepTimings:
 class _Slot:
     """One parameter's place and per-step state."""
 
-    __slots__ = ("bucket", "contributed", "handed_out", "name", "param", "ready", "same_dtype",
+    __slots__ = ("bucket", "contributed", "guard", "handed_out", "name", "param", "ready",
+                 "same_dtype",
                  "used", "view")
 
     def __init__(self, param: torch.nn.Parameter, name: str, bucket: int,
@@ -110,6 +111,7 @@ class _Slot:
         self.used = False  # got a gradient since the last reset (no_sync backwards included)
         self.contributed = False  # the view holds this window's gradient (fp32-buffer case)
         self.handed_out: weakref.ref[torch.Tensor] | None = None  # the synchronized .grad
+        self.guard: RemovableHandle | None = None  # the pre-hook, while a gradient may not come
 
 
 class BucketManager:
@@ -175,20 +177,18 @@ class BucketManager:
         self._last_hook_s = 0.0
         self.last_step: StepTimings | None = None
         """Timings of the last synchronized step (None before the first)."""
-        self._hooks: list[RemovableHandle] = []
-        for slot in self._slots:
-            self._hooks.append(slot.param.register_hook(functools.partial(self._before_grad, slot)))
-            self._hooks.append(slot.param.register_post_accumulate_grad_hook(
-                functools.partial(self._on_grad, slot)))
+        self._hooks = [slot.param.register_post_accumulate_grad_hook(
+            functools.partial(self._on_grad, slot)) for slot in self._slots]
 
     # backward side: runs on autograd's thread ---------------------------------------------
 
     def _before_grad(self, slot: _Slot, grad: torch.Tensor) -> None:
         """Before autograd accumulates into `.grad`: refuse a gradient that would land in a
-        bucket under reduction, or on top of the synchronized one (nothing is touched yet)."""
-        if grad.is_sparse:
-            raise TypeError(f"parameter {slot.name!r}: expected a dense gradient, found a sparse "
-                            "one; bucketing supports dense gradients only")
+        bucket under reduction, or on top of the synchronized one (nothing is touched yet).
+
+        Installed on a parameter from the moment it is ready until `zero_grad()` (the only
+        window where a gradient is wrong), not for good: every Python hook on the backward
+        thread waits for the GIL, up to a switch interval beside a busy trainer thread."""
         with self._lock:
             if slot.ready:
                 raise RuntimeError(
@@ -207,36 +207,33 @@ class BucketManager:
         grad = param.grad
         if grad is None:
             return
+        if grad.is_sparse:  # before it is copied: the bucket stays as it was
+            raise TypeError(f"parameter {slot.name!r}: expected a dense gradient, found a sparse "
+                            "one; bucketing supports dense gradients only")
         with self._lock:
             if slot.handed_out is not None:  # `.grad` was reset since the last step
                 slot.handed_out = None
                 slot.contributed = False
-            syncing = self._no_sync_depth == 0
-            self._contribute(slot, grad, divide=syncing and self._divide)
+            self._contribute(slot, grad)
             slot.used = True
-            if syncing:
+            if self._no_sync_depth == 0:
                 self._mark_ready(slot)
 
-    def _contribute(self, slot: _Slot, grad: torch.Tensor, *, divide: bool) -> None:
-        """Put `grad` into the slot's view (copy, or add within an accumulation window)."""
+    def _contribute(self, slot: _Slot, grad: torch.Tensor) -> None:
+        """Put `grad` into the slot's view (copy, or add within an accumulation window). The
+        sum is divided by the world size for a whole bucket at its launch (gloo), not here:
+        each torch call gives up the GIL, and one per bucket costs fewer waits for it than one
+        per parameter beside a busy trainer."""
         view = slot.view
         if slot.same_dtype:
-            if grad is view:  # autograd accumulated straight into the bucket
-                if divide:
-                    view.div_(self.world_size)
-            else:  # a fresh gradient (after zero_grad or set_to_none): copy it in
-                if divide:
-                    torch.mul(grad, 1.0 / self.world_size, out=view)
-                else:
-                    view.copy_(grad)
+            if grad is not view:  # a fresh gradient (after zero_grad or set_to_none)
+                view.copy_(grad)
                 slot.param.grad = view
         else:
             if slot.contributed:
                 view.add_(grad)
             else:
                 view.copy_(grad)
-            if divide:
-                view.div_(self.world_size)
             slot.param.grad = None  # the bucket holds it, in grad_dtype
         slot.contributed = True
 
@@ -246,10 +243,15 @@ class BucketManager:
             self._backward_done = False
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
         slot.ready = True
+        if slot.guard is None:
+            slot.guard = slot.param.register_hook(functools.partial(self._before_grad, slot))
         self._last_hook_s = time.perf_counter()
         self._pending[slot.bucket] -= 1
         while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] == 0:
-            self._tasks.append(self.buckets[self._next_bucket].start_all_reduce())
+            bucket = self.buckets[self._next_bucket]
+            if self._divide:  # gloo has no AVG: divide the sum before the SUM, as DDP does
+                bucket.buffer.div_(self.world_size)
+            self._tasks.append(bucket.start_all_reduce())
             self._next_bucket += 1
 
     def _on_backward_end(self) -> None:
@@ -265,10 +267,7 @@ class BucketManager:
                     "on the ones that never do, or pass find_unused_parameters=True")
                 raise RuntimeError(self._failure)
             for slot in missing:  # ready with zeros, or with what no_sync() accumulated
-                if slot.used:
-                    if self._divide:
-                        slot.view.div_(self.world_size)
-                else:
+                if not slot.used:
                     slot.view.zero_()
                 self._mark_ready(slot)
             if self.config.find_unused_parameters:
@@ -315,6 +314,10 @@ class BucketManager:
                                    "still running; await it after loss.backward() returns")
             tasks = list(self._tasks)
             used_map = self._used_map
+        futures = [task.future for task in tasks if task.future is not None]
+        if len(futures) > 1:  # one callback on the backend's thread for them all, not one each
+            with contextlib.suppress(Exception):  # each task raises its own error below
+                await wait_future(torch.futures.collect_all(futures))
         for task in tasks:
             await task
         if self._failure is not None:
@@ -387,6 +390,9 @@ class BucketManager:
             for slot in self._slots:
                 slot.handed_out = None
                 slot.used = slot.contributed = False
+                if slot.guard is not None:
+                    slot.guard.remove()
+                    slot.guard = None
                 if set_to_none:
                     slot.param.grad = None
                 elif slot.same_dtype:
@@ -428,6 +434,10 @@ class BucketManager:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        for slot in self._slots:
+            if slot.guard is not None:
+                slot.guard.remove()
+                slot.guard = None
 
     def __repr__(self) -> str:
         nbytes = sum(bucket.nbytes for bucket in self.buckets)

@@ -63,20 +63,13 @@ class BatchLayout:
         return {f.key: np.frombuffer(buffer, f.dtype, int(np.prod(f.shape)), offset + f.offset)
                 .reshape(f.shape) for f in self.fields}
 
-    def tensors(self, slab: memoryview) -> dict[str, torch.Tensor]:
-        """The batch in `slab` as tensors sharing its memory, keyed as the sample dict. Each
-        tensor keeps `slab` alive (so a weak reference to `slab` tells when the batch is
-        gone)."""
-        out: dict[str, torch.Tensor] = {}
-        for f in self.fields:
-            out[f.key] = torch.frombuffer(slab, dtype=_TORCH_DTYPES[f.dtype],
-                                          count=int(np.prod(f.shape)),
-                                          offset=f.offset).view(f.shape)
+    def tensors(self, slab: np.ndarray) -> dict[str, torch.Tensor]:
+        """The batch in `slab` (a uint8 array) as tensors sharing its memory, keyed as the
+        sample dict; each keeps `slab`'s buffer alive. Made through numpy views: a torch op
+        (`view`, `reshape`) gives up the GIL, which a busy trainer thread then holds for up to
+        a switch interval."""
+        out = {f.key: torch.from_numpy(slab[f.offset:f.offset + f.nbytes].view(f.dtype)
+                                       .reshape(f.shape)) for f in self.fields}
         if self.shared_mask is not None:
             out["attention_mask"] = self.shared_mask
         return {key: out[key] for key in self.keys}
-
-
-_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32,
-                 np.dtype(np.int16): torch.int16, np.dtype(np.uint8): torch.uint8,
-                 np.dtype(np.bool_): torch.bool, np.dtype(np.float32): torch.float32}

@@ -130,6 +130,7 @@ class AsyncLoader:
         self._next_batch = 0
         self._num_batches: int | None = None  # set when iteration begins
         self._first_sample = 0
+        self._waiter: asyncio.Future[None] | None = None
         self._entered = False
         self._closed = False
 
@@ -193,7 +194,8 @@ class AsyncLoader:
                 micro_batch_size=self.micro_batch_size, samples_per_step=self.samples_per_step,
                 budget=self.budget,
                 read_bytes_per_batch=self.micro_batch_size * _read_bytes(self.dataset),
-                start_method=options["start_method"], niceness=options["niceness"])
+                start_method=options["start_method"], niceness=options["niceness"],
+                on_progress=self._wake)
             try:
                 await self._workers.start(self._run_blocking)
             except BaseException:
@@ -252,8 +254,19 @@ class AsyncLoader:
         if not self._pending:
             raise StopAsyncIteration
         future = self._pending[0]
-        if not future.done():
-            await asyncio.wait((future,))  # a cancelled wait leaves the batch coming
+        if self._workers is not None and not future.done():
+            self._workers.poll()
+        while not future.done():  # a cancelled wait leaves the batch coming
+            if self._workers is None:
+                await asyncio.wait((future,))
+                continue
+            # woken straight from the workers' records: one loop turn, not a future's two
+            self._workers.watch()
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         batch = future.result()  # a failure stays first in line: later calls raise it too
         self._pending.popleft()
         self.consumed_samples += self.samples_per_step
@@ -269,6 +282,10 @@ class AsyncLoader:
         if self._workers is not None:
             self._workers.begin(self._first_sample, self._num_batches)
         self._ask_ahead()
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def _ask_ahead(self) -> None:
         """Ask for batches until `num_ready_batches` are on their way or ready."""

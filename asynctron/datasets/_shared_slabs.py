@@ -3,8 +3,8 @@
 One anonymous shared-memory file (`memfd_create`) holds every slab; it is sparse, so only
 slabs that were used take memory. A worker writes a batch into a slab; the loader lends the
 slab to the batch's tensors and takes it back when the last of them is gone (a weak reference
-to the slab's memoryview, which every tensor holds). A batch the trainer keeps is never
-overwritten: the loader uses another slab.
+to the buffer of the slab's array, which every tensor made from it holds). A batch the trainer
+keeps is never overwritten: the loader uses another slab.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import weakref
 from multiprocessing import reduction
 from typing import Any
 
+import numpy as np
 import torch
 
 #: the most slabs one loader can have lent out at once (address space only, until used)
@@ -69,7 +70,7 @@ class SharedSlabs:
         self._memory = memoryview(self._map)
         self._free: collections.deque[int] = collections.deque()
         self._used = 0  # slabs handed out at least once: 0 .. _used - 1
-        self._leases: dict[int, weakref.ref[memoryview]] = {}
+        self._leases: dict[int, weakref.ref[Any]] = {}
         self._pin = pin_memory and torch.cuda.is_available()
         self._pinned: set[int] = set()
 
@@ -91,18 +92,19 @@ class SharedSlabs:
         """Return a slab that was taken but never lent (its batch failed)."""
         self._free.append(index)
 
-    def lend(self, index: int) -> memoryview:
-        """The memory of slab `index`, for one batch's tensors; the slab is free again once
-        the returned view and every tensor made from it are gone."""
+    def lend(self, index: int) -> np.ndarray:
+        """Slab `index` as a uint8 array, for one batch's tensors (numpy views of it, then
+        `torch.from_numpy`); the slab is free again once the array and everything made from
+        it are gone."""
         start = index * self.slab_bytes
-        view = self._memory[start:start + self.slab_bytes]
+        slab = np.frombuffer(self._memory[start:start + self.slab_bytes], np.uint8)
         if self._pin and index not in self._pinned:
-            address = torch.frombuffer(view, dtype=torch.uint8).data_ptr()
-            _check_cuda(torch.cuda.cudart().cudaHostRegister(address, self.slab_bytes, 0),
-                        "cudaHostRegister")
+            _check_cuda(torch.cuda.cudart().cudaHostRegister(slab.ctypes.data, self.slab_bytes,
+                                                             0), "cudaHostRegister")
             self._pinned.add(index)
-        self._leases[index] = weakref.ref(view, lambda _, index=index: self._returned(index))
-        return view
+        # numpy's own memoryview of the slab: every view of `slab` keeps it alive
+        self._leases[index] = weakref.ref(slab.base, lambda _, index=index: self._returned(index))
+        return slab
 
     def _returned(self, index: int) -> None:
         self._leases.pop(index, None)
@@ -124,10 +126,10 @@ class SharedSlabs:
         if self._leases:
             os.close(self.file.fd)
             return
+        base = np.frombuffer(self._memory, np.uint8).ctypes.data
         for index in self._pinned:
-            address = torch.frombuffer(self._memory[index * self.slab_bytes:][:1],
-                                       dtype=torch.uint8).data_ptr()
-            _check_cuda(torch.cuda.cudart().cudaHostUnregister(address), "cudaHostUnregister")
+            _check_cuda(torch.cuda.cudart().cudaHostUnregister(base + index * self.slab_bytes),
+                        "cudaHostUnregister")
         self._pinned.clear()
         self._memory.release()
         self._map.close()

@@ -4,9 +4,10 @@ The trainer's process does O(1) work per batch, none of it a blocking call: the 
 is read, cut and collated in a worker, under the worker's own GIL; the loop learns of it from
 a 16-byte record. The loop asks for batch `k` by writing its slab number into a ring in shared
 memory and releasing worker `k % num_workers`'s semaphore (neither releases the GIL), and it
-reads the records without releasing the GIL either (`_native.read_nowait`): with a trainer
-thread busy in Python, every release of the GIL costs the loop up to a switch interval (5 ms)
-to get it back.
+reads the records without releasing the GIL either (`_native.read_nowait`), and is woken by
+them only when its consumer waits: with a trainer thread busy in Python, every release of the
+GIL costs the loop up to a switch interval (5 ms) to get it back, and every wake-up takes the
+GIL from the trainer.
 
 A worker also advises the kernel to read the pages of its coming batches (`WILLNEED`), as far
 ahead as the loader's prefetch budget lets it (the loop moves that horizon).
@@ -26,6 +27,7 @@ import signal
 import struct
 import threading
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -120,6 +122,8 @@ class BatchWorkers:
         start_method: `multiprocessing` start method ("fork" starts in milliseconds;
             "spawn" and "forkserver" pickle the dataset, which reopens its files).
         niceness: the workers' nice level.
+        on_progress: called on the loop after batches finished (or failed), once per
+            wake-up.
 
     Concurrency: one event loop; every method on its thread.
     """
@@ -127,12 +131,13 @@ class BatchWorkers:
     def __init__(self, dataset: Any, layout: BatchLayout, slabs: SharedSlabs, *,
                  num_workers: int, ring_size: int, micro_batch_size: int,
                  samples_per_step: int, budget: ByteBudget, read_bytes_per_batch: int,
-                 start_method: str, niceness: int) -> None:
+                 start_method: str, niceness: int, on_progress: Callable[[], None]) -> None:
         self.num_workers = num_workers
         self._layout = layout
         self._slabs = slabs
         self._budget = budget
         self._read_bytes = read_bytes_per_batch
+        self._on_progress = on_progress
         context = multiprocessing.get_context(start_method)
         self._control_words = context.RawArray("q", _RING + ring_size)
         self._control = np.frombuffer(self._control_words, np.int64)
@@ -151,6 +156,7 @@ class BatchWorkers:
         self._horizon = -1
         self._num_batches = 0
         self._unparsed = b""
+        self._watching = False
         self._failure: LoaderWorkerError | None = None
         self._exited: list[asyncio.Future[None]] = []
         self._reaping: list[asyncio.Future[None]] = []
@@ -169,7 +175,6 @@ class BatchWorkers:
         await started
         self._writer.close()
         os.set_blocking(self._reader.fileno(), False)
-        self._loop.add_reader(self._reader.fileno(), self._on_records)
         for i, process in enumerate(self._processes):
             self._exited.append(self._loop.create_future())
             self._loop.add_reader(process.sentinel, self._on_exit, i)
@@ -213,7 +218,27 @@ class BatchWorkers:
             self._borrowed.add(self._horizon)
         self._control[_HORIZON] = self._horizon
 
-    def _on_records(self) -> None:
+    def poll(self) -> None:
+        """Take in the records the workers wrote so far (no wait, the GIL kept)."""
+        self._take_records()
+
+    def watch(self) -> None:
+        """Wake the loop at the next record (once): for a consumer about to wait. Records
+        that come while nobody waits stay in the pipe until `poll`, so a consumer that finds
+        its batches ready costs the loop no wake-up (each one takes the GIL from a busy
+        trainer)."""
+        assert self._loop is not None
+        if not self._watching:
+            self._watching = True
+            self._loop.add_reader(self._reader.fileno(), self._on_readable)
+
+    def _on_readable(self) -> None:
+        assert self._loop is not None
+        self._watching = False
+        self._loop.remove_reader(self._reader.fileno())
+        self._take_records()
+
+    def _take_records(self) -> None:
         data = _native.read_nowait(self._reader.fileno(), 1 << 16)
         if not data:
             return  # None: every worker is gone (their exits report it)
@@ -228,6 +253,7 @@ class BatchWorkers:
             self._finish(batch, worker, error.decode(errors="replace"))
         self._unparsed = data[at:]
         self._extend_horizon()
+        self._on_progress()
 
     def _finish(self, batch: int, worker: int, error: str) -> None:
         if batch in self._borrowed:
@@ -259,7 +285,7 @@ class BatchWorkers:
         self._exited[worker].set_result(None)
         if self._control[_STOP] or self._failure is not None:
             return
-        self._on_records()  # what it reported before it died
+        self._take_records()  # what it reported before it died
         code = process.exitcode
         how = (f"was killed by signal {signal.Signals(-code).name}"
                if code is not None and code < 0 else f"exited with code {code}")
@@ -272,6 +298,7 @@ class BatchWorkers:
         for future, _ in self._waiting.values():
             if not future.done():
                 future.set_exception(self._failure)
+        self._on_progress()
 
     async def aclose(self) -> None:
         """Stop the workers (killing those that do not exit in `EXIT_TIMEOUT_S`) and give
@@ -289,7 +316,7 @@ class BatchWorkers:
             if late:
                 await asyncio.wait(late)
             await asyncio.gather(*self._reaping)
-        if self._loop is not None:
+        if self._loop is not None and self._watching:
             self._loop.remove_reader(self._reader.fileno())
         self._reader.close()
         self._budget.release(self._read_bytes * len(self._borrowed))
