@@ -207,19 +207,23 @@ def section_data(result: dict[str, Any], docs: str) -> list[str]:
 
 
 def section_comm(result: dict[str, Any], docs: str) -> list[str]:
+    busy = result["meta"].get("args", {}).get("trainer", "idle") != "idle"
+    limit = 1.0 if busy else 1.05  # beside a busy trainer: issue 16's bar
     rows = []
     for model in result["models"]:
         for bucket_mb, row in model["buckets"].items():
             rows.append([f"{model['num_params'] / 1e6:.1f}M", f"{bucket_mb}",
                          f"{row['num_buckets']}", f"{row['asynctron_median_s']:.3f}",
                          f"{row['ddp_median_s']:.3f}", f"{row['ratio']:.2f}x "
-                         f"{_ok(row['ratio'] <= 1.05)}", f"{row['compute_median_s']:.3f}",
+                         f"{_ok(row['ratio'] <= limit)}", f"{row['compute_median_s']:.3f}",
                          f"{row['asynctron_exposed_median_s'] * 1e3:.0f} / "
                          f"{row['ddp_exposed_median_s'] * 1e3:.0f}",
                          f"{row['loop_worst_delay_s'] * 1e3:.1f}"])
     lines = ["Step = forward + backward + synchronized gradients on 2 gloo ranks; both sides get "
-             "the same buckets (a 1 MiB first bucket, then the size shown). Target: "
-             "asynctron / DDP <= 1.05. Exposed: last gradient hook until synchronized.", ""]
+             "the same buckets (a 1 MiB first bucket, then the size shown)"
+             + (", and each rank runs a thread spinning Python (holding the GIL)" if busy else "")
+             + f". Target: asynctron / DDP <= {limit:.2f}. Exposed: last gradient hook until "
+             "synchronized.", ""]
     lines += _table(["model", "bucket MiB", "buckets", "asynctron s", "DDP s",
                      "asynctron / DDP", "compute only s", "exposed ms (ours / DDP)",
                      "loop worst ms"], rows)

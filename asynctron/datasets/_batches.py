@@ -55,8 +55,9 @@ class BatchLayout:
 
     @staticmethod
     def supports(dataset: Any) -> bool:
-        """Whether `dataset` writes whole batches (`batch_fields` and `write_samples`)."""
-        return hasattr(dataset, "batch_fields") and hasattr(dataset, "write_samples")
+        """Whether `dataset` writes whole batches (`GPTDataset`, `BlendedDataset`)."""
+        return all(hasattr(dataset, name) for name in (
+            "batch_fields", "locate_batch", "token_ranges", "write_samples"))
 
     def arrays(self, buffer: Any, offset: int = 0) -> dict[str, np.ndarray]:
         """Writable numpy views of the fields of the slab at `offset` in `buffer`."""

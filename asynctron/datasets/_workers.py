@@ -90,7 +90,7 @@ def _serve(index: int, num_workers: int, dataset: Any, layout: BatchLayout,
             try:
                 located[ahead] = dataset.locate_batch(start + ahead * samples_per_step + offsets)
                 coming.append(dataset.token_ranges(located[ahead]))
-            except Exception:
+            except Exception:  # reported when that batch's own turn comes
                 continue
         if coming:
             with contextlib.suppress(OSError):  # advice only
@@ -114,7 +114,8 @@ class BatchWorkers:
     """`num_workers` processes writing batches of `dataset` into `slabs`.
 
     Args:
-        dataset: a dataset with `batch_fields`, `write_samples` and `token_ranges`.
+        dataset: a dataset with `batch_fields`, `locate_batch`, `token_ranges` and
+            `write_samples` (`GPTDataset`, `BlendedDataset`).
         layout: its batch layout; `slabs`: where batches are written.
         ring_size: the most batches asked for and not yet consumed, plus one.
         budget, read_bytes_per_batch: pages are advised ahead while the budget lends

@@ -24,17 +24,21 @@ def _alive(pid: int | None) -> bool:
     return True
 
 
+async def _cancel_a_waiting_next(loader: AsyncLoader) -> None:
+    waiting = asyncio.ensure_future(loader.__anext__())
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert loader.consumed_samples == 0
+
+
 async def test_a_cancelled_next_loses_no_batch_from_workers(gpt) -> None:
     """Invariant: the batch a cancelled `__anext__` would have returned comes next."""
     async with Engine(num_workers=2) as engine, AsyncLoader(
             gpt, micro_batch_size=2, run_blocking=engine.run_blocking, prefetch_budget=1 << 20,
             num_ready_batches=1) as loader:
-        waiting = asyncio.ensure_future(loader.__anext__())
-        await asyncio.sleep(0)
-        waiting.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await waiting
-        assert loader.consumed_samples == 0
+        await _cancel_a_waiting_next(loader)
         first = await loader.__anext__()
     assert torch.equal(first["tokens"], torch.stack([gpt[0]["tokens"], gpt[1]["tokens"]]))
 
@@ -50,12 +54,7 @@ async def test_a_cancelled_next_loses_no_batch_read_in_process(gpt) -> None:
         async with AsyncLoader(gpt, micro_batch_size=2, run_blocking=slow_run_blocking,
                                prefetch_budget=1 << 20, num_ready_batches=1,
                                num_workers=0) as loader:
-            waiting = asyncio.ensure_future(loader.__anext__())
-            await asyncio.sleep(0)
-            waiting.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await waiting
-            assert loader.consumed_samples == 0
+            await _cancel_a_waiting_next(loader)
             gate.set()
             first = await loader.__anext__()
     assert torch.equal(first["tokens"], torch.stack([gpt[0]["tokens"], gpt[1]["tokens"]]))
