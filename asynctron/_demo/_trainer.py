@@ -1,7 +1,7 @@
 """One rank of the demo: a small GPT trained data-parallel on one uvloop loop, with every part
 of asynctron at work.
 
-Per step: the next batch comes from the `AsyncLoader` (its pages read ahead, off the loop),
+Per step: the next batch comes from the `AsyncLoader` (assembled by a worker process),
 forward and backward run on the loop, gradients are all-reduced bucket by bucket while backward
 runs (`DataParallel`), and every K steps the whole state (model, optimizer, loader position,
 step) is saved asynchronously: training waits only for `task.staged`, then goes on while the
@@ -130,7 +130,8 @@ async def train(config: DemoConfig, rank: int, samples: Any, name: str, *, stop_
         loader = AsyncLoader(samples, micro_batch_size=config.micro_batch_size,
                              run_blocking=engine.run_blocking, prefetch_budget=16 * MiB,
                              num_ready_batches=2, data_parallel_rank=rank,
-                             data_parallel_size=config.num_ranks)
+                             data_parallel_size=config.num_ranks,
+                             num_workers=1)  # one per rank: the demo's batches are small
         if resume:
             assert checkpoints is not None
             state = await engine.load(checkpoints)  # the newest commit (`latest`)

@@ -3,7 +3,8 @@
 `IndexedDataset` reads megatron's `.bin`/`.idx` files (and `IndexedDatasetBuilder` writes them),
 `GPTDataset` and `BlendedDataset` build megatron-core's indices (the same arrays) and samples,
 `build_gpt_datasets` is megatron's `BlendedMegatronDatasetBuilder` for GPT, and `AsyncLoader`
-serves batches with the pages of coming samples read ahead, off the loop, under a byte budget.
+serves batches assembled by worker processes in shared memory, the pages of coming samples
+read ahead under a byte budget.
 """
 
 from asynctron.datasets._blend_builder import build_gpt_datasets
