@@ -3,6 +3,7 @@ GPU trainer's dispatch thread does), or 1-thread torch matmuls that take a core.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -10,15 +11,18 @@ import torch
 
 class TrainerThread(threading.Thread):
     """Works in units until stopped, counting them: pure Python (`python`) or a 1-thread
-    256x256 matmul (`torch`)."""
+    256x256 matmul (`torch`); on `cpus` only, if given (a trainer bound to its cores)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, cpus: set[int] | None = None) -> None:
         super().__init__(name=f"trainer-{kind}", daemon=True)
         self.kind = kind
+        self.cpus = cpus
         self.count = 0
         self._halt = threading.Event()
 
     def run(self) -> None:
+        if self.cpus is not None:
+            os.sched_setaffinity(0, self.cpus)  # this thread only
         torch.set_num_threads(1)  # per thread: a new thread's matmuls would use every core
         a, b = torch.randn(256, 256), torch.randn(256, 256)
         while not self._halt.is_set():

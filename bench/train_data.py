@@ -5,12 +5,17 @@ Every run is a fresh process reading a corpus larger than the prefetch window (d
 of uint16 tokens; 2048-token samples, micro batch 8, a 64 MiB prefetch budget, 4 batches
 ahead), for `--duration` seconds, with the page cache of every file it reads either evicted
 first (`cold`) or warm. Beside it a trainer thread works (`bench/_trainers.py`): none
-(`idle`), pure Python holding the GIL (`python`), or 1-thread torch matmuls (`torch`).
+(`idle`), pure Python holding the GIL (`python`), the same bound to the first CPU with every
+loader's worker processes bound to the others, as on a node where ranks are bound to cores
+(`python-bound`; asynctron's `worker_cpus`, DataLoader's `worker_init_fn`), or 1-thread torch
+matmuls (`torch`).
 Measured: samples/s, the wait for each batch (p50/p95/max), the first batch's latency (from
 opening the dataset: imports, index maps, worker start), and the trainer's work retained
 while batches flow (its rate from the first batch asked for to the last one taken / its rate
 in the second before the dataset was opened). The consumer takes batches as fast as they
-come: for asynctron on the event loop (`async for`), for the others on the main thread.
+come: for asynctron on the event loop (`async for`), for the others on the main thread. With
+`--pace-ms`, it works that long after each batch, as a trainer's step would, and its waits
+are counted from the end of that work.
 
 DataLoader gets megatron's settings (`pin_memory` where CUDA is, `persistent_workers=True`,
 `batch_sampler` in megatron's pretraining order); asynctron its defaults (2 workers at nice
@@ -23,6 +28,7 @@ Results: printed, and written as JSON to bench/results/train_data_<host>_<date>.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -44,7 +50,7 @@ from bench._trainers import TrainerThread
 MiB = 1 << 20
 METHODS = ("asynctron AsyncLoader", "DataLoader (2 workers)", "DataLoader (4 workers)",
            "megatron ds[i]")
-TRAINERS = ("idle", "python", "torch")
+TRAINERS = ("idle", "python", "python-bound", "torch")
 CACHES = ("cold", "warm")
 
 
@@ -89,8 +95,9 @@ class _Consumer:
     """Times batches as the consumer takes them, and counts the trainer's work meanwhile."""
 
     def __init__(self, duration_s: float, micro_batch_size: int,
-                 trainer: TrainerThread | None) -> None:
+                 trainer: TrainerThread | None, pace_s: float) -> None:
         self.duration_s = duration_s
+        self.pace_s = pace_s
         self.micro_batch_size = micro_batch_size
         self.trainer = trainer
         self.waits: list[float] = []
@@ -113,6 +120,10 @@ class _Consumer:
         self._last = now
         self.trainer_end = self.trainer.count if self.trainer else 0
         return now - self.started < self.duration_s
+
+    def stepped(self) -> None:
+        """A paced consumer's step is over: the wait for the next batch starts now."""
+        self._last = time.perf_counter()
 
     def result(self) -> dict[str, Any]:
         elapsed = self._last - self.started
@@ -137,22 +148,40 @@ def _run_plain(dataset: Any, consumer: _Consumer) -> None:
         [dataset[i] for i in ids]
         if not consumer.took():
             return
+        if consumer.pace_s:
+            time.sleep(consumer.pace_s)
+            consumer.stepped()
 
 
-def _run_dataloader(dataset: Any, consumer: _Consumer, num_workers: int) -> None:
+def _run_dataloader(dataset: Any, consumer: _Consumer, num_workers: int,
+                    worker_cpus: set[int] | None) -> None:
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=_sampler(len(dataset), consumer.micro_batch_size),
         num_workers=num_workers, pin_memory=torch.cuda.is_available(),
-        persistent_workers=True)
+        persistent_workers=True,
+        worker_init_fn=None if worker_cpus is None else _Bind(worker_cpus))
     batches = iter(loader)  # starts the workers
     consumer.begin()
     for _ in batches:
         if not consumer.took():
             return
+        if consumer.pace_s:
+            time.sleep(consumer.pace_s)
+            consumer.stepped()
 
 
-def _run_asynctron(dataset: Any, consumer: _Consumer, budget_bytes: int, watched: bool
-                   ) -> dict[str, Any]:
+class _Bind:
+    """DataLoader's `worker_init_fn`: bind the worker to `cpus`."""
+
+    def __init__(self, cpus: set[int]) -> None:
+        self.cpus = cpus
+
+    def __call__(self, _: int) -> None:
+        os.sched_setaffinity(0, self.cpus)
+
+
+def _run_asynctron(dataset: Any, consumer: _Consumer, budget_bytes: int, watched: bool,
+                   worker_cpus: set[int] | None) -> dict[str, Any]:
     """The loader on the event loop; `watched`: with a 5 ms heartbeat on the loop (its
     wake-ups take the GIL, so it runs only beside an idle trainer)."""
     import contextlib
@@ -168,11 +197,15 @@ def _run_asynctron(dataset: Any, consumer: _Consumer, budget_bytes: int, watched
         async with Engine(num_workers=2) as engine, AsyncLoader(
                 dataset, micro_batch_size=consumer.micro_batch_size,
                 run_blocking=engine.run_blocking, prefetch_budget=budget_bytes,
-                num_ready_batches=4) as loader, dog or contextlib.nullcontext():
+                num_ready_batches=4, worker_cpus=worker_cpus) as loader, \
+                dog or contextlib.nullcontext():
             consumer.begin()
             async for _ in loader:
                 if not consumer.took():
                     break
+                if consumer.pace_s:
+                    await asyncio.sleep(consumer.pace_s)
+                    consumer.stepped()
         return {"loop_worst_delay_s": dog.report().worst_delay_s} if dog else {}
 
     return uvloop.run(run())
@@ -182,7 +215,11 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     """One method beside one trainer (in this fresh process)."""
     torch.set_num_threads(1)
     which = "asynctron" if args.method.startswith("asynctron") else "megatron"
-    trainer = TrainerThread(args.trainer) if args.trainer != "idle" else None
+    cpus = sorted(os.sched_getaffinity(0))
+    bound = args.trainer.endswith("-bound") and len(cpus) > 1
+    trainer_cpus, worker_cpus = ({cpus[0]}, set(cpus[1:])) if bound else (None, None)
+    trainer = (TrainerThread(args.trainer.removesuffix("-bound"), trainer_cpus)
+               if args.trainer != "idle" else None)
     if trainer is not None:
         trainer.start()
         time.sleep(0.2)
@@ -190,14 +227,16 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         before = (trainer.count if trainer else 0), time.perf_counter()
         time.sleep(1.0)
         alone = (trainer.count if trainer else 0), time.perf_counter()
-        consumer = _Consumer(args.duration, args.micro_batch_size, trainer)
+        consumer = _Consumer(args.duration, args.micro_batch_size, trainer,
+                             (args.pace_ms or 0) / 1e3)
         dataset = _datasets(args.prefix, args.cache, args.sequence_length, which)
         extra: dict[str, Any] = {}
         if args.method == "asynctron AsyncLoader":
             extra = _run_asynctron(dataset, consumer, args.prefetch_mib * MiB,
-                                   watched=trainer is None)
+                                   watched=trainer is None, worker_cpus=worker_cpus)
         elif args.method.startswith("DataLoader"):
-            _run_dataloader(dataset, consumer, int(args.method.split("(")[1].split()[0]))
+            _run_dataloader(dataset, consumer, int(args.method.split("(")[1].split()[0]),
+                            worker_cpus)
         else:
             _run_plain(dataset, consumer)
     finally:
@@ -231,7 +270,7 @@ def _spawn(args: argparse.Namespace, method: str, trainer: str, work: str) -> di
                "--trainer", trainer, "--prefix", f"{work}/corpus", "--cache", f"{work}/cache",
                "--duration", str(args.duration), "--micro-batch-size",
                str(args.micro_batch_size), "--sequence-length", str(args.sequence_length),
-               "--prefetch-mib", str(args.prefetch_mib)]
+               "--prefetch-mib", str(args.prefetch_mib), "--pace-ms", str(args.pace_ms or 0)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if done.returncode != 0:
@@ -262,7 +301,9 @@ def run_all(args: argparse.Namespace, work: str) -> dict[str, Any]:
                                 while f.read(64 * MiB):
                                     pass
                     result = _spawn(args, method, trainer, work)
-                    record = samples.setdefault(cache, {}).setdefault(trainer, {}).setdefault(
+                    label = (f"{trainer}, a batch per {args.pace_ms:g} ms" if args.pace_ms
+                             else trainer)
+                    record = samples.setdefault(cache, {}).setdefault(label, {}).setdefault(
                         method, {})
                     for key, value in result.items():
                         if isinstance(value, float | int):
@@ -308,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefetch-mib", type=int, default=64)
     parser.add_argument("--duration", type=float, default=6.0, help="seconds per run")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pace-ms", type=float, default=0.0,
+                        help="the consumer takes a batch, then works this long (a trainer's "
+                             "step) before the next; 0: as fast as batches come")
     parser.add_argument("--trainers", default=",".join(TRAINERS))
     parser.add_argument("--caches", default=",".join(CACHES))
     parser.add_argument("--methods", default=",".join(METHODS))

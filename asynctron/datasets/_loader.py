@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Collection
 from typing import Any
 
 import numpy as np
@@ -81,6 +82,9 @@ class AsyncLoader:
             and reopens its files).
         worker_nice_increment: workers run at this thread's nice level plus this, so a
             trainer keeps its cores.
+        worker_cpus: the CPUs the workers may run on (None: any). Bind them away from the
+            trainer's cores: a worker the loop wakes otherwise lands, now and then, on the
+            core a trainer thread is waiting to get back (`docs/datasets.md`).
         pin_memory: page-lock batch memory for CUDA (where CUDA is available), so
             `batch[k].to("cuda", non_blocking=True)` is asynchronous.
 
@@ -95,7 +99,7 @@ class AsyncLoader:
                  data_parallel_rank: int = 0, data_parallel_size: int = 1,
                  collate: Collate = collate, num_workers: int = 2,
                  start_method: str = "fork", worker_nice_increment: int = 10,
-                 pin_memory: bool = False) -> None:
+                 worker_cpus: Collection[int] | None = None, pin_memory: bool = False) -> None:
         for name, value, low in (("micro_batch_size", micro_batch_size, 1),
                                  ("num_ready_batches", num_ready_batches, 1),
                                  ("data_parallel_size", data_parallel_size, 1),
@@ -109,6 +113,10 @@ class AsyncLoader:
         if start_method not in ("fork", "forkserver", "spawn"):
             raise ValueError(f"start_method: expected 'fork', 'forkserver' or 'spawn', found "
                              f"{start_method!r}")
+        cpus = None if worker_cpus is None else frozenset(worker_cpus)
+        if cpus is not None and not (cpus and cpus <= os.sched_getaffinity(0)):
+            raise ValueError(f"worker_cpus: expected a non-empty subset of this process's CPUs "
+                             f"{sorted(os.sched_getaffinity(0))}, found {sorted(cpus)}")
         self.dataset = dataset
         self.micro_batch_size = micro_batch_size
         self.data_parallel_rank = data_parallel_rank
@@ -125,7 +133,7 @@ class AsyncLoader:
             self._worker_options = {
                 "num_workers": num_workers, "start_method": start_method,
                 "pin_memory": pin_memory,
-                "niceness": niceness_of_this_thread(worker_nice_increment)}
+                "niceness": niceness_of_this_thread(worker_nice_increment), "cpus": cpus}
         self._pending: collections.deque[asyncio.Future[Batch]] = collections.deque()
         self._next_batch = 0
         self._num_batches: int | None = None  # set when iteration begins
@@ -195,6 +203,7 @@ class AsyncLoader:
                 budget=self.budget,
                 read_bytes_per_batch=self.micro_batch_size * _read_bytes(self.dataset),
                 start_method=options["start_method"], niceness=options["niceness"],
+                cpus=options["cpus"],
                 on_progress=self._wake)
             try:
                 await self._workers.start(self._run_blocking)

@@ -61,11 +61,14 @@ EXIT_TIMEOUT_S = 5.0
 
 def _serve(index: int, num_workers: int, dataset: Any, layout: BatchLayout,
            slab_file: SlabFile, control_words: Any, semaphore: Any, done: Any,
-           niceness: int, parent: int, micro_batch_size: int, samples_per_step: int) -> None:
+           niceness: int, cpus: frozenset[int] | None, parent: int, micro_batch_size: int,
+           samples_per_step: int) -> None:
     """A worker's life: wait for a batch, advise the coming ones, write it, report."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the loader's process stops us
     with contextlib.suppress(OSError):  # below the inherited level needs privilege: keep it
         os.setpriority(os.PRIO_PROCESS, 0, niceness)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
     torch.set_num_threads(1)
     memory = slab_file.map()
     control = np.frombuffer(control_words, np.int64)
@@ -123,6 +126,7 @@ class BatchWorkers:
         start_method: `multiprocessing` start method ("fork" starts in milliseconds;
             "spawn" and "forkserver" pickle the dataset, which reopens its files).
         niceness: the workers' nice level.
+        cpus: the CPUs the workers may run on (None: wherever the scheduler puts them).
         on_progress: called on the loop after batches finished (or failed), once per
             wake-up.
 
@@ -132,7 +136,8 @@ class BatchWorkers:
     def __init__(self, dataset: Any, layout: BatchLayout, slabs: SharedSlabs, *,
                  num_workers: int, ring_size: int, micro_batch_size: int,
                  samples_per_step: int, budget: ByteBudget, read_bytes_per_batch: int,
-                 start_method: str, niceness: int, on_progress: Callable[[], None]) -> None:
+                 start_method: str, niceness: int, cpus: frozenset[int] | None,
+                 on_progress: Callable[[], None]) -> None:
         self.num_workers = num_workers
         self._layout = layout
         self._slabs = slabs
@@ -149,7 +154,7 @@ class BatchWorkers:
         self._processes = [context.Process(
             target=_serve, name=f"asynctron-loader-{i}", daemon=True,
             args=(i, num_workers, dataset, layout, slabs.file, self._control_words,
-                  self._semaphores[i], writer, niceness, os.getpid(), micro_batch_size,
+                  self._semaphores[i], writer, niceness, cpus, os.getpid(), micro_batch_size,
                   samples_per_step)) for i in range(num_workers)]
         self._writer = writer
         self._waiting: dict[int, tuple[asyncio.Future[dict[str, torch.Tensor]], int]] = {}

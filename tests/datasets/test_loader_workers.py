@@ -206,3 +206,17 @@ async def test_pinned_batches_copy_to_the_gpu_asynchronously(gpt) -> None:
     torch.cuda.synchronize()
     for found, batch in zip(on_gpu, batches, strict=True):
         assert torch.equal(found.cpu(), batch["tokens"])
+
+
+async def test_workers_run_on_the_cpus_they_are_given(gpt) -> None:
+    mine = sorted(os.sched_getaffinity(0))
+    async with Engine(num_workers=1) as engine:
+        async with AsyncLoader(gpt, micro_batch_size=2, run_blocking=engine.run_blocking,
+                               prefetch_budget=1 << 16, num_ready_batches=2,
+                               worker_cpus=mine[-1:]) as loader:
+            await loader.__anext__()
+            assert all(os.sched_getaffinity(pid) == {mine[-1]} for pid in loader.worker_pids)
+        with pytest.raises(ValueError, match=r"^worker_cpus: expected a non-empty subset of "
+                                             r"this process's CPUs \[.*\], found \[100000\]$"):
+            AsyncLoader(gpt, micro_batch_size=2, run_blocking=engine.run_blocking,
+                        prefetch_budget=1 << 16, num_ready_batches=2, worker_cpus=[100_000])
