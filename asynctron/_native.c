@@ -29,8 +29,10 @@
 #include "xxh_x86dispatch.h" /* XXH3_64bits picks SSE2, AVX2 or AVX-512 at run time */
 #endif
 
-/* A 1-D C-contiguous buffer of uint64 (`writable` if asked), or an error naming it. */
-static int get_u64_array(PyObject *obj, Py_buffer *view, const char *name, int writable) {
+/* A C-contiguous buffer of 8-byte integers, int64 if `is_signed` else uint64, 1-D if `one_d`,
+ * writable if asked; or an error naming it. */
+static int get_8byte_array(PyObject *obj, Py_buffer *view, const char *name, int is_signed,
+                           int one_d, int writable) {
     int flags = PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0);
     if (PyObject_GetBuffer(obj, view, flags) < 0) {
         return -1;
@@ -39,9 +41,11 @@ static int get_u64_array(PyObject *obj, Py_buffer *view, const char *name, int w
     if (*format == '<' || *format == '=' || *format == '@') {
         format++;
     }
-    if (view->ndim != 1 || view->itemsize != 8 || (strcmp(format, "Q") && strcmp(format, "L"))) {
-        PyErr_Format(PyExc_TypeError, "%s: expected a 1-D array of uint64, found format %s "
-                     "with %zd dimensions", name, view->format, (Py_ssize_t)view->ndim);
+    if ((one_d && view->ndim != 1) || view->itemsize != 8 ||
+        (strcmp(format, is_signed ? "q" : "Q") && strcmp(format, is_signed ? "l" : "L"))) {
+        PyErr_Format(PyExc_TypeError, "%s: expected a %sarray of %s, found format %s with %zd "
+                     "dimensions", name, one_d ? "1-D " : "", is_signed ? "int64" : "uint64",
+                     view->format, (Py_ssize_t)view->ndim);
         PyBuffer_Release(view);
         return -1;
     }
@@ -63,7 +67,7 @@ static int get_three_arrays(const char *function, PyObject *const *args, Py_ssiz
         return -1;
     }
     for (int i = 0; i < 3; i++) {
-        if (get_u64_array(args[i], &views[i], names[i], last_writable && i == 2) < 0) {
+        if (get_8byte_array(args[i], &views[i], names[i], 0, 1, last_writable && i == 2) < 0) {
             for (int j = 0; j < i; j++) {
                 PyBuffer_Release(&views[j]);
             }
@@ -149,7 +153,7 @@ PyDoc_STRVAR(gather_tokens_doc,
 
 #define GATHER_RUN(type)                                                            \
     do {                                                                            \
-        const type *from = (const type *)source->buf + starts[i];                   \
+        const type *from = (const type *)source.buf + starts[i];                    \
         for (int64_t j = 0; j < counts[i]; j++) {                                   \
             to[j] = (int64_t)from[j];                                               \
         }                                                                           \
@@ -161,39 +165,29 @@ static PyObject *gather_tokens(PyObject *module, PyObject *const *args, Py_ssize
         PyErr_Format(PyExc_TypeError, "gather_tokens: expected 5 arguments, found %zd", nargs);
         return NULL;
     }
-    Py_buffer views[5];
-    const int flags[5] = {PyBUF_C_CONTIGUOUS | PyBUF_FORMAT,
-                          PyBUF_C_CONTIGUOUS | PyBUF_FORMAT,
-                          PyBUF_C_CONTIGUOUS | PyBUF_FORMAT,
-                          PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | PyBUF_WRITABLE,
-                          PyBUF_C_CONTIGUOUS | PyBUF_FORMAT};
-    static const char *const names[5] = {"tokens", "starts", "counts", "out", "destinations"};
+    Py_buffer source;
+    if (PyObject_GetBuffer(args[0], &source, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0) {
+        return NULL;
+    }
+    Py_buffer views[4]; /* starts, counts, out (any shape), destinations */
+    static const char *const names[4] = {"starts", "counts", "out", "destinations"};
     int got = 0;
-    for (; got < 5; got++) {
-        if (PyObject_GetBuffer(args[got], &views[got], flags[got]) < 0) {
-            break;
-        }
-        const char *format = views[got].format == NULL ? "B" : views[got].format;
-        if (got > 0 && (views[got].itemsize != 8 || (format[0] != 'l' && format[0] != 'q'))) {
-            PyErr_Format(PyExc_TypeError, "gather_tokens: expected %s of int64, found format "
-                         "'%s'", names[got], format);
-            PyBuffer_Release(&views[got]);
-            break;
-        }
+    while (got < 4 &&
+           get_8byte_array(args[got + 1], &views[got], names[got], 1, got != 2, got == 2) == 0) {
+        got++;
     }
     PyObject *result = NULL;
-    if (got == 5 && !PyErr_Occurred()) {
-        Py_buffer *source = &views[0];
-        const int64_t *starts = views[1].buf;
-        const int64_t *counts = views[2].buf;
-        int64_t *out = views[3].buf;
-        const int64_t *destinations = views[4].buf;
-        Py_ssize_t runs = views[1].len / 8;
-        int64_t source_length = source->len / source->itemsize;
-        int64_t out_length = views[3].len / 8;
-        const char *format = source->format == NULL ? "B" : source->format;
+    if (got == 4) {
+        const int64_t *starts = views[0].buf;
+        const int64_t *counts = views[1].buf;
+        int64_t *out = views[2].buf;
+        const int64_t *destinations = views[3].buf;
+        Py_ssize_t runs = views[0].len / 8;
+        int64_t source_length = source.len / source.itemsize;
+        int64_t out_length = views[2].len / 8;
+        const char *format = source.format == NULL ? "B" : source.format;
         char code = format[0] == '<' || format[0] == '=' ? format[1] : format[0];
-        int ok = views[2].len / 8 == runs && views[4].len / 8 == runs;
+        int ok = views[1].len / 8 == runs && views[3].len / 8 == runs;
         for (Py_ssize_t i = 0; ok && i < runs; i++) {
             ok = counts[i] >= 0 && starts[i] >= 0 && destinations[i] >= 0 &&
                  starts[i] <= source_length - counts[i] &&
@@ -203,8 +197,8 @@ static PyObject *gather_tokens(PyObject *module, PyObject *const *args, Py_ssize
             PyErr_SetString(PyExc_ValueError, "gather_tokens: expected runs inside tokens and "
                             "out, and arrays of one length");
         } else if (strchr("bBhHiIlLqQfd", code) == NULL ||
-                   (source->itemsize != 1 && source->itemsize != 2 && source->itemsize != 4 &&
-                    source->itemsize != 8)) {
+                   (source.itemsize != 1 && source.itemsize != 2 && source.itemsize != 4 &&
+                    source.itemsize != 8)) {
             PyErr_Format(PyExc_TypeError, "gather_tokens: unsupported token format '%s'", format);
         } else {
             Py_BEGIN_ALLOW_THREADS
@@ -219,7 +213,7 @@ static PyObject *gather_tokens(PyObject *module, PyObject *const *args, Py_ssize
                 case 'd': GATHER_RUN(double); break;
                 case 'I': GATHER_RUN(uint32_t); break;
                 default:
-                    if (source->itemsize == 4) {
+                    if (source.itemsize == 4) {
                         GATHER_RUN(int32_t);
                     } else if (code == 'L' || code == 'Q') {
                         GATHER_RUN(uint64_t);
@@ -236,6 +230,7 @@ static PyObject *gather_tokens(PyObject *module, PyObject *const *args, Py_ssize
     for (int j = 0; j < got; j++) {
         PyBuffer_Release(&views[j]);
     }
+    PyBuffer_Release(&source);
     return result;
 }
 
