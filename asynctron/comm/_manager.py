@@ -97,8 +97,7 @@ class _Slot:
     """One parameter's place and per-step state."""
 
     __slots__ = ("bucket", "contributed", "guard", "handed_out", "name", "param", "ready",
-                 "same_dtype",
-                 "used", "view")
+                 "same_dtype", "used", "view")
 
     def __init__(self, param: torch.nn.Parameter, name: str, bucket: int,
                  view: torch.Tensor) -> None:
@@ -112,6 +111,11 @@ class _Slot:
         self.contributed = False  # the view holds this window's gradient (fp32-buffer case)
         self.handed_out: weakref.ref[torch.Tensor] | None = None  # the synchronized .grad
         self.guard: RemovableHandle | None = None  # the pre-hook, while a gradient may not come
+
+    def drop_guard(self) -> None:
+        if self.guard is not None:
+            self.guard.remove()
+            self.guard = None
 
 
 class BucketManager:
@@ -390,9 +394,7 @@ class BucketManager:
             for slot in self._slots:
                 slot.handed_out = None
                 slot.used = slot.contributed = False
-                if slot.guard is not None:
-                    slot.guard.remove()
-                    slot.guard = None
+                slot.drop_guard()
                 if set_to_none:
                     slot.param.grad = None
                 elif slot.same_dtype:
@@ -435,9 +437,7 @@ class BucketManager:
             hook.remove()
         self._hooks.clear()
         for slot in self._slots:
-            if slot.guard is not None:
-                slot.guard.remove()
-                slot.guard = None
+            slot.drop_guard()
 
     def __repr__(self) -> str:
         nbytes = sum(bucket.nbytes for bucket in self.buckets)

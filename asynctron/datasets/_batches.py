@@ -69,8 +69,7 @@ class BatchLayout:
         sample dict; each keeps `slab`'s buffer alive. Made through numpy views: a torch op
         (`view`, `reshape`) gives up the GIL, which a busy trainer thread then holds for up to
         a switch interval."""
-        out = {f.key: torch.from_numpy(slab[f.offset:f.offset + f.nbytes].view(f.dtype)
-                                       .reshape(f.shape)) for f in self.fields}
+        out = {key: torch.from_numpy(array) for key, array in self.arrays(slab).items()}
         if self.shared_mask is not None:
             out["attention_mask"] = self.shared_mask
         return {key: out[key] for key in self.keys}

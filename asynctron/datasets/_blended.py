@@ -125,10 +125,12 @@ class BlendedDataset(torch.utils.data.Dataset):
         rows = np.asarray(ids, np.int64)
         owners = self.dataset_index[rows]
         inner = self.dataset_sample_index[rows]
-        return BlendedRuns(owners, [
-            (self.datasets[d], np.flatnonzero(owners == d),
-             self.datasets[d].locate_batch(inner[owners == d].tolist()))
-            for d in np.unique(owners).tolist()])
+        parts = []
+        for d in np.unique(owners).tolist():
+            mine = owners == d
+            parts.append((self.datasets[d], np.flatnonzero(mine),
+                          self.datasets[d].locate_batch(inner[mine].tolist())))
+        return BlendedRuns(owners, parts)
 
     def token_ranges(self, located: BlendedRuns) -> tuple[np.ndarray, np.ndarray]:
         """`(addresses, nbytes)` of the mapped `.bin` bytes that `located` reads."""

@@ -31,6 +31,7 @@ from asynctron.datasets._splits import Split
 #: shuffled on its own (megatron-core's `threshold = 0.80`).
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
+
 @dataclass(frozen=True, slots=True)
 class TokenRuns:
     """The token runs of located samples: run `i` is `counts[i]` tokens from token

@@ -208,8 +208,7 @@ class AsyncLoader:
             try:
                 await self._workers.start(self._run_blocking)
             except BaseException:
-                self._closed = True
-                await uncancellable(asyncio.ensure_future(self._workers.aclose()))
+                await self.aclose()
                 raise
         self._entered = True
         return self

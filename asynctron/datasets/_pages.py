@@ -49,10 +49,6 @@ def page_ranges_of(starts: np.ndarray, nbytes: np.ndarray) -> list[Range]:
     return list(zip(begins[first].tolist(), (ends[last] - begins[first]).tolist(), strict=True))
 
 
-def total_bytes(ranges: Sequence[Range]) -> int:
-    return sum(nbytes for _, nbytes in ranges)
-
-
 def _advise_each(ranges: Sequence[Range], advice: int, what: str) -> None:
     for address, nbytes in ranges:
         if _madvise(address, nbytes, advice) != 0:
@@ -68,17 +64,17 @@ class _ProcessMadvise:
     def __init__(self) -> None:
         self._pid = -1
         self._pidfd = -1
-        self.usable = {MADV_WILLNEED: True}
+        self.usable = True
 
     def __call__(self, ranges: Sequence[Range], advice: int) -> bool:
         """True when every range was advised; False when the kernel refused the call."""
-        if not self.usable[advice]:
+        if not self.usable:
             return False
         if self._pid != os.getpid():  # first call, or a forked child
             try:
                 self._pidfd, self._pid = os.pidfd_open(os.getpid()), os.getpid()
             except OSError:
-                self.usable = dict.fromkeys(self.usable, False)
+                self.usable = False
                 return False
         for start in range(0, len(ranges), _IOV_MAX):
             chunk = ranges[start:start + _IOV_MAX]
@@ -89,7 +85,7 @@ class _ProcessMadvise:
             if done != wanted:
                 code = ctypes.get_errno()
                 if done < 0 and code not in (errno.EINTR, errno.EAGAIN):
-                    self.usable[advice] = False
+                    self.usable = False
                 return False
         return True
 
@@ -102,8 +98,8 @@ _process_madvise = _ProcessMadvise()
 
 
 def advise_willneed(ranges: Sequence[Range]) -> None:
-    """Start reading `ranges` into the page cache (WILLNEED); returns without waiting.
-    Blocking call: run it through `RunBlocking`."""
+    """Start reading `ranges` into the page cache (WILLNEED); returns without waiting for
+    the reads (the syscall itself may block briefly: not for the loop thread)."""
     if ranges and not _process_madvise(ranges, MADV_WILLNEED):
         _advise_each(ranges, MADV_WILLNEED, "WILLNEED")
 

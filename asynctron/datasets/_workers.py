@@ -61,14 +61,11 @@ EXIT_TIMEOUT_S = 5.0
 
 def _serve(index: int, num_workers: int, dataset: Any, layout: BatchLayout,
            slab_file: SlabFile, control_words: Any, semaphore: Any, done: Any,
-           niceness: int, cpus: frozenset[int] | None, parent: int, micro_batch_size: int,
-           samples_per_step: int) -> None:
+           niceness: int, parent: int, micro_batch_size: int, samples_per_step: int) -> None:
     """A worker's life: wait for a batch, advise the coming ones, write it, report."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the loader's process stops us
     with contextlib.suppress(OSError):  # below the inherited level needs privilege: keep it
         os.setpriority(os.PRIO_PROCESS, 0, niceness)
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)
     torch.set_num_threads(1)
     memory = slab_file.map()
     control = np.frombuffer(control_words, np.int64)
@@ -154,9 +151,10 @@ class BatchWorkers:
         self._processes = [context.Process(
             target=_serve, name=f"asynctron-loader-{i}", daemon=True,
             args=(i, num_workers, dataset, layout, slabs.file, self._control_words,
-                  self._semaphores[i], writer, niceness, cpus, os.getpid(), micro_batch_size,
+                  self._semaphores[i], writer, niceness, os.getpid(), micro_batch_size,
                   samples_per_step)) for i in range(num_workers)]
         self._writer = writer
+        self._cpus = cpus
         self._waiting: dict[int, tuple[asyncio.Future[dict[str, torch.Tensor]], int]] = {}
         self._borrowed: set[int] = set()
         self._horizon = -1
@@ -189,6 +187,8 @@ class BatchWorkers:
         try:
             for process in self._processes:
                 process.start()
+                if self._cpus is not None:  # in force before `start` returns
+                    os.sched_setaffinity(process.pid, self._cpus)
         except BaseException as error:
             loop.call_soon_threadsafe(_settle, started, error)
         else:

@@ -18,7 +18,6 @@ def test_page_ranges_align_and_merge() -> None:
     starts = np.array([10, p - 1, 5 * p, 3 * p + 7])
     assert _pages.page_ranges_of(starts, np.array([5, 2, 0, p])) == [(0, 2 * p), (3 * p, 2 * p)]
     assert _pages.page_ranges_of(np.zeros(0, np.int64), np.zeros(0, np.int64)) == []
-    assert _pages.total_bytes([(0, p), (4 * p, 2 * p)]) == 3 * p
 
 
 def test_willneed_reads_evicted_pages_in(tmp_path) -> None:
