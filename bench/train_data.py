@@ -37,15 +37,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from typing import Any
 
 import numpy as np
 import torch
 
+from asynctron.datasets import GPTDataset, IndexedDataset, Split
 from bench import _results
 from bench._rounds import round_order
 from bench._trainers import TrainerThread
+from bench.data_throughput import _configs, _megatron, write_corpus
 
 MiB = 1 << 20
 METHODS = ("asynctron AsyncLoader", "DataLoader (2 workers)", "DataLoader (4 workers)",
@@ -54,39 +55,18 @@ TRAINERS = ("idle", "python", "python-bound", "torch")
 CACHES = ("cold", "warm")
 
 
-class _Tok:
-    eod = 0
-    pad = 65535
-    vocab_size = 50_000
-    unique_identifiers = {"class": "bench"}  # noqa: RUF012
-
-
 def _datasets(prefix: str, cache: str, length: int, which: str) -> Any:
     """The GPT dataset for `which` ("asynctron" or "megatron"; megatron falls back to
-    asynctron's classes where megatron-core does not import)."""
-    if which == "megatron":
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                from megatron.core.datasets import gpt_dataset, indexed_dataset
-                from megatron.core.datasets.utils import Split as MegatronSplit
-        except Exception:  # ImportError, or a broken helpers build
-            which = "asynctron"
-        else:
-            config = gpt_dataset.GPTDatasetConfig(
-                random_seed=1234, sequence_length=length, tokenizer=_Tok(),
-                path_to_cache=f"{cache}/megatron", reset_position_ids=False,
-                reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False)
-            low = indexed_dataset.IndexedDataset(prefix)
-            return gpt_dataset.GPTDataset(low, prefix, np.arange(len(low), dtype=np.int32),
-                                          None, MegatronSplit.train, config)
-    from asynctron.datasets import GPTDataset, GPTDatasetConfig, IndexedDataset, Split
-
-    config = GPTDatasetConfig(random_seed=1234, sequence_length=length, tokenizer=_Tok(),
-                              path_to_cache=f"{cache}/asynctron", create_attention_mask=False)
+    asynctron's classes where megatron-core does not import), configured as `bench data`'s."""
+    megatron = _megatron()[0] if which == "megatron" else None
+    ours_config, theirs_config = _configs(megatron, cache, length, False)
+    if megatron is not None:
+        low = megatron["indexed"].IndexedDataset(prefix)
+        return megatron["gpt"].GPTDataset(low, prefix, np.arange(len(low), dtype=np.int32),
+                                          None, megatron["Split"].train, theirs_config)
     low = IndexedDataset(prefix)
     return GPTDataset(low, prefix, np.arange(len(low), dtype=np.int32), None, Split.train,
-                      config)
+                      ours_config)
 
 
 # one run, in a fresh process ------------------------------------------------------------------
@@ -283,8 +263,6 @@ def _median(values: list[float]) -> float:
 
 
 def run_all(args: argparse.Namespace, work: str) -> dict[str, Any]:
-    from bench.data_throughput import write_corpus
-
     write_corpus(f"{work}/corpus", args.corpus_mib * MiB // 2, seed=1)
     for which in ("asynctron", "megatron"):  # the index caches, built once
         _datasets(f"{work}/corpus", f"{work}/cache", args.sequence_length, which)
