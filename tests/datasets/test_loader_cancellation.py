@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
+from typing import Any
 
 import pytest
 import torch
 
 from asynctron import Engine
-from asynctron.datasets import AsyncLoader
+from asynctron.datasets import AsyncLoader, GPTDataset
 from asynctron.engine import ByteBudget
 from asynctron.errors import ClosedError
 
@@ -33,10 +35,22 @@ async def _cancel_a_waiting_next(loader: AsyncLoader) -> None:
     assert loader.consumed_samples == 0
 
 
+class _SlowToLocate(GPTDataset):
+    """Takes its time over sample 0 in the worker, so that the first `__anext__` is surely
+    still waiting when it is cancelled."""
+
+    def locate_batch(self, ids: Any) -> Any:
+        if 0 in list(ids):
+            time.sleep(0.2)
+        return super().locate_batch(ids)
+
+
 async def test_a_cancelled_next_loses_no_batch_from_workers(gpt) -> None:
     """Invariant: the batch a cancelled `__anext__` would have returned comes next."""
+    slow = _SlowToLocate(gpt.dataset, gpt.dataset_path, gpt.indices, gpt.num_samples,
+                         gpt.index_split, gpt.config)
     async with Engine(num_workers=2) as engine, AsyncLoader(
-            gpt, micro_batch_size=2, run_blocking=engine.run_blocking, prefetch_budget=1 << 20,
+            slow, micro_batch_size=2, run_blocking=engine.run_blocking, prefetch_budget=1 << 20,
             num_ready_batches=1) as loader:
         await _cancel_a_waiting_next(loader)
         first = await loader.__anext__()
