@@ -125,8 +125,9 @@ async def train(config: DemoConfig, rank: int, samples: Any, name: str, *, stop_
     losses: list[float] = []
     blocked_s = data_wait_s = longest_step_s = 0.0
     first_step = 1
-    async with Engine(keep_last=config.keep_last, memory_budget_bytes=256 * MiB,
-                      slab_bytes=16 * MiB) as engine:
+    # One job name for the first run and the resumed one: `keep_last` prunes across both.
+    async with Engine(keep_last=config.keep_last, job="asynctron-demo",
+                      memory_budget_bytes=256 * MiB, slab_bytes=16 * MiB) as engine:
         loader = AsyncLoader(samples, micro_batch_size=config.micro_batch_size,
                              run_blocking=engine.run_blocking, prefetch_budget=16 * MiB,
                              num_ready_batches=2, data_parallel_rank=rank,

@@ -35,9 +35,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from asynctron._concurrency import RunBlocking
 from asynctron.errors import AsynctronError, PeerError, StorageError
-from asynctron.storage import _commit, _sysio
+from asynctron.storage import _commit, _retention, _sysio
 from asynctron.storage._checksum import digest
+from asynctron.storage._locks import DirLock
 from asynctron.storage._manifest import ItemRecord
+from asynctron.storage._retention import Retention
 
 logger = logging.getLogger(__name__)
 
@@ -158,26 +160,36 @@ Publish = Callable[[Sequence[WriteReport], Metadata | None], Any]
 commits: `{name: bytes}` (`manifest.json`, or DCP's `.metadata`)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """What followed a commit: the checkpoints pruned, and the problems that did not undo
+    it (`latest` not moved, pruning failed)."""
+
+    pruned: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+
 class Committer:
     """Publishes checkpoints: one commit per root at a time; `latest` only ever moves forward.
     Used on the coordinator."""
 
-    def __init__(self, run_blocking: RunBlocking, keep_last: int | None) -> None:
+    def __init__(self, run_blocking: RunBlocking, retention: Retention | None) -> None:
         self._run_blocking = run_blocking
-        self._keep_last = keep_last
+        self._retention = retention
         self._locks: dict[str, asyncio.Lock] = {}
         self._newest: dict[str, int] = {}
 
     async def commit(self, tmp_dir: str, final_path: str,
-                     files: Callable[[], Mapping[str, bytes]], seq: int) -> tuple[str, ...]:
+                     files: Callable[[], Mapping[str, bytes]], seq: int) -> Committed:
         """Write `files()` (the checkpoint's metadata) into `tmp_dir` and publish it as
         `final_path`: the rename is the commit. Then point `latest` at it unless a newer save
-        (higher `seq`) already committed, and prune beyond `keep_last`. All in one executor
-        call (a loop turn is a step of an async trainer that holds the loop).
+        (higher `seq`) already committed, prune this job's checkpoints beyond `keep_last`, and
+        remove the debris of dead saves. All in one executor call (a loop turn is a step of an
+        async trainer that holds the loop).
 
         Returns:
-            the problems after the commit (moving `latest`, pruning): logged, not raised, since
-            the checkpoint is committed.
+            what was pruned, and the problems after the commit (logged, not raised: the
+            checkpoint is committed).
 
         Raises:
             FileExistsError: `final_path` exists (the tmp dir is left for the caller).
@@ -186,37 +198,45 @@ class Committer:
         root = os.path.dirname(final_path)
         lock = self._locks.setdefault(root, asyncio.Lock())
         async with lock:
-            moved, warnings = await self._run_blocking(
+            moved, committed = await self._run_blocking(
                 _publish, tmp_dir, final_path, files, seq > self._newest.get(root, -1),
-                self._keep_last)
+                self._retention, seq)
             if moved:
                 self._newest[root] = seq
-        for warning in warnings:
+        for warning in committed.warnings:
             logger.warning("%s", warning)
-        return warnings
+        return committed
 
 
 def _publish(tmp_dir: str, final_path: str, files: Callable[[], Mapping[str, bytes]],
-             move_latest: bool, keep_last: int | None) -> tuple[bool, tuple[str, ...]]:
-    """Blocks: commit, then move `latest` and prune. Returns whether `latest` moved, and the
-    problems after the commit."""
-    _commit.commit_dir(tmp_dir, final_path, files())
+             move_latest: bool, retention: Retention | None, seq: int
+             ) -> tuple[bool, Committed]:
+    """Blocks: under the root's exclusive lock, commit, move `latest`, prune and find the
+    debris; then delete what was pruned and the debris. Returns whether `latest` moved, and
+    what followed the commit."""
     warnings = []
     moved = False
-    if move_latest:
+    removal = _retention.Removal()
+    with DirLock.take(os.path.realpath(os.path.dirname(final_path)), exclusive=True) as root:
+        _commit.seal_dir(tmp_dir, files())
+        if retention is not None:
+            _retention.record_commit(root.path, tmp_dir, os.path.basename(final_path),
+                                     retention, seq)
+        _commit.publish_dir(tmp_dir, final_path)
+        if move_latest:
+            try:
+                _commit.point_latest(final_path)
+                moved = True
+            except AsynctronError as error:
+                warnings.append(f"checkpoint {final_path} is committed, but `latest` was not "
+                                f"moved to it: {error}")
         try:
-            _commit.point_latest(final_path)
-            moved = True
-        except AsynctronError as error:
-            warnings.append(f"checkpoint {final_path} is committed, but `latest` was not moved "
-                            f"to it: {error}")
-    if keep_last is not None:
-        try:
-            _commit.prune_checkpoints(os.path.dirname(final_path), keep_last)
+            removal = _retention.retire(root, retention)
         except AsynctronError as error:
             warnings.append(f"checkpoint {final_path} is committed, but pruning older ones "
-                            f"failed: {error}")
-    return moved, tuple(warnings)
+                            f"and removing debris failed: {error}")
+    warnings.extend(removal.run())
+    return moved, Committed(tuple(removal.pruned), tuple(warnings))
 
 
 class Coordinator:
@@ -235,6 +255,8 @@ class Coordinator:
         self._committer = committer
         self._planning_turns = _Turns()
         self._finishing_turns = _Turns()
+        self._tmp_dirs: dict[str, DirLock] = {}
+        """The tmp dirs this coordinator made, locked until committed or removed."""
 
     @property
     def rank(self) -> int:
@@ -280,7 +302,8 @@ class Coordinator:
         if self.is_coordinator:
             tmp_dir = _commit.tmp_dir_for(path)
             try:
-                await self._run_blocking(prepare_tmp_dir, path, tmp_dir)
+                self._tmp_dirs[tmp_dir] = await self._run_blocking(prepare_tmp_dir, path,
+                                                                   tmp_dir)
                 entry["tmp_dir"] = tmp_dir
             except Exception as error:  # every rank must reach the all-gather
                 coordinator_error = error
@@ -340,13 +363,13 @@ class Coordinator:
         return share, metadata
 
     async def finish(self, report: WriteReport, *, path: str, tmp_dir: str, seq: int,
-                     publish: Publish, metadata: Metadata | None) -> tuple[str, ...]:
+                     publish: Publish, metadata: Metadata | None) -> Committed:
         """Gather every rank's report; the coordinator commits if all succeeded (else removes
         the tmp dir); every rank learns the outcome.
 
         Returns:
-            problems after the commit that did not undo it (moving `latest`, pruning), also
-            logged on the coordinator.
+            what was pruned after the commit, and the problems that did not undo it (moving
+            `latest`, pruning), also logged on the coordinator.
 
         Raises:
             PeerError: another rank failed, or the coordinator could not commit.
@@ -356,23 +379,27 @@ class Coordinator:
         done), then the cancellation is raised.
         """
         reports = await self.finishing.gather_object(report, dst=0)
-        outcome: _Outcome = _Outcome(None, ())
+        outcome = _Outcome(None, Committed())
         commit_error: Exception | None = None
         if self.is_coordinator:
             assert reports is not None
             failed = [r for r in reports if r.error is not None]
-            if failed:
-                outcome = _Outcome(_Failure(failed[0].rank, failed[0].error or ""), ())
-            else:
-                try:
-                    warnings = await self._committer.commit(
-                        tmp_dir, path, functools.partial(publish, reports, metadata), seq)
-                    outcome = _Outcome(None, warnings)
-                except Exception as error:  # every rank must reach the broadcast
-                    commit_error = error
-                    outcome = _Outcome(_Failure(0, describe(error)), ())
-            if outcome.failure is not None:
-                await self._run_blocking(_remove_quietly, tmp_dir)
+            try:
+                if failed:
+                    outcome = _Outcome(_Failure(failed[0].rank, failed[0].error or ""),
+                                       Committed())
+                else:
+                    try:
+                        committed = await self._committer.commit(
+                            tmp_dir, path, functools.partial(publish, reports, metadata), seq)
+                        outcome = _Outcome(None, committed)
+                    except Exception as error:  # every rank must reach the broadcast
+                        commit_error = error
+                        outcome = _Outcome(_Failure(0, describe(error)), Committed())
+                if outcome.failure is not None:
+                    await self._run_blocking(_remove_quietly, tmp_dir)
+            finally:
+                self._tmp_dirs.pop(tmp_dir).release()
         outcome = await self.finishing.broadcast_object(outcome, src=0)
         if commit_error is not None:
             raise commit_error
@@ -381,7 +408,7 @@ class Coordinator:
             raise PeerError(f"checkpoint {path}: expected every rank to write its share, found "
                             f"rank {failure.rank} failing: {failure.what}; nothing was "
                             "committed", rank=failure.rank)
-        return outcome.warnings
+        return outcome.committed
 
 
 @dataclass(frozen=True, slots=True)
@@ -389,7 +416,7 @@ class _Outcome:
     """What the coordinator tells every rank at the end of a save."""
 
     failure: _Failure | None
-    warnings: tuple[str, ...]
+    committed: Committed
 
 
 def _remove_quietly(path: str) -> None:
@@ -412,10 +439,10 @@ def _global_key(digests: Sequence[str]) -> str:
     return digest(memoryview("|".join(digests).encode())) + f"/{len(digests)}"
 
 
-def prepare_tmp_dir(final_path: str, tmp_dir: str) -> None:
-    """Blocks: refuse an existing target, then create the tmp dir beside it."""
-    if _sysio.exists(final_path):
-        raise FileExistsError(
-            f"checkpoint {final_path}: expected a new path, found an existing one; "
-            "save to a new path (e.g. one per step) or remove it first")
-    _sysio.make_dir(tmp_dir)
+def prepare_tmp_dir(final_path: str, tmp_dir: str) -> DirLock:
+    """Blocks: refuse an existing target, then create the tmp dir beside it (and its parents);
+    returns the lock that marks the tmp dir live (release it once committed or removed)."""
+    root = os.path.dirname(final_path)
+    with _sysio.translate_os_errors("creating directory", root):
+        os.makedirs(root, exist_ok=True)
+    return _retention.make_tmp_dir(os.path.realpath(root), final_path, tmp_dir)

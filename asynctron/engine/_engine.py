@@ -11,6 +11,7 @@ import concurrent.futures
 import functools
 import logging
 import os
+import secrets
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -35,6 +36,7 @@ from asynctron.errors import BusyError, ClosedError, PeerError
 from asynctron.storage._checksum import ALGORITHMS, XXH3_64
 from asynctron.storage._layout import ALIGN_BYTES
 from asynctron.storage._reader import CheckpointReader
+from asynctron.storage._retention import Retention, lease_checkpoint
 from asynctron.storage._sysio import FileIO, LocalFileIO
 
 T = TypeVar("T")
@@ -56,7 +58,13 @@ class EngineConfig:
     slab_bytes: int = 64 * MiB
     """Size of one staging slab = one write call = one read call."""
     keep_last: int | None = None
-    """Keep this many newest checkpoints beside each saved one (None: keep all)."""
+    """After each commit, delete this job's checkpoints in the same directory beyond the
+    newest `keep_last` (None: keep all). Only checkpoints this job committed are candidates,
+    never what `latest` names nor one being loaded (see `job`)."""
+    job: str | None = None
+    """The name of the training job, the same across its restarts, for `keep_last`: pruning
+    also takes the checkpoints committed under this name before a restart (or by another
+    engine of the job). None: only this engine's own commits."""
     pin_memory: bool | None = None
     """Pin staging slabs (page-locked, for fast D2H/H2D); None: when CUDA is available."""
     direct_io: bool = True
@@ -103,6 +111,10 @@ class EngineConfig:
                                            or self.keep_last < 1):
             raise ValueError(f"keep_last: expected None or an int >= 1, found "
                              f"{self.keep_last!r}")
+        if self.job is not None and not (isinstance(self.job, str) and 0 < len(self.job) <= 256
+                                         and self.job.isprintable()):
+            raise ValueError(f"job: expected None or a printable name of 1 to 256 characters, "
+                             f"found {self.job!r}")
 
 
 class Engine:
@@ -184,9 +196,16 @@ class Engine:
             executor.shutdown(wait=False)
             raise
         self._coordinator = Coordinator(planning, finishing, self.run_blocking,
-                                        Committer(self.run_blocking, self.config.keep_last))
+                                        Committer(self.run_blocking, self._retention()))
         logger.debug("engine started: %s, rank %d of %d", self.config,
                      self._coordinator.rank, self._coordinator.world_size)
+
+    def _retention(self) -> Retention | None:
+        if self.config.keep_last is None:
+            return None
+        engine = secrets.token_hex(8)
+        return Retention(job=self.config.job or f"engine-{engine}", engine=engine,
+                         keep_last=self.config.keep_last)
 
     async def _collectives(self) -> tuple[Collectives, Collectives]:
         """The save protocol's two groups (planning, finishing): gloo groups across ranks."""
@@ -419,16 +438,21 @@ class Engine:
             ValueError: `into` does not match the checkpoint (naming the key).
 
         Cancellation: reads in flight finish; `into` tensors may be partly filled.
+        Concurrency: no `keep_last` pruning (of any process) deletes the checkpoint while it
+        loads; `mmap` tensors stay valid after a later pruning (the maps keep the files).
         Memory: fresh tensors as saved; CUDA/strided `into` targets stage through slabs.
         """
         self._check_open()
         if mmap and into is not None:
             raise ValueError("load: mmap=True and into= are exclusive; choose one")
-        reader = CheckpointReader(self._fio, os.fspath(path), self.run_blocking,
-                                  max_files_at_once=self.config.num_workers)
         self._num_loads += 1
         self._loads_done.clear()
+        lease = None
+        reader = None
         try:
+            checkpoint, lease = await self.run_blocking(lease_checkpoint, os.fspath(path))
+            reader = CheckpointReader(self._fio, checkpoint, self.run_blocking,
+                                      max_files_at_once=self.config.num_workers)
             manifest = await reader.open()
             loader = Loader(reader, manifest, pool=self._pool, copy_streams=self._copy_streams,
                             run_blocking=self.run_blocking, call_nbytes=self.config.slab_bytes,
@@ -440,8 +464,11 @@ class Engine:
             return await loader.fresh()
         finally:
             try:
-                await reader.aclose()
+                if reader is not None:
+                    await reader.aclose()
             finally:
+                if lease is not None:
+                    lease.release()
                 self._num_loads -= 1
                 if not self._num_loads:
                     self._loads_done.set()

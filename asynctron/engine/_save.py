@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItem
 
 from asynctron._concurrency import RunBlocking, uncancellable
-from asynctron.engine._coordinator import Coordinator, Start, WriteReport, describe
+from asynctron.engine._coordinator import Committed, Coordinator, Start, WriteReport, describe
 from asynctron.engine._pipeline import stage_and_write
 from asynctron.engine._plan_cache import FilePlan, PlanCache
 from asynctron.engine._save_plan import (
@@ -185,7 +185,7 @@ class SaveJob:
         assert planned.start is not None
         report = await self._write_phase(planned)
         t_written = time.perf_counter()
-        warnings = await self._finish_phase(planned, report)
+        committed = await self._finish_phase(planned, report)
         request = planned.request
         assert request is not None
         t_done = time.perf_counter()
@@ -199,7 +199,8 @@ class SaveJob:
             write_s=t_written - self._t_request,
             commit_s=t_done - t_written,
             total_s=t_done - self._t_request,
-            warnings=warnings,
+            pruned=committed.pruned,
+            warnings=committed.warnings,
         )
 
     # phase 1 ------------------------------------------------------------------------------
@@ -313,13 +314,13 @@ class SaveJob:
 
     # phase 3 ------------------------------------------------------------------------------
 
-    async def _finish_phase(self, planned: _Planned, report: WriteReport) -> tuple[str, ...]:
+    async def _finish_phase(self, planned: _Planned, report: WriteReport) -> Committed:
         """Every rank's reports to the coordinator, which commits if all succeeded; raise this
         rank's own error, else the protocol's."""
         assert planned.start is not None
         async with self._coordinator.finishing_turn(self.seq):
             try:
-                warnings = await self._coordinator.finish(
+                committed = await self._coordinator.finish(
                     report, path=self.path, tmp_dir=planned.start.tmp_dir, seq=self.seq,
                     publish=self._publish, metadata=planned.metadata)
             except BaseException:
@@ -327,7 +328,7 @@ class SaveJob:
                     raise
         if planned.error is not None:
             raise planned.error
-        return warnings
+        return committed
 
     def _publish(self, reports: Sequence[WriteReport], metadata: Metadata | None
                  ) -> dict[str, bytes]:

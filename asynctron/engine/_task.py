@@ -85,6 +85,8 @@ class SaveResult:
     """Manifest, directory fsyncs, rename and `latest` update."""
     total_s: float
     """From the request until committed."""
+    pruned: tuple[str, ...] = ()
+    """Checkpoints deleted after the commit: this job's beyond `keep_last` (also logged)."""
     warnings: tuple[str, ...] = ()
     """Problems after the commit that did not undo it: `latest` not moved, older checkpoints
     not pruned (also logged)."""

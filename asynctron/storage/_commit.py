@@ -2,12 +2,11 @@
 
 Stages (all blocking; run on the engine's executor):
 1. the writers fsync every data file in the tmp dir `.<name>.tmp-<host>-<pid>-<token>`;
-2. `commit_dir`: write + fsync `manifest.json`, fsync the tmp dir, rename it to `<name>`
-   (never over an existing path), fsync the parent;
-3. `point_latest`: replace `<parent>/latest` atomically with the new name;
-4. `prune_checkpoints`: delete the oldest (by request time) committed checkpoints beyond
-   `keep_last`, never the one `latest` names.
-A crash before the rename leaves only a tmp dir, which no reader takes for a checkpoint.
+2. `seal_dir`: write + fsync `manifest.json`, fsync the tmp dir; `publish_dir`: rename it
+   to `<name>` (never over an existing path), fsync the parent;
+3. `point_latest`: replace `<parent>/latest` atomically with the new name.
+A crash before the rename leaves only a tmp dir, which no reader takes for a checkpoint (and
+the next commit removes, see `_retention`).
 """
 
 from __future__ import annotations
@@ -18,39 +17,48 @@ import secrets
 import socket
 from collections.abc import Mapping
 
-from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from asynctron.errors import CheckpointNotFoundError, StorageError
 from asynctron.storage import _sysio
 from asynctron.storage._dcp import METADATA_NAME as DCP_METADATA_NAME
 from asynctron.storage._dcp import is_dcp_checkpoint
-from asynctron.storage._manifest import MANIFEST_NAME, MAX_MANIFEST_BYTES, parse_manifest
+from asynctron.storage._manifest import MANIFEST_NAME
 
 LATEST_NAME = "latest"
-_TMP_MARK = ".tmp-"
+TMP_MARK = ".tmp-"
 
 
 def tmp_dir_for(final_path: str) -> str:
     """A fresh tmp dir name beside `final_path`, unique per host, process and call."""
     parent, name = os.path.split(os.path.abspath(final_path))
     host = socket.gethostname().replace("-", "_")
-    return os.path.join(parent, f".{name}{_TMP_MARK}{host}-{os.getpid()}-{secrets.token_hex(4)}")
+    return os.path.join(parent, f".{name}{TMP_MARK}{host}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
 def is_tmp_dir_name(name: str) -> bool:
-    return name.startswith(".") and _TMP_MARK in name
+    return name.startswith(".") and TMP_MARK in name
 
 
-def commit_dir(tmp_dir: str, final_path: str, files: Mapping[str, bytes]) -> None:
-    """Publish `tmp_dir` as the checkpoint `final_path` (data files already fsynced), after
-    writing `files` (its manifest) into it.
+def staging_path(path: str) -> str:
+    """A fresh name beside the small file `path` to write it under before replacing it."""
+    return f"{path}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
 
-    Raises:
-        FileExistsError: `final_path` appeared meanwhile; the tmp dir is left for the caller.
-        StorageError: a write, fsync or the rename failed; `tmp_dir` still holds the save (a
-            rename whose directory fsync failed is undone).
-    """
+
+def seal_dir(tmp_dir: str, files: Mapping[str, bytes]) -> None:
+    """Write `files` (the manifest) into `tmp_dir`, whose data files are already fsynced, and
+    make its entries durable: ready for `publish_dir`."""
     for name, data in files.items():
         _sysio.write_small_file(os.path.join(tmp_dir, name), data)
     _sysio.fsync_dir(tmp_dir)
+
+
+def publish_dir(tmp_dir: str, final_path: str) -> None:
+    """Rename the sealed `tmp_dir` to `final_path`: the commit.
+
+    Raises:
+        FileExistsError: `final_path` appeared meanwhile; the tmp dir is left for the caller.
+        StorageError: the rename failed, or the directory fsync after it (then the rename is
+            undone): `tmp_dir` still holds the save, uncommitted.
+    """
     _sysio.rename_no_replace(tmp_dir, final_path)
     try:
         _sysio.fsync_dir(os.path.dirname(os.path.abspath(final_path)))
@@ -65,7 +73,7 @@ def point_latest(final_path: str) -> None:
     """Atomically make `<parent>/latest` name the checkpoint at `final_path`."""
     parent, name = os.path.split(os.path.abspath(final_path))
     pointer = os.path.join(parent, LATEST_NAME)
-    staging = f"{pointer}{_TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+    staging = staging_path(pointer)
     _sysio.write_small_file(staging, (name + "\n").encode())
     _sysio.replace_file(staging, pointer)
     _sysio.fsync_dir(parent)
@@ -109,35 +117,3 @@ def resolve_checkpoint(path: str) -> str:
         path=path,
     )
 
-
-def prune_checkpoints(root: str, keep_last: int) -> list[str]:
-    """Delete committed checkpoints in `root` beyond the `keep_last` newest; returns them.
-
-    "Newest" is by when each save was requested (the manifest's `created_unix_s`), not when it
-    committed, so a slow older save cannot push out a newer one. Only directories holding an
-    asynctron manifest are candidates; whatever `latest` names is never deleted.
-    """
-    latest = read_latest(root)
-    keep = {os.path.abspath(latest)} if latest is not None else set()
-    committed = []
-    for name in _sysio.list_dir(root):
-        candidate = os.path.abspath(os.path.join(root, name))
-        manifest_path = os.path.join(candidate, MANIFEST_NAME)
-        if is_tmp_dir_name(name) or not _sysio.is_file(manifest_path):
-            continue
-        try:
-            manifest = parse_manifest(_sysio.read_small_file(manifest_path, MAX_MANIFEST_BYTES),
-                                      manifest_path)
-        except CorruptCheckpointError:
-            continue  # not ours to judge, and never ours to delete
-        committed.append((manifest.created_unix_s, name, candidate))
-    committed.sort(reverse=True)
-    doomed = [path for _, _, path in committed[keep_last:] if path not in keep]
-    for path in doomed:
-        # Rename first, so a crash mid-delete never leaves a damaged dir that looks committed.
-        graveyard = tmp_dir_for(path)
-        _sysio.replace_file(path, graveyard)
-        _sysio.remove_tree(graveyard)
-    if doomed:
-        _sysio.fsync_dir(root)
-    return doomed

@@ -65,6 +65,7 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path: object, phase: str
     assert len(leftovers) == 1
     with pytest.raises(CheckpointNotFoundError):
         resolve_checkpoint(f"{root}/{leftovers[0]}")
-    # A later save of the same step succeeds beside the debris.
+    # A later save of the same step succeeds, and its commit removes the dead save's debris.
     asynctron.save(_state(2), f"{root}/step_2")
     assert asynctron.load(root)["step"] == 2
+    assert sorted(os.listdir(root)) == ["latest", "step_1", "step_2"]

@@ -22,9 +22,8 @@ def test_the_commit_rename_refuses_any_existing_target(tmp_path: os.PathLike[str
     else:
         os.symlink("nowhere", final)
     with pytest.raises(FileExistsError):
-        _commit.commit_dir(tmp_dir, final, {"manifest.json": b"{}"})
+        _commit.publish_dir(tmp_dir, final)
     assert os.path.isdir(tmp_dir) and os.path.lexists(final)
-    assert not os.path.exists(os.path.join(final, "manifest.json"))
 
 
 def test_an_empty_directory_appearing_after_any_check_is_not_replaced(

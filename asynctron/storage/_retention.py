@@ -1,0 +1,305 @@
+"""Retention: deleting a job's old checkpoints (`keep_last`) and the debris of dead saves,
+never anything else.
+
+A root directory may hold checkpoints of several jobs, checkpoints saved without `keep_last`,
+and things asynctron never wrote. So an engine with `keep_last` records every checkpoint it
+commits in the root's ledger, `.asynctron-ledger` (a JSON line per checkpoint: its job, its
+name, the engine that committed it and that engine's save number, and the identity of its
+manifest file), and prunes only what the ledger says its job committed:
+
+- order: engines by their first commit (a restart comes after the run it resumed), one
+  engine's saves by request; no clock is read, so a clock that moved back changes nothing;
+- a recorded checkpoint whose manifest is no longer the recorded file (removed, replaced) is
+  dropped from the ledger, never deleted;
+- what `latest` names and any checkpoint being loaded (`lease_checkpoint`) are kept, and
+  pruned by a later commit.
+
+Debris: the save that made a tmp dir holds it locked (`make_tmp_dir`) until it commits or
+removes it, so a tmp dir nobody holds is a dead save's: the next commit in the root removes
+it. Where the filesystem has no `flock`, nothing is called debris.
+
+Commits, `latest` moves and the ledger change only under the root's exclusive lock, so two
+processes pruning one root never act on each other's half-done work; deleting happens after
+the lock is released, from tmp names that nobody reads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from asynctron.errors import CheckpointNotFoundError, StorageError
+from asynctron.storage import _sysio
+from asynctron.storage._commit import (
+    LATEST_NAME,
+    TMP_MARK,
+    is_committed,
+    is_tmp_dir_name,
+    read_latest,
+    resolve_checkpoint,
+    staging_path,
+    tmp_dir_for,
+)
+from asynctron.storage._locks import DirLock
+from asynctron.storage._manifest import MANIFEST_NAME
+
+logger = logging.getLogger(__name__)
+
+LEDGER_NAME = ".asynctron-ledger"
+#: A ledger larger than this is ignored (it holds a line per live checkpoint: ~150 bytes).
+MAX_LEDGER_BYTES = 16 << 20
+#: Files staged only under the root's exclusive lock: any found while holding it are dead.
+_STAGED_FILE_PREFIXES = (LATEST_NAME + TMP_MARK, LEDGER_NAME + TMP_MARK)
+_MAX_LEASE_ATTEMPTS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """An engine's `keep_last`: keep the `keep_last` newest checkpoints of `job`, which
+    `engine` (a token unique to the engine) commits with its save numbers."""
+
+    job: str
+    engine: str
+    keep_last: int
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerEntry:
+    """One committed checkpoint of a job, as the ledger records it."""
+
+    job: str
+    name: str
+    engine: str
+    seq: int
+    manifest: tuple[int, int]
+    """(inode, mtime in ns) of the checkpoint's manifest when it was committed."""
+
+    def to_json(self) -> str:
+        return json.dumps({"job": self.job, "name": self.name, "engine": self.engine,
+                           "seq": self.seq, "manifest": list(self.manifest)},
+                          separators=(",", ":"))
+
+
+@dataclass(slots=True)
+class Removal:
+    """Directories renamed out of the way (pruned checkpoints) or found dead (debris), locked
+    by us; `run()` deletes them, once the root's lock is released."""
+
+    pruned: list[str] = field(default_factory=list)
+    """The checkpoints pruned, by their committed paths."""
+    doomed: list[tuple[str, DirLock]] = field(default_factory=list)
+    """Each directory to delete, and our exclusive lock on it."""
+
+    def run(self) -> list[str]:
+        """Blocks: delete every doomed directory; returns the failures (they stay debris)."""
+        failures = []
+        for path, lock in self.doomed:
+            try:
+                _sysio.remove_tree(path)
+            except StorageError as error:
+                failures.append(f"could not delete {path}: {error}")
+            finally:
+                lock.release()
+        self.doomed.clear()
+        return failures
+
+
+def make_tmp_dir(root: str, final_path: str, tmp_dir: str) -> DirLock:
+    """Blocks: refuse an existing `final_path`, create `tmp_dir` beside it, and return the
+    lock that marks it live until released (under the root's shared lock, so no cleaner
+    sees it unlocked).
+
+    Raises:
+        FileExistsError: `final_path` exists.
+        StorageError: the directory could not be created.
+    """
+    with DirLock.take(root, exclusive=False):
+        if _sysio.exists(final_path):
+            raise FileExistsError(
+                f"checkpoint {final_path}: expected a new path, found an existing one; "
+                "save to a new path (e.g. one per step) or remove it first")
+        _sysio.make_dir(tmp_dir)
+        return DirLock.take(tmp_dir, exclusive=False)
+
+
+def record_commit(root: str, tmp_dir: str, name: str, retention: Retention, seq: int) -> None:
+    """Blocks; call holding the root's exclusive lock, between sealing `tmp_dir` and renaming
+    it to `name` (save `seq`): add it to the ledger. Recorded before the rename, so no crash
+    leaves a commit unrecorded; an entry whose rename never happened names no directory with
+    its manifest, and is dropped by the next pruning."""
+    identity = _manifest_identity(tmp_dir)
+    if identity is None:
+        raise StorageError(f"checkpoint {tmp_dir}: expected its sealed manifest, found none",
+                           path=tmp_dir, errno=None)
+    _write_ledger(root, [*read_ledger(root), LedgerEntry(retention.job, name, retention.engine,
+                                                         seq, identity)])
+
+
+def retire(root: DirLock, retention: Retention | None) -> Removal:
+    """Blocks; call holding `root`, the root's exclusive lock, after a commit. With
+    `retention`, moves this job's checkpoints beyond `keep_last` out of the way; then claims
+    the debris of dead saves. Delete both with the returned `Removal.run()` once the lock is
+    released."""
+    removal = Removal()
+    if retention is not None:
+        _prune(root.path, retention, removal)
+    if root.held:  # else a live save elsewhere may be staging, unseen
+        _claim_debris(root.path, removal)
+    return removal
+
+
+def _prune(root: str, retention: Retention, removal: Removal) -> None:
+    entries = [entry for entry in read_ledger(root)
+               if _manifest_identity(os.path.join(root, entry.name)) == entry.manifest]
+    latest = read_latest(root)
+    keep = os.path.basename(latest) if latest is not None else None
+    mine = _in_commit_order(e for e in entries if e.job == retention.job)
+    doomed = []
+    for entry in mine[:-retention.keep_last]:
+        path = os.path.join(root, entry.name)
+        if entry.name == keep:
+            continue
+        lock = DirLock.try_take(path, exclusive=True)
+        if lock is None:
+            logger.info("checkpoint %s: kept past keep_last=%d while it is being loaded; a "
+                        "later commit prunes it", path, retention.keep_last)
+            continue
+        graveyard = tmp_dir_for(path)
+        _sysio.replace_file(path, graveyard)
+        removal.doomed.append((graveyard, lock))
+        removal.pruned.append(path)
+        doomed.append(entry)
+    _write_ledger(root, [entry for entry in entries if entry not in doomed])
+    for path in removal.pruned:
+        logger.info("checkpoint %s: pruned (job %r keeps its %d newest)", path, retention.job,
+                    retention.keep_last)
+
+
+def _in_commit_order(entries: Iterator[LedgerEntry]) -> list[LedgerEntry]:
+    """Engines in the order of their first entry; one engine's entries by save number."""
+    first: dict[str, int] = {}
+    ordered = list(entries)
+    for position, entry in enumerate(ordered):
+        first.setdefault(entry.engine, position)
+    return sorted(ordered, key=lambda entry: (first[entry.engine], entry.seq))
+
+
+def _claim_debris(root: str, removal: Removal) -> None:
+    """Lock every tmp dir no live save holds (for `removal`), and remove the dead staging
+    files of `latest` and the ledger."""
+    for name in _sysio.list_dir(root):
+        path = os.path.join(root, name)
+        if name.startswith(_STAGED_FILE_PREFIXES):
+            logger.info("removing %s, left by a save that died", path)
+            with _sysio.translate_os_errors("removing", path):
+                os.remove(path)
+            continue
+        if not is_tmp_dir_name(name) or not _is_real_dir(path):
+            continue
+        try:
+            lock = DirLock.try_take(path, exclusive=True)
+        except FileNotFoundError:
+            continue
+        if lock is None:
+            continue  # a live save's
+        if not lock.held:  # no flock here: nothing proves it dead
+            lock.release()
+            continue
+        logger.info("removing %s, left by a save that died", path)
+        removal.doomed.append((path, lock))
+
+
+def read_ledger(root: str) -> list[LedgerEntry]:
+    """Blocks: the ledger's entries, in file order. Lines that are not entries are skipped,
+    with a warning (their checkpoints are then never pruned)."""
+    path = os.path.join(root, LEDGER_NAME)
+    if not _sysio.is_file(path):
+        return []
+    data = _sysio.read_small_file(path, MAX_LEDGER_BYTES)
+    entries = []
+    for number, line in enumerate(data.splitlines(), 1):
+        entry = _parse_entry(line)
+        if entry is None:
+            logger.warning("ledger %s line %d: expected a checkpoint entry, found %r; "
+                           "ignored (that checkpoint is never pruned)", path, number, line[:80])
+        else:
+            entries.append(entry)
+    return entries
+
+
+def _parse_entry(line: bytes) -> LedgerEntry | None:
+    try:
+        raw = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(raw, dict):
+        return None
+    job, name, engine = raw.get("job"), raw.get("name"), raw.get("engine")
+    seq, manifest = raw.get("seq"), raw.get("manifest")
+    if not (isinstance(job, str) and isinstance(engine, str) and isinstance(name, str)
+            and _is_checkpoint_name(name) and _is_int(seq) and isinstance(manifest, list)
+            and len(manifest) == 2 and all(map(_is_int, manifest))):
+        return None
+    return LedgerEntry(job, name, engine, seq, (manifest[0], manifest[1]))
+
+
+def _write_ledger(root: str, entries: Sequence[LedgerEntry]) -> None:
+    """Replace the ledger atomically (a crash leaves the old one or the new one)."""
+    path = os.path.join(root, LEDGER_NAME)
+    staging = staging_path(path)
+    _sysio.write_small_file(staging, "".join(f"{e.to_json()}\n" for e in entries).encode())
+    _sysio.replace_file(staging, path)
+    _sysio.fsync_dir(root)
+
+
+def lease_checkpoint(path: str) -> tuple[str, DirLock]:
+    """Blocks: the committed checkpoint at `path` (or the one `path/latest` names), with its
+    shared lock: no pruning deletes it until the lock is released.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed at `path`, or each checkpoint found was
+            pruned before it could be locked.
+    """
+    for _ in range(_MAX_LEASE_ATTEMPTS):
+        resolved = os.path.realpath(resolve_checkpoint(path))
+        try:
+            lock = DirLock.take(resolved, exclusive=False)
+        except FileNotFoundError:
+            continue  # pruned meanwhile: `latest` names a newer one
+        if lock.names(resolved) and is_committed(resolved):
+            return resolved, lock
+        lock.release()
+    raise CheckpointNotFoundError(
+        f"checkpoint {path}: each checkpoint found was deleted before it could be opened "
+        f"({_MAX_LEASE_ATTEMPTS} times); is another job pruning this directory?", path=path)
+
+
+def _manifest_identity(checkpoint: str) -> tuple[int, int] | None:
+    """(inode, mtime ns) of the manifest of `checkpoint`, if it is a real directory."""
+    if not _is_real_dir(checkpoint):
+        return None
+    try:
+        info = os.stat(os.path.join(checkpoint, MANIFEST_NAME), follow_symlinks=False)
+    except OSError:
+        return None
+    return info.st_ino, info.st_mtime_ns
+
+
+def _is_real_dir(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _is_checkpoint_name(name: str) -> bool:
+    return bool(name) and "/" not in name and "\x00" not in name and name not in (
+        ".", "..", LATEST_NAME, LEDGER_NAME) and not is_tmp_dir_name(name)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
