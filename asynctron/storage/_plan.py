@@ -90,14 +90,19 @@ def flatten(state_dict: Mapping[str, Any], *, values_as_items: bool = False) -> 
     kinds: dict[str, ItemKind] = {}
     arrays: dict[str, tuple[str, np.ndarray]] = {}
     active: set[int] = set()
+    value_paths: set[str] = set()
     emit = parts.append
 
-    def add_item(path: str, kind: ItemKind, value: Any) -> None:
-        if path in values:
+    def claim(path: str) -> None:
+        """Refuse a second leaf at `path`: a load (`into=`, DCP) finds leaves by it."""
+        if path in values or path in value_paths:
             raise ValueError(
-                f"state dict key {path!r}: two different paths flatten to this key; "
-                "rename one (keys are joined with '.')"
+                f"state dict key {path!r}: two different paths flatten to this key (e.g. "
+                "{'a.b': ..., 'a': {'b': ...}}); rename one (keys are joined with '.')"
             )
+
+    def add_item(path: str, kind: ItemKind, value: Any) -> None:
+        claim(path)
         values[path] = value
         kinds[path] = kind
         emit(f'{{"item":{_json_string(path)}}}')
@@ -117,6 +122,8 @@ def flatten(state_dict: Mapping[str, Any], *, values_as_items: bool = False) -> 
         elif isinstance(node, bytes | bytearray | memoryview):
             add_item(path, "bytes", bytes(node))
         elif isinstance(node, _JSON_LEAVES):
+            claim(path)
+            value_paths.add(path)
             emit(f'{{"value":{json.dumps(node)}}}')
         elif id(node) in active:
             raise ValueError(f"state dict at key {path!r}: contains itself; remove the cycle")

@@ -115,6 +115,15 @@ async def test_load_into_rejects_mismatches_by_key(shm_path: str) -> None:
             await engine.load(shm_path + "/c", into={}, mmap=True)
 
 
+async def test_keys_that_alias_once_joined_are_refused_at_save(shm_path: str) -> None:
+    """`{"a.b": 1, "a": {"b": 2}}` would load back into `into=` as 1 and 1: never saved."""
+    async with Engine(**SMALL) as engine:
+        task = engine.save({"a.b": 1, "a": {"b": 2}}, shm_path + "/c")
+        with pytest.raises(ValueError, match=r"^state dict key 'a\.b': two different paths"):
+            await task
+    assert os.listdir(shm_path) == []
+
+
 async def test_mmap_tensors_are_copy_on_write(shm_path: str) -> None:
     async with Engine(**SMALL) as engine:
         await engine.save({"w": torch.zeros(1000)}, shm_path + "/c")

@@ -47,6 +47,12 @@ def test_structure_json_escapes_keys_and_keeps_json_values() -> None:
         ({"bad\x00key": 1}, ValueError, r"contains NUL$"),
         ({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}, ValueError,
          r"^state dict key 'a\.b': two different paths flatten to this key"),
+        # values alias too: `load(into=)` finds them by this key
+        ({"a.b": 1, "a": {"b": 2}}, ValueError,
+         r"^state dict key 'a\.b': two different paths flatten to this key"),
+        ({"a.b": torch.ones(1), "a": {"b": 2}}, ValueError, r"^state dict key 'a\.b': two"),
+        ({"a": [5], "a.0": "x"}, ValueError, r"^state dict key 'a\.0': two"),
+        ({1: "int key", "1": "str key"}, ValueError, r"^state dict key '1': two"),
         ([1, 2], TypeError, r"^state_dict: expected a dict, found list"),
     ],
 )
