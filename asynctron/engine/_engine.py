@@ -14,6 +14,7 @@ import os
 import secrets
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -145,6 +146,9 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._saves: dict[str, asyncio.Task[SaveResult]] = {}
+        self._cancelling_saves = False
+        """Whether the engine itself cancelled its saves (leaving on an error, or a cancelled
+        `aclose`)."""
         self._failed: list[SaveTask] = []
         self._num_loads = 0
         self._loads_done = asyncio.Event()
@@ -165,6 +169,7 @@ class Engine:
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is not None:
+            self._cancelling_saves = True
             for task in self._saves.values():
                 task.cancel()
         await self.aclose(raise_unobserved=exc_type is None)
@@ -264,6 +269,7 @@ class Engine:
         try:
             await asyncio.wait([*self._saves.values(), loads])
         except asyncio.CancelledError:
+            self._cancelling_saves = True
             for task in self._saves.values():
                 task.cancel()
             await uncancellable(asyncio.ensure_future(asyncio.wait(list(self._saves.values()))))
@@ -400,6 +406,14 @@ class Engine:
     def _settled(self, handle: SaveTask) -> None:
         if handle.failed():
             self._failed.append(handle)
+        elif handle.cancelled() and not (handle.cancel_requested or self._cancelling_saves):
+            message = (f"checkpoint {handle.path}: the save was cancelled before it committed, "
+                       "neither by its SaveTask nor by the engine (most likely by the event "
+                       "loop's shutdown: asyncio.run returned with the save in flight); nothing "
+                       "was saved. Await the save, or leave `async with Engine()` (or await "
+                       "`engine.aclose()`) before the loop ends")
+            logger.error("%s", message)
+            warnings.warn(message, RuntimeWarning, stacklevel=1)
 
     async def _run_save(self, job: SaveJob, staged: asyncio.Future[None]) -> SaveResult:
         try:

@@ -103,7 +103,9 @@ class SaveTask:
     Not constructed directly; returned by `Engine.save`.
 
     Cancellation: `task.cancel()` aborts the save; running copies and writes finish, then the
-    tmp dir is removed, the memory budget is returned, and `latest` is untouched.
+    tmp dir is removed, the memory budget is returned, and `latest` is untouched. A save
+    cancelled by anything else (the loop's end under `asyncio.run`, with the engine still
+    open) is logged and warned about (`RuntimeWarning`): nothing was saved.
     """
 
     def __init__(self, task: asyncio.Task[SaveResult], staged: asyncio.Future[None],
@@ -115,6 +117,8 @@ class SaveTask:
         self.observed = False
         """Whether anyone awaited the save or asked for its result (the engine's `aclose`
         raises a failure nobody observed)."""
+        self.cancel_requested = False
+        """Whether `cancel()` was called."""
 
     def __await__(self) -> Generator[Any, None, SaveResult]:
         self.observed = True
@@ -138,8 +142,13 @@ class SaveTask:
         """Request cancellation (thread-safe); returns False if already done."""
         if self._task.done():
             return False
+        self.cancel_requested = True
         self._loop.call_soon_threadsafe(self._task.cancel)
         return True
+
+    def cancelled(self) -> bool:
+        """Whether the save ended cancelled (by `cancel()`, the engine, or its loop's end)."""
+        return self._task.cancelled()
 
     def result(self, timeout: float | None = None) -> SaveResult:
         """Block the calling thread until committed; raise what the save raised.

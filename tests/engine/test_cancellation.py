@@ -108,3 +108,28 @@ async def test_cancelling_while_planning_commits_nothing(
         with pytest.raises(asyncio.CancelledError):
             await task
     assert sorted(os.listdir(shm_path)) == ["latest", "step_1"]
+
+
+def test_a_loop_that_ends_with_a_save_in_flight_says_so(shm_path: str) -> None:
+    """`asyncio.run` cancels what is left when its coroutine returns: a save nobody awaited,
+    on an engine nobody closed, is then not silently lost."""
+
+    async def main() -> None:
+        engine = Engine(**SMALL)
+        await engine.start()
+        engine.save({"w": torch.ones(100_000)}, f"{shm_path}/step_1")  # neither awaited nor closed
+
+    with pytest.warns(RuntimeWarning, match=r"checkpoint .*/step_1: the save was cancelled before "
+                                            r"it committed.*asyncio\.run returned"):
+        asyncio.run(main())
+    assert os.listdir(shm_path) == []
+
+
+async def test_cancelling_through_the_task_or_the_engine_is_silent(shm_path: str) -> None:
+    async with Engine(**SMALL) as engine:
+        engine.save({"w": torch.ones(100_000)}, f"{shm_path}/a").cancel()
+    with pytest.raises(RuntimeError, match="trainer failed"):
+        async with Engine(**SMALL) as engine:
+            engine.save({"w": torch.ones(100_000)}, f"{shm_path}/b")
+            raise RuntimeError("trainer failed")
+    assert os.listdir(shm_path) == []
