@@ -9,7 +9,13 @@ import struct
 import numpy as np
 import pytest
 
-from asynctron.datasets import IndexedDataset, IndexedDatasetBuilder
+from asynctron.datasets import (
+    GPTDatasetConfig,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    build_gpt_datasets,
+)
+from asynctron.datasets import _indexed as indexed_module
 from asynctron.datasets._builder import write_indexed_dataset
 from asynctron.datasets._indexed import DTYPE_CODES, optimal_dtype, read_index_header
 from asynctron.errors import CorruptDatasetError
@@ -159,24 +165,143 @@ def test_trailing_bytes_in_index(good: str) -> None:
         IndexedDataset(good)
 
 
-def test_bad_document_indices(good: str) -> None:
-    header = read_index_header(good + ".idx")
-    _patch(good + ".idx", header.document_indices_offset + 8 * 10, struct.pack("<q", 7))
-    with pytest.raises(CorruptDatasetError, match=r"expected document indices from 0 to 10, "
-                                                  r"found \[0, 7\]"):
+def _set(path: str, offset: int, fmt: str, value: int) -> None:
+    _patch(path, offset, struct.pack(fmt, value))
+
+
+@pytest.mark.parametrize(("entry", "value", "message"), [
+    (0, 1, "document index 0: expected 0, found 1"),
+    (4, 2, r"document index 4: expected >= 3 \(document index 3\), found 2"),
+    (3, 99, "document index 3: expected a sequence index <= 10, found 99"),
+    (10, 11, "document index 10: expected a sequence index <= 10, found 11"),
+    (10, 9, r"document index 10 \(the last\): expected 10 \(the number of sequences\), found 9"),
+])
+def test_bad_document_indices(good: str, entry: int, value: int, message: str) -> None:
+    path = good + ".idx"
+    offset = read_index_header(path).document_indices_offset + 8 * entry
+    _set(path, offset, "<q", value)
+    with pytest.raises(CorruptDatasetError, match=rf"^index {re.escape(path)}, {message}; the "
+                                                  r"file is corrupt, rebuild it$") as info:
+        IndexedDataset(good)
+    assert info.value.path == path and info.value.offset == offset
+
+
+@pytest.fixture
+def layout(good: str) -> tuple[list[int], list[int], int, int, int]:
+    """`(lengths, pointers, .bin bytes, lengths offset, pointers offset)` of the good file, read
+    before a test edits it."""
+    ds = IndexedDataset(good)
+    header = ds.header
+    return (ds.sequence_lengths.tolist(), ds.sequence_pointers.tolist(),
+            ds.tokens.nbytes, header.sequence_lengths_offset, header.sequence_pointers_offset)
+
+
+def test_negative_length(good: str, layout) -> None:
+    lengths_at = layout[3]
+    _set(good + ".idx", lengths_at + 4 * 3, "<i", -3)
+    with pytest.raises(CorruptDatasetError, match=re.escape(
+            f"index {good}.idx, sequence 3: expected a length >= 0, found -3; the file is "
+            "corrupt, rebuild it")) as info:
+        IndexedDataset(good)
+    assert info.value.offset == lengths_at + 4 * 3
+
+
+def test_pointers_out_of_order(good: str, layout) -> None:
+    lengths, pointers, _, _, pointers_at = layout
+    _set(good + ".idx", pointers_at + 8 * 4, "<q", pointers[5])
+    _set(good + ".idx", pointers_at + 8 * 5, "<q", pointers[4])
+    with pytest.raises(CorruptDatasetError, match=re.escape(
+            f"index {good}.idx, sequence 4: expected pointer {pointers[4]} (where sequence 3 "
+            f"ends: pointer {pointers[3]}, length {lengths[3]}), found {pointers[5]}; the file "
+            "is corrupt, rebuild it")) as info:
+        IndexedDataset(good)
+    assert info.value.path == good + ".idx" and info.value.offset == pointers_at + 8 * 4
+
+
+@pytest.mark.parametrize("sequence", [0, 6])
+def test_pointer_past_the_end_of_the_bin(good: str, layout, sequence: int) -> None:
+    _, pointers, bin_bytes, _, pointers_at = layout
+    _set(good + ".idx", pointers_at + 8 * sequence, "<q", bin_bytes + 100)
+    after = "the start of the .bin" if sequence == 0 else "where sequence 5 ends: pointer "
+    with pytest.raises(CorruptDatasetError, match=re.escape(
+            f"index {good}.idx, sequence {sequence}: expected pointer {pointers[sequence]} "
+            f"({after}") + rf".*, found {bin_bytes + 100}, outside the {bin_bytes}-byte "
+                           rf"{re.escape(good)}\.bin; the file is corrupt"):
         IndexedDataset(good)
 
 
-@pytest.mark.parametrize(("change", "state"), [(-2, "truncated"), (+2, "too long")])
-def test_bin_of_the_wrong_size(good: str, change: int, state: str) -> None:
-    path = good + ".bin"
-    with open(path, "r+b") as f:
-        size = f.seek(0, 2)
-        f.truncate(size + change)
-    with pytest.raises(CorruptDatasetError, match=rf"^data {re.escape(path)}: expected {size} "
-                                                  rf"bytes \(from .*\.idx\), found "
-                                                  rf"{size + change}; the \.bin is {state}"):
+def test_a_length_one_too_long_is_found_at_the_next_pointer(good: str, layout) -> None:
+    lengths, pointers, _, lengths_at, _ = layout
+    _set(good + ".idx", lengths_at + 4 * 2, "<i", lengths[2] + 1)
+    with pytest.raises(CorruptDatasetError, match=re.escape(
+            f"sequence 3: expected pointer {pointers[3] + 2} (where sequence 2 ends: pointer "
+            f"{pointers[2]}, length {lengths[2] + 1}), found {pointers[3]}")):
         IndexedDataset(good)
+
+
+def test_a_sequence_overrunning_the_bin(good: str, layout) -> None:
+    _, pointers, bin_bytes, lengths_at, _ = layout
+    _set(good + ".idx", lengths_at + 4 * 2, "<i", 2**31 - 1)
+    with pytest.raises(CorruptDatasetError, match=re.escape(
+            f"data {good}.bin: expected at least {pointers[2] + 2 * (2**31 - 1)} bytes (sequence "
+            f"2 of {good}.idx ends there: pointer {pointers[2]}, length {2**31 - 1}), found "
+            f"{bin_bytes}; the .bin is truncated or belongs to another .idx")) as info:
+        IndexedDataset(good)
+    assert info.value.path == good + ".bin" and info.value.offset == bin_bytes
+
+
+def test_truncated_bin_names_the_last_sequence(good: str, layout) -> None:
+    lengths, pointers, bin_bytes, _, _ = layout
+    with open(good + ".bin", "r+b") as f:
+        f.truncate(bin_bytes - 2)
+    with pytest.raises(CorruptDatasetError, match=re.escape(
+            f"data {good}.bin: expected at least {bin_bytes} bytes (sequence 9 of {good}.idx "
+            f"ends there: pointer {pointers[9]}, length {lengths[9]}), found {bin_bytes - 2}; "
+            "the .bin is truncated")):
+        IndexedDataset(good)
+
+
+def test_bin_too_long(good: str, layout) -> None:
+    bin_bytes = layout[2]
+    with open(good + ".bin", "ab") as f:
+        f.write(b"xy")
+    with pytest.raises(CorruptDatasetError, match=re.escape(
+            f"data {good}.bin: expected {bin_bytes} bytes (from {good}.idx), found "
+            f"{bin_bytes + 2}; the .bin is too long or belongs to another .idx")) as info:
+        IndexedDataset(good)
+    assert info.value.offset == bin_bytes
+
+
+def test_checks_span_steps(tmp_path, monkeypatch) -> None:
+    """A fault is found in any step of the chunked checks, and named by its global index."""
+    monkeypatch.setattr(indexed_module, "_CHECK_ENTRIES", 4)
+    ds = write_indexed_dataset(str(tmp_path / "s"), [[1, 2], [3], [4, 5, 6]] * 5, dtype=np.int32)
+    pointers_at, pointers = ds.header.sequence_pointers_offset, ds.sequence_pointers.tolist()
+    assert len(IndexedDataset(ds.path_prefix)) == 15
+    _set(ds.idx_path, pointers_at + 8 * 8, "<q", pointers[8] - 4)  # the first of step 3
+    with pytest.raises(CorruptDatasetError, match=r"sequence 8: expected pointer 60 \(where "
+                                                  r"sequence 7 ends: pointer 56, length 1\), "
+                                                  r"found 56"):
+        IndexedDataset(ds.path_prefix)
+    _set(ds.idx_path, pointers_at + 8 * 8, "<q", pointers[8])
+    _set(ds.idx_path, ds.header.document_indices_offset + 8 * 13, "<q", 11)  # step 4's first
+    with pytest.raises(CorruptDatasetError, match=r"document index 13: expected >= 12"):
+        IndexedDataset(ds.path_prefix)
+
+
+def test_a_corrupt_pointer_fails_the_gpt_build_not_the_loader(make_corpus, tmp_path,
+                                                              tok) -> None:
+    """Before the whole index was checked, this file opened, and a loader's worker failed on
+    the first batch reading sequence 40 (gather_tokens' ValueError, or madvise's OSError)."""
+    ds = make_corpus("c", num_documents=150, eod=0)
+    _set(ds.idx_path, ds.header.sequence_pointers_offset + 8 * 40, "<q", 1 << 40)
+    config = GPTDatasetConfig(random_seed=5, sequence_length=32, tokenizer=tok,
+                              blend=([ds.path_prefix], None), split="1",
+                              path_to_cache=str(tmp_path / "cache"))
+    with pytest.raises(CorruptDatasetError, match=rf"^index {re.escape(ds.idx_path)}, sequence "
+                                                  rf"40: expected pointer \d+ .*, found "
+                                                  rf"{1 << 40}, outside the"):
+        build_gpt_datasets(config, [None, None, None])
 
 
 # megatron parity: files both ways ------------------------------------------------------------
