@@ -153,7 +153,8 @@ def retire(root: DirLock, retention: Retention | None) -> Removal:
 
 
 def _prune(root: str, retention: Retention, removal: Removal) -> None:
-    entries = [entry for entry in read_ledger(root)
+    ledger = read_ledger(root)
+    entries = [entry for entry in ledger
                if _manifest_identity(os.path.join(root, entry.name)) == entry.manifest]
     latest = read_latest(root)
     keep = os.path.basename(latest) if latest is not None else None
@@ -173,7 +174,9 @@ def _prune(root: str, retention: Retention, removal: Removal) -> None:
         removal.doomed.append((graveyard, lock))
         removal.pruned.append(path)
         doomed.append(entry)
-    _write_ledger(root, [entry for entry in entries if entry not in doomed])
+    remaining = [entry for entry in entries if entry not in doomed]
+    if len(remaining) != len(ledger):
+        _write_ledger(root, remaining)
     for path in removal.pruned:
         logger.info("checkpoint %s: pruned (job %r keeps its %d newest)", path, retention.job,
                     retention.keep_last)

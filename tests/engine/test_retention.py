@@ -213,22 +213,24 @@ def test_a_reader_of_latest_never_fails_while_a_writer_prunes(shm_path: str) -> 
 @pytest.mark.slow
 def test_sigkilled_pruning_writers_lose_no_checkpoint_and_leave_no_debris(
         shm_path: str) -> None:
-    """Writers killed at random points of saving and pruning: every checkpoint the ledger or
-    `latest` names loads; a later commit leaves only live checkpoints."""
+    """Two jobs' writers in one root, killed at random points of saving and pruning: every
+    checkpoint `latest` or the ledger names loads; each job's next writer leaves only its
+    newest checkpoints and no debris."""
     for round_ in range(4):
-        with _spawn(WRITER, shm_path, f"r{round_}_", 1000, 2, "run") as writer:
-            assert writer.stdout is not None
-            writer.stdout.readline()  # at least one commit in this round
-            time.sleep(0.07 * round_)
-            writer.send_signal(signal.SIGKILL)
-            writer.communicate(timeout=30)
-        latest = read_latest(shm_path)
-        assert latest is not None
-        assert asynctron.load(shm_path)["step"] >= 0
+        writers = [_spawn(WRITER, shm_path, f"{job}{round_}_", 1000, 2, job) for job in "ab"]
+        for delay_s, writer in zip((0.03 * round_, 0.07 * round_), writers, strict=True):
+            with writer:
+                assert writer.stdout is not None
+                writer.stdout.readline()  # at least one commit in this round
+                time.sleep(delay_s)
+                writer.send_signal(signal.SIGKILL)
+                writer.communicate(timeout=30)
+        assert asynctron.load(shm_path)["step"] >= 0  # `latest`
         for entry in read_ledger(shm_path):
             if os.path.isdir(f"{shm_path}/{entry.name}"):
                 asynctron.load(f"{shm_path}/{entry.name}")
-    final = _spawn(WRITER, shm_path, "final_", 2, 2, "run")
-    _, err = final.communicate(timeout=120)
-    assert final.returncode == 0, err
-    assert _checkpoints(shm_path) == ["final_0", "final_1"]
+    finals = [_spawn(WRITER, shm_path, f"final_{job}", 2, 2, job) for job in "ab"]
+    for final in finals:
+        _, err = final.communicate(timeout=120)
+        assert final.returncode == 0, err
+    assert _checkpoints(shm_path) == ["final_a0", "final_a1", "final_b0", "final_b1"]
