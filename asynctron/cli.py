@@ -54,6 +54,7 @@ BENCH_SCENARIOS = {
     "train": "bench.train",
     "many": "bench.save_many",
     "train_data": "bench.train_data",
+    "hostile": "bench.hostile_metadata",
     "all": "bench.all",
 }
 

@@ -1,7 +1,8 @@
 """Every benchmark of the engine in one command, then the report: save (one process and across
 2 and 4 ranks), datasets, comm (idle and beside a GIL-busy thread), the write sweep, CUDA
-staging where there is a GPU, saves and data inside a busy trainer, and many small tensors. Each
-scenario runs in its own process (fresh memory), writing JSON into one results directory;
+staging where there is a GPU, saves and data inside a busy trainer, many small tensors, and
+hostile checkpoint metadata. Each scenario runs in its own process (fresh memory), writing JSON
+into one results directory;
 `bench/report.py` then renders `docs/benchmarks.md` and its plots from it.
 
 Run: `python -m bench.all` (or `asynctron bench all`); `--quick` for a smoke run (tiny sizes;
@@ -33,6 +34,7 @@ RUNS = {
     "train": ("bench.train", []),
     "many": ("bench.save_many", []),
     "train_data": ("bench.train_data", ["--dir", "{disk}"]),
+    "hostile": ("bench.hostile_metadata", ["--dir", "{disk}"]),
 }
 
 

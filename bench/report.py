@@ -39,6 +39,7 @@ SCENARIOS = {
     "train": ("train.json", "asynctron bench train"),
     "many": ("many.json", "asynctron bench many"),
     "train_data": ("train_data.json", "asynctron bench train_data"),
+    "hostile": ("hostile.json", "asynctron bench hostile"),
 }
 
 
@@ -415,6 +416,24 @@ def section_train_data(result: dict[str, Any], docs: str) -> list[str]:
                              "asynctron / best peer"], rows)]
 
 
+def section_hostile(result: dict[str, Any], docs: str) -> list[str]:
+    meta = result["meta"]
+    limit_s, limit_mib = meta["time_limit_s"], meta["memory_limit_bytes"] / MiB
+    rows = [[row["file"], row["input"], f"{row['bytes'] / MiB:.0f}", f"{row['seconds']:.2f}",
+             f"{row['peak_bytes'] / MiB:.0f}", row["outcome"].split(":")[0].replace(
+                 "refused", "refused (" + row["outcome"].split(":")[1].strip() + ")")
+             if row["outcome"].startswith("refused") else row["outcome"],
+             _ok(row["within_target"])] for row in result["rows"]]
+    lines = [f"Each input is read as a load reads it (`read_manifest` on a checkpoint directory), "
+             f"in a fresh process; inputs are as large as the reader admits (`manifest.json` "
+             f"<= {meta['manifest_cap_bytes'] / MiB:.0f} MiB, `.metadata` <= "
+             f"{meta['metadata_cap_bytes'] / MiB:.0f} MiB). Peak: the process's peak RSS above "
+             f"its baseline. Target: refused or loaded within {limit_s:g} s and "
+             f"{limit_mib / 1024:g} GiB.", ""]
+    return [*lines, *_table(["file", "input", "MiB", "s", "peak MiB", "outcome", "target"],
+                            rows)]
+
+
 SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any], str], list[str]]]] = {
     "save": ("Checkpoint save and load, one process (issue 2)", section_save),
     "save_ranks2": ("Save across 2 ranks (issue 5)", section_save_ranks),
@@ -428,6 +447,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any], str], list[str]]]] = {
     "train": ("Checkpoints inside a busy trainer (issue 11)", section_train),
     "many": ("Many small tensors (issue 11)", section_many),
     "train_data": ("Data inside a busy trainer (issue 16)", section_train_data),
+    "hostile": ("Hostile checkpoint metadata (issue 15)", section_hostile),
 }
 
 

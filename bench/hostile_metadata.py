@@ -1,0 +1,243 @@
+"""Hostile checkpoint metadata: what reading a crafted `manifest.json` or DCP `.metadata` costs,
+each in a fresh process, against a real checkpoint's metadata of the same size.
+
+Every input is sized to the reader's cap (`MAX_MANIFEST_BYTES`, `MAX_METADATA_BYTES`) unless
+`--size-mib` says less: junk JSON (empty lists, empty objects, floats, nesting, a long string,
+a huge integer, many keys), item lists whose entries are cheap to write and costly to check,
+and pickles that share one chunk list between every key, repeat one memoised object, nest
+deeply or hold one huge integer. Each is read the way a load reads it (`read_manifest` on a
+checkpoint directory). Reported per input: refused (the error's first words) or loaded, wall
+time, and the process's peak memory above its baseline; the target is at most 2 s and 1 GiB.
+
+Run: `python -m bench.hostile_metadata` (or `asynctron bench hostile`); `--quick` for a smoke
+run. Results: printed, and written as JSON to bench/results/hostile_<host>_<date>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from asynctron.storage._dcp import MAX_METADATA_BYTES, METADATA_NAME
+from asynctron.storage._manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    ItemRecord,
+    encode_manifest,
+)
+from bench import _results
+
+MiB = 1 << 20
+TIME_LIMIT_S = 2.0
+MEMORY_LIMIT_BYTES = 1 << 30
+_FILE = "__0_0.distcp"
+
+#: measured in a fresh process: read the checkpoint's metadata as a load does
+CHILD = """
+import resource, sys, time
+from asynctron.storage._reader import read_manifest
+baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+started = time.perf_counter()
+try:
+    manifest = read_manifest(sys.argv[1])
+    outcome = f"loaded {len(manifest.items)} items"
+except Exception as error:
+    outcome = f"refused: {type(error).__name__}: {str(error)[:160]}"
+elapsed = time.perf_counter() - started
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(repr((outcome, elapsed, (peak - baseline) * 1024)))
+"""
+
+
+def _head(files: dict[str, int]) -> str:
+    return json.dumps({"format": "asynctron", "version": 1, "created_unix_s": 1.0,
+                       "checksum": None, "files": files})[:-1]
+
+
+def _fill(prefix: str, unit: str, suffix: str, size: int) -> bytes:
+    """`prefix` + `unit` repeated up to `size` bytes in all (comma-separated) + `suffix`."""
+    count = max(1, (size - len(prefix) - len(suffix)) // (len(unit) + 1))
+    return (prefix + ",".join([unit] * count) + suffix).encode()
+
+
+def _records(count: int) -> list[ItemRecord]:
+    return [ItemRecord(f"model.layers.{i}.mlp.weight", "tensor", "float32", (4,), (4,), (0,),
+                       _FILE, 64 * i, 16, None) for i in range(count)]
+
+
+def legit_manifest(size: int) -> tuple[bytes, int]:
+    """A real manifest (one 4-float tensor per item) of about `size` bytes, and the size of
+    its data file."""
+    per_item = len(encode_manifest(structure='{"dict":[]}', items=_records(1), checksums=None,
+                                   files={_FILE: 64}, created_unix_s=1.0, checksum=None)) + 48
+    items = _records(max(1, size // per_item))
+    structure = json.dumps({"dict": [[r.key, {"item": r.key}] for r in items]},
+                           separators=(",", ":"))
+    return encode_manifest(structure=structure, items=items, checksums=None,
+                           files={_FILE: 64 * len(items)}, created_unix_s=1.0,
+                           checksum=None), 64 * len(items)
+
+
+def manifest_attacks(size: int) -> dict[str, bytes]:
+    files = {_FILE: 1 << 40}
+    head = _head(files)
+    item = ('{"key":"k","kind":"bytes","dtype":null,"shape":null,"global_shape":null,'
+            '"chunk_offsets":null,"file":"__0_0.distcp","offset":0,"nbytes":0,"checksum":null}')
+    return {
+        "empty lists": _fill(head + ',"junk":[', "[]", '],"items":[],"structure":{"dict":[]}}',
+                             size),
+        "empty objects": _fill(head + ',"junk":[', "{}", "]}", size),
+        "floats": _fill(head + ',"junk":[', "0.5", "]}", size),
+        "nesting": (head + ',"junk":' + "[" * (size // 2) + "]" * (size // 2) + "}").encode(),
+        "long string": (head + ',"junk":"' + "a" * size + '"}').encode(),
+        "huge integer": (head + ',"junk":' + "9" * size + "}").encode(),
+        "many keys": _fill(head + ',"junk":{', '"k":0', "}}", size),
+        "one key listed many times": _fill(head + ',"items":[', item,
+                                           '],"structure":{"dict":[]}}', size),
+        "deep structure": (head + ',"items":[],"structure":' + '{"list":[' * (size // 10)
+                           + "]}" * (size // 10) + "}").encode(),
+    }
+
+
+def _dcp_metadata(num_keys: int, chunks_per_key: int, shared: bool) -> Metadata:
+    chunk_list = [ChunkStorageMetadata(offsets=torch.Size([i]), sizes=torch.Size([1]))
+                  for i in range(chunks_per_key)]
+    properties = TensorProperties(dtype=torch.float32)
+    sd_meta = {}
+    storage = {}
+    for k in range(num_keys):
+        chunks = chunk_list if shared else [ChunkStorageMetadata(offsets=torch.Size([i]),
+                                                                 sizes=torch.Size([1]))
+                                            for i in range(chunks_per_key)]
+        sd_meta[f"k{k}"] = TensorStorageMetadata(properties, torch.Size([chunks_per_key]), chunks)
+        for i in range(chunks_per_key):
+            storage[MetadataIndex(f"k{k}", torch.Size([i]), i)] = _StorageInfo(
+                _FILE, 4 * len(storage), 4)
+    return Metadata(state_dict_metadata=sd_meta, storage_data=storage)
+
+
+def metadata_attacks(size: int) -> dict[str, bytes]:
+    """Pickles built by pickling crafted objects (pickle shares what is shared), or by hand."""
+    attacks = {}
+    # One chunk list of many chunks shared by every key: small to write, key x chunk to check.
+    chunks = max(1, size // 160)
+    keys = max(1, size // (4 * 160))
+    shared = _dcp_metadata(1, chunks, shared=True)
+    entry = shared.state_dict_metadata["k0"]
+    shared.state_dict_metadata.update({f"k{k}": entry for k in range(1, keys)})
+    shared.storage_data.update({MetadataIndex(f"k{k}", torch.Size([0]), 0):
+                                _StorageInfo(_FILE, 4 * (chunks + k), 4) for k in range(1, keys)})
+    attacks["one chunk list shared by every key"] = pickle.dumps(shared, protocol=4)
+    # One memoised object repeated: a list of `size/2` references (BINGET + APPENDS).
+    one = pickle.dumps(["x"], protocol=4)
+    body = one[:-3] + b"(" + b"h\x01" * max(1, (size - len(one)) // 2) + b"e."
+    attacks["one object referenced many times"] = body
+    attacks["deep nesting"] = b"\x80\x04" + b"]" * 2 + b"(" * (size // 2) + b"."
+    digits = max(1, size - 16)
+    attacks["huge integer"] = (b"\x80\x04\x8b" + digits.to_bytes(4, "little")
+                               + b"\x01" * digits + b".")
+    return attacks
+
+
+def legit_metadata(size: int) -> tuple[bytes, int]:
+    """A real DCP metadata (one 1-float tensor per key) of about `size` bytes, and the size
+    of its data file."""
+    per_key = len(pickle.dumps(_dcp_metadata(100, 1, shared=False), protocol=4)) // 100
+    num_keys = max(1, size // per_key)
+    return (pickle.dumps(_dcp_metadata(num_keys, 1, shared=False),
+                         protocol=pickle.HIGHEST_PROTOCOL), 4 * num_keys)
+
+
+def _write_checkpoint(directory: str, name: str, data: bytes, data_bytes: int) -> str:
+    """A checkpoint dir holding `data` as its metadata (`name`) and one data file."""
+    with open(os.path.join(directory, name), "wb") as f:
+        f.write(data)
+    with open(os.path.join(directory, _FILE), "wb") as f:
+        f.truncate(data_bytes)
+    return directory
+
+
+def measure(checkpoint: str) -> tuple[str, float, int]:
+    """(outcome, seconds, peak bytes above the baseline) of reading `checkpoint`'s metadata in
+    a fresh process."""
+    out = subprocess.run([sys.executable, "-c", CHILD, checkpoint], capture_output=True,
+                         text=True, check=True).stdout
+    return eval(out.strip().splitlines()[-1])  # our own child's repr of a tuple
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="asynctron bench hostile",
+                                     description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--size-mib", type=float, default=None,
+                        help="input size (default: each reader's cap)")
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="scratch directory")
+    parser.add_argument("--quick", action="store_true",
+                        help="1 MiB inputs, the real metadata and one attack per file (smoke)")
+    parser.add_argument("--out", default=None, help="JSON results path")
+    args = parser.parse_args(argv)
+    started = time.time()
+
+    def size_for(cap: int) -> int:
+        if args.quick:
+            return MiB
+        return int(args.size_mib * MiB) if args.size_mib else cap
+
+    # (metadata file, input, a builder of (its bytes, the size of the data file))
+    cases: list[tuple[str, str, Callable[[], tuple[bytes, int]]]] = []
+    manifest_size, metadata_size = size_for(MAX_MANIFEST_BYTES), size_for(MAX_METADATA_BYTES)
+    attacks = 1 if args.quick else None
+    cases.append(("manifest.json", "real manifest", lambda: legit_manifest(manifest_size)))
+    for name in list(manifest_attacks(1024))[:attacks]:
+        cases.append(("manifest.json", name,
+                      lambda name=name: (manifest_attacks(manifest_size)[name], 1 << 40)))
+    cases.append((".metadata", "real DCP metadata", lambda: legit_metadata(metadata_size)))
+    for name in list(metadata_attacks(1024))[:attacks]:
+        cases.append((".metadata", name,
+                      lambda name=name: (metadata_attacks(metadata_size)[name], 1 << 40)))
+    rows: list[dict[str, Any]] = []
+    print(f"{'file':14s} {'input':40s} {'MiB':>7s} {'s':>7s} {'peak MiB':>9s}  outcome")
+    for file, name, build in cases:
+        directory = tempfile.mkdtemp(prefix="asynctron-hostile-", dir=args.dir)
+        try:
+            data, data_bytes = build()
+            checkpoint = _write_checkpoint(
+                directory, MANIFEST_NAME if file == "manifest.json" else METADATA_NAME, data,
+                data_bytes)
+            outcome, seconds, peak = measure(checkpoint)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        within = seconds <= TIME_LIMIT_S and peak <= MEMORY_LIMIT_BYTES
+        rows.append({"file": file, "input": name, "bytes": len(data), "seconds": seconds,
+                     "peak_bytes": peak, "outcome": outcome, "within_target": within})
+        print(f"{file:14s} {name:40s} {len(data) / MiB:7.1f} {seconds:7.2f} {peak / MiB:9.0f}  "
+              f"{'' if within else 'OVER TARGET  '}{outcome[:90]}")
+    _results.write_results("hostile", {
+        "meta": _results.run_meta(started, args, manifest_cap_bytes=MAX_MANIFEST_BYTES,
+                                  metadata_cap_bytes=MAX_METADATA_BYTES,
+                                  time_limit_s=TIME_LIMIT_S,
+                                  memory_limit_bytes=MEMORY_LIMIT_BYTES),
+        "rows": rows}, out=args.out, quick=args.quick)
+    return 0 if all(row["within_target"] for row in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
