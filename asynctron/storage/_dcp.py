@@ -136,7 +136,7 @@ def read_dcp_manifest(checkpoint: str) -> Manifest:
                 raise CorruptCheckpointError(
                     f"file {file_path}: expected a data file, found none; the checkpoint lost "
                     "a file", path=file_path, key=key)
-            files[name] = _sysio.file_size(file_path)
+            files[name] = _sysio.data_file_size(file_path)
         offset, length = info.offset, info.length
         if not (is_count(offset) and is_count(length)) or offset + length > files[name]:
             raise fail(f"item {key!r} bytes [{offset!r}, +{length!r}): expected inside {name} "

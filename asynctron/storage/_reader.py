@@ -57,7 +57,7 @@ def read_manifest(checkpoint: str) -> Manifest:
             raise CorruptCheckpointError(
                 f"file {path}: expected {expected} bytes, found no file; the checkpoint lost "
                 "a file after commit", path=path)
-        found = _sysio.file_size(path)
+        found = _sysio.data_file_size(path)
         if found != expected:
             cut = [i.key for i in manifest.items if i.file == name and i.offset + i.nbytes > found]
             raise CorruptCheckpointError(

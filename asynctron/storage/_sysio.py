@@ -15,6 +15,7 @@ import errno as errno_codes
 import fcntl
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -44,7 +45,9 @@ class FileIO(Protocol):
         ...
 
     def open_read(self, path: str) -> int:
-        """Open an existing file for reading."""
+        """Open an existing file for reading; never through a symbolic link (ELOOP), and
+        without blocking on a FIFO or device (`open_read` below refuses what is not a regular
+        file)."""
         ...
 
     def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
@@ -72,7 +75,7 @@ class LocalFileIO:
         return os.open(path, flags | (os.O_DIRECT if direct else 0), 0o644)
 
     def open_read(self, path: str) -> int:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return os.open(path, _READ_FLAGS)
 
     def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
         return os.pwritev(fd, buffers, offset)
@@ -236,9 +239,60 @@ class DirectIO:
             self.enabled = wanted
 
 
+#: Checkpoint files are opened without following a link at the last component (a link could
+#: lead out of the checkpoint) and without blocking (a FIFO's open waits for a writer).
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+
+
 def open_read(fio: FileIO, path: str) -> int:
+    """Open a checkpoint file for reading: a regular file, never a link.
+
+    Raises:
+        CorruptCheckpointError: `path` is a symbolic link, or not a regular file (names it).
+        StorageError: the open failed.
+    """
     with translate_os_errors("opening", path):
-        return fio.open_read(path)
+        try:
+            fd = fio.open_read(path)
+        except OSError as exc:
+            if exc.errno == errno_codes.ELOOP:
+                raise _not_regular(path, "a symbolic link") from exc
+            raise
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:
+            os.close(fd)
+            raise
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _not_regular(path, _kind_of(mode))
+    return fd
+
+
+def _not_regular(path: str, found: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"file {path}: expected a regular file, found {found}; a checkpoint's files are never "
+        "followed out of it (copy the file in)", path=path)
+
+
+def _kind_of(mode: int) -> str:
+    kinds = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"),
+             (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "a device")
+
+
+def data_file_size(path: str) -> int:
+    """The size of a checkpoint's data file, which must be a regular file, not a link.
+
+    Raises:
+        CorruptCheckpointError: `path` is a link or not a regular file (names it).
+        StorageError: the stat failed (a missing file too).
+    """
+    with translate_os_errors("stat of", path):
+        status = os.lstat(path)
+    if not stat.S_ISREG(status.st_mode):
+        raise _not_regular(path, _kind_of(status.st_mode))
+    return status.st_size
 
 
 def fsync(fio: FileIO, fd: int, path: str) -> None:
@@ -317,8 +371,10 @@ def write_small_file(path: str, data: bytes) -> None:
 
 
 def read_small_file(path: str, max_bytes: int) -> bytes:
-    """Read a whole small file; larger than `max_bytes` is corrupt (hostile manifests)."""
-    with translate_os_errors("reading", path), open(path, "rb") as f:
+    """Read a whole small file of a checkpoint (manifest, metadata, pointer): a regular file,
+    never a link (`open_read`); larger than `max_bytes` is corrupt (hostile manifests)."""
+    fd = open_read(LocalFileIO(), path)
+    with translate_os_errors("reading", path), os.fdopen(fd, "rb") as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise CorruptCheckpointError(
@@ -326,11 +382,6 @@ def read_small_file(path: str, max_bytes: int) -> bytes:
             path=path,
         )
     return data
-
-
-def file_size(path: str) -> int:
-    with translate_os_errors("stat of", path):
-        return os.stat(path).st_size
 
 
 def exists(path: str) -> bool:

@@ -111,6 +111,28 @@ async def test_hostile_manifest_is_refused(shm_path: str, edit: object, message:
         await _load(path)
 
 
+@pytest.mark.parametrize("target", ["manifest.json", "__0_0.distcp"])
+async def test_a_linked_file_is_refused_not_followed(shm_path: str, target: str) -> None:
+    """A checkpoint's files may not lead out of it: a symbolic link is refused by name."""
+    path, _ = await _save(shm_path)
+    os.rename(f"{path}/{target}", f"{shm_path}/outside")
+    os.symlink(f"{shm_path}/outside", f"{path}/{target}")
+    with pytest.raises(CorruptCheckpointError,
+                       match=rf"^file {path}/{target}: expected a regular file, found a symbolic "
+                             r"link; a checkpoint's files are never followed out of it"):
+        await _load(path)
+
+
+@pytest.mark.timeout(30)
+async def test_a_fifo_is_refused_without_waiting_for_a_writer(shm_path: str) -> None:
+    path, _ = await _save(shm_path)
+    os.remove(f"{path}/__0_0.distcp")
+    os.mkfifo(f"{path}/__0_0.distcp")
+    with pytest.raises(CorruptCheckpointError, match=rf"^file {path}/__0_0\.distcp: expected a "
+                                                     r"regular file, found a FIFO; "):
+        await _load(path)
+
+
 async def test_overlapping_items_are_refused(shm_path: str) -> None:
     path, manifest = await _save(shm_path)
     _item(manifest, "b").update(offset=_item(manifest, "a")["offset"] + 8)

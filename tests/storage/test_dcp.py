@@ -103,6 +103,17 @@ async def test_an_item_outside_its_file_is_refused(tmp_path: object) -> None:
         await _load(f"{tmp_path}/dcp")
 
 
+@pytest.mark.parametrize("target", [".metadata", "__0_0.distcp"])
+async def test_a_linked_file_is_refused_not_followed(tmp_path: object, target: str) -> None:
+    _save_stock(f"{tmp_path}/dcp", {"w": torch.ones(4)})
+    os.rename(f"{tmp_path}/dcp/{target}", f"{tmp_path}/outside")
+    os.symlink(f"{tmp_path}/outside", f"{tmp_path}/dcp/{target}")
+    with pytest.raises(CorruptCheckpointError,
+                       match=rf"^file {tmp_path}/dcp/{target}: expected a regular file, found a "
+                             r"symbolic link; "):
+        await _load(f"{tmp_path}/dcp")
+
+
 async def _load(path: str) -> dict:
     async with Engine() as engine:
         return await engine.load(path)
