@@ -22,18 +22,20 @@ from __future__ import annotations
 import functools
 import io
 import itertools
+import math
 import os
 import pickle
 import re
 import threading
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
     BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
@@ -45,8 +47,17 @@ from torch.distributed.checkpoint.metadata import (
 
 from asynctron.errors import CorruptCheckpointError
 from asynctron.storage import _sysio
-from asynctron.storage._dtypes import TORCH_DTYPES, dtype_name
-from asynctron.storage._manifest import ItemRecord, Manifest, check_chunks, is_count
+from asynctron.storage._dtypes import TORCH_DTYPES
+from asynctron.storage._manifest import (
+    MAX_DIMS,
+    ItemRecord,
+    Manifest,
+    brief,
+    check_chunks,
+    check_fits,
+    is_count,
+    paused_gc,
+)
 from asynctron.storage._plan import Structure
 
 METADATA_NAME = ".metadata"
@@ -57,31 +68,71 @@ _DATA_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
 _DCP_METADATA_TYPES = frozenset({
     ("torch.distributed.checkpoint.metadata", name)
     for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
-                 "ChunkStorageMetadata", "TensorProperties", "MetadataIndex", "StorageMeta",
-                 "_MEM_FORMAT_ENCODING")
+                 "ChunkStorageMetadata", "MetadataIndex", "StorageMeta")
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
     ("torch", "Size"),
     ("pathlib", "PosixPath"),
     ("pathlib", "PurePosixPath"),
     ("collections", "OrderedDict"),
 })
+_LAYOUTS = {str(value): value for value in vars(torch).values()
+            if isinstance(value, torch.layout)}
+
+
+def _layout(name: object) -> torch.layout:
+    """`torch.serialization._get_layout` for names only (a hostile key's KeyError would
+    carry its repr)."""
+    if isinstance(name, str) and name in _LAYOUTS:
+        return _LAYOUTS[name]
+    raise pickle.UnpicklingError(f"layout {brief(name)}: expected the name of a torch layout")
+
+
+def _memory_format(value: object) -> _MEM_FORMAT_ENCODING:
+    """`_MEM_FORMAT_ENCODING(value)` for ints only (the enum's ValueError carries the repr of
+    what it is given)."""
+    if type(value) is not int:
+        raise pickle.UnpicklingError(f"memory format {brief(value)}: expected an int")
+    return _MEM_FORMAT_ENCODING(value)
+
+
+class _TensorProperties(TensorProperties):
+    """`TensorProperties` whose state is checked before its own `__setstate__`, which formats a
+    bad memory-format encoding (of any size) into its error message."""
+
+    def __setstate__(self, state: Any) -> None:
+        if not (isinstance(state, tuple) and len(state) == 5
+                and isinstance(state[3], _MEM_FORMAT_ENCODING)):
+            raise pickle.UnpicklingError(f"TensorProperties state {brief(state)}: expected "
+                                         "(dtype, layout, requires_grad, memory format, "
+                                         "pin_memory)")
+        super().__setstate__(state)
+
+
+_GUARDED_GLOBALS: dict[tuple[str, str], Any] = {
+    ("torch.serialization", "_get_layout"): _layout,
+    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): _memory_format,
+    ("torch.distributed.checkpoint.metadata", "TensorProperties"): _TensorProperties,
+}
 
 
 class MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a DCP `.metadata`, admitting only DCP's metadata types and torch dtypes."""
+    """Unpickles a DCP `.metadata`, admitting only DCP's metadata types and torch dtypes
+    (three of them through guards that check their arguments first)."""
 
     def __init__(self, data: bytes, path: str) -> None:
         super().__init__(io.BytesIO(data))
         self._path = path
 
     def find_class(self, module: str, name: str) -> Any:
+        guarded = _GUARDED_GLOBALS.get((module, name))
+        if guarded is not None:
+            return guarded
         if (module, name) in _DCP_METADATA_TYPES or (module == "torch" and name in TORCH_DTYPES):
             return super().find_class(module, name)
         raise CorruptCheckpointError(
             f"metadata {self._path}: expected only DCP metadata types, found global "
-            f"{module}.{name}; refusing to unpickle it", path=self._path)
+            f"{module[:80]}.{name[:80]}; refusing to unpickle it", path=self._path)
 
 
 def is_dcp_checkpoint(path: str) -> bool:
@@ -92,9 +143,19 @@ def read_dcp_manifest(checkpoint: str) -> Manifest:
     """Blocks: read a stock DCP checkpoint's `.metadata` as a `Manifest` (no checksums; items
     are `torch.save` blobs).
 
+    Bounded by what the file holds: every chunk list is walked once, and all of them together
+    may hold one chunk per `METADATA_BYTES_PER_CHUNK` bytes of the file (lists shared between
+    keys are refused before they are walked); a tensor has at most `MAX_DIMS` dims; each
+    chunk's blob holds at least the chunk's bytes (so a load never allocates more than the files
+    hold); error messages show bounded parts of hostile values (`brief`). Unpickling runs with
+    the garbage collector paused (`paused_gc`). Not bounded: CPython's own unpickler, which a
+    crafted pickle can make hash a nest of shared tuples (time exponential in its depth) or grow
+    its memo table (16 bytes per index a PUT names).
+
     Raises:
         CorruptCheckpointError: a foreign global in the pickle, a malformed `Metadata`, an item
-            outside its file or a missing file, naming the field at fault.
+            outside its file, a missing, linked or irregular data file, naming the field (and
+            file) at fault.
     """
     path = os.path.join(checkpoint, METADATA_NAME)
 
@@ -104,107 +165,222 @@ def read_dcp_manifest(checkpoint: str) -> Manifest:
                                       path=path, key=key)
 
     raw = _sysio.read_small_file(path, MAX_METADATA_BYTES)
-    try:
-        metadata = MetadataUnpickler(raw, path).load()
-    except CorruptCheckpointError:
-        raise
-    except Exception as exc:
-        raise fail(f"expected a pickled Metadata, found {type(exc).__name__}: {exc}") from exc
-    if not isinstance(metadata, Metadata) or not isinstance(
-            metadata.state_dict_metadata, Mapping) or not isinstance(
-            metadata.storage_data, Mapping):
-        raise fail(f"expected a Metadata with state_dict_metadata and storage_data, found "
-                   f"{type(metadata).__name__}")
-    files: dict[str, int] = {}
+    with paused_gc():
+        try:
+            metadata = MetadataUnpickler(raw, path).load()
+        except CorruptCheckpointError:
+            raise
+        except Exception as exc:
+            raise fail(f"expected a pickled Metadata, found {_exception_text(exc)}") from exc
+        if not isinstance(metadata, Metadata) or not isinstance(
+                metadata.state_dict_metadata, Mapping) or not isinstance(
+                metadata.storage_data, Mapping):
+            raise fail(f"expected a Metadata with state_dict_metadata and storage_data, found "
+                       f"{type(metadata).__name__}")
+        tables = _ChunkTables(len(raw) // METADATA_BYTES_PER_CHUNK, fail)
+        items, files = _records(metadata, checkpoint, tables, fail)
+        check_chunks(items, fail)
+        stored = {item.key for item in items}
+        structure = _structure(metadata.planner_data,
+                               [key for key in metadata.state_dict_metadata if key in stored])
+        return Manifest(structure=structure, items=tuple(items), files=files,
+                        created_unix_s=os.path.getmtime(path), checksum=None)
+
+
+def _exception_text(exc: Exception) -> str:
+    """The type and (bounded) message of an exception raised while unpickling; a message is
+    shown only when it is a string, since str() of another argument is its repr."""
+    if len(exc.args) == 1 and isinstance(exc.args[0], str):
+        return f"{type(exc).__name__}: {brief(exc.args[0])}"
+    return type(exc).__name__
+
+
+def _records(metadata: Metadata, checkpoint: str, tables: _ChunkTables,
+             fail: Callable[..., CorruptCheckpointError]
+             ) -> tuple[list[ItemRecord], dict[str, int]]:
+    """One record per stored item, each checked against its data file; the files' sizes."""
+    sizes: dict[str, int] = {}
     items = []
     for index, info in metadata.storage_data.items():
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
-            raise fail(f"storage entry {index!r}: expected MetadataIndex -> _StorageInfo")
+            raise fail(f"storage entry {brief(index)}: expected MetadataIndex -> _StorageInfo")
         key = index.fqn
         if not isinstance(key, str) or "\x00" in key:
-            raise fail(f"item key {key!r}: expected a string without NUL")
+            raise fail(f"item key {brief(key)}: expected a string without NUL")
         name = info.relative_path
         if not isinstance(name, str) or not _DATA_FILE.fullmatch(name) or name == METADATA_NAME:
-            raise fail(f"item {key!r} file {name!r}: expected a file name inside the "
+            raise fail(f"item {key!r} file {brief(name)}: expected a file name inside the "
                        "checkpoint", key)
         if info.transform_descriptors:
             raise fail(f"item {key!r}: expected no stream transforms, found "
-                       f"{list(info.transform_descriptors)!r}", key)
-        if name not in files:
+                       f"{brief(info.transform_descriptors)}", key)
+        if name not in sizes:
             file_path = os.path.join(checkpoint, name)
             if not _sysio.exists(file_path):
                 raise CorruptCheckpointError(
                     f"file {file_path}: expected a data file, found none; the checkpoint lost "
                     "a file", path=file_path, key=key)
-            files[name] = _sysio.data_file_size(file_path)
+            sizes[name] = _sysio.data_file_size(file_path)
         offset, length = info.offset, info.length
-        if not (is_count(offset) and is_count(length)) or offset + length > files[name]:
-            raise fail(f"item {key!r} bytes [{offset!r}, +{length!r}): expected inside {name} "
-                       f"({files[name]} bytes)", key)
-        items.append(_record(metadata, index, name, offset, length, fail))
-    check_chunks(items, fail)
-    stored = {item.key for item in items}
-    structure = _structure(metadata.planner_data,
-                           [key for key in metadata.state_dict_metadata if key in stored])
-    return Manifest(structure=structure, items=tuple(items), files=files,
-                    created_unix_s=os.path.getmtime(path), checksum=None)
+        if not (is_count(offset) and is_count(length)) or offset + length > sizes[name]:
+            raise fail(f"item {key!r} bytes [{brief(offset)}, +{brief(length)}): expected "
+                       f"inside {name} ({sizes[name]} bytes)", key)
+        entry = metadata.state_dict_metadata.get(key)
+        if isinstance(entry, BytesStorageMetadata):
+            items.append(ItemRecord(key, "object", None, None, None, None, name, offset, length,
+                                    None, encoding="torch_save"))
+        else:
+            items.append(tables.record(key, entry, index.offset, name, offset, length))
+    return items, sizes
 
 
-def _record(metadata: Metadata, index: MetadataIndex, file: str, offset: int, length: int,
-            fail: Any) -> ItemRecord:
-    key = index.fqn
-    entry = metadata.state_dict_metadata.get(key)
-    if isinstance(entry, BytesStorageMetadata):
-        return ItemRecord(key, "object", None, None, None, None, file, offset, length, None,
+#: A real chunk costs about 135 bytes of `.metadata` (itself and its storage entry); chunk
+#: lists holding more than one chunk per this many bytes of the file are shared between keys.
+METADATA_BYTES_PER_CHUNK = 32
+
+
+class _ChunkTables:
+    """Each tensor key's chunks by offsets, built once per key on first use.
+
+    All chunk lists together may hold at most `budget` chunks: a list shared between keys is
+    refused before it is walked (finding each item's chunk in it would cost keys times chunks),
+    and a chunk listed twice in a key's list when it is walked.
+    """
+
+    def __init__(self, budget: int, fail: Callable[..., CorruptCheckpointError]) -> None:
+        self._budget = budget
+        self._num_chunks = 0
+        self._fail = fail
+        self._tables: dict[str, tuple[str, tuple[int, ...], dict[tuple[int, ...],
+                                                                  tuple[int, ...]]]] = {}
+
+    def record(self, key: str, entry: Any, at: Any, file: str, offset: int,
+               length: int) -> ItemRecord:
+        """The record of `key`'s chunk at offsets `at`, stored as a blob of `length` bytes."""
+        fail = self._fail
+        if key not in self._tables:
+            self._tables[key] = self._table(key, entry)
+        dtype, size, chunks = self._tables[key]
+        offsets = _dims(() if at is None else at)
+        shape = chunks.get(offsets) if offsets is not None else None
+        if offsets is None or shape is None:
+            raise fail(f"item {key!r} at chunk {brief(at)}: expected one of the key's chunks",
+                       key)
+        nbytes = math.prod(shape) * TORCH_DTYPES[dtype].itemsize
+        if length < nbytes:
+            raise fail(f"item {key!r} chunk at {list(offsets)} in {file}: expected a torch.save "
+                       f"blob of at least {nbytes} bytes for {dtype} {list(shape)}, found "
+                       f"{length}", key)
+        return ItemRecord(key, "tensor", dtype, shape, size, offsets, file, offset, length, None,
                           encoding="torch_save")
-    if not isinstance(entry, TensorStorageMetadata):
-        raise fail(f"item {key!r}: expected tensor or bytes metadata, found "
-                   f"{type(entry).__name__}", key)
-    try:
-        dtype = dtype_name(entry.properties.dtype, key)
-    except TypeError as exc:
-        raise fail(str(exc), key) from None
-    chunk = next((c for c in entry.chunks if tuple(c.offsets) == tuple(index.offset or ())),
-                 None)
-    if chunk is None:
-        raise fail(f"item {key!r} at chunk {list(index.offset or ())}: expected one of the "
-                   "key's chunks", key)
-    shape, offsets, size = tuple(chunk.sizes), tuple(chunk.offsets), tuple(entry.size)
-    if len(shape) != len(size) or any(o + s > g for o, s, g in zip(offsets, shape, size,
-                                                                    strict=True)):
-        raise fail(f"item {key!r} chunk at {list(offsets)} of shape {list(shape)}: expected "
-                   f"inside global shape {list(size)}", key)
-    return ItemRecord(key, "tensor", dtype, shape, size, offsets, file, offset, length, None,
-                      encoding="torch_save")
+
+    def _table(self, key: str, entry: Any) -> tuple[str, tuple[int, ...],
+                                                    dict[tuple[int, ...], tuple[int, ...]]]:
+        fail = self._fail
+        if not isinstance(entry, TensorStorageMetadata):
+            raise fail(f"item {key!r}: expected tensor or bytes metadata, found "
+                       f"{type(entry).__name__}", key)
+        properties = entry.properties
+        dtype = properties.dtype if isinstance(properties, TensorProperties) else None
+        if not isinstance(dtype, torch.dtype) or dtype not in _DTYPE_NAMES:
+            raise fail(f"item {key!r} dtype {brief(dtype)}: expected one of "
+                       f"{sorted(TORCH_DTYPES)}", key)
+        size = _dims(entry.size)
+        if size is None:
+            raise fail(f"item {key!r} size: expected a torch.Size of at most {MAX_DIMS} dims in "
+                       f"[0, 2**63), found {_shape_text(entry.size)}", key)
+        check_fits(key, size, dtype.itemsize, fail)
+        chunks = entry.chunks
+        if not isinstance(chunks, list):
+            raise fail(f"item {key!r} chunks {brief(chunks)}: expected a list", key)
+        self._num_chunks += len(chunks)
+        if self._num_chunks > self._budget:
+            raise fail(f"field 'state_dict_metadata': expected at most {self._budget} chunks "
+                       f"in all (one per {METADATA_BYTES_PER_CHUNK} bytes of the file), found "
+                       f"{self._num_chunks} by key {key!r}; chunks are listed more than once "
+                       "(lists shared between keys, or chunks repeated)", key)
+        table: dict[tuple[int, ...], tuple[int, ...]] = {}
+        for chunk in chunks:
+            offsets, shape = (_dims(chunk.offsets), _dims(chunk.sizes)) if isinstance(
+                chunk, ChunkStorageMetadata) else (None, None)
+            if offsets is None or shape is None or not len(offsets) == len(shape) == len(size):
+                found = (f"offsets {_shape_text(chunk.offsets)}, sizes {_shape_text(chunk.sizes)}"
+                         if isinstance(chunk, ChunkStorageMetadata) else brief(chunk))
+                raise fail(f"item {key!r} chunk: expected offsets and sizes of {len(size)} dims "
+                           f"in [0, 2**63), found {found}", key)
+            if any(o + s > g for o, s, g in zip(offsets, shape, size, strict=True)):
+                raise fail(f"item {key!r} chunk at {list(offsets)} of shape {list(shape)}: "
+                           f"expected inside global shape {list(size)}", key)
+            if table.setdefault(offsets, shape) is not shape:
+                raise fail(f"item {key!r}: chunk at {list(offsets)} listed twice", key)
+        return _DTYPE_NAMES[dtype], size, table
+
+
+_DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+
+
+def _dims(value: Any) -> tuple[int, ...] | None:
+    """`value` as a shape or offsets: a tuple (`torch.Size`) of at most `MAX_DIMS` ints in
+    [0, 2**63), else None."""
+    if isinstance(value, tuple) and len(value) <= MAX_DIMS and all(map(is_count, value)):
+        return tuple(value)
+    return None
+
+
+def _shape_text(value: Any) -> str:
+    """A claimed shape for an error message: its dims (each `brief`), or its dim count."""
+    if not isinstance(value, tuple):
+        return brief(value)
+    if len(value) > MAX_DIMS:
+        return f"{len(value)} dims"
+    return f"[{', '.join(map(brief, value))}]"
 
 
 def _structure(planner_data: Any, keys: Sequence[str]) -> Structure:
     """The nesting DCP flattened (its planner data maps each key to its path), as a structure;
-    a flat dict of keys where the mapping is missing."""
-    paths: dict[str, tuple[str | int, ...]] = {}
-    if isinstance(planner_data, Mapping):
-        for key in dict.fromkeys(keys):
-            path = planner_data.get(key)
-            if isinstance(path, tuple) and path and all(
-                    isinstance(p, str | int) and not isinstance(p, bool) for p in path):
-                paths[key] = path
-    if len(paths) != len(set(keys)):
-        return {"dict": [[key, {"item": key}] for key in dict.fromkeys(keys)]}
+    a flat dict of keys where the mapping is missing or inconsistent (a path longer than its
+    key, or a key's place taken by another)."""
+    flat: Structure = {"dict": [[key, {"item": key}] for key in dict.fromkeys(keys)]}
+    if not isinstance(planner_data, Mapping):
+        return flat
     root: dict[str | int, Any] = {}
-    for key, path in paths.items():
+    for key in dict.fromkeys(keys):
+        path = planner_data.get(key)
+        if not (isinstance(path, tuple) and 0 < len(path) <= len(key) + 1 and all(
+                isinstance(p, str | int) and not isinstance(p, bool) for p in path)):
+            return flat
         node = root
         for part in path[:-1]:
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                return flat
+        if path[-1] in node:
+            return flat
         node[path[-1]] = key
     return _encode(root)
 
 
-def _encode(node: Any) -> Structure:
-    if isinstance(node, str):
-        return {"item": node}
-    if node and all(isinstance(k, int) for k in node) and sorted(node) == list(range(len(node))):
-        return {"list": [_encode(node[i]) for i in range(len(node))]}
-    return {"dict": [[k, _encode(v)] for k, v in node.items()]}
+def _encode(root: dict[str | int, Any]) -> Structure:
+    """Nested dicts of keys as a structure (a dict with keys 0..n-1 is a list); iterative, so
+    nesting as deep as a key is long cannot overflow the stack."""
+    encoded: Structure = {}
+    stack = [(root, encoded)]
+    while stack:
+        node, target = stack.pop()
+        children = [{} for _ in node]
+        if node and all(isinstance(k, int) for k in node) and sorted(node) == list(
+                range(len(node))):
+            target["list"] = children
+            values = [node[i] for i in range(len(node))]
+        else:
+            target["dict"] = [[k, child] for k, child in zip(node, children, strict=True)]
+            values = list(node.values())
+        for value, child in zip(values, children, strict=True):
+            if isinstance(value, str):
+                child["item"] = value
+            else:
+                stack.append((value, child))
+    return encoded
 
 
 class _SparseSink(io.RawIOBase):

@@ -7,12 +7,17 @@ closed table, and nothing is ever unpickled.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import math
 import re
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import numpy as np
 
 from asynctron.errors import CorruptCheckpointError
 from asynctron.storage._checksum import ALGORITHMS, is_digest
@@ -24,6 +29,9 @@ FORMAT = "asynctron"
 VERSION = 1
 #: A manifest larger than this is refused before parsing.
 MAX_MANIFEST_BYTES = 512 << 20
+#: At most this many dims per tensor (a DCP `.metadata` could claim millions).
+MAX_DIMS = 64
+MAX_INT64 = (1 << 63) - 1
 _BIN_FILE = re.compile(r"__\d{1,9}_\d{1,9}\.distcp")
 _STRUCTURE_TAGS = frozenset({"dict", "list", "tuple", "item", "value"})
 
@@ -123,6 +131,12 @@ def _ints(values: tuple[int, ...] | None) -> str:
 def parse_manifest(data: bytes, path: str) -> Manifest:
     """Parse and validate manifest bytes read from `path`.
 
+    Bounded: time and memory grow linearly with `len(data)`, whatever it holds; junk costs no
+    more a byte than a real manifest's densest part (its structure), and an object that is no
+    part of a manifest stops the parse where it stands. The parser lets other threads take
+    the GIL between JSON objects (the hook is Python code), and runs with the garbage
+    collector paused (`paused_gc`).
+
     Raises:
         CorruptCheckpointError: anything malformed, naming the field at fault.
     """
@@ -131,54 +145,182 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
         return CorruptCheckpointError(f"manifest {path}: {what}; the checkpoint is damaged "
                                       "or not an asynctron checkpoint", path=path, key=key)
 
-    try:
-        body = json.loads(data, object_pairs_hook=_object)
-    except (ValueError, RecursionError) as exc:
-        raise fail(f"expected JSON, found {type(exc).__name__}: {exc}") from exc
+    if not data.isascii():
+        at = _NON_ASCII.search(data)
+        assert at is not None
+        raise fail(f"byte {at.start()}: expected ASCII JSON (asynctron escapes every other "
+                   f"character), found {data[at.start()]:#04x}")
+    with paused_gc():
+        try:
+            body = json.loads(data.decode("ascii"), object_pairs_hook=_ObjectHook(fail))
+        except (ValueError, RecursionError) as exc:
+            raise fail(f"expected JSON, found {type(exc).__name__}: {brief(str(exc))}") from exc
+        return _parse_body(body, fail)
+
+
+_NON_ASCII = re.compile(rb"[\x80-\xff]")
+
+
+def _parse_body(body: Any, fail: Callable[..., CorruptCheckpointError]) -> Manifest:
     if not isinstance(body, dict):
         raise fail(f"expected a JSON object, found {type(body).__name__}")
     if body.get("format") != FORMAT:
-        raise fail(f"expected format {FORMAT!r}, found {body.get('format')!r}")
+        raise fail(f"expected format {FORMAT!r}, found {brief(body.get('format'))}")
     if body.get("version") != VERSION:
-        raise fail(f"expected version {VERSION}, found {body.get('version')!r} "
+        raise fail(f"expected version {VERSION}, found {brief(body.get('version'))} "
                    "(a newer asynctron may read it)")
     files = body.get("files")
     if not isinstance(files, dict):
         raise fail("field 'files': expected an object")
     for name, size in files.items():
         if not _BIN_FILE.fullmatch(name):
-            raise fail(f"file name {name!r}: expected __<rank>_<bin>.distcp")
+            raise fail(f"file name {brief(name)}: expected __<rank>_<bin>.distcp")
         if not is_count(size):
-            raise fail(f"size of file {name!r}: expected a non-negative integer, found {size!r}")
+            raise fail(f"size of file {name!r}: expected a non-negative integer below 2**63, "
+                       f"found {brief(size)}")
     algorithm = body.get("checksum")
-    if algorithm not in ALGORITHMS:
+    if not (algorithm is None or isinstance(algorithm, str)) or algorithm not in ALGORITHMS:
         raise fail(f"field 'checksum': expected one of {sorted(map(str, ALGORITHMS))}, found "
-                   f"{algorithm!r}")
-    raw_items = body.get("items")
-    if not isinstance(raw_items, list):
+                   f"{brief(algorithm)}")
+    items = body.get("items")
+    if not isinstance(items, list):
         raise fail("field 'items': expected a list")
-    items = tuple(_parse_item(raw, files, algorithm, fail) for raw in raw_items)
+    for item in items:
+        _check_item_place(item, files, algorithm, fail)
     check_chunks(items, fail)
     created = body.get("created_unix_s")
-    if not isinstance(created, int | float):
-        raise fail(f"field 'created_unix_s': expected a number, found {created!r}")
+    if isinstance(created, bool) or not isinstance(created, int | float) or not math.isfinite(
+            created):
+        raise fail(f"field 'created_unix_s': expected a finite number, found {brief(created)}")
     structure = body.get("structure")
     _check_structure(structure, {item.key for item in items}, fail)
-    return Manifest(structure=structure, items=items, files=files, created_unix_s=created,
-                    checksum=algorithm)
+    return Manifest(structure=structure, items=tuple(items), files=files,
+                    created_unix_s=created, checksum=algorithm)
 
 
-def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object, built by Python code: the parser then lets other threads (the event
-    loop's) take the GIL between objects, where one C call over a manifest of 100k items held
-    it for a second."""
-    return dict(pairs)
+class _ObjectHook:
+    """The parser's `object_pairs_hook`: checks each JSON object as the parser makes it.
+
+    An item becomes its `ItemRecord` at once (checked but for its file, bytes and checksum,
+    which need the manifest's head), with shapes and names shared between items, so no
+    dict per item is kept. Any other object of several fields must be the files (bin file
+    names) or the manifest (`format`); anything else, or a second empty object, stops the
+    parse there. Python code between objects: other threads (the event loop's)
+    take the GIL between them, where one C call over a manifest of 100k items held it for a
+    second.
+    """
+
+    def __init__(self, fail: Callable[..., CorruptCheckpointError]) -> None:
+        self._fail = fail
+        self._shared: dict[Any, Any] = {}
+        self._empty_seen = False
+
+    def __call__(self, pairs: list[tuple[str, Any]]) -> Any:
+        fields = dict(pairs)
+        if "key" in fields:
+            return self._item(fields)
+        if len(fields) == 1 or "format" in fields:  # a structure node, one file, the manifest
+            return fields
+        if not fields:
+            if self._empty_seen:
+                raise self._fail("a second empty object: expected one at most (the files of "
+                                 "a checkpoint without files)")
+            self._empty_seen = True
+        for name in fields:  # then it can only be the files
+            if not _BIN_FILE.fullmatch(name):
+                raise self._fail(f"file name {brief(name)}: expected __<rank>_<bin>.distcp")
+        return fields
+
+    def _share(self, value: Any) -> Any:
+        return self._shared.setdefault(value, value)
+
+    def _item(self, raw: dict[str, Any]) -> ItemRecord:
+        fail = self._fail
+        key = raw["key"]
+        if not isinstance(key, str) or "\x00" in key:
+            raise fail(f"item key {brief(key)}: expected a string without NUL")
+        kind, encoding = raw.get("kind"), raw.get("encoding", "raw")
+        file, offset, nbytes, checksum = (raw.get(name) for name in (
+            "file", "offset", "nbytes", "checksum"))
+        if not isinstance(kind, str) or kind not in _KINDS:
+            raise fail(f"item {key!r} kind {brief(kind)}: expected tensor, ndarray, bytes or "
+                       "object", key)
+        if encoding != ("torch_save" if kind == "object" else "raw"):
+            raise fail(f"item {key!r} encoding {brief(encoding)}: expected torch_save for "
+                       "objects, raw otherwise", key)
+        if not (is_count(offset) and is_count(nbytes)):
+            raise fail(f"item {key!r} bytes [{brief(offset)}, +{brief(nbytes)}): expected "
+                       "non-negative integers below 2**63", key)
+        file = self._share(file) if isinstance(file, str) else file
+        if kind in ("bytes", "object"):
+            return ItemRecord(key, _KINDS[kind], None, None, None, None, file, offset, nbytes,
+                              checksum, _ENCODINGS[encoding])
+        dtype = raw.get("dtype")
+        table = TORCH_DTYPES if kind == "tensor" else NUMPY_DTYPES
+        if not isinstance(dtype, str) or dtype not in table:
+            raise fail(f"item {key!r} dtype {brief(dtype)}: expected one of {sorted(table)}",
+                       key)
+        shape, global_shape, chunk_offsets = (self._dims(raw.get(name)) for name in (
+            "shape", "global_shape", "chunk_offsets"))
+        if shape is None or global_shape is None or chunk_offsets is None or not (
+                len(shape) == len(global_shape) == len(chunk_offsets)):
+            raise fail(f"item {key!r}: expected shape, global_shape and chunk_offsets as lists "
+                       f"of one length (at most {MAX_DIMS}) of integers in [0, 2**63)", key)
+        itemsize = table[dtype].itemsize
+        check_fits(key, global_shape, itemsize, fail)
+        if any(o + s > g for o, s, g in zip(chunk_offsets, shape, global_shape, strict=True)):
+            raise fail(f"item {key!r} chunk at {list(chunk_offsets)} of shape {list(shape)}: "
+                       f"expected inside global shape {list(global_shape)}", key)
+        expected = math.prod(shape) * itemsize
+        if expected != nbytes:
+            raise fail(f"item {key!r}: expected {expected} bytes for {dtype} {list(shape)}, "
+                       f"found nbytes {nbytes}", key)
+        return ItemRecord(key, _KINDS[kind], self._share(dtype), shape, global_shape,
+                          chunk_offsets, file, offset, nbytes, checksum)
+
+    def _dims(self, value: Any) -> tuple[int, ...] | None:
+        if isinstance(value, list) and len(value) <= MAX_DIMS and all(map(is_count, value)):
+            return self._share(tuple(value))
+        return None
+
+
+_KINDS: dict[Any, ItemKind] = {kind: kind for kind in ("tensor", "ndarray", "bytes", "object")}
+_ENCODINGS: dict[Any, Literal["raw", "torch_save"]] = {"raw": "raw", "torch_save": "torch_save"}
+
+
+def _check_item_place(item: Any, files: dict[str, int], algorithm: str | None,
+                      fail: Callable[..., CorruptCheckpointError]) -> None:
+    """What the hook could not check of an item: its file, its bytes inside it, its checksum."""
+    if not isinstance(item, ItemRecord):
+        raise fail(f"item: expected an object, found {type(item).__name__}")
+    key, file = item.key, item.file
+    if not isinstance(file, str) or file not in files:
+        raise fail(f"item {key!r} file {brief(file)}: expected one of the manifest's files", key)
+    if item.offset + item.nbytes > files[file]:
+        raise fail(f"item {key!r} bytes [{item.offset}, +{item.nbytes}): expected inside "
+                   f"{file} ({files[file]} bytes)", key)
+    if not (is_digest(item.checksum) if algorithm is not None else item.checksum is None):
+        expected = "16 lowercase hex digits" if algorithm is not None else "null"
+        raise fail(f"item {key!r} checksum {brief(item.checksum)}: expected {expected} "
+                   f"({algorithm})", key)
+
+
+def check_fits(key: str, global_shape: tuple[int, ...], itemsize: int,
+               fail: Callable[..., CorruptCheckpointError]) -> None:
+    """Check that torch can make a tensor of `global_shape`: its byte size, counting empty
+    dims as 1 (strides and offsets of an empty tensor are computed too), is below 2**63."""
+    if math.prod(max(dim, 1) for dim in global_shape) * itemsize > MAX_INT64:
+        raise fail(f"item {key!r} global_shape {list(global_shape)}: expected a shape torch can "
+                   "hold (the product of its non-zero dims times the item size below 2**63)",
+                   key)
 
 
 def check_chunks(items: Sequence[ItemRecord],
                  fail: Callable[[str, str | None], CorruptCheckpointError]) -> None:
     """Check that each key's records agree (kind, dtype, global shape) and that its chunks
     tile the whole tensor: none overlaps another, and together they cover every element.
+
+    Near-linear in the number of chunks (`_tiles`), whatever their layout.
 
     Raises:
         the `fail(what, key)` error naming the key (and chunk) at fault.
@@ -205,86 +347,100 @@ def _group_by_key(items: Sequence[ItemRecord]) -> dict[str, list[ItemRecord]]:
     return grouped
 
 
+#: Checking a tiling holds at most this many corner coordinates (int64) at once (64 MiB).
+MAX_TILING_COORDINATES = 1 << 23
+#: Naming an overlapping pair compares at most this many pairs of chunks.
+MAX_OVERLAP_COMPARISONS = 1 << 20
+
+_Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
 def _check_tiling(key: str, records: list[ItemRecord], global_shape: tuple[int, ...],
                   fail: Callable[[str, str | None], CorruptCheckpointError]) -> None:
-    """No two chunks overlap (a sweep along dim 0 compares only chunks whose rows meet), and
-    their volumes add up to the tensor's, so together they cover it."""
-    boxes = sorted((r.chunk_offsets or (), r.shape or ()) for r in records)
-    active: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
-    for offsets, shape in boxes:
-        if 0 in shape:
-            continue
-        if offsets:
-            active = [(o, s) for o, s in active if o[0] + s[0] > offsets[0]]
+    """The chunks' volumes add up to the tensor's and their corners cancel to its own
+    (`_tiles`); if not, the error names an overlapping pair (a bounded sweep) or the gap."""
+    boxes: list[_Box] = [(r.chunk_offsets or (), r.shape or ()) for r in records
+                         if 0 not in (r.shape or ())]
+    if len(boxes) == 1 and boxes[0] == ((0,) * len(global_shape), global_shape):
+        return  # one whole chunk: most items
+    volume = math.prod(global_shape)
+    covered = sum(math.prod(shape) for _, shape in boxes)
+    if covered == volume and _tiles(key, boxes, global_shape, fail):
+        return
+    pair = _overlapping_pair(boxes)
+    if pair is not None:
+        (offsets, shape), (other_offsets, _) = pair
+        raise fail(f"item {key!r}: chunk at {list(offsets)} of shape {list(shape)} overlaps "
+                   f"the chunk at {list(other_offsets)}", key)
+    if covered != volume:
+        raise fail(f"item {key!r}: expected chunks covering all {volume} elements of shape "
+                   f"{list(global_shape)}, found {covered}", key)
+    raise fail(f"item {key!r}: expected chunks that do not overlap, found an overlap among "
+               f"{len(boxes)} chunks (too many to name the pair)", key)
+
+
+def _tiles(key: str, boxes: list[_Box], global_shape: tuple[int, ...],
+           fail: Callable[[str, str | None], CorruptCheckpointError]) -> bool:
+    """Whether non-empty `boxes` (inside the tensor) tile it exactly.
+
+    A box's indicator is the signed sum of the orthants at its 2**k corners (sign -1 per upper
+    coordinate), so the boxes tile the tensor exactly (every element covered once) iff the
+    signs summed at each point cancel but at the tensor's own corners. Only the k dims some box
+    does not span are looked at; sorting the n * 2**k corners makes it O(n log n) for a given
+    k (k is 1 or 2 for real shardings).
+    """
+    split = [dim for dim, size in enumerate(global_shape)
+             if any(offsets[dim] or shape[dim] != size for offsets, shape in boxes)]
+    k = len(split)
+    if not k:  # every box spans the tensor: one, or none for an empty tensor
+        return len(boxes) <= 1
+    if (len(boxes) << k) * k > MAX_TILING_COORDINATES:
+        raise fail(f"item {key!r}: {len(boxes)} chunks split along {k} dims: expected at most "
+                   f"{MAX_TILING_COORDINATES} corner coordinates to check their tiling, found "
+                   f"{(len(boxes) << k) * k}", key)
+    low = np.array([[offsets[dim] for dim in split] for offsets, _ in boxes], dtype=np.int64)
+    high = low + np.array([[shape[dim] for dim in split] for _, shape in boxes], dtype=np.int64)
+    upper = (np.arange(1 << k)[:, None] >> np.arange(k) & 1).astype(bool)  # corner -> dims
+    signs = 1 - 2 * (upper.sum(axis=1) % 2)
+    corners = np.where(upper[:, None, :], high, low).reshape(-1, k)
+    found = _signed_points(corners, np.repeat(signs, len(boxes)))
+    expected = _signed_points(np.where(upper, [global_shape[dim] for dim in split], 0), signs)
+    return all(np.array_equal(a, b) for a, b in zip(found, expected, strict=True))
+
+
+def _signed_points(points: np.ndarray, signs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct points (rows, sorted) whose signs do not sum to 0, and their sums."""
+    order = np.lexsort(points.T[::-1])
+    points, signs = points[order], signs[order]
+    starts = np.flatnonzero(np.r_[True, (points[1:] != points[:-1]).any(axis=1)])
+    sums = np.add.reduceat(signs, starts)
+    return points[starts[sums != 0]], sums[sums != 0]
+
+
+def _overlapping_pair(boxes: list[_Box]) -> tuple[_Box, _Box] | None:
+    """Two overlapping boxes, if a sweep finds them within `MAX_OVERLAP_COMPARISONS`: along
+    the dim where the boxes start at the most places, comparing only boxes that meet in it."""
+    if not boxes or not boxes[0][0]:  # 0-dim: any two overlap
+        return (boxes[1], boxes[0]) if len(boxes) > 1 else None
+    dim = max(range(len(boxes[0][0])), key=lambda d: len({offsets[d] for offsets, _ in boxes}))
+    active: list[_Box] = []
+    budget = MAX_OVERLAP_COMPARISONS
+    for offsets, shape in sorted(boxes, key=lambda box: box[0][dim]):
+        active = [(o, s) for o, s in active if o[dim] + s[dim] > offsets[dim]]
         for other_offsets, other_shape in active:
             if all(a < b + m and b < a + n for a, n, b, m in zip(
                     offsets, shape, other_offsets, other_shape, strict=True)):
-                raise fail(f"item {key!r}: chunk at {list(offsets)} of shape {list(shape)} "
-                           f"overlaps the chunk at {list(other_offsets)}", key)
+                return (offsets, shape), (other_offsets, other_shape)
+        budget -= len(active) + 1
+        if budget < 0:
+            return None
         active.append((offsets, shape))
-    covered = sum(math.prod(shape) for _, shape in boxes)
-    if covered != math.prod(global_shape):
-        raise fail(f"item {key!r}: expected chunks covering all {math.prod(global_shape)} "
-                   f"elements of shape {list(global_shape)}, found {covered}", key)
-
-
-def is_count(value: Any) -> bool:
-    """Whether a parsed JSON value is a non-negative int (not a bool)."""
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _parse_shape(value: Any) -> tuple[int, ...] | None:
-    if isinstance(value, list) and all(is_count(v) for v in value):
-        return tuple(value)
     return None
 
 
-def _parse_item(raw: Any, files: dict[str, int], algorithm: str | None, fail: Any) -> ItemRecord:
-    if not isinstance(raw, dict):
-        raise fail(f"item: expected an object, found {type(raw).__name__}")
-    key = raw.get("key")
-    if not isinstance(key, str) or "\x00" in key:
-        raise fail(f"item key {key!r}: expected a string without NUL")
-    kind = raw.get("kind")
-    file, offset, nbytes = raw.get("file"), raw.get("offset"), raw.get("nbytes")
-    checksum = raw.get("checksum")
-    encoding = raw.get("encoding", "raw")
-    if kind not in ("tensor", "ndarray", "bytes", "object"):
-        raise fail(f"item {key!r} kind {kind!r}: expected tensor, ndarray, bytes or object", key)
-    if encoding != ("torch_save" if kind == "object" else "raw"):
-        raise fail(f"item {key!r} encoding {encoding!r}: expected torch_save for objects, raw "
-                   "otherwise", key)
-    if file not in files:
-        raise fail(f"item {key!r} file {file!r}: expected one of the manifest's files", key)
-    if not (is_count(offset) and is_count(nbytes)) or offset + nbytes > files[file]:
-        raise fail(f"item {key!r} bytes [{offset!r}, +{nbytes!r}): expected inside {file} "
-                   f"({files[file]} bytes)", key)
-    if not (is_digest(checksum) if algorithm is not None else checksum is None):
-        expected = "16 lowercase hex digits" if algorithm is not None else "null"
-        raise fail(f"item {key!r} checksum {checksum!r}: expected {expected} ({algorithm})", key)
-    if kind in ("bytes", "object"):
-        return ItemRecord(key, kind, None, None, None, None, file, offset, nbytes, checksum,
-                          encoding)
-    dtype = raw.get("dtype")
-    table = TORCH_DTYPES if kind == "tensor" else NUMPY_DTYPES
-    if dtype not in table:
-        raise fail(f"item {key!r} dtype {dtype!r}: expected one of {sorted(table)}", key)
-    shape = _parse_shape(raw.get("shape"))
-    global_shape = _parse_shape(raw.get("global_shape"))
-    chunk_offsets = _parse_shape(raw.get("chunk_offsets"))
-    if shape is None or global_shape is None or chunk_offsets is None or not (
-            len(shape) == len(global_shape) == len(chunk_offsets)):
-        raise fail(f"item {key!r}: expected shape, global_shape and chunk_offsets as lists of "
-                   "non-negative integers of one length", key)
-    if any(o + s > g for o, s, g in zip(chunk_offsets, shape, global_shape, strict=True)):
-        raise fail(f"item {key!r} chunk at {list(chunk_offsets)} of shape {list(shape)}: "
-                   f"expected inside global shape {list(global_shape)}", key)
-    expected = math.prod(shape) * table[dtype].itemsize
-    if expected != nbytes:
-        raise fail(f"item {key!r}: expected {expected} bytes for {dtype} {list(shape)}, "
-                   f"found nbytes {nbytes}", key)
-    return ItemRecord(key, kind, dtype, shape, global_shape, chunk_offsets, file, offset,
-                      nbytes, checksum)
+def is_count(value: Any) -> bool:
+    """Whether a parsed value is an int (not a bool) in [0, 2**63)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT64
 
 
 def _check_structure(structure: Any, keys: set[str], fail: Any) -> None:
@@ -294,13 +450,13 @@ def _check_structure(structure: Any, keys: set[str], fail: Any) -> None:
     while stack:
         node = stack.pop()
         if not (isinstance(node, dict) and len(node) == 1):
-            raise fail(f"structure node {str(node)[:80]!r}: expected an object with one tag")
+            raise fail(f"structure node {brief(node)}: expected an object with one tag")
         (tag, body), = node.items()
         if tag not in _STRUCTURE_TAGS:
-            raise fail(f"structure tag {tag!r}: expected one of {sorted(_STRUCTURE_TAGS)}")
+            raise fail(f"structure tag {brief(tag)}: expected one of {sorted(_STRUCTURE_TAGS)}")
         if tag == "item":
-            if body not in keys:
-                raise fail(f"structure references item {body!r}, which the manifest lacks")
+            if not isinstance(body, str) or body not in keys:
+                raise fail(f"structure references item {brief(body)}, which the manifest lacks")
             referenced.add(body)
         elif tag == "dict":
             if not isinstance(body, list):
@@ -308,7 +464,7 @@ def _check_structure(structure: Any, keys: set[str], fail: Any) -> None:
             for pair in body:
                 if not (isinstance(pair, list) and len(pair) == 2 and isinstance(
                         pair[0], str | int) and not isinstance(pair[0], bool)):
-                    raise fail(f"structure dict entry {str(pair)[:80]!r}: expected [key, node]")
+                    raise fail(f"structure dict entry {brief(pair)}: expected [key, node]")
                 stack.append(pair[1])
         elif tag in ("list", "tuple"):
             if not isinstance(body, list):
@@ -319,3 +475,52 @@ def _check_structure(structure: Any, keys: set[str], fail: Any) -> None:
     if referenced != keys:
         missing = sorted(keys - referenced)[:3]
         raise fail(f"items {missing} are not referenced by the structure")
+
+
+def brief(value: Any) -> str:
+    """`value` for an error message: the repr of a short string or an int of up to 64 bits,
+    else its type and length. Bounded time and length, where a hostile value's own repr could
+    be gigabytes (or exponential, for shared nesting unpickled from a DCP `.metadata`)."""
+    if isinstance(value, str):
+        text = str.__str__(value)
+        return repr(text) if len(text) <= 64 else f"{text[:48]!r}... ({len(text)} chars)"
+    if isinstance(value, int):
+        number = int(value)
+        return repr(number) if number.bit_length() <= 64 else f"<int of {number.bit_length()} bits>"
+    if value is None or isinstance(value, float):
+        return repr(value)
+    if isinstance(value, list | tuple | dict):
+        return f"<{type(value).__name__} of {len(value)}>"
+    return f"<{type(value).__name__}>"
+
+
+class _GcPause:
+    """Pauses the cyclic garbage collector while metadata is parsed (see `paused_gc`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._num_pauses = 0
+        self._was_enabled = False
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if not self._num_pauses:
+                self._was_enabled = gc.isenabled()
+                gc.disable()
+            self._num_pauses += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._num_pauses -= 1
+                if not self._num_pauses and self._was_enabled:
+                    gc.enable()
+
+
+paused_gc = _GcPause()
+"""Context manager: no garbage collection (process-wide) until the last of the overlapping
+pauses ends. Parsing metadata makes millions of objects and no cycles: collections then only
+walk every object in the process, again and again as the parse grows them (half a 100k-item
+manifest's parse time; quadratic in junk containers). Cycles other threads make meanwhile wait
+for the next collection after it."""

@@ -100,6 +100,14 @@ def _rewrite(path: str, manifest: dict) -> None:
         (lambda m: m.update(structure={"item": "ghost"}),
          r"structure references item 'ghost', which the manifest lacks"),
         (lambda m: m.update(structure={"eval": "x"}), r"structure tag 'eval'"),
+        (lambda m: m["items"][0].update(shape=[0, 10**30], global_shape=[0, 10**30],
+                                        chunk_offsets=[0, 0], nbytes=0),
+         r"item 'a': expected shape, global_shape and chunk_offsets as lists of one length "
+         r"\(at most 64\) of integers in \[0, 2\*\*63\)"),
+        (lambda m: m["items"][0].update(shape=[0, 2**62, 2**62], global_shape=[0, 2**62, 2**62],
+                                        chunk_offsets=[0, 0, 0], nbytes=0),
+         r"item 'a' global_shape \[0, 4611686018427387904, 4611686018427387904\]: expected a "
+         r"shape torch can hold"),
     ],
 )
 async def test_hostile_manifest_is_refused(shm_path: str, edit: object, message: str) -> None:

@@ -3,17 +3,29 @@ anything but DCP's metadata types and plain values."""
 
 from __future__ import annotations
 
+import copyreg
 import json
 import os
 import pickle
+import time
 import warnings
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from asynctron import CorruptCheckpointError, Engine
+from asynctron.storage._dcp import read_dcp_manifest
 from tests.conftest import assert_same
 
 
@@ -103,6 +115,52 @@ async def test_an_item_outside_its_file_is_refused(tmp_path: object) -> None:
         await _load(f"{tmp_path}/dcp")
 
 
+def _rewrite_metadata(path: str, edit: object) -> None:
+    """Unpickle a test checkpoint's own (trusted) `.metadata`, `edit` it, pickle it back."""
+    with open(f"{path}/.metadata", "rb") as f:
+        metadata = pickle.load(f)
+    edit(metadata)  # type: ignore[operator]
+    with open(f"{path}/.metadata", "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def _declare(metadata: Metadata, size: list[int], chunks: list[list[int]],
+             sources: list[str]) -> None:
+    """Make key 'w' a float32 tensor of `size` whose chunks (at `chunks`, each of the size
+    the next offset leaves) are stored in the blobs of keys `sources`."""
+    bounds = [*(offsets[0] for offsets in chunks), size[0]]
+    metadata.state_dict_metadata = {"w": _tensor_entry(size, [
+        _chunk(offsets, [bounds[i + 1] - offsets[0], *size[1:]])
+        for i, offsets in enumerate(chunks)])}
+    blobs = {index.fqn: info for index, info in metadata.storage_data.items()}
+    metadata.storage_data = {MetadataIndex("w", offsets): blobs[source]
+                             for offsets, source in zip(chunks, sources, strict=True)}
+    metadata.planner_data = {"w": ("w",)}
+
+
+async def test_a_declared_size_beyond_the_stored_bytes_is_refused_before_allocating(
+        tmp_path: object) -> None:
+    """An 8 TiB tensor declared in two chunks stored as two blobs of 16 bytes."""
+    _save_stock(f"{tmp_path}/dcp", {"a": torch.ones(4), "b": torch.ones(4)})
+    _rewrite_metadata(f"{tmp_path}/dcp", lambda m: _declare(m, [1 << 41], [[0], [1 << 40]],
+                                                            ["a", "b"]))
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"^metadata .*: item 'w' chunk at \[0\] in __0_0\.distcp: "
+                             r"expected a torch\.save blob of at least 4398046511104 bytes for "
+                             r"float32 \[1099511627776\], found \d+; "):
+        await _load(f"{tmp_path}/dcp")
+
+
+async def test_an_empty_tensor_of_a_shape_torch_cannot_hold_is_refused(tmp_path: object) -> None:
+    _save_stock(f"{tmp_path}/dcp", {"a": torch.ones(4)})
+    _rewrite_metadata(f"{tmp_path}/dcp", lambda m: _declare(m, [0, 1 << 62, 1 << 62], [[0, 0, 0]],
+                                                            ["a"]))
+    with pytest.raises(CorruptCheckpointError,
+                       match=r"^metadata .*: item 'w' global_shape \[0, 4611686018427387904, "
+                             r"4611686018427387904\]: expected a shape torch can hold"):
+        await _load(f"{tmp_path}/dcp")
+
+
 @pytest.mark.parametrize("target", [".metadata", "__0_0.distcp"])
 async def test_a_linked_file_is_refused_not_followed(tmp_path: object, target: str) -> None:
     _save_stock(f"{tmp_path}/dcp", {"w": torch.ones(4)})
@@ -112,6 +170,139 @@ async def test_a_linked_file_is_refused_not_followed(tmp_path: object, target: s
                        match=rf"^file {tmp_path}/dcp/{target}: expected a regular file, found a "
                              r"symbolic link; "):
         await _load(f"{tmp_path}/dcp")
+
+
+def _tensor_entry(size: list[int], chunks: list[ChunkStorageMetadata]) -> TensorStorageMetadata:
+    return TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(size), chunks)
+
+
+def _chunk(offsets: list[int], sizes: list[int]) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes))
+
+
+def _hostile_checkpoint(path: str, state_dict_metadata: dict, storage_data: dict,
+                        planner_data: object = None) -> str:
+    """A checkpoint directory holding a 1 MiB data file and `.metadata` pickled from these."""
+    os.makedirs(path)
+    with open(f"{path}/__0_0.distcp", "wb") as f:
+        f.truncate(1 << 20)
+    with open(f"{path}/.metadata", "wb") as f:
+        pickle.dump(Metadata(state_dict_metadata, planner_data, storage_data), f)
+    return path
+
+
+def _refused_quickly(path: str, message: str) -> CorruptCheckpointError:
+    started = time.perf_counter()
+    with pytest.raises(CorruptCheckpointError, match=message) as raised:
+        read_dcp_manifest(path)
+    assert time.perf_counter() - started < 5
+    assert len(str(raised.value)) < 400
+    return raised.value
+
+
+def test_a_chunk_list_shared_by_every_key_is_refused_before_it_is_walked(tmp_path: object) -> None:
+    """2000 keys share one list of 100k chunks (a few MiB pickled): finding each key's chunk
+    in it would take 2e8 steps."""
+    shared = _tensor_entry([100_000], [_chunk([i], [1]) for i in range(100_000)])
+    keys = [f"k{i}" for i in range(2000)]
+    path = _hostile_checkpoint(f"{tmp_path}/dcp", dict.fromkeys(keys, shared), {
+        MetadataIndex(key, [0]): _StorageInfo("__0_0.distcp", 0, 4) for key in keys})
+    _refused_quickly(path, r"^metadata .*/\.metadata: field 'state_dict_metadata': expected "
+                           r"at most \d+ chunks in all \(one per 32 bytes of the file\), found "
+                           r"\d+ by key 'k\d+'; chunks are listed more than once \(lists "
+                           r"shared between keys, or chunks repeated\); ")
+
+
+def test_a_chunk_listed_twice_is_refused(tmp_path: object) -> None:
+    entry = _tensor_entry([2], [_chunk([1], [1])] * 2 + [_chunk([0], [1])])
+    path = _hostile_checkpoint(f"{tmp_path}/dcp", {"w": entry}, {
+        MetadataIndex("w", [0]): _StorageInfo("__0_0.distcp", 0, 4)})
+    _refused_quickly(path, r"^metadata .*: item 'w': chunk at \[1\] listed twice; ")
+
+
+def test_a_file_name_nesting_shared_lists_is_refused_with_a_short_message(
+        tmp_path: object) -> None:
+    """A relative_path of 40 levels of one shared list twice: its repr would be 2**40 long."""
+    nested: list = []
+    for _ in range(40):
+        nested = [nested, nested]
+    path = _hostile_checkpoint(f"{tmp_path}/dcp", {"w": _tensor_entry([1], [_chunk([0], [1])])},
+                               {MetadataIndex("w", [0]): _StorageInfo(nested, 0, 1)})
+    _refused_quickly(path, r"^metadata .*: item 'w' file <list of 2>: expected a file name "
+                           r"inside the checkpoint")
+
+
+def test_a_huge_integer_is_refused_as_corrupt(tmp_path: object) -> None:
+    path = _hostile_checkpoint(f"{tmp_path}/dcp", {"w": _tensor_entry([1], [_chunk([0], [1])])},
+                               {MetadataIndex("w", [0]): _StorageInfo("__0_0.distcp", 1 << 20000,
+                                                                      1)})
+    _refused_quickly(path, r"^metadata .*: item 'w' bytes \[<int of 20001 bits>, \+1\): "
+                           r"expected inside __0_0\.distcp \(1048576 bytes\)")
+
+
+def test_a_tensor_of_too_many_dims_is_refused(tmp_path: object) -> None:
+    dims = 100_000
+    entry = _tensor_entry([1] * dims, [_chunk([0] * dims, [1] * dims)])
+    path = _hostile_checkpoint(f"{tmp_path}/dcp", {"w": entry},
+                               {MetadataIndex("w", [0] * dims): _StorageInfo("__0_0.distcp", 0,
+                                                                             1)})
+    _refused_quickly(path, r"^metadata .*: item 'w' size: expected a torch\.Size of at most 64 "
+                           r"dims in \[0, 2\*\*63\), found 100000 dims; ")
+
+
+class _Call:
+    """Pickles as a call of `function` on `args` (how a hostile pickle calls a global)."""
+
+    def __init__(self, function: object, *args: object) -> None:
+        self._reduced = (function, args)
+
+    def __reduce__(self) -> tuple:
+        return self._reduced
+
+
+class _HostileProperties:
+    """Pickles as a `TensorProperties` made by NEWOBJ, then given `state` by BUILD."""
+
+    __class__ = TensorProperties  # type: ignore[assignment]  # what the pickler names
+
+    def __init__(self, state: tuple) -> None:
+        self._state = state
+
+    def __reduce__(self) -> tuple:
+        return copyreg.__newobj__, (TensorProperties,), self._state
+
+
+def _shared_nest(kind: type, depth: int = 40) -> object:
+    nested = kind()
+    for _ in range(depth):
+        nested = kind([nested, nested])
+    return nested
+
+
+@pytest.mark.parametrize("call", [
+    _Call(_MEM_FORMAT_ENCODING, _shared_nest(list)),  # the enum's ValueError holds its repr
+    _Call(torch.serialization._get_layout, _shared_nest(tuple)),  # its KeyError would hash it
+    _HostileProperties(  # its __setstate__ formats the bad encoding into its error
+        (torch.float32, torch.strided, False, _shared_nest(list), False)),
+], ids=["memory format", "layout", "tensor properties"])
+def test_admitted_globals_check_their_arguments_first(tmp_path: object, call: object) -> None:
+    path = _hostile_checkpoint(f"{tmp_path}/dcp", {}, {}, planner_data=call)
+    _refused_quickly(path, r"^metadata .*: expected a pickled Metadata, found UnpicklingError: "
+                           r"'(memory format|layout|TensorProperties state) <(list|tuple) of "
+                           r"\d+>: expected ")
+
+
+@pytest.mark.parametrize("planner_data", [
+    {"a": ("a",), "a.b": ("a", "b")},  # "a" is both a value and a dict
+    {"a": tuple(["x"] * 5000), "a.b": ("a", "b")},  # nests deeper than Python recursion
+], ids=["conflicting paths", "deep path"])
+def test_bad_planner_data_falls_back_to_flat_keys(tmp_path: object, planner_data: dict) -> None:
+    entry = _tensor_entry([1], [_chunk([0], [1])])
+    path = _hostile_checkpoint(f"{tmp_path}/dcp", {"a": entry, "a.b": entry}, {
+        MetadataIndex("a", [0]): _StorageInfo("__0_0.distcp", 0, 4),
+        MetadataIndex("a.b", [0]): _StorageInfo("__0_0.distcp", 4, 4)}, planner_data)
+    manifest = read_dcp_manifest(path)
+    assert manifest.structure == {"dict": [["a", {"item": "a"}], ["a.b", {"item": "a.b"}]]}
 
 
 async def _load(path: str) -> dict:

@@ -1,11 +1,17 @@
-"""A key's chunks must tile its tensor: the manifest check refuses overlaps and gaps."""
+"""The manifest parser: a key's chunks must tile its tensor (overlaps and gaps refused, in
+near-linear time), and hostile bytes cost bounded time and memory with short error messages."""
 
 from __future__ import annotations
+
+import gc
+import json
+import math
+import time
 
 import pytest
 
 from asynctron.errors import CorruptCheckpointError
-from asynctron.storage._manifest import ItemRecord, check_chunks
+from asynctron.storage._manifest import ItemRecord, check_chunks, encode_manifest, parse_manifest
 
 
 def _tile(offsets: tuple[int, int], shape: tuple[int, int] = (2, 2)) -> ItemRecord:
@@ -40,3 +46,102 @@ def test_overlaps_and_gaps_are_refused_naming_the_key(tiles: list[ItemRecord],
     with pytest.raises(CorruptCheckpointError, match=rf"^{message}") as raised:
         check_chunks(tiles, _fail)
     assert raised.value.key == "w"
+
+
+def _box(offsets: tuple[int, ...], shape: tuple[int, ...],
+         global_shape: tuple[int, ...]) -> ItemRecord:
+    return ItemRecord("w", "tensor", "float32", shape, global_shape, offsets, "__0_0.distcp", 0,
+                      4 * math.prod(shape), None)
+
+
+def test_column_chunks_are_checked_in_near_linear_time() -> None:
+    """100k chunks that all span dim 0 (a column-sharded tensor): a sweep along dim 0 would
+    compare every pair (5e9 comparisons)."""
+    columns = [_box((0, i), (1, 1), (1, 100_000)) for i in range(100_000)]
+    started = time.perf_counter()
+    check_chunks(columns, _fail)
+    assert time.perf_counter() - started < 10  # near-linear takes well under a second
+
+
+def _grid(n: int) -> list[ItemRecord]:
+    return [_box((2 * i, 2 * j, 2 * k), (2, 2, 2), (2 * n,) * 3)
+            for i in range(n) for j in range(n) for k in range(n)]
+
+
+def test_a_3d_grid_tiles_and_a_missing_or_moved_box_is_refused() -> None:
+    check_chunks(_grid(8), _fail)
+    with pytest.raises(CorruptCheckpointError, match=r"^item 'w': expected chunks covering all "
+                                                     r"4096 elements of shape \[16, 16, 16\], "
+                                                     r"found 4088$"):
+        check_chunks(_grid(8)[1:], _fail)
+    moved = _grid(8)
+    moved[5] = _box((1, 1, 1), (2, 2, 2), (16,) * 3)  # same volume: a gap and an overlap
+    with pytest.raises(CorruptCheckpointError, match=r"^item 'w': chunk at \[\d+, \d+, \d+\] of "
+                                                     r"shape \[2, 2, 2\] overlaps the chunk at "):
+        check_chunks(moved, _fail)
+
+
+def test_overlapping_column_chunks_are_refused_quickly() -> None:
+    columns = [_box((0, i), (1, 1), (1, 100_000)) for i in range(100_000)]
+    columns[50_000] = _box((0, 49_999), (1, 1), (1, 100_000))
+    started = time.perf_counter()
+    with pytest.raises(CorruptCheckpointError, match=r"^item 'w': "):
+        check_chunks(columns, _fail)
+    assert time.perf_counter() - started < 10
+
+
+def _manifest_json(num_items: int) -> bytes:
+    items = [ItemRecord(f"model.layers.{i}.w", "tensor", "float32", (4,), (4,), (0,),
+                        "__0_0.distcp", 64 * i, 16, "0123456789abcdef") for i in range(num_items)]
+    structure = json.dumps({"dict": [[item.key, {"item": item.key}] for item in items]})
+    return encode_manifest(structure=structure, items=items, checksums=None,
+                           files={"__0_0.distcp": 64 * num_items}, created_unix_s=1.0,
+                           checksum="xxh3_64")
+
+
+def test_parsing_pauses_the_garbage_collector() -> None:
+    """The parse makes only acyclic objects: collections would walk every object in the
+    process, again and again as the parse grows them (1574 times for 100k items, half the
+    parse's time). One young-generation collection may follow the pause."""
+    data = _manifest_json(100_000)
+    collections: list[str] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append(phase)
+
+    gc.callbacks.append(count)
+    try:
+        manifest = parse_manifest(data, "m.json")
+    finally:
+        gc.callbacks.remove(count)
+    assert len(manifest.items) == 100_000 and len(collections) <= 1
+
+
+def test_non_ascii_bytes_are_refused_naming_the_offset() -> None:
+    """asynctron writes every non-ASCII character escaped; one raw multi-byte character would
+    make the decoded text 4 bytes a character."""
+    data = _manifest_json(2).replace(b'"model.layers.1.w"', '"é"'.encode())
+    offset = data.index("é".encode())
+    with pytest.raises(CorruptCheckpointError,
+                       match=rf"^manifest m\.json: byte {offset}: expected ASCII JSON \(asynctron "
+                             r"escapes every other character\), found 0xc3; "):
+        parse_manifest(data, "m.json")
+
+
+@pytest.mark.parametrize("value", ["x" * 10_000_000, [[]] * 1_000_000, 10**4000],
+                         ids=["long string", "many lists", "huge int"])
+def test_errors_show_a_bounded_part_of_a_hostile_value(value: object) -> None:
+    data = _manifest_json(2).replace(b'"format":"asynctron"',
+                                     b'"format":' + json.dumps(value).encode())
+    with pytest.raises(CorruptCheckpointError, match=r"^manifest m\.json: expected format "
+                                                     r"'asynctron', found ") as raised:
+        parse_manifest(data, "m.json")
+    assert len(str(raised.value)) < 300
+
+
+def test_a_non_finite_creation_time_is_refused() -> None:
+    data = _manifest_json(2).replace(b'"created_unix_s":1.0', b'"created_unix_s":1e999')
+    with pytest.raises(CorruptCheckpointError, match=r"^manifest m\.json: field 'created_unix_s': "
+                                                     r"expected a finite number, found inf; "):
+        parse_manifest(data, "m.json")
