@@ -2,11 +2,12 @@
 
 Subcommands:
 - `inspect PATH`: the manifest as a table (or `--json`); reads the manifest and file sizes only.
-- `verify PATH`: re-reads every item and checks its checksum. A `CheckpointReader` on an
-  `Engine`'s executor reads each file in batched calls into one reused buffer per file and
-  hashes as it goes, two files at a time, so memory stays bounded by two calls, where
-  `asynctron.load(path)` would hold the whole checkpoint, and every corrupt item is reported,
-  not only the first.
+- `verify PATH`: re-reads every item and checks its checksum, and decodes every `torch.save`
+  blob (stock DCP items, pickled values) as a load would, so it fails wherever a load would. A
+  `CheckpointReader` on an `Engine`'s executor reads each file in batched calls into one reused
+  buffer per file and hashes as it goes, two files at a time, so memory stays bounded by two
+  calls (and the blobs being decoded), where `asynctron.load(path)` would hold the whole
+  checkpoint, and every corrupt item is reported, not only the first.
 - `demo`: generates a corpus, trains a small GPT on local gloo ranks (async loader, awaitable
   gradient buckets, async checkpoints every K steps), stops half-way, resumes from the newest
   checkpoint, and checks the resumed run repeats an uninterrupted one bit for bit.
@@ -42,6 +43,8 @@ from asynctron.datasets import PreprocessConfig, preprocess
 from asynctron.engine import Engine
 from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from asynctron.storage import LocalFileIO, Manifest, read_manifest, resolve_checkpoint
+from asynctron.storage._dcp import decode_blob, tensor_of
+from asynctron.storage._manifest import ItemRecord
 from asynctron.storage._reader import CheckpointReader, ReadJob
 
 #: Benchmark scenario -> module under the source checkout's `bench/` directory.
@@ -182,16 +185,20 @@ def _verify(args: argparse.Namespace) -> int:
     if failures:
         print(f"checkpoint {path}: {len(failures)} of {len(manifest.items)} items corrupt")
         return 1
+    num_blobs = sum(record.encoding == "torch_save" for record in manifest.items)
+    decoded = f"; {num_blobs} torch.save items decode" if num_blobs else ""
     if manifest.checksum is None:
-        print(f"checkpoint {path}: saved without checksums; nothing to verify")
+        print(f"checkpoint {path}: saved without checksums{decoded or '; nothing to verify'}")
         return 0
     print(f"checkpoint {path}: {len(manifest.items)} items, {format_nbytes(manifest.nbytes)} in "
-          f"{len(manifest.files)} files: {manifest.checksum} ok")
+          f"{len(manifest.files)} files: {manifest.checksum} ok{decoded}")
     return 0
 
 
 async def verify_checkpoint(path: str) -> tuple[str, Manifest, list[CorruptCheckpointError]]:
-    """Read every item of the checkpoint at `path` and check its checksum.
+    """Check every item of the checkpoint at `path` as a load would: read it and check its
+    checksum, and decode each `torch.save` blob (stock DCP items, pickled values) with the
+    checks a load makes (`decode_blob`, `tensor_of`), so verify fails wherever load would.
 
     Returns:
         the resolved checkpoint path, its manifest, and one error per corrupt item.
@@ -201,21 +208,68 @@ async def verify_checkpoint(path: str) -> tuple[str, Manifest, list[CorruptCheck
         CorruptCheckpointError: a bad manifest or a file of the wrong size (nothing is read).
         StorageError: a file could not be opened or read.
 
-    Memory: one buffer of `slab_bytes` per data file being read, two files at a time.
+    Memory: one buffer of `slab_bytes` per data file being read, two files at a time; then
+    `torch.save` blobs read and decoded about `slab_bytes` at a time (a larger blob alone).
     """
     async with Engine(num_workers=2) as engine:
         reader = CheckpointReader(LocalFileIO(), path, engine.run_blocking,
                                   max_files_at_once=engine.config.num_workers)
         try:
             manifest = await reader.open()
+            blobs = [record for record in manifest.items if record.encoding == "torch_save"]
             with tqdm(total=manifest.nbytes, unit="B", unit_scale=True, unit_divisor=1024,
                       desc="verify", file=sys.stderr, disable=None) as progress:
                 failures = await reader.read(
-                    [ReadJob(record, None) for record in manifest.items], verify=True,
+                    [ReadJob(record, None) for record in manifest.items
+                     if record.encoding == "raw"], verify=True,
                     call_nbytes=engine.config.slab_bytes, progress=progress.update)
+                for batch in _batches(blobs, engine.config.slab_bytes):
+                    failures += await _decode_blobs(reader, engine, batch, progress.update)
         finally:
             await reader.aclose()
     return reader.path, manifest, failures
+
+
+def _batches(records: list[ItemRecord], nbytes: int) -> list[list[ItemRecord]]:
+    """`records` in runs of about `nbytes` (a larger record alone)."""
+    batches: list[list[ItemRecord]] = [[]]
+    total = 0
+    for record in records:
+        if batches[-1] and total + record.nbytes > nbytes:
+            batches.append([])
+            total = 0
+        batches[-1].append(record)
+        total += record.nbytes
+    return [batch for batch in batches if batch]
+
+
+async def _decode_blobs(reader: CheckpointReader, engine: Engine, records: list[ItemRecord],
+                        progress: Callable[[int], None]) -> list[CorruptCheckpointError]:
+    """Read `records` (checksummed where they have digests), then decode each in the engine's
+    executor; one error per item that fails either."""
+    buffers = [bytearray(record.nbytes) for record in records]
+    failures = await reader.read([ReadJob(record, memoryview(buffer))
+                                  for record, buffer in zip(records, buffers, strict=True)],
+                                 verify=True, call_nbytes=engine.config.slab_bytes,
+                                 progress=progress)
+    failed = {(error.key, error.offset) for error in failures}
+    for record, buffer in zip(records, buffers, strict=True):
+        if (record.key, record.offset) not in failed:
+            error = await engine.run_blocking(_decode, record, buffer, reader.file_path(record))
+            if error is not None:
+                failures.append(error)
+    return failures
+
+
+def _decode(record: ItemRecord, buffer: bytearray, path: str) -> CorruptCheckpointError | None:
+    """Blocks: decode a `torch.save` blob as a load does; the error it would raise, or None."""
+    try:
+        value = decode_blob(memoryview(buffer), key=record.key, path=path)
+        if record.kind == "tensor":
+            tensor_of(value, record, path)
+    except CorruptCheckpointError as error:
+        return error
+    return None
 
 
 # demo ------------------------------------------------------------------------------------------

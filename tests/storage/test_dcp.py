@@ -7,6 +7,7 @@ import copyreg
 import json
 import os
 import pickle
+import re
 import time
 import warnings
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import uvloop
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     _MEM_FORMAT_ENCODING,
@@ -25,6 +27,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from asynctron import CorruptCheckpointError, Engine
+from asynctron.cli import main
 from asynctron.storage._dcp import read_dcp_manifest
 from tests.conftest import assert_same
 
@@ -170,6 +173,42 @@ async def test_a_linked_file_is_refused_not_followed(tmp_path: object, target: s
                        match=rf"^file {tmp_path}/dcp/{target}: expected a regular file, found a "
                              r"symbolic link; "):
         await _load(f"{tmp_path}/dcp")
+
+
+def test_verify_decodes_every_blob_as_a_load_would(tmp_path: object,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    _save_stock(f"{tmp_path}/dcp", {"w": torch.ones(4), "step": 3})
+    assert main(["verify", f"{tmp_path}/dcp"]) == 0
+    assert capsys.readouterr().out == (f"checkpoint {tmp_path}/dcp: saved without checksums; 2 "
+                                       "torch.save items decode\n")
+
+
+def _store_a_in_bs_blob(metadata: Metadata) -> None:
+    metadata.storage_data = {MetadataIndex("a", [0]): metadata.storage_data[
+        MetadataIndex("b", [0])]}
+    del metadata.state_dict_metadata["b"]
+
+
+@pytest.mark.parametrize(("state", "edit", "message", "summary"), [
+    ({"gadget": Gadget(), "w": torch.ones(2)}, None,
+     r"item 'gadget' in .*/__0_0\.distcp: expected a torch\.save blob of tensors and plain "
+     r"values, found UnpicklingError", "1 of 2 items corrupt"),
+    ({"a": torch.ones(4), "b": torch.ones(5)}, _store_a_in_bs_blob,
+     r"item 'a' in .*/__0_0\.distcp: expected torch\.float32 \[4\], found torch\.float32 "
+     r"\[5\]; ", "1 of 1 items corrupt"),
+], ids=["forbidden class", "wrong shape"])
+def test_verify_fails_where_a_load_fails(tmp_path: object, capsys: pytest.CaptureFixture[str],
+                                         state: dict, edit: object, message: str,
+                                         summary: str) -> None:
+    _save_stock(f"{tmp_path}/dcp", state)
+    if edit is not None:
+        _rewrite_metadata(f"{tmp_path}/dcp", edit)
+    with pytest.raises(CorruptCheckpointError, match=rf"^{message}"):
+        uvloop.run(_load(f"{tmp_path}/dcp"))
+    assert main(["verify", f"{tmp_path}/dcp"]) == 1
+    captured = capsys.readouterr()
+    assert re.search(rf"^asynctron verify: {message}", captured.err, re.MULTILINE), captured.err
+    assert captured.out == f"checkpoint {tmp_path}/dcp: {summary}\n"
 
 
 def _tensor_entry(size: list[int], chunks: list[ChunkStorageMetadata]) -> TensorStorageMetadata:
