@@ -61,8 +61,10 @@ from asynctron.storage._manifest import (
 from asynctron.storage._plan import Structure
 
 METADATA_NAME = ".metadata"
-#: A `.metadata` larger than this is refused before unpickling.
-MAX_METADATA_BYTES = 512 << 20
+#: A `.metadata` larger than this is refused before unpickling. A stock DCP checkpoint takes
+#: about 290 bytes an item (whole tensors, 40-character keys: 289 MB for 1M items; about 135 a
+#: chunk of a sharded tensor), so this admits about 1.3M items.
+MAX_METADATA_BYTES = 384 << 20
 _DATA_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
 
 _DCP_METADATA_TYPES = frozenset({
@@ -165,6 +167,7 @@ def read_dcp_manifest(checkpoint: str) -> Manifest:
                                       path=path, key=key)
 
     raw = _sysio.read_small_file(path, MAX_METADATA_BYTES)
+    created_unix_s = os.path.getmtime(path)
     with paused_gc():
         try:
             metadata = MetadataUnpickler(raw, path).load()
@@ -172,19 +175,26 @@ def read_dcp_manifest(checkpoint: str) -> Manifest:
             raise
         except Exception as exc:
             raise fail(f"expected a pickled Metadata, found {_exception_text(exc)}") from exc
-        if not isinstance(metadata, Metadata) or not isinstance(
-                metadata.state_dict_metadata, Mapping) or not isinstance(
-                metadata.storage_data, Mapping):
-            raise fail(f"expected a Metadata with state_dict_metadata and storage_data, found "
-                       f"{type(metadata).__name__}")
-        tables = _ChunkTables(len(raw) // METADATA_BYTES_PER_CHUNK, fail)
-        items, files = _records(metadata, checkpoint, tables, fail)
-        check_chunks(items, fail)
-        stored = {item.key for item in items}
-        structure = _structure(metadata.planner_data,
-                               [key for key in metadata.state_dict_metadata if key in stored])
-        return Manifest(structure=structure, items=tuple(items), files=files,
-                        created_unix_s=os.path.getmtime(path), checksum=None)
+        manifest = _manifest_of(metadata, checkpoint, created_unix_s,
+                                len(raw) // METADATA_BYTES_PER_CHUNK, fail)
+        del metadata  # freed now, by reference counts: the collector never walks it
+    return manifest
+
+
+def _manifest_of(metadata: Any, checkpoint: str, created_unix_s: float, max_chunks: int,
+                 fail: Callable[..., CorruptCheckpointError]) -> Manifest:
+    if not isinstance(metadata, Metadata) or not isinstance(
+            metadata.state_dict_metadata, Mapping) or not isinstance(
+            metadata.storage_data, Mapping):
+        raise fail(f"expected a Metadata with state_dict_metadata and storage_data, found "
+                   f"{type(metadata).__name__}")
+    items, files = _records(metadata, checkpoint, _ChunkTables(max_chunks, fail), fail)
+    check_chunks(items, fail)
+    stored = {item.key for item in items}
+    structure = _structure(metadata.planner_data,
+                           [key for key in metadata.state_dict_metadata if key in stored])
+    return Manifest(structure=structure, items=tuple(items), files=files,
+                    created_unix_s=created_unix_s, checksum=None)
 
 
 def _exception_text(exc: Exception) -> str:
