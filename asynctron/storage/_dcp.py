@@ -183,16 +183,22 @@ def read_dcp_manifest(checkpoint: str) -> Manifest:
 
 def _manifest_of(metadata: Any, checkpoint: str, created_unix_s: float, max_chunks: int,
                  fail: Callable[..., CorruptCheckpointError]) -> Manifest:
-    if not isinstance(metadata, Metadata) or not isinstance(
-            metadata.state_dict_metadata, Mapping) or not isinstance(
-            metadata.storage_data, Mapping):
-        raise fail(f"expected a Metadata with state_dict_metadata and storage_data, found "
-                   f"{type(metadata).__name__}")
-    items, files = _records(metadata, checkpoint, _ChunkTables(max_chunks, fail), fail)
+    """The manifest of an unpickled `.metadata`. Its objects were made by NEWOBJ and BUILD,
+    which may have left any attribute out: each is read with a default."""
+    if not isinstance(metadata, Metadata):
+        raise fail(f"expected a pickled Metadata, found {type(metadata).__name__}")
+    state_dict_metadata = getattr(metadata, "state_dict_metadata", None)
+    storage_data = getattr(metadata, "storage_data", None)
+    for field, value in (("state_dict_metadata", state_dict_metadata),
+                         ("storage_data", storage_data)):
+        if not isinstance(value, Mapping):
+            raise fail(f"field {field!r}: expected a mapping, found {brief(value)}")
+    items, files = _records(state_dict_metadata, storage_data, checkpoint,
+                            _ChunkTables(max_chunks, fail), fail)
     check_chunks(items, fail)
     stored = {item.key for item in items}
-    structure = _structure(metadata.planner_data,
-                           [key for key in metadata.state_dict_metadata if key in stored])
+    structure = _structure(getattr(metadata, "planner_data", None),
+                           [key for key in state_dict_metadata if key in stored])
     return Manifest(structure=structure, items=tuple(items), files=files,
                     created_unix_s=created_unix_s, checksum=None)
 
@@ -205,25 +211,26 @@ def _exception_text(exc: Exception) -> str:
     return type(exc).__name__
 
 
-def _records(metadata: Metadata, checkpoint: str, tables: _ChunkTables,
-             fail: Callable[..., CorruptCheckpointError]
+def _records(state_dict_metadata: Mapping[Any, Any], storage_data: Mapping[Any, Any],
+             checkpoint: str, tables: _ChunkTables, fail: Callable[..., CorruptCheckpointError]
              ) -> tuple[list[ItemRecord], dict[str, int]]:
     """One record per stored item, each checked against its data file; the files' sizes."""
     sizes: dict[str, int] = {}
     items = []
-    for index, info in metadata.storage_data.items():
+    for index, info in storage_data.items():
         if not isinstance(index, MetadataIndex) or not isinstance(info, _StorageInfo):
             raise fail(f"storage entry {brief(index)}: expected MetadataIndex -> _StorageInfo")
-        key = index.fqn
+        key = getattr(index, "fqn", None)
         if not isinstance(key, str) or "\x00" in key:
             raise fail(f"item key {brief(key)}: expected a string without NUL")
-        name = info.relative_path
+        name = getattr(info, "relative_path", None)
         if not isinstance(name, str) or not _DATA_FILE.fullmatch(name) or name == METADATA_NAME:
             raise fail(f"item {key!r} file {brief(name)}: expected a file name inside the "
                        "checkpoint", key)
-        if info.transform_descriptors:
-            raise fail(f"item {key!r}: expected no stream transforms, found "
-                       f"{brief(info.transform_descriptors)}", key)
+        transforms = getattr(info, "transform_descriptors", None)
+        if transforms:
+            raise fail(f"item {key!r}: expected no stream transforms, found {brief(transforms)}",
+                       key)
         if name not in sizes:
             file_path = os.path.join(checkpoint, name)
             if not _sysio.exists(file_path):
@@ -231,16 +238,17 @@ def _records(metadata: Metadata, checkpoint: str, tables: _ChunkTables,
                     f"file {file_path}: expected a data file, found none; the checkpoint lost "
                     "a file", path=file_path, key=key)
             sizes[name] = _sysio.data_file_size(file_path)
-        offset, length = info.offset, info.length
+        offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not (is_count(offset) and is_count(length)) or offset + length > sizes[name]:
             raise fail(f"item {key!r} bytes [{brief(offset)}, +{brief(length)}): expected "
                        f"inside {name} ({sizes[name]} bytes)", key)
-        entry = metadata.state_dict_metadata.get(key)
+        entry = state_dict_metadata.get(key)
         if isinstance(entry, BytesStorageMetadata):
             items.append(ItemRecord(key, "object", None, None, None, None, name, offset, length,
                                     None, encoding="torch_save"))
         else:
-            items.append(tables.record(key, entry, index.offset, name, offset, length))
+            items.append(tables.record(key, entry, getattr(index, "offset", None), name, offset,
+                                       length))
     return items, sizes
 
 
@@ -290,17 +298,17 @@ class _ChunkTables:
         if not isinstance(entry, TensorStorageMetadata):
             raise fail(f"item {key!r}: expected tensor or bytes metadata, found "
                        f"{type(entry).__name__}", key)
-        properties = entry.properties
-        dtype = properties.dtype if isinstance(properties, TensorProperties) else None
+        dtype = getattr(getattr(entry, "properties", None), "dtype", None)
         if not isinstance(dtype, torch.dtype) or dtype not in _DTYPE_NAMES:
             raise fail(f"item {key!r} dtype {brief(dtype)}: expected one of "
                        f"{sorted(TORCH_DTYPES)}", key)
-        size = _dims(entry.size)
+        claimed_size = getattr(entry, "size", None)
+        size = _dims(claimed_size)
         if size is None:
             raise fail(f"item {key!r} size: expected a torch.Size of at most {MAX_DIMS} dims in "
-                       f"[0, 2**63), found {_shape_text(entry.size)}", key)
+                       f"[0, 2**63), found {_shape_text(claimed_size)}", key)
         check_fits(key, size, dtype.itemsize, fail)
-        chunks = entry.chunks
+        chunks = getattr(entry, "chunks", None)
         if not isinstance(chunks, list):
             raise fail(f"item {key!r} chunks {brief(chunks)}: expected a list", key)
         self._num_chunks += len(chunks)
@@ -311,10 +319,11 @@ class _ChunkTables:
                        "(lists shared between keys, or chunks repeated)", key)
         table: dict[tuple[int, ...], tuple[int, ...]] = {}
         for chunk in chunks:
-            offsets, shape = (_dims(chunk.offsets), _dims(chunk.sizes)) if isinstance(
+            claimed = (getattr(chunk, "offsets", None), getattr(chunk, "sizes", None))
+            offsets, shape = map(_dims, claimed) if isinstance(
                 chunk, ChunkStorageMetadata) else (None, None)
             if offsets is None or shape is None or not len(offsets) == len(shape) == len(size):
-                found = (f"offsets {_shape_text(chunk.offsets)}, sizes {_shape_text(chunk.sizes)}"
+                found = (f"offsets {_shape_text(claimed[0])}, sizes {_shape_text(claimed[1])}"
                          if isinstance(chunk, ChunkStorageMetadata) else brief(chunk))
                 raise fail(f"item {key!r} chunk: expected offsets and sizes of {len(size)} dims "
                            f"in [0, 2**63), found {found}", key)

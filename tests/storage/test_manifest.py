@@ -140,8 +140,11 @@ def test_errors_show_a_bounded_part_of_a_hostile_value(value: object) -> None:
     assert len(str(raised.value)) < 300
 
 
-def test_a_non_finite_creation_time_is_refused() -> None:
-    data = _manifest_json(2).replace(b'"created_unix_s":1.0', b'"created_unix_s":1e999')
-    with pytest.raises(CorruptCheckpointError, match=r"^manifest m\.json: field 'created_unix_s': "
-                                                     r"expected a finite number, found inf; "):
+@pytest.mark.parametrize(("value", "shown"), [(b"1e999", "inf"), (b"-1", "-1"),
+                                             (b"1" + b"0" * 400, "<int of 1329 bits>")])
+def test_a_creation_time_datetime_cannot_show_is_refused(value: bytes, shown: str) -> None:
+    data = _manifest_json(2).replace(b'"created_unix_s":1.0', b'"created_unix_s":' + value)
+    with pytest.raises(CorruptCheckpointError, match=rf"^manifest m\.json: field 'created_unix_s': "
+                                                     r"expected seconds since 1970 up to the year "
+                                                     rf"9999, found {shown}; "):
         parse_manifest(data, "m.json")
