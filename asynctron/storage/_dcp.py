@@ -19,11 +19,13 @@ DCP's files at its own speed: frames around raw bodies, plus `metadata_bytes`.
 
 from __future__ import annotations
 
+import collections
 import functools
 import io
 import itertools
 import math
 import os
+import pathlib
 import pickle
 import re
 import threading
@@ -46,7 +48,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from asynctron.errors import CorruptCheckpointError
-from asynctron.storage import _sysio
+from asynctron.storage import _pickle_costs, _sysio
 from asynctron.storage._dtypes import TORCH_DTYPES
 from asynctron.storage._manifest import (
     MAX_DIMS,
@@ -65,6 +67,16 @@ METADATA_NAME = ".metadata"
 #: about 290 bytes an item (whole tensors, 40-character keys: 289 MB for 1M items; about 135 a
 #: chunk of a sharded tensor), so this admits about 1.3M items.
 MAX_METADATA_BYTES = 384 << 20
+#: What unpickling a `.metadata` may cost by `_pickle_costs.check`'s count, per byte of it,
+#: above a floor. DCP's own metadata counts 28.5 bytes and 0.9 elements a byte (its objects
+#: take about 12 bytes a byte), TensorProperties alone 66 and 1.4: so up to 1 GiB, or about a
+#: third more than a real checkpoint of that size counts.
+UNPICKLE_BYTES_PER_BYTE = 36
+UNPICKLE_WORK_PER_BYTE = 4
+MIN_UNPICKLE_BYTES = 1 << 30
+MIN_UNPICKLE_WORK = 1 << 26
+#: A path in `StorageMeta`: as long as Linux lets a path be.
+MAX_PATH_CHARS = 4096
 _DATA_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,254}")
 
 _DCP_METADATA_TYPES = frozenset({
@@ -74,10 +86,7 @@ _DCP_METADATA_TYPES = frozenset({
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-})
+    })
 _LAYOUTS = {str(value): value for value in vars(torch).values()
             if isinstance(value, torch.layout)}
 
@@ -111,20 +120,55 @@ class _TensorProperties(TensorProperties):
         super().__setstate__(state)
 
 
+def _path_of(cls: type[pathlib.PurePath]) -> Callable[..., pathlib.PurePath]:
+    """`cls(*parts)` for a few str parts: joining one long part, memoised, many times over
+    would allocate far more than the pickle holds."""
+    def path(*parts: object) -> pathlib.PurePath:
+        if not all(isinstance(part, str) for part in parts) or (
+                sum(len(part) + 1 for part in parts) > MAX_PATH_CHARS):
+            raise pickle.UnpicklingError(f"{cls.__name__} of {brief(parts)}: expected str parts "
+                                         f"of at most {MAX_PATH_CHARS} characters in all")
+        return cls(*parts)
+    return path
+
+
+def _ordered_dict(*args: object) -> collections.OrderedDict:
+    """`OrderedDict()`, as its pickle makes it (items follow as SETITEMS, which
+    `_pickle_costs` counts); given items, it would hash whatever they are."""
+    if args:
+        raise pickle.UnpicklingError("OrderedDict with arguments: expected its items as "
+                                     "SETITEMS, as pickle writes them")
+    return collections.OrderedDict()
+
+
 _GUARDED_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch.serialization", "_get_layout"): _layout,
     ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): _memory_format,
     ("torch.distributed.checkpoint.metadata", "TensorProperties"): _TensorProperties,
+    ("pathlib", "PosixPath"): _path_of(pathlib.PosixPath),
+    ("pathlib", "PurePosixPath"): _path_of(pathlib.PurePosixPath),
+    ("collections", "OrderedDict"): _ordered_dict,
 }
 
 
 class MetadataUnpickler(pickle.Unpickler):
     """Unpickles a DCP `.metadata`, admitting only DCP's metadata types and torch dtypes
-    (three of them through guards that check their arguments first)."""
+    (some of them through guards that check their arguments first), once `_pickle_costs` has
+    found its costs within `UNPICKLE_BYTES_PER_BYTE` and `UNPICKLE_WORK_PER_BYTE` of its
+    size."""
 
     def __init__(self, data: bytes, path: str) -> None:
         super().__init__(io.BytesIO(data))
+        self._data = data
         self._path = path
+
+    def load(self) -> Any:
+        try:
+            check_pickle_costs(self._data)
+        except ValueError as exc:
+            raise CorruptCheckpointError(f"metadata {self._path}: {exc}; refusing to unpickle it",
+                                         path=self._path) from None
+        return super().load()
 
     def find_class(self, module: str, name: str) -> Any:
         guarded = _GUARDED_GLOBALS.get((module, name))
@@ -135,6 +179,14 @@ class MetadataUnpickler(pickle.Unpickler):
         raise CorruptCheckpointError(
             f"metadata {self._path}: expected only DCP metadata types, found global "
             f"{module[:80]}.{name[:80]}; refusing to unpickle it", path=self._path)
+
+
+def check_pickle_costs(data: bytes | memoryview) -> None:
+    """Raises ValueError (naming the byte) unless unpickling `data` costs at most
+    `UNPICKLE_BYTES_PER_BYTE` and `UNPICKLE_WORK_PER_BYTE` of its size, above the floors."""
+    size = len(data)
+    _pickle_costs.check(data, max(MIN_UNPICKLE_BYTES, UNPICKLE_BYTES_PER_BYTE * size),
+                        max(MIN_UNPICKLE_WORK, UNPICKLE_WORK_PER_BYTE * size))
 
 
 def is_dcp_checkpoint(path: str) -> bool:
@@ -150,9 +202,8 @@ def read_dcp_manifest(checkpoint: str) -> Manifest:
     keys are refused before they are walked); a tensor has at most `MAX_DIMS` dims; each
     chunk's blob holds at least the chunk's bytes (so a load never allocates more than the files
     hold); error messages show bounded parts of hostile values (`brief`). Unpickling runs with
-    the garbage collector paused (`paused_gc`). Not bounded: CPython's own unpickler, which a
-    crafted pickle can make hash a nest of shared tuples (time exponential in its depth) or grow
-    its memo table (16 bytes per index a PUT names).
+    the garbage collector paused (`paused_gc`), after `MetadataUnpickler` has bounded what the
+    unpickler itself would allocate, hash and copy.
 
     Raises:
         CorruptCheckpointError: a foreign global in the pickle, a malformed `Metadata`, an item
@@ -513,12 +564,14 @@ _NUMPY_GLOBALS = [np.ndarray, np.dtype, np._core.multiarray._reconstruct] + [
 
 def decode_blob(data: memoryview, *, key: str, path: str) -> Any:
     """Blocks: a `torch.save` blob of a DCP item as its value (a CPU tensor, or a Python value
-    of tensors, containers, scalars and numpy arrays); nothing else is unpickled.
+    of tensors, containers, scalars and numpy arrays); nothing else is unpickled, and its pickle
+    only once `check_pickle_costs` passes it.
 
     Raises:
         CorruptCheckpointError: the blob is not a loadable `torch.save` blob (names the item).
     """
     try:
+        check_pickle_costs(_pickle_of(data))
         with torch.serialization.safe_globals(_NUMPY_GLOBALS):
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
@@ -527,6 +580,12 @@ def decode_blob(data: memoryview, *, key: str, path: str) -> Any:
             f"found {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; the "
             "item is damaged or holds objects asynctron refuses to unpickle",
             path=path, key=key) from exc
+
+
+def _pickle_of(blob: memoryview) -> bytes:
+    """The pickle in a `torch.save` blob (a zip archive holding `<name>/data.pkl`), read by
+    the reader `torch.load` uses (which skips CRC-32s, as `torch_save_frame` leaves them out)."""
+    return torch._C.PyTorchFileReader(io.BytesIO(blob)).get_record("data.pkl")
 
 
 def tensor_of(value: Any, record: ItemRecord, path: str) -> torch.Tensor:

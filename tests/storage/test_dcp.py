@@ -3,9 +3,11 @@ anything but DCP's metadata types and plain values."""
 
 from __future__ import annotations
 
+import collections
 import copyreg
 import json
 import os
+import pathlib
 import pickle
 import re
 import warnings
@@ -318,16 +320,28 @@ def _shared_nest(kind: type, depth: int = 40) -> object:
 
 
 @pytest.mark.parametrize("call", [
-    _Call(_MEM_FORMAT_ENCODING, _shared_nest(list)),  # the enum's ValueError holds its repr
-    _Call(torch.serialization._get_layout, _shared_nest(tuple)),  # its KeyError would hash it
+    _Call(_MEM_FORMAT_ENCODING, list(range(100_000))),  # the enum's ValueError holds its repr
+    _Call(torch.serialization._get_layout, tuple(range(100_000))),  # and the KeyError
     _HostileProperties(  # its __setstate__ formats the bad encoding into its error
-        (torch.float32, torch.strided, False, _shared_nest(list), False)),
-], ids=["memory format", "layout", "tensor properties"])
+        (torch.float32, torch.strided, False, list(range(100_000)), False)),
+    _Call(pathlib.PosixPath, *["x" * 1000] * 100),
+    _Call(collections.OrderedDict, [(i, i) for i in range(10)]),
+], ids=["memory format", "layout", "tensor properties", "path", "ordered dict"])
 def test_admitted_globals_check_their_arguments_first(tmp_path: object, call: object) -> None:
     path = _hostile_checkpoint(f"{tmp_path}/dcp", {}, {}, planner_data=call)
     _refused(path, r"^metadata .*: expected a pickled Metadata, found UnpicklingError: "
-                           r"'(memory format|layout|TensorProperties state) <(list|tuple) of "
-                           r"\d+>: expected ")
+                   r"'?((memory format|layout|TensorProperties state|PosixPath of) <(list|tuple) "
+                   r"of \d+>: expected |OrderedDict with arguments)")
+
+
+@pytest.mark.parametrize("call", [
+    _Call(_MEM_FORMAT_ENCODING, _shared_nest(list)),
+    _Call(torch.serialization._get_layout, _shared_nest(tuple)),  # a KeyError would hash it
+], ids=["memory format", "layout"])
+def test_shared_nests_are_refused_before_unpickling(tmp_path: object, call: object) -> None:
+    path = _hostile_checkpoint(f"{tmp_path}/dcp", {}, {}, planner_data=call)
+    _refused(path, r"^metadata .*: byte \d+: unpickling would (allocate more than \d+ bytes|"
+                   r"hash, compare or copy more than \d+ elements)")
 
 
 @pytest.mark.parametrize("planner_data", [
