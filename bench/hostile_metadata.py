@@ -51,11 +51,20 @@ TIME_LIMIT_S = 2.0
 MEMORY_LIMIT_BYTES = 1 << 30
 _FILE = "__0_0.distcp"
 
-#: measured in a fresh process: read the checkpoint's metadata as a load does
+#: measured in a fresh process: read the checkpoint's metadata as a load does; the peak
+#: resident set is reset after the imports (Linux's clear_refs), so it is the read's own
 CHILD = """
-import resource, sys, time
+import re, sys, time
 from asynctron.storage._reader import read_manifest
-baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def peak_bytes():
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\\s+(\\d+) kB", f.read()).group(1)) << 10
+def resident_bytes():
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmRSS:\\s+(\\d+) kB", f.read()).group(1)) << 10
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+baseline = resident_bytes()
 started = time.perf_counter()
 try:
     manifest = read_manifest(sys.argv[1])
@@ -63,8 +72,7 @@ try:
 except Exception as error:
     outcome = f"refused: {type(error).__name__}: {str(error)[:160]}"
 elapsed = time.perf_counter() - started
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(repr((outcome, elapsed, (peak - baseline) * 1024)))
+print(repr((outcome, elapsed, peak_bytes() - baseline)))
 """
 
 
@@ -149,12 +157,34 @@ def metadata_attacks(size: int) -> dict[str, bytes]:
     attacks["one chunk list shared by every key"] = pickle.dumps(shared, protocol=4)
     # One memoised object repeated: a list of `size/2` references (BINGET + APPENDS).
     one = pickle.dumps(["x"], protocol=4)
-    body = one[:-3] + b"(" + b"h\x01" * max(1, (size - len(one)) // 2) + b"e."
+    body = one[:-2] + b"0(" + b"h\x01" * max(1, (size - len(one)) // 2) + b"e."
     attacks["one object referenced many times"] = body
     attacks["deep nesting"] = b"\x80\x04" + b"]" * 2 + b"(" * (size // 2) + b"."
     digits = max(1, size - 16)
     attacks["huge integer"] = (b"\x80\x04\x8b" + digits.to_bytes(4, "little")
                                + b"\x01" * digits + b".")
+    # PUT naming index 2**31 - 1: CPython grows its memo table to 32 GiB (10 bytes).
+    attacks["memo index 2**31"] = b"\x80\x04]r\xff\xff\xff\x7f."
+    # A dict keyed by a 60-level nest of shared tuples: hashing walks 2**60 tuples.
+    nest = b")r\x00\x00\x00\x000"
+    for i in range(60):
+        get = b"j" + i.to_bytes(4, "little")
+        nest += get + get + b"\x86r" + (i + 1).to_bytes(4, "little") + b"0"
+    attacks["shared tuple nest as a dict key"] = (b"\x80\x04}" + nest + b"j"
+                                                  + (60).to_bytes(4, "little") + b"K\x01s.")
+    # Empty lists, 2 bytes each: the objects take 40 bytes a byte of pickle.
+    count = max(1, (size - 8) // 2)
+    attacks["empty lists"] = b"\x80\x04](" + b"]" * count + b"e."
+    # One state dict of 1000 fields, BUILT into DCP chunk objects of 15 bytes each (GET class,
+    # EMPTY_TUPLE, NEWOBJ, GET state, BUILD, APPEND): 56 KB an object.
+    state = b"}r\x01\x00\x00\x00(" + b"".join(
+        b"\x8c\x06f" + f"{i:05d}".encode() + b"K\x01" for i in range(1000)) + b"u0"
+    module, name = b"torch.distributed.checkpoint.metadata", b"ChunkStorageMetadata"
+    head = (b"\x80\x04]\x8c" + bytes([len(module)]) + module + b"\x8c" + bytes([len(name)]) + name
+            + b"\x93r\x00\x00\x00\x000" + state)
+    objects = max(1, (size - len(head)) // 15)
+    attacks["one state built into many objects"] = head + (
+        b"j\x00\x00\x00\x00)\x81j\x01\x00\x00\x00ba" * objects) + b"."
     return attacks
 
 
