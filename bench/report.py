@@ -419,19 +419,29 @@ def section_train_data(result: dict[str, Any], docs: str) -> list[str]:
 def section_hostile(result: dict[str, Any], docs: str) -> list[str]:
     meta = result["meta"]
     limit_s, limit_mib = meta["time_limit_s"], meta["memory_limit_bytes"] / MiB
+
+    def outcome(text: str) -> str:
+        if not text.startswith("refused"):
+            return text
+        reason = text.split(": ", 2)[-1]
+        return "refused (" + (reason.split(": ", 1)[-1][:70]) + ")"
+
     rows = [[row["file"], row["input"], f"{row['bytes'] / MiB:.0f}", f"{row['seconds']:.2f}",
-             f"{row['peak_bytes'] / MiB:.0f}", row["outcome"].split(":")[0].replace(
-                 "refused", "refused (" + row["outcome"].split(":")[1].strip() + ")")
-             if row["outcome"].startswith("refused") else row["outcome"],
-             _ok(row["within_target"])] for row in result["rows"]]
+             f"{row['peak_bytes'] / MiB:.0f}",
+             f"{row['seconds_vs_real']:.2f} / {row['peak_vs_real']:.2f}", outcome(row["outcome"]),
+             "met" if row["within_absolute"] else
+             (f"met (<= {meta['relative_limit']:g}x real)" if row["within_real"] else "NOT MET")]
+            for row in result["rows"]]
     lines = [f"Each input is read as a load reads it (`read_manifest` on a checkpoint directory), "
-             f"in a fresh process; inputs are as large as the reader admits (`manifest.json` "
+             f"in a fresh process, at 16 MiB and as large as the reader admits (`manifest.json` "
              f"<= {meta['manifest_cap_bytes'] / MiB:.0f} MiB, `.metadata` <= "
-             f"{meta['metadata_cap_bytes'] / MiB:.0f} MiB). Peak: the process's peak RSS above "
-             f"its baseline. Target: refused or loaded within {limit_s:g} s and "
-             f"{limit_mib / 1024:g} GiB.", ""]
-    return [*lines, *_table(["file", "input", "MiB", "s", "peak MiB", "outcome", "target"],
-                            rows)]
+             f"{meta['metadata_cap_bytes'] / MiB:.0f} MiB). Peak: the read's peak RSS above the "
+             f"process's after its imports. x real: time and peak against the real metadata of "
+             f"the same size (the row above it of that file). Target: refused or loaded within "
+             f"{limit_s:g} s and {limit_mib / 1024:g} GiB, or where the real metadata itself "
+             f"takes more, within {meta['relative_limit']:g} times what it takes.", ""]
+    return [*lines, *_table(["file", "input", "MiB", "s", "peak MiB", "x real (s / peak)",
+                             "outcome", "target"], rows)]
 
 
 SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any], str], list[str]]]] = {
