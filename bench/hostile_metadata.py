@@ -9,8 +9,9 @@ one memoised object, nest deeply, hold one huge integer, name memo index 2**31, 
 a nest of shared tuples, make empty lists, or build one state into many objects. Each is read
 the way a load reads it (`read_manifest` on a checkpoint directory). Reported per input:
 refused (the error's first words) or loaded, wall time, the read's peak memory, and both
-against the real metadata of the same size. Target: at most 2 s and 1 GiB, or, where the
-real metadata itself takes more, at most 1.5 times what it takes.
+against the costliest real metadata of the same size (for `manifest.json`, a checkpoint of
+tensors and one of empty lists). Target: at most 2 s and 1 GiB, or, where real metadata itself
+takes more, at most 1.5 times what it takes.
 
 Run: `python -m bench.hostile_metadata` (or `asynctron bench hostile`); `--quick` for a smoke
 run. Results: printed, and written as JSON to bench/results/hostile_<host>_<date>.json.
@@ -110,6 +111,16 @@ def legit_manifest(size: int) -> tuple[bytes, int]:
                            checksum=None), 64 * len(items)
 
 
+def legit_manifest_of_containers(size: int) -> tuple[bytes, int]:
+    """A real manifest of about `size` bytes whose state dict holds empty lists (a manifest's
+    densest legitimate content: a Python object every 20 bytes), and its data file's size."""
+    count = max(1, size // len('["k0000000",{"list":[]}],'))
+    structure = json.dumps({"dict": [[f"k{i:07d}", {"list": []}] for i in range(count)]},
+                           separators=(",", ":"))
+    return encode_manifest(structure=structure, items=[], checksums=None, files={},
+                           created_unix_s=1.0, checksum=None), 0
+
+
 def manifest_attacks(size: int) -> dict[str, bytes]:
     files = {_FILE: 1 << 40}
     head = _head(files)
@@ -177,9 +188,11 @@ def metadata_attacks(size: int) -> dict[str, bytes]:
         nest += get + get + b"\x86r" + (i + 1).to_bytes(4, "little") + b"0"
     attacks["shared tuple nest as a dict key"] = (b"\x80\x04}" + nest + b"j"
                                                   + (60).to_bytes(4, "little") + b"K\x01s.")
-    # Empty lists, 2 bytes each: the objects take 40 bytes a byte of pickle.
-    count = max(1, (size - 8) // 2)
-    attacks["empty lists"] = b"\x80\x04](" + b"]" * count + b"e."
+    # Empty lists, a byte each, appended 1000 at a time as a pickler batches them: the objects
+    # take 80 bytes a byte of pickle.
+    batches = max(1, (size - 8) // 1002)
+    attacks["empty lists"] = b"\x80\x04]" + b"(" + b"]" * 1000 + b"e" + (
+        b"(" + b"]" * 1000 + b"e") * (batches - 1) + b"."
     # One state dict of 1000 fields, BUILT into DCP chunk objects of 15 bytes each (GET class,
     # EMPTY_TUPLE, NEWOBJ, GET state, BUILD, APPEND): 56 KB an object.
     state = b"}r\x01\x00\x00\x00(" + b"".join(
@@ -243,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         metadata_size = int(size_mib * MiB) if size_mib else MAX_METADATA_BYTES
         cases.append(("manifest.json", "real manifest",
                       lambda n=manifest_size: legit_manifest(n)))
+        cases.append(("manifest.json", "real manifest of empty lists",
+                      lambda n=manifest_size: legit_manifest_of_containers(n)))
         for name in list(manifest_attacks(1024))[:attacks]:
             cases.append(("manifest.json", name,
                           lambda name=name, n=manifest_size: (manifest_attacks(n)[name], 1 << 40)))
@@ -252,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             cases.append((".metadata", name,
                           lambda name=name, n=metadata_size: (metadata_attacks(n)[name], 1 << 40)))
     rows: list[dict[str, Any]] = []
-    real: dict[str, dict[str, Any]] = {}  # the real metadata just measured, per file
+    # per file, the costliest real metadata of the size at hand: (seconds, peak bytes)
+    real: dict[str, tuple[float, int]] = {}
     print(f"{'file':14s} {'input':36s} {'MiB':>6s} {'s':>6s} {'peak MiB':>8s} {'x real':>11s}  "
           "outcome")
     for file, name, build in cases:
@@ -268,13 +284,15 @@ def main(argv: list[str] | None = None) -> int:
         row = {"file": file, "input": name, "bytes": len(data), "seconds": seconds,
                "peak_bytes": peak, "outcome": outcome}
         if name.startswith("real "):
-            real[file] = row
-        base = real[file]
-        row["seconds_vs_real"] = seconds / base["seconds"]
-        row["peak_vs_real"] = peak / max(base["peak_bytes"], 1)
+            earlier = real.get(file) if rows and rows[-1]["input"].startswith("real ") else None
+            real[file] = (max(seconds, earlier[0]), max(peak, earlier[1])) if earlier else (
+                seconds, peak)
+        real_seconds, real_peak = real[file]
+        row["seconds_vs_real"] = seconds / real_seconds
+        row["peak_vs_real"] = peak / max(real_peak, 1)
         row["within_absolute"] = seconds <= TIME_LIMIT_S and peak <= MEMORY_LIMIT_BYTES
-        row["within_real"] = (seconds <= base["seconds"] * RELATIVE_LIMIT
-                              and peak <= base["peak_bytes"] * RELATIVE_LIMIT)
+        row["within_real"] = (seconds <= real_seconds * RELATIVE_LIMIT
+                              and peak <= real_peak * RELATIVE_LIMIT)
         rows.append(row)
         print(f"{file:14s} {name:36s} {len(data) / MiB:6.1f} {seconds:6.2f} {peak / MiB:8.0f} "
               f"{row['seconds_vs_real']:5.2f} {row['peak_vs_real']:5.2f}  "
