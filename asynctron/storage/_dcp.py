@@ -68,10 +68,10 @@ METADATA_NAME = ".metadata"
 #: chunk of a sharded tensor), so this admits about 1.3M items.
 MAX_METADATA_BYTES = 384 << 20
 #: What unpickling a `.metadata` may cost by `_pickle_costs.check`'s count, per byte of it,
-#: above a floor. DCP's own metadata counts 28.5 bytes and 0.9 elements a byte (its objects
-#: take about 12 bytes a byte), TensorProperties alone 66 and 1.4: so up to 1 GiB, or about a
-#: third more than a real checkpoint of that size counts.
-UNPICKLE_BYTES_PER_BYTE = 36
+#: above a floor. Real DCP metadata counts 22-32 bytes and 0.8-1.3 elements a byte (the most
+#: for tensors of many dims under short keys; the objects themselves take about 12 bytes a
+#: byte): so up to 1 GiB, or half again what the costliest real checkpoint of that size counts.
+UNPICKLE_BYTES_PER_BYTE = 48
 UNPICKLE_WORK_PER_BYTE = 4
 MIN_UNPICKLE_BYTES = 1 << 30
 MIN_UNPICKLE_WORK = 1 << 26

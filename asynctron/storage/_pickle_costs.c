@@ -41,7 +41,7 @@ enum {
     INT_BYTES = 32, FLOAT_BYTES = 24, STR_BYTES = 56, WIDE_STR_BYTES = 80, BYTES_BYTES = 40,
     BYTEARRAY_BYTES = 64, LIST_BYTES = 72, LIST_ITEM_BYTES = 9, TUPLE_BYTES = 56,
     TUPLE_ITEM_BYTES = 8, DICT_BYTES = 80, DICT_ITEM_BYTES = 64, MAPPING_ITEM_BYTES = 128, SET_BYTES = 232,
-    SET_ITEM_BYTES = 144, CALL_BYTES = 96, CALL_ITEM_BYTES = 16, BUILD_BYTES = 160,
+    SET_ITEM_BYTES = 144, CALL_BYTES = 80, CALL_ITEM_BYTES = 16, BUILD_BYTES = 128,
     BUILD_ITEM_BYTES = 56, MEMO_SLOT_BYTES = 16, STACK_SLOT_BYTES = 8,
 };
 
@@ -215,7 +215,7 @@ static int collection(Machine *m, size_t from, uint8_t kind) {
         Cost *c = cost_of(m, &m->stack[i]);
         consume(m, i);
         deep = sat_add(deep, c->deep);
-        if (kind == TUPLE) {
+        if (kind == TUPLE && c->kind != OBJECT) { /* a state (dict, slots) copies its dicts */
             copy = sat_add(copy, c->copy);
             str_keys &= c->kind != DICT || c->str_keys;
         }

@@ -110,14 +110,18 @@ def _sharded_metadata(num_tensors: int, chunks: int) -> bytes:
     return metadata_bytes(records, [(0, 0)] * len(records), {}, "ckpt")
 
 
-@pytest.mark.parametrize("kind", ["stock DCP", "sharded"])
+@pytest.mark.parametrize("kind", ["stock DCP", "sharded", "short keys, 16 dims"])
 def test_real_metadata_is_within_the_budget_and_counted_near_its_cost(tmp_path: object,
                                                                        kind: str) -> None:
-    data = (_dcp_metadata(tmp_path, {f"model.layers.{i}.self_attention.linear_qkv.weight":
-                                     torch.zeros(4, 4) for i in range(N)} | {"step": 3})
-            if kind == "stock DCP" else _sharded_metadata(N // 8, 8))
+    if kind == "stock DCP":
+        data = _dcp_metadata(tmp_path, {f"model.layers.{i}.self_attention.linear_qkv.weight":
+                                        torch.zeros(4, 4) for i in range(N)} | {"step": 3})
+    elif kind == "sharded":
+        data = _sharded_metadata(N // 8, 8)
+    else:  # the densest real metadata found: a key of a few bytes, a Size of 16 dims
+        data = _dcp_metadata(tmp_path, {f"{i}": torch.zeros((1,) * 16) for i in range(N)})
     memory, work = _costs(data)
-    assert memory <= 0.85 * UNPICKLE_BYTES_PER_BYTE * len(data)
+    assert memory <= 0.75 * UNPICKLE_BYTES_PER_BYTE * len(data)
     assert work <= 0.5 * UNPICKLE_WORK_PER_BYTE * len(data)
     assert memory <= 3 * _unpickled_peak_bytes(data)
 
