@@ -114,8 +114,10 @@ def legit_manifest(size: int) -> tuple[bytes, int]:
 def legit_manifest_of_containers(size: int) -> tuple[bytes, int]:
     """A real manifest of about `size` bytes whose state dict holds empty lists (a manifest's
     densest legitimate content: a Python object every 20 bytes), and its data file's size."""
-    count = max(1, size // len('["k0000000",{"list":[]}],'))
-    structure = json.dumps({"dict": [[f"k{i:07d}", {"list": []}] for i in range(count)]},
+    empty = encode_manifest(structure='{"dict":[]}', items=[], checksums=None, files={},
+                            created_unix_s=1.0, checksum=None)
+    count = max(1, (size - len(empty)) // len('["k000000000",{"list":[]}],'))
+    structure = json.dumps({"dict": [[f"k{i:09d}", {"list": []}] for i in range(count)]},
                            separators=(",", ":"))
     return encode_manifest(structure=structure, items=[], checksums=None, files={},
                            created_unix_s=1.0, checksum=None), 0
