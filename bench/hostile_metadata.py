@@ -126,6 +126,7 @@ def legit_manifest_of_containers(size: int) -> tuple[bytes, int]:
 def manifest_attacks(size: int) -> dict[str, bytes]:
     files = {_FILE: 1 << 40}
     head = _head(files)
+    room = size - len(head) - 64  # what an input has beside its head, within `size`
     item = ('{"key":"k","kind":"bytes","dtype":null,"shape":null,"global_shape":null,'
             '"chunk_offsets":null,"file":"__0_0.distcp","offset":0,"nbytes":0,"checksum":null}')
     return {
@@ -133,14 +134,14 @@ def manifest_attacks(size: int) -> dict[str, bytes]:
                              size),
         "empty objects": _fill(head + ',"junk":[', "{}", "]}", size),
         "floats": _fill(head + ',"junk":[', "0.5", "]}", size),
-        "nesting": (head + ',"junk":' + "[" * (size // 2) + "]" * (size // 2) + "}").encode(),
-        "long string": (head + ',"junk":"' + "a" * size + '"}').encode(),
-        "huge integer": (head + ',"junk":' + "9" * size + "}").encode(),
+        "nesting": (head + ',"junk":' + "[" * (room // 2) + "]" * (room // 2) + "}").encode(),
+        "long string": (head + ',"junk":"' + "a" * room + '"}').encode(),
+        "huge integer": (head + ',"junk":' + "9" * room + "}").encode(),
         "many keys": _fill(head + ',"junk":{', '"k":0', "}}", size),
         "one key listed many times": _fill(head + ',"items":[', item,
                                            '],"structure":{"dict":[]}}', size),
-        "deep structure": (head + ',"items":[],"structure":' + '{"list":[' * (size // 10)
-                           + "]}" * (size // 10) + "}").encode(),
+        "deep structure": (head + ',"items":[],"structure":' + '{"list":[' * (room // 11)
+                           + "]}" * (room // 11) + "}").encode(),
     }
 
 
@@ -154,9 +155,10 @@ def _dcp_metadata(num_keys: int, chunks_per_key: int, shared: bool) -> Metadata:
         chunks = chunk_list if shared else [ChunkStorageMetadata(offsets=torch.Size([i]),
                                                                  sizes=torch.Size([1]))
                                             for i in range(chunks_per_key)]
-        sd_meta[f"k{k}"] = TensorStorageMetadata(properties, torch.Size([chunks_per_key]), chunks)
+        key = f"k{k:08d}"  # one width, so that 100 keys tell the size of a million
+        sd_meta[key] = TensorStorageMetadata(properties, torch.Size([chunks_per_key]), chunks)
         for i in range(chunks_per_key):
-            storage[MetadataIndex(f"k{k}", torch.Size([i]), i)] = _StorageInfo(
+            storage[MetadataIndex(key, torch.Size([i]), i)] = _StorageInfo(
                 _FILE, 4 * len(storage), 4)
     return Metadata(state_dict_metadata=sd_meta, storage_data=storage)
 
@@ -168,14 +170,14 @@ def metadata_attacks(size: int) -> dict[str, bytes]:
     chunks = max(1, size // 160)
     keys = max(1, size // (4 * 160))
     shared = _dcp_metadata(1, chunks, shared=True)
-    entry = shared.state_dict_metadata["k0"]
-    shared.state_dict_metadata.update({f"k{k}": entry for k in range(1, keys)})
-    shared.storage_data.update({MetadataIndex(f"k{k}", torch.Size([0]), 0):
+    entry = shared.state_dict_metadata["k00000000"]
+    shared.state_dict_metadata.update({f"k{k:08d}": entry for k in range(1, keys)})
+    shared.storage_data.update({MetadataIndex(f"k{k:08d}", torch.Size([0]), 0):
                                 _StorageInfo(_FILE, 4 * (chunks + k), 4) for k in range(1, keys)})
     attacks["one chunk list shared by every key"] = pickle.dumps(shared, protocol=4)
     # One memoised object repeated: a list of `size/2` references (BINGET + APPENDS).
     one = pickle.dumps(["x"], protocol=4)
-    body = one[:-2] + b"0(" + b"h\x01" * max(1, (size - len(one)) // 2) + b"e."
+    body = one[:-2] + b"0(" + b"h\x01" * max(1, (size - len(one) - 4) // 2) + b"e."
     attacks["one object referenced many times"] = body
     attacks["deep nesting"] = b"\x80\x04" + b"]" * 2 + b"(" * (size // 2) + b"."
     digits = max(1, size - 16)
@@ -211,10 +213,14 @@ def metadata_attacks(size: int) -> dict[str, bytes]:
 def legit_metadata(size: int) -> tuple[bytes, int]:
     """A real DCP metadata (one 1-float tensor per key) of about `size` bytes, and the size
     of its data file."""
-    per_key = len(pickle.dumps(_dcp_metadata(100, 1, shared=False), protocol=4)) // 100
-    num_keys = max(1, size // per_key)
-    return (pickle.dumps(_dcp_metadata(num_keys, 1, shared=False),
-                         protocol=pickle.HIGHEST_PROTOCOL), 4 * num_keys)
+    per_key = len(pickle.dumps(_dcp_metadata(100, 1, shared=False), protocol=4)) / 100
+    num_keys = max(1, int(size / per_key))
+    while True:  # offsets grow wider with the count: shrink until it fits
+        data = pickle.dumps(_dcp_metadata(num_keys, 1, shared=False),
+                            protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) <= size or num_keys == 1:
+            return data, 4 * num_keys
+        num_keys = max(1, int(num_keys * size / len(data) * 0.999))
 
 
 def _write_checkpoint(directory: str, name: str, data: bytes, data_bytes: int) -> str:
