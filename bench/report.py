@@ -429,19 +429,25 @@ def section_hostile(result: dict[str, Any], docs: str) -> list[str]:
     rows = [[row["file"], row["input"], f"{row['bytes'] / MiB:.0f}", f"{row['seconds']:.2f}",
              f"{row['peak_bytes'] / MiB:.0f}",
              f"{row['seconds_vs_real']:.2f} / {row['peak_vs_real']:.2f}", outcome(row["outcome"]),
-             "met" if row["within_absolute"] else
-             (f"met (<= {meta['relative_limit']:g}x real)" if row["within_real"] else "NOT MET")]
-            for row in result["rows"]]
+             _hostile_target(row, meta)] for row in result["rows"]]
     lines = [f"Each input is read as a load reads it (`read_manifest` on a checkpoint directory), "
              f"in a fresh process, at 16 MiB and as large as the reader admits (`manifest.json` "
              f"<= {meta['manifest_cap_bytes'] / MiB:.0f} MiB, `.metadata` <= "
              f"{meta['metadata_cap_bytes'] / MiB:.0f} MiB). Peak: the read's peak RSS above the "
-             f"process's after its imports. x real: time and peak against the real metadata of "
-             f"the same size (the row above it of that file). Target: refused or loaded within "
-             f"{limit_s:g} s and {limit_mib / 1024:g} GiB, or where the real metadata itself "
-             f"takes more, within {meta['relative_limit']:g} times what it takes.", ""]
+             f"process's after its imports. x real: time and peak against the costliest real "
+             f"metadata of that file and size (the rows named real). Target: refused or loaded "
+             f"within {limit_s:g} s and {limit_mib / 1024:g} GiB, or where the real metadata "
+             f"itself takes more, within {meta['relative_limit']:g} times what it takes.", ""]
     return [*lines, *_table(["file", "input", "MiB", "s", "peak MiB", "x real (s / peak)",
                              "outcome", "target"], rows)]
+
+
+def _hostile_target(row: dict[str, Any], meta: dict[str, Any]) -> str:
+    if row["within_absolute"]:
+        return "met"
+    if row["input"].startswith("real "):
+        return f"baseline (over {meta['time_limit_s']:g} s or 1 GiB)"
+    return f"met (<= {meta['relative_limit']:g}x real)" if row["within_real"] else "NOT MET"
 
 
 SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any], str], list[str]]]] = {
