@@ -38,11 +38,13 @@
  * rebuilders make; `set(list)` and `OrderedDict(pairs)`, which torch.load's unpickler admits,
  * build a table and may take up to 9 times that. */
 enum {
-    INT_BYTES = 32, FLOAT_BYTES = 24, STR_BYTES = 56, WIDE_STR_BYTES = 80, BYTES_BYTES = 40,
-    BYTEARRAY_BYTES = 64, LIST_BYTES = 72, LIST_ITEM_BYTES = 9, TUPLE_BYTES = 56,
-    TUPLE_ITEM_BYTES = 8, DICT_BYTES = 80, DICT_ITEM_BYTES = 64, MAPPING_ITEM_BYTES = 128, SET_BYTES = 232,
-    SET_ITEM_BYTES = 144, CALL_BYTES = 80, CALL_ITEM_BYTES = 16, BUILD_BYTES = 128,
-    BUILD_ITEM_BYTES = 56, MEMO_SLOT_BYTES = 16, STACK_SLOT_BYTES = 8,
+    INT_BYTES = 32, /* floats too (24) */
+    STR_BYTES = 56, WIDE_STR_BYTES = 80, BYTES_BYTES = 40, BYTEARRAY_BYTES = 64,
+    LIST_BYTES = 72, LIST_ITEM_BYTES = 9, TUPLE_BYTES = 56, TUPLE_ITEM_BYTES = 8,
+    DICT_BYTES = 80, DICT_ITEM_BYTES = 64, MAPPING_ITEM_BYTES = 128,
+    SET_BYTES = 232, SET_ITEM_BYTES = 144,
+    CALL_BYTES = 80, CALL_ITEM_BYTES = 16, BUILD_BYTES = 128, BUILD_ITEM_BYTES = 56,
+    MEMO_SLOT_BYTES = 16, STACK_SLOT_BYTES = 8,
 };
 
 enum { ATOM, STR, TUPLE, LIST, DICT, SET, OBJECT };
@@ -377,15 +379,16 @@ static uint64_t little_endian(const unsigned char *p, size_t n) {
     return value;
 }
 
-/* An opcode argument of `width` bytes giving the length of the bytes that follow it. */
-static const unsigned char *counted(Machine *m, size_t width, size_t *length) {
+/* An opcode argument of `width` bytes giving the length of the bytes that follow it (a signed
+ * one for LONG4 and BINSTRING). */
+static const unsigned char *counted(Machine *m, size_t width, int is_signed, size_t *length) {
     size_t n;
     const unsigned char *p = arg(m, (Py_ssize_t)width, &n);
     if (p == NULL) {
         return NULL;
     }
     uint64_t count = little_endian(p, width);
-    if (width == 4 && count >= ((uint64_t)1 << 31)) {
+    if (is_signed && count >= ((uint64_t)1 << 31)) {
         refuse(m, "a negative length");
         return NULL;
     }
@@ -440,15 +443,15 @@ static int step(Machine *m) {
         return arg(m, op == 'J' ? 4 : op == 'K' ? 1 : op == 'M' ? 2 : 8, &n)
                    ? push(m, ATOM, INT_BYTES) : -1;
     case 0x8a: case 0x8b: /* LONG1, LONG4 */
-        return counted(m, op == 0x8a ? 1 : 4, &n) ? push(m, ATOM, INT_BYTES + n) : -1;
+        return counted(m, op == 0x8a ? 1 : 4, op == 0x8b, &n) ? push(m, ATOM, INT_BYTES + n) : -1;
     case 'S': case 'V': /* STRING, UNICODE */
         return arg(m, -1, &n) ? push(m, STR, WIDE_STR_BYTES + 4 * (uint64_t)n) : -1;
     case 'T': case 'U': case 'X': case 0x8c: case 0x8d:
         /* BINSTRING, SHORT_BINSTRING, BINUNICODE, SHORT_BINUNICODE, BINUNICODE8 */
-        p = counted(m, op == 'U' || op == 0x8c ? 1 : op == 0x8d ? 8 : 4, &n);
+        p = counted(m, op == 'U' || op == 0x8c ? 1 : op == 0x8d ? 8 : 4, op == 'T', &n);
         return p ? push(m, STR, str_bytes(p, n)) : -1;
     case 'B': case 'C': case 0x8e: case 0x96: /* BINBYTES, SHORT_BINBYTES, BINBYTES8, BYTEARRAY8 */
-        if (!counted(m, op == 'C' ? 1 : op == 'B' ? 4 : 8, &n)) {
+        if (!counted(m, op == 'C' ? 1 : op == 'B' ? 4 : 8, 0, &n)) {
             return -1;
         }
         return push(m, ATOM, (op == 0x96 ? BYTEARRAY_BYTES : BYTES_BYTES) + n);

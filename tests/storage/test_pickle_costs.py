@@ -185,7 +185,8 @@ def test_changing_an_object_after_placing_it_in_another_is_refused() -> None:
     (b"\x80\x04N", r"^byte 3: the pickle ends without STOP$"),
     (b"\x80\x04.", r"^byte 2: STOP with nothing on the stack$"),
     (b"\x80\x04\x8c\x05ab.", r"^byte 2: a length of 5 bytes past the end$"),
-    (b"\x80\x04X\xff\xff\xff\xff.", r"^byte 2: a negative length$"),
+    (b"\x80\x04\x8b\xff\xff\xff\xff.", r"^byte 2: a negative length$"),
+    (b"\x80\x04X\xff\xff\xff\xff.", r"^byte 2: a length of 4294967295 bytes past the end$"),
     (b"\x80\x04t.", r"^byte 2: TUPLE, LIST, DICT or FROZENSET without a MARK$"),
     (b"\x80\x04(a.", r"^byte 3: APPEND needs 2 values on the stack$"),
     (b"\x80\x04}(K\x01u.", r"^byte 6: SETITEMS of an odd number of values$"),
@@ -194,7 +195,7 @@ def test_changing_an_object_after_placing_it_in_another_is_refused() -> None:
     (b"\x80\x04\x82\x01.", r"^byte 2: an extension code$"),
     (b"\x80\x05\x97.", r"^byte 2: an out-of-band buffer$"),
     (b"\x80\x04\xff.", r"^byte 2: opcode 0xff, which no pickle protocol has$"),
-], ids=["empty", "no stop", "stop on nothing", "short string", "negative length",
+], ids=["empty", "no stop", "stop on nothing", "short string", "negative length", "long length",
         "tuple without mark", "append underflow", "odd setitems", "unwritten memo", "no newline",
         "extension", "buffer", "unknown opcode"])
 def test_malformed_pickles_are_refused_naming_the_byte(data: bytes, message: str) -> None:
