@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from asynctron._concurrency import RunBlocking, first_error
 from asynctron.engine._slabs import SlabPool
 from asynctron.engine._staging import CopyStreams, copy_into_flat_range
+from asynctron.errors import CorruptCheckpointError
 from asynctron.storage._checksum import ItemHasher
 from asynctron.storage._chunk_index import ChunkIndex, Overlap
 from asynctron.storage._dcp import decode_blob, tensor_of
@@ -70,20 +71,25 @@ def _chunk_view(tensor: torch.Tensor, record: ItemRecord) -> torch.Tensor:
     return view
 
 
-def _values_by_key(structure: Structure) -> dict[str, Any]:
-    """Every JSON value in a structure, by the flat key it would have as an item."""
+def _values_by_key(structure: Structure) -> tuple[dict[str, Any], str | None]:
+    """Every JSON value in a structure, by the flat key it would have as an item; and the first
+    key two values join to (`{"a.b": 1, "a": {"b": 2}}`, which asynctron refuses to save but an
+    older checkpoint may hold), or None."""
     values: dict[str, Any] = {}
+    aliased: str | None = None
     stack: list[tuple[str, Structure]] = [("", structure)]
     while stack:
         path, node = stack.pop()
         (tag, body), = node.items()
         if tag == "value":
+            if path in values and aliased is None:
+                aliased = path
             values[path] = body
         elif tag == "dict":
             stack.extend((f"{path}.{k}" if path else str(k), child) for k, child in body)
         elif tag in ("list", "tuple"):
             stack.extend((f"{path}.{i}" if path else str(i), c) for i, c in enumerate(body))
-    return values
+    return values, aliased
 
 
 class Loader:
@@ -281,13 +287,22 @@ class Loader:
         Raises:
             ValueError: a key of `target` missing from the checkpoint, or a dtype, shape or
                 kind that differs (names the key).
+            CorruptCheckpointError: two of the checkpoint's values or items join to one key
+                (names it).
         """
         flat = flatten(target)
         structure = flat.structure
         by_key = self._manifest.by_key()
-        saved_values = _values_by_key(self._manifest.structure)
+        saved_values, aliased = _values_by_key(self._manifest.structure)
+        aliased = aliased or next((key for key in saved_values if key in by_key), None)
+        if aliased is not None:
+            raise CorruptCheckpointError(
+                f"checkpoint {self._reader.path}: key {aliased!r} names two values once its "
+                "parts are joined, so into= cannot tell them apart (an older asynctron saved "
+                "such keys); load without into= to read both", path=self._reader.path,
+                key=aliased)
         # A stock DCP checkpoint keeps non-tensor values as pickled items: decode them too.
-        object_keys = [key for key in _values_by_key(structure)
+        object_keys = [key for key in _values_by_key(structure)[0]
                        if key in by_key and by_key[key][0].kind == "object"]
         items: dict[str, Any] = {}
         jobs: list[ReadJob] = []

@@ -124,6 +124,29 @@ async def test_keys_that_alias_once_joined_are_refused_at_save(shm_path: str) ->
     assert os.listdir(shm_path) == []
 
 
+@pytest.mark.parametrize("aliasing", ["two values", "a value and an item"])
+async def test_into_refuses_an_older_checkpoint_whose_keys_alias(shm_path: str,
+                                                                   aliasing: str) -> None:
+    """Such a checkpoint (saved before save refused aliasing keys) loads whole without into=;
+    into= cannot tell the two apart and says so, naming the key."""
+    path = f"{shm_path}/c"
+    async with Engine(**SMALL) as engine:
+        await engine.save({"a": {"b": torch.ones(2) if aliasing != "two values" else 2}}, path)
+        with open(f"{path}/manifest.json") as f:
+            manifest = json.load(f)
+        manifest["structure"]["dict"].insert(0, ["a.b", {"value": 1}])  # as an older save wrote
+        with open(f"{path}/manifest.json", "w") as f:
+            json.dump(manifest, f)
+        whole = await engine.load(path)
+        assert whole["a.b"] == 1 and list(whole["a"]) == ["b"]
+        with pytest.raises(asynctron.CorruptCheckpointError,
+                           match=r"^checkpoint .*/c: key 'a\.b' names two values once its parts "
+                                 r"are joined, so into= cannot tell them apart") as raised:
+            await engine.load(path, into={"a": {"b": torch.zeros(2)} if aliasing != "two values"
+                                          else {"b": 0}})
+    assert raised.value.key == "a.b"
+
+
 async def test_mmap_tensors_are_copy_on_write(shm_path: str) -> None:
     async with Engine(**SMALL) as engine:
         await engine.save({"w": torch.zeros(1000)}, shm_path + "/c")
