@@ -45,8 +45,10 @@ async def test_failed_save_keeps_the_previous_checkpoint(
         assert e.value.errno == code and isinstance(e.value.__cause__, OSError)
         assert ".tmp-" in e.value.path and e.value.path.startswith(shm_path)
         assert engine.budget.borrowed_bytes == 0
-        with pytest.raises(StorageError):
-            await task.staged  # staging may or may not have finished; either way it says why
+        try:  # staging finished before the failure (a failing fsync comes last), or failed with it
+            await task.staged
+        except StorageError as staging_error:
+            assert staging_error is e.value
         # The engine keeps working once the storage recovers.
         faulty.enospc_after_bytes = faulty.eio_after_bytes = None
         faulty.fail_fsync = False
