@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from asynctron.errors import CorruptCheckpointError
 from asynctron.storage import _pickle_costs, _sysio
-from asynctron.storage._dtypes import TORCH_DTYPES
+from asynctron.storage._dtypes import TORCH_DTYPE_NAMES, TORCH_DTYPES
 from asynctron.storage._manifest import (
     MAX_DIMS,
     ItemRecord,
@@ -86,7 +86,7 @@ _DCP_METADATA_TYPES = frozenset({
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch", "Size"),
-    })
+})
 _LAYOUTS = {str(value): value for value in vars(torch).values()
             if isinstance(value, torch.layout)}
 
@@ -350,7 +350,7 @@ class _ChunkTables:
             raise fail(f"item {key!r}: expected tensor or bytes metadata, found "
                        f"{type(entry).__name__}", key)
         dtype = getattr(getattr(entry, "properties", None), "dtype", None)
-        if not isinstance(dtype, torch.dtype) or dtype not in _DTYPE_NAMES:
+        if not isinstance(dtype, torch.dtype) or dtype not in TORCH_DTYPE_NAMES:
             raise fail(f"item {key!r} dtype {brief(dtype)}: expected one of "
                        f"{sorted(TORCH_DTYPES)}", key)
         claimed_size = getattr(entry, "size", None)
@@ -383,10 +383,7 @@ class _ChunkTables:
                            f"expected inside global shape {list(size)}", key)
             if table.setdefault(offsets, shape) is not shape:
                 raise fail(f"item {key!r}: chunk at {list(offsets)} listed twice", key)
-        return _DTYPE_NAMES[dtype], size, table
-
-
-_DTYPE_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+        return TORCH_DTYPE_NAMES[dtype], size, table
 
 
 def _dims(value: Any) -> tuple[int, ...] | None:

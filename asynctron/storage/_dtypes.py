@@ -19,7 +19,8 @@ _TORCH_NAMES = (
 TORCH_DTYPES: dict[str, torch.dtype] = {
     name: getattr(torch, name) for name in _TORCH_NAMES if hasattr(torch, name)
 }
-_NAME_OF: dict[torch.dtype, str] = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+#: torch dtype -> its manifest name (the inverse of `TORCH_DTYPES`).
+TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
 #: numpy dtypes stored as ndarray items: name -> the torch dtype with the same bytes.
 NUMPY_DTYPES: dict[str, torch.dtype] = {
@@ -32,7 +33,7 @@ NUMPY_DTYPES: dict[str, torch.dtype] = {
 def dtype_name(dtype: torch.dtype, key: str) -> str:
     """The manifest name of `dtype`; TypeError naming `key` for dtypes we cannot store."""
     try:
-        return _NAME_OF[dtype]
+        return TORCH_DTYPE_NAMES[dtype]
     except KeyError:
         raise TypeError(
             f"tensor at key {key!r}: dtype {dtype} cannot be saved; expected one of "
