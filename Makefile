@@ -7,7 +7,8 @@ TORCH_PIN ?= torch==2.13.0
 
 .PHONY: setup demo test lint bench clean
 
-$(VENV)/.installed: pyproject.toml setup.py asynctron/_native.c asynctron/storage/_pickle_costs.c
+$(VENV)/.installed: pyproject.toml setup.py asynctron/_native.c asynctron/storage/_pickle_costs.c \
+		asynctron/datasets/_blending.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)

@@ -22,4 +22,7 @@ setup(ext_modules=[
               depends=[f"{XXHASH}/xxhash.h", f"{XXHASH}/xxh_x86dispatch.h"]),
     Extension("asynctron.storage._pickle_costs", ["asynctron/storage/_pickle_costs.c"],
               extra_compile_args=["-O3"]),
+    # no FMA contraction: the blend must round as megatron's helpers do
+    Extension("asynctron.datasets._blending_native", ["asynctron/datasets/_blending.c"],
+              extra_compile_args=["-O3", "-ffp-contract=off"]),
 ])
