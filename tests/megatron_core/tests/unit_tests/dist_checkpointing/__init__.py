@@ -5,13 +5,8 @@ from shutil import rmtree
 from tempfile import TemporaryDirectory
 from typing import Optional, Union
 
-from tests.unit_tests.dist_checkpointing.utils import (
-    init_basic_mock_args,
-    init_checkpointing_mock_args,
-    initialize_gpt_model,
-    setup_model_and_optimizer,
-    setup_moe_model_and_optimizer,
-)
+# asynctron: the model-checkpointing helpers' import is dropped (they import the whole trainer);
+# the data tests use only TempNamedDir.
 from tests.unit_tests.test_utilities import Utils
 
 
