@@ -3,8 +3,12 @@
 Scenarios (medians of `--repeats` runs after a warm-up; ratios > 1 mean asynctron is faster):
 1. index build: the sample index alone (numpy vs megatron's C++ `build_sample_idx`) and a whole
    GPTDataset index build on a cache miss (document + sample + shuffle index, saved), for
-   `--index-samples` samples; the blending index (Python loop vs megatron's C++) for
-   `--blend-samples` samples of 3 datasets.
+   `--index-samples` samples; the blending index (asynctron's C vs megatron's C++, identical
+   arrays checked) for `--blend-samples` samples of 3 datasets: time, and the peak RSS growth
+   of one build in a fresh process (the same measure for both).
+1b. blend at scale (`scale`): `--scale-samples` samples of 10 datasets (1 B: 10 GB of output),
+   each build alone in a fresh process, asynctron's then megatron's where memory allows: time,
+   peak RSS growth, and digests of the arrays (identical or not).
 2. warm random access: `ds[i]` samples/s over a random order, page cache warm, with and
    without `create_attention_mask`.
 3. cold epoch: `--cold-samples` samples in loader order after evicting every file the
@@ -20,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
+import multiprocessing
 import os
 import shutil
 import statistics
@@ -33,6 +39,7 @@ from typing import Any
 import numpy as np
 import psutil
 import uvloop
+import xxhash
 
 from asynctron import Engine
 from asynctron.datasets import (
@@ -51,6 +58,8 @@ from bench import _results
 from bench._rounds import round_order
 
 MiB = 1 << 20
+GiB = 1 << 30
+BLEND_WEIGHTS = [0.3, 0.5, 0.2]
 
 
 class _Tok:
@@ -74,10 +83,6 @@ def _megatron() -> tuple[Any, str | None]:
 
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
-
-
-def _timed(fn: Callable[[], Any], repeats: int) -> list[float]:
-    return _timed_together({"": fn}, repeats)[""]
 
 
 def _timed_together(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
@@ -194,18 +199,88 @@ def bench_index_build(megatron: Any, work: str, num_samples: int, blend_samples:
         runs["megatron GPTDataset build"] = lambda: build("megatron")
     timings.update(_timed_together(runs, repeats))
 
-    weights = [0.3, 0.5, 0.2]
-    timings["asynctron blending index (Python)"] = _timed(
-        lambda: build_blending_indices(weights, blend_samples), 1)
+    runs = {"asynctron blending index (C)":
+            lambda: build_blending_indices(BLEND_WEIGHTS, blend_samples)}
     if megatron is not None:
-        def megatron_blend() -> None:
-            di = np.zeros(blend_samples, np.int16)
-            dsi = np.zeros(blend_samples, np.int64)
-            megatron["helpers"].build_blending_indices(di, dsi, np.array(weights), 3,
-                                                       blend_samples, False)
-        timings["megatron blending index (C++)"] = _timed(megatron_blend, repeats)
+        expected = _megatron_blend(megatron["helpers"], BLEND_WEIGHTS, blend_samples)
+        ours = build_blending_indices(BLEND_WEIGHTS, blend_samples)
+        assert all(map(np.array_equal, ours, expected)), "blending index differs"
+        del expected, ours
+        runs["megatron blending index (C++)"] = lambda: _megatron_blend(
+            megatron["helpers"], BLEND_WEIGHTS, blend_samples)
+    timings.update(_timed_together(runs, repeats))
     out["blend_samples"] = blend_samples
+    out["blend_output_bytes"] = blend_samples * 10
+    out["blend_peak_rss_growth_bytes"] = {
+        name: _blend_in_fresh_process(name.split()[0], BLEND_WEIGHTS, blend_samples)[
+            "peak_rss_growth_bytes"] for name in runs}
     out["timings_s"] = timings
+    return out
+
+
+# 1b. blending indices at scale --------------------------------------------------------------
+
+def _megatron_blend(helpers: Any, weights: list[float], size: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """megatron's blend as its BlendedDataset builds it (np.zeros, then the C++ helper)."""
+    dataset_index = np.zeros(size, np.int16)
+    sample_index = np.zeros(size, np.int64)
+    helpers.build_blending_indices(dataset_index, sample_index, np.array(weights),
+                                   len(weights), size, False)
+    return dataset_index, sample_index
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise LookupError(f"/proc/self/status: expected a {field} line, found none")
+
+
+def _blend_once(which: str, weights: list[float], size: int) -> dict[str, Any]:
+    """One blend by `which` ("asynctron" or "megatron") in this process: its seconds, its peak
+    RSS growth (Linux's high-water mark, reset to the RSS just before) and its arrays' digest."""
+    build = (functools.partial(_megatron_blend, _megatron()[0]["helpers"], weights, size)
+             if which == "megatron" else functools.partial(build_blending_indices, weights, size))
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    before = _status_bytes("VmRSS")
+    start = time.perf_counter()
+    arrays = build()
+    seconds = time.perf_counter() - start
+    peak = _status_bytes("VmHWM")
+    return {"seconds": seconds, "peak_rss_growth_bytes": peak - before,
+            "digest": "-".join(xxhash.xxh3_128_hexdigest(a) for a in arrays)}
+
+
+def _blend_in_fresh_process(which: str, weights: list[float], size: int) -> dict[str, Any]:
+    """`_blend_once` in a fresh interpreter, so that no memory freed before is reused."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_blend_once, (which, weights, size))
+
+
+def bench_blend_scale(megatron: Any, size: int, repeats: int) -> dict[str, Any]:
+    """`size` samples of 10 datasets (random normalized weights), each build alone in a fresh
+    process, asynctron's first; a side runs only where the memory available holds 1.25 times
+    its output."""
+    rng = np.random.default_rng(10)
+    weights = rng.random(10)
+    weights = (weights / weights.sum()).tolist()
+    out: dict[str, Any] = {"samples": size, "weights": weights, "output_bytes": size * 10}
+    for which in ("asynctron", "megatron") if megatron is not None else ("asynctron",):
+        available = psutil.virtual_memory().available
+        if available < size * 10 * 1.25:
+            out[which] = (f"not run: {available / GiB:.1f} GiB available for "
+                          f"{size * 10 / GiB:.1f} GiB of output")
+            continue
+        runs = [_blend_in_fresh_process(which, weights, size) for _ in range(repeats)]
+        out[which] = {"seconds": [r["seconds"] for r in runs],
+                      "peak_rss_growth_bytes": max(r["peak_rss_growth_bytes"] for r in runs),
+                      "digest": runs[0]["digest"]}
+    if all(isinstance(out.get(which), dict) for which in ("asynctron", "megatron")):
+        out["identical"] = out["asynctron"]["digest"] == out["megatron"]["digest"]
     return out
 
 
@@ -315,6 +390,8 @@ def bench_cold(megatron: Any, prefix: str, cache: str, num_samples: int, repeats
 def report(results: dict[str, Any]) -> None:
     if "index_build" in results:
         _report_index(results["index_build"])
+    if "blend_scale" in results:
+        _report_blend_scale(results["blend_scale"])
     if "warm" in results:
         _report_warm(results["warm"])
     if "cold" in results:
@@ -331,9 +408,36 @@ def _report_index(index: dict[str, Any]) -> None:
         print(f"  {name:<40}{value:>10.3f} s")
     for ours, theirs in (("asynctron sample index (numpy)", "megatron sample index (C++)"),
                          ("asynctron GPTDataset build", "megatron GPTDataset build"),
-                         ("asynctron blending index (Python)", "megatron blending index (C++)")):
+                         ("asynctron blending index (C)", "megatron blending index (C++)")):
         if theirs in t:
             print(f"  {ours} / {theirs}: {t[ours] / t[theirs]:.2f}x the time")
+    peaks = index["blend_peak_rss_growth_bytes"]
+    print(f"  blending index peak RSS growth (output {index['blend_output_bytes'] / MiB:,.0f} "
+          "MiB): " + ", ".join(f"{name.split()[0]} {v / MiB:,.1f} MiB"
+                               for name, v in peaks.items()))
+    if len(peaks) == 2 and min(peaks.values()) > 0:  # a tiny build may reuse resident pages
+        ours, theirs = peaks.values()
+        print(f"  blending index asynctron / megatron: {ours / theirs:.2f}x the peak memory")
+
+
+def _report_blend_scale(scale: dict[str, Any]) -> None:
+    print(f"\n== blending index at scale: {scale['samples']:,} samples of "
+          f"{len(scale['weights'])} datasets (output {scale['output_bytes'] / GiB:.1f} GiB) ==")
+    for which in ("asynctron", "megatron"):
+        entry = scale.get(which)
+        if isinstance(entry, dict):
+            print(f"  {which:<10}{_median(entry['seconds']):>8.2f} s (median of "
+                  f"{len(entry['seconds'])}), peak RSS growth "
+                  f"{entry['peak_rss_growth_bytes'] / GiB:.2f} GiB")
+        elif entry is not None:
+            print(f"  {which:<10}{entry}")
+    if "identical" in scale:
+        ours, theirs = scale["asynctron"], scale["megatron"]
+        time_ratio = _median(ours["seconds"]) / _median(theirs["seconds"])
+        peak, their_peak = ours["peak_rss_growth_bytes"], theirs["peak_rss_growth_bytes"]
+        memory = f", {peak / their_peak:.2f}x the peak memory" if their_peak > 0 else ""
+        print(f"  asynctron / megatron: {time_ratio:.2f}x the time{memory}; arrays "
+              f"{'identical' if scale['identical'] else 'DIFFER'}")
 
 
 def _report_warm(warm: dict[str, Any]) -> None:
@@ -370,13 +474,15 @@ def main(argv: list[str] | None = None) -> int:
                              "read-around of the first faults pulls in (see docs)")
     parser.add_argument("--sequence-length", type=int, default=2048)
     parser.add_argument("--index-samples", type=int, default=20_000_000)
-    parser.add_argument("--blend-samples", type=int, default=5_000_000)
+    parser.add_argument("--blend-samples", type=int, default=50_000_000)
+    parser.add_argument("--scale-samples", type=int, default=1_000_000_000,
+                        help="the blend at scale (10 datasets; 10 bytes of output a sample)")
     parser.add_argument("--warm-reads", type=int, default=20_000)
     parser.add_argument("--cold-samples", type=int, default=8_000)
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--prefetch-mib", type=int, default=64)
-    parser.add_argument("--scenarios", default="index,warm,cold",
-                        help="comma-separated subset of index,warm,cold")
+    parser.add_argument("--scenarios", default="index,scale,warm,cold",
+                        help="comma-separated subset of index,scale,warm,cold")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke)")
     parser.add_argument("--out", default=None, help="JSON results path")
@@ -386,6 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.corpus_mib, args.sequence_length, args.index_samples = 4, 256, 200_000
         args.blend_samples, args.warm_reads, args.cold_samples, args.repeats = 20_000, 200, 64, 1
+        args.scale_samples = 200_000
     megatron, reason = (None, "skipped (--skip-megatron)") if args.skip_megatron else _megatron()
     started = time.time()
     work = tempfile.mkdtemp(prefix=f"asynctron-bench-data-{os.getpid()}-", dir=args.dir)
@@ -397,6 +504,9 @@ def main(argv: list[str] | None = None) -> int:
         if "index" in scenarios:
             results["index_build"] = bench_index_build(megatron, work, args.index_samples,
                                                        args.blend_samples, args.repeats)
+        if "scale" in scenarios:
+            results["blend_scale"] = bench_blend_scale(megatron, args.scale_samples,
+                                                       args.repeats)
         if "warm" in scenarios:
             results["warm"] = bench_warm(megatron, prefix, f"{work}/cache", args.warm_reads,
                                          args.repeats, args.sequence_length)

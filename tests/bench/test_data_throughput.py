@@ -18,7 +18,10 @@ def test_quick_run_writes_a_complete_report(tmp_path, capsys: pytest.CaptureFixt
         results = json.load(f)
     timings = results["index_build"]["timings_s"]
     assert {"asynctron sample index (numpy)", "asynctron GPTDataset build",
-            "asynctron blending index (Python)"} <= set(timings)
+            "asynctron blending index (C)"} <= set(timings)
+    assert "asynctron blending index (C)" in results["index_build"]["blend_peak_rss_growth_bytes"]
+    scale = results["blend_scale"]
+    assert scale["samples"] == 200_000 and len(scale["asynctron"]["seconds"]) == 1
     assert set(results["warm"]) == {"create_attention_mask=True", "create_attention_mask=False"}
     cold = results["cold"]
     assert {"asynctron AsyncLoader (prefetch)", "asynctron ds[i] (no prefetch)"} <= set(
@@ -26,5 +29,6 @@ def test_quick_run_writes_a_complete_report(tmp_path, capsys: pytest.CaptureFixt
     assert cold["loop_worst_delay_s"] >= 0
     if results["megatron"] is None:  # megatron-core imported: its rows are there too
         assert "megatron sample index (C++)" in timings and "megatron ds[i]" in cold["timings_s"]
+        assert scale["identical"] is True
     assert "cold epoch" in capsys.readouterr().out
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]  # scratch removed
