@@ -7,7 +7,8 @@ incomplete and is rebuilt. Loads map the arrays (`np.load(mmap_mode="r")`) and c
 dtype and shape, so a truncated or foreign file is an error naming it.
 
 With torch.distributed initialized, rank 0 builds a missing entry while the others wait at a
-barrier, then load it (as megatron-core does).
+barrier, then load it (as megatron-core does). With `must_exist` (megatron's `fast_cache_load`)
+every rank loads the entry directly, with no collective; a missing one is an error naming it.
 """
 
 from __future__ import annotations
@@ -89,11 +90,26 @@ class CacheEntry:
 
 
 def load_or_build(entry: CacheEntry | None, layout: Layout,
-                  build: Callable[[], dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+                  build: Callable[[], dict[str, np.ndarray]],
+                  must_exist: bool = False) -> dict[str, np.ndarray]:
     """The cached arrays of `entry`, built (by rank 0 first, under torch.distributed) and saved
-    when missing; with no entry, just `build()`."""
+    when missing; with no entry, just `build()`.
+
+    With `must_exist` the entry is loaded on every rank with no barrier, never built.
+
+    Raises:
+        FileNotFoundError: `must_exist` and the entry is not complete; names its description.
+    """
     if entry is None:
         return build()
+    if must_exist:
+        if not entry.complete():
+            raise FileNotFoundError(
+                f"cached indices {entry.path('description.txt')}: expected the complete cache "
+                "entry this config describes (fast_cache_load), found none; build the cache "
+                "first with `asynctron prepare-cache CONFIG`, or with a run without "
+                "fast_cache_load")
+        return entry.load(layout)
     distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if distributed:
         failed: BaseException | None = None
