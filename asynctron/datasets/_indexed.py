@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from asynctron import _native
 from asynctron.errors import CorruptDatasetError
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
@@ -164,16 +165,81 @@ def _map_file(path: str) -> mmap.mmap | bytes:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
-class IndexedDataset:
-    """The sequences of a megatron `.bin`/`.idx` pair, mapped, never copied.
+class DatasetIndex:
+    """The arrays of an `.idx` file, mapped: megatron-core's `_IndexReader` (what megatron's
+    `IndexedDataset.index` is, and what its tools read).
 
-    `ds[i]` is sequence `i` as a read-only numpy array (a view of the map); `ds[a:b]` a list of
-    them; `ds.get(i, offset, length)` a part of one. With `multimodal=True`, each of these also
-    returns the sequence mode(s), as megatron-core's `IndexedDataset` does.
+    Args:
+        idx_path: the `.idx` file.
+        multimodal: map the per-sequence modes too (the file must have them).
+        sequences_per_dataset: `(sequence_count, document_count)` the caller expects (from
+            megatron's `--per-dataset-sequences-path`); checked against the header.
+        dtype_code: the token dtype code the caller expects; checked against the header.
+
+    Raises:
+        FileNotFoundError: no file at `idx_path`.
+        CorruptDatasetError: a malformed header or size, or counts/dtype other than expected.
+    """
+
+    def __init__(self, idx_path: str, multimodal: bool = False,
+                 sequences_per_dataset: tuple[int, int] | None = None,
+                 dtype_code: int | None = None) -> None:
+        header = read_index_header(idx_path, multimodal=multimodal)
+        if sequences_per_dataset is not None and tuple(sequences_per_dataset) != (
+                header.num_sequences, header.num_documents):
+            raise CorruptDatasetError(
+                f"index {idx_path}: expected {tuple(sequences_per_dataset)} (sequences, document "
+                f"indices) from sequences_per_dataset, found ({header.num_sequences}, "
+                f"{header.num_documents}); rebuild the sequences-per-dataset file",
+                path=idx_path, offset=18)
+        if dtype_code is not None and DTYPE_CODES.get(dtype_code) != header.dtype:
+            raise CorruptDatasetError(
+                f"index {idx_path}: expected token dtype code {dtype_code}, found "
+                f"{_CODE_OF[header.dtype]} ({header.dtype.name}); the tokenizer's vocabulary "
+                "does not match this file", path=idx_path, offset=17)
+        self.idx_path = idx_path
+        self.header = header
+        self.dtype = header.dtype
+        self.dtype_size = header.dtype.itemsize
+        self.sequence_count = header.num_sequences
+        self.document_count = header.num_documents
+        self._map = _map_file(idx_path)
+        n, d = header.num_sequences, header.num_documents
+        self.sequence_lengths = np.frombuffer(self._map, np.int32, n,
+                                              header.sequence_lengths_offset)
+        self.sequence_pointers = np.frombuffer(self._map, np.int64, n,
+                                               header.sequence_pointers_offset)
+        self.document_indices = np.frombuffer(self._map, np.int64, d,
+                                              header.document_indices_offset)
+        self.sequence_modes = (np.frombuffer(self._map, np.int8, n, header.sequence_modes_offset)
+                               if multimodal else None)
+
+    def __len__(self) -> int:
+        return self.sequence_count
+
+    def __getitem__(self, idx: int) -> tuple[np.int64, np.int32, np.int8 | None]:
+        """`(pointer, length, mode or None)` of sequence `idx`."""
+        return (self.sequence_pointers[idx], self.sequence_lengths[idx],
+                None if self.sequence_modes is None else self.sequence_modes[idx])
+
+
+class IndexedDataset:
+    """The sequences of a megatron `.bin`/`.idx` pair; megatron-core's constructor and reads.
+
+    `ds[i]` is sequence `i` as a read-only numpy array; `ds[a:b]` a list of them;
+    `ds.get(i, offset, length)` a part of one. With `multimodal=True`, each of these also
+    returns the sequence mode(s), as megatron-core's `IndexedDataset` does. `ds.index` is the
+    `DatasetIndex` (megatron's `_IndexReader`).
 
     Args:
         path_prefix: the files are `path_prefix + ".idx"` and `path_prefix + ".bin"`.
         multimodal: read the per-sequence modes (the `.idx` must have them).
+        mmap: map the `.bin` (reads are views of the map); False reads each sequence with
+            `pread` (megatron's file reader: no page-table setup per touched page, faster for
+            cold random samples).
+        object_storage_config, s3_config: megatron's object storage; not supported (an error).
+        fast_cache_load: megatron's flag; accepted (the files are opened and checked anyway).
+        sequences_per_dataset, dtype_code: what the caller expects of the header; checked.
 
     Raises:
         FileNotFoundError: a file is missing.
@@ -181,19 +247,33 @@ class IndexedDataset:
             order, a negative length, a pointer not where the sequence before it ends), or the
             `.bin` is not the size it names; the message names the file, the entry and its value.
             So every sequence an opened dataset serves lies inside the `.bin`.
+        NotImplementedError: object storage.
 
-    Memory: two maps and O(1) Python objects; the page cache holds what was touched. Opening
+    Memory: maps and O(1) Python objects; the page cache holds what was touched. Opening
     reads the whole `.idx` once to check it (2.5 ms per million sequences from the page cache,
     plus reading the file when it is not cached), with ~3 MiB of temporaries.
     Concurrency: reads are thread-safe; pickling reopens the files (for DataLoader workers).
     """
 
-    def __init__(self, path_prefix: str, *, multimodal: bool = False) -> None:
-        self._open(os.fspath(path_prefix), multimodal)
+    def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True,
+                 object_storage_config: Any = None, s3_config: Any = None,
+                 fast_cache_load: bool = False,
+                 sequences_per_dataset: tuple[int, int] | None = None,
+                 dtype_code: int | None = None) -> None:
+        if object_storage_config is not None or s3_config is not None:
+            raise NotImplementedError(
+                f"dataset {path_prefix}: object storage (S3, MSC) is not supported; copy the "
+                ".bin/.idx to a local or mounted filesystem")
+        self._open((os.fspath(path_prefix), multimodal, mmap, fast_cache_load,
+                    sequences_per_dataset, dtype_code))
 
-    def _open(self, path_prefix: str, multimodal: bool) -> None:
+    def _open(self, state: tuple[str, bool, bool, bool, tuple[int, int] | None, int | None]
+              ) -> None:
+        (path_prefix, multimodal, use_mmap, self.fast_cache_load, self.sequences_per_dataset,
+         self.dtype_code) = state
         self.path_prefix = path_prefix
         self.multimodal = multimodal
+        self.mmap = use_mmap
         self.idx_path = idx_path(path_prefix)
         self.bin_path = bin_path(path_prefix)
         for path in (self.idx_path, self.bin_path):
@@ -201,26 +281,31 @@ class IndexedDataset:
                 raise FileNotFoundError(
                     f"dataset {path_prefix}: expected {path}, found no such file; check the "
                     "path prefix (without .bin/.idx)")
-        header = read_index_header(self.idx_path, multimodal=multimodal)
-        self.header = header
-        self.dtype = header.dtype
-        self._idx_map = _map_file(self.idx_path)
-        n, d = header.num_sequences, header.num_documents
-        self.sequence_lengths = np.frombuffer(self._idx_map, np.int32, n,
-                                              header.sequence_lengths_offset)
-        self.sequence_pointers = np.frombuffer(self._idx_map, np.int64, n,
-                                               header.sequence_pointers_offset)
-        self.document_indices = np.frombuffer(self._idx_map, np.int64, d,
-                                              header.document_indices_offset)
-        self.sequence_modes = (np.frombuffer(self._idx_map, np.int8, n,
-                                             header.sequence_modes_offset)
-                               if multimodal else None)
+        self.index = DatasetIndex(self.idx_path, multimodal, self.sequences_per_dataset,
+                                  self.dtype_code)
+        self.header = self.index.header
+        self.dtype = self.index.dtype
+        self.sequence_lengths = self.index.sequence_lengths
+        self.sequence_pointers = self.index.sequence_pointers
+        self.document_indices = self.index.document_indices
+        self.sequence_modes = self.index.sequence_modes
         self._check_document_indices()
         self._check_sequences(os.path.getsize(self.bin_path))
-        self._bin_map = _map_file(self.bin_path)
         self._itemsize = self.dtype.itemsize
-        #: every token of the `.bin` as one read-only array (a view of the map)
-        self.tokens = np.frombuffer(self._bin_map, self.dtype)
+        if use_mmap:
+            self._bin_map = _map_file(self.bin_path)
+            #: every token of the `.bin` as one read-only array (a view of the map); None
+            #: when reading with pread (`mmap=False`)
+            self.tokens: np.ndarray | None = np.frombuffer(self._bin_map, self.dtype)
+            self._bin_fd = -1
+        else:
+            self.tokens = None
+            self._bin_fd = os.open(self.bin_path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def __del__(self) -> None:
+        if getattr(self, "_bin_fd", -1) >= 0:
+            os.close(self._bin_fd)
+            self._bin_fd = -1
 
     def _corrupt(self, what: str, offset: int) -> CorruptDatasetError:
         return CorruptDatasetError(
@@ -298,11 +383,13 @@ class IndexedDataset:
                 f"{bin_bytes}; the .bin is too long or belongs to another .idx",
                 path=self.bin_path, offset=end)
 
-    def __getstate__(self) -> tuple[str, bool]:
-        return self.path_prefix, self.multimodal
+    def __getstate__(self) -> tuple[str, bool, bool, bool, tuple[int, int] | None, int | None]:
+        return (self.path_prefix, self.multimodal, self.mmap, self.fast_cache_load,
+                self.sequences_per_dataset, self.dtype_code)
 
-    def __setstate__(self, state: tuple[str, bool]) -> None:
-        self._open(*state)
+    def __setstate__(self, state: tuple[str, bool, bool, bool, tuple[int, int] | None,
+                                        int | None]) -> None:
+        self._open(state)
 
     def __len__(self) -> int:
         return self.header.num_sequences
@@ -313,7 +400,22 @@ class IndexedDataset:
         return self.header.num_documents - 1
 
     def _read(self, pointer: int, count: int) -> np.ndarray:
-        return np.frombuffer(self._bin_map, self.dtype, count, pointer)
+        if self.tokens is not None:
+            return np.frombuffer(self._bin_map, self.dtype, count, pointer)
+        data = os.pread(self._bin_fd, count * self._itemsize, pointer)
+        return np.frombuffer(data, self.dtype, count)
+
+    def gather(self, starts: np.ndarray, counts: np.ndarray, out: np.ndarray,
+               destinations: np.ndarray) -> None:
+        """For each run `i`, write tokens `starts[i] : starts[i] + counts[i]` of the `.bin`
+        (token positions) as int64 to the flat `out`, from element `destinations[i]` on."""
+        if self.tokens is not None:
+            _native.gather_tokens(self.tokens, starts, counts, out, destinations)
+            return
+        flat = out.reshape(-1)
+        for start, count, destination in zip(starts.tolist(), counts.tolist(),
+                                             destinations.tolist(), strict=True):
+            flat[destination:destination + count] = self._read(start * self._itemsize, count)
 
     def __getitem__(self, idx: int | np.integer | slice) -> Any:
         if isinstance(idx, int | np.integer):

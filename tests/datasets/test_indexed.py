@@ -340,3 +340,45 @@ def test_we_read_megatrons_multimodal_files(tmp_path, megatron) -> None:
     theirs = megatron.indexed_dataset.IndexedDataset(str(tmp_path / "m"), multimodal=True)
     for i in range(2):
         assert np.array_equal(ours[i][0], theirs[i][0]) and ours[i][1] == theirs[i][1]
+
+
+def test_pread_reads_equal_mapped_reads(make_corpus) -> None:
+    mapped = make_corpus("c", num_documents=50)
+    read = IndexedDataset(mapped.path_prefix, mmap=False)
+    assert read.tokens is None and mapped.tokens is not None
+    for i in (0, 7, 49):
+        assert np.array_equal(read[i], mapped[i])
+        assert np.array_equal(read.get(i, 2, 5), mapped.get(i, 2, 5))
+    assert all(np.array_equal(a, b) for a, b in zip(read[3:9], mapped[3:9], strict=True))
+    starts = np.array([0, 11, 40], np.int64)
+    counts = np.array([5, 0, 9], np.int64)
+    destinations = np.array([0, 5, 5], np.int64)
+    out_read, out_mapped = np.zeros(14, np.int64), np.zeros(14, np.int64)
+    read.gather(starts, counts, out_read, destinations)
+    mapped.gather(starts, counts, out_mapped, destinations)
+    assert np.array_equal(out_read, out_mapped)
+    again = pickle.loads(pickle.dumps(read))
+    assert again.tokens is None and np.array_equal(again[7], mapped[7])
+
+
+def test_the_index_is_megatrons_index_reader(make_corpus) -> None:
+    ds = make_corpus("c", num_documents=20)
+    index = ds.index
+    assert (len(index), index.sequence_count, index.document_count) == (20, 20, 21)
+    assert index.dtype == np.uint16 and index.dtype_size == 2
+    pointer, length, mode = index[5]
+    assert (pointer, length, mode) == (ds.sequence_pointers[5], ds.sequence_lengths[5], None)
+
+
+def test_expected_counts_and_dtype_are_checked(make_corpus) -> None:
+    ds = make_corpus("c", num_documents=20)
+    IndexedDataset(ds.path_prefix, sequences_per_dataset=(20, 21), dtype_code=8)
+    with pytest.raises(CorruptDatasetError, match=r"expected \(20, 22\) \(sequences, document "
+                                                  r"indices\) from sequences_per_dataset, found "
+                                                  r"\(20, 21\)"):
+        IndexedDataset(ds.path_prefix, sequences_per_dataset=(20, 22))
+    with pytest.raises(CorruptDatasetError, match=r"expected token dtype code 4, found 8 "
+                                                  r"\(uint16\)"):
+        IndexedDataset(ds.path_prefix, sequences_per_dataset=(20, 21), dtype_code=4)
+    with pytest.raises(NotImplementedError, match=r"object storage \(S3, MSC\) is not "):
+        IndexedDataset(ds.path_prefix, mmap=False, object_storage_config=object())
