@@ -1,13 +1,18 @@
 """Datasets: megatron-compatible token files, GPT samples, blends, and an async prefetching loader.
 
 `IndexedDataset` reads megatron's `.bin`/`.idx` files (and `IndexedDatasetBuilder` writes them),
-`GPTDataset` and `BlendedDataset` build megatron-core's indices (the same arrays) and samples,
-`build_gpt_datasets` is megatron's `BlendedMegatronDatasetBuilder` for GPT, and `AsyncLoader`
+`GPTDataset`, `MockGPTDataset` and `BlendedDataset` build megatron-core's indices (the same
+arrays) and samples, `BlendedMegatronDatasetBuilder` builds the splits of any megatron dataset
+class (`build_gpt_datasets` for GPT), and `AsyncLoader`
 serves batches assembled by worker processes in shared memory, the pages of coming samples
 read ahead under a byte budget.
 """
 
-from asynctron.datasets._blend_builder import build_gpt_datasets
+from asynctron.datasets._blend_builder import (
+    BlendedMegatronDatasetBuilder,
+    BlendSizeError,
+    build_gpt_datasets,
+)
 from asynctron.datasets._blended import BlendedDataset
 from asynctron.datasets._blending import (
     build_blending_indices,
@@ -16,8 +21,9 @@ from asynctron.datasets._blending import (
 from asynctron.datasets._builder import IndexedDatasetBuilder
 from asynctron.datasets._config import GPTDatasetConfig
 from asynctron.datasets._gpt import GPTDataset
-from asynctron.datasets._indexed import IndexedDataset, optimal_dtype
+from asynctron.datasets._indexed import DatasetIndex, IndexedDataset, optimal_dtype
 from asynctron.datasets._loader import AsyncLoader, collate
+from asynctron.datasets._mock import MockGPTDataset, MockGPTLowLevelDataset
 from asynctron.datasets._preprocess import PreprocessConfig, PreprocessResult, preprocess
 from asynctron.datasets._sample_index import (
     build_document_index,
@@ -29,13 +35,18 @@ from asynctron.datasets._tokenizers import ByteTokenizer, HFTokenizer, load_toke
 
 __all__ = [
     "AsyncLoader",
+    "BlendSizeError",
     "BlendedDataset",
+    "BlendedMegatronDatasetBuilder",
     "ByteTokenizer",
+    "DatasetIndex",
     "GPTDataset",
     "GPTDatasetConfig",
     "HFTokenizer",
     "IndexedDataset",
     "IndexedDatasetBuilder",
+    "MockGPTDataset",
+    "MockGPTLowLevelDataset",
     "PreprocessConfig",
     "PreprocessResult",
     "Split",

@@ -1,4 +1,4 @@
-"""`BlendedDataset`: several GPT datasets served in megatron's greedy proportions."""
+"""`BlendedDataset`: several datasets served in megatron's greedy proportions."""
 
 from __future__ import annotations
 
@@ -39,7 +39,8 @@ class BlendedDataset(torch.utils.data.Dataset):
     `dataset_id`; megatron-core's constructor and indices.
 
     Args:
-        datasets: the GPT datasets of one split.
+        datasets: the datasets of one split (`GPTDataset`s for batches from `AsyncLoader`; any
+            dataset with megatron's `unique_identifiers` and `index_split` otherwise).
         weights: their weights; with `size`, normalized and blended greedily; without, integer
             sample counts taken exactly (megatron's exhaustive blend).
         size: the number of samples, or None for the exhaustive blend.
@@ -51,7 +52,7 @@ class BlendedDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, datasets: Sequence[GPTDataset], weights: Sequence[float],
-                 size: int | None, config: GPTDatasetConfig) -> None:
+                 size: int | None, config: GPTDatasetConfig | Any) -> None:
         if len(datasets) != len(weights) or not datasets:
             raise ValueError(f"blend: expected one weight per dataset ({len(datasets)}), found "
                              f"{len(weights)}")
@@ -68,20 +69,23 @@ class BlendedDataset(torch.utils.data.Dataset):
         self.weights = normalize(weights) if size is not None else list(weights)
         self.size = size
         self.config = config
-        self.identity = {
+        self.unique_identifiers = {
             "class": type(self).__name__,
-            "datasets": [d.identity for d in self.datasets],
+            "datasets": [d.unique_identifiers for d in self.datasets],
             "split": self.split.name,
             "weights": self.weights,
             "size": self.size,
         }
-        self.description, self.description_hash = describe(self.identity)
+        self.unique_description, self.unique_description_hash = describe(
+            self.unique_identifiers)
         entry = None
         if config.path_to_cache:
-            entry = CacheEntry(config.path_to_cache,
-                               f"{self.description_hash}-{type(self).__name__}-{self.split.name}",
-                               self.description)
-        arrays = load_or_build(entry, _INDEX_LAYOUT, self._build_indices)
+            entry = CacheEntry(
+                config.path_to_cache,
+                f"{self.unique_description_hash}-{type(self).__name__}-{self.split.name}",
+                self.unique_description)
+        arrays = load_or_build(entry, _INDEX_LAYOUT, self._build_indices,
+                               must_exist=getattr(config, "fast_cache_load", False))
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
 

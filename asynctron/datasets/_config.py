@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 from asynctron.datasets._splits import Split, SplitMatrix, parse_split, split_matrix
 
 #: megatron-core's pad id when the tokenizer has none (or an ambiguous one).
 DEFAULT_PAD_ID = -1
+
+#: megatron-core's split of mock data (it replaces the config's).
+MOCK_SPLIT = "1,1,1"
 
 Blend = tuple[Sequence[str], Sequence[float] | None]
 
@@ -27,9 +32,9 @@ class Tokenizer(Protocol):
 class GPTDatasetConfig:
     """How to build GPT datasets; fields named as megatron-core's `GPTDatasetConfig`.
 
-    Not supported (megatron-only): `mock`, `multiple_validation_sets`, `full_validation`,
-    `fast_cache_load`, `defer_npy_index_mmap` (every index here is mapped lazily anyway), object
-    storage, `sequences_per_dataset`, context/sequence parallel padding.
+    Without `blend` and `blend_per_split` the config is `mock` (megatron's mock data, split
+    "1,1,1" whatever `split` says, as megatron's). Not supported (megatron-only): `multiple_validation_sets`,
+    `full_validation`, object storage, context/sequence parallel padding.
     """
 
     random_seed: int
@@ -67,6 +72,20 @@ class GPTDatasetConfig:
     """Extra fraction of samples built per blended dataset, so the blend never runs short."""
     allow_ambiguous_pad_tokens: bool = False
     """Keep a pad id that equals another special token (megatron's flag)."""
+    mmap_bin_files: bool = True
+    """Map the `.bin` files; False reads samples with `pread` (see `IndexedDataset`)."""
+    fast_cache_load: bool = False
+    """Every index is already cached (e.g. by `asynctron prepare-cache`): load it without a
+    build, a rank-0-first barrier, or a check for a missing entry (a missing one is an error
+    naming it). Needs `path_to_cache`, and `blend_per_split` rather than `blend`."""
+    defer_npy_index_mmap: bool = False
+    """Map each dataset's cached indices on first use, not at construction (start-up with
+    thousands of prefixes); the indices must be cached. Needs `path_to_cache`."""
+    sequences_per_dataset: Mapping[str, Sequence[int]] | None = None
+    """prefix -> (sequences, document indices) of its `.idx` (megatron's
+    `--per-dataset-sequences-path`); checked against each header, with the tokenizer's dtype."""
+    num_dataset_builder_threads: int = 1
+    """Threads building the datasets of a blend (megatron's field)."""
 
     def __post_init__(self) -> None:
         for name in ("random_seed", "sequence_length"):
@@ -75,6 +94,20 @@ class GPTDatasetConfig:
                 raise TypeError(f"{name}: expected an int, found {value!r}")
         if self.sequence_length < 2:
             raise ValueError(f"sequence_length: expected >= 2, found {self.sequence_length}")
+        for name in ("fast_cache_load", "defer_npy_index_mmap"):
+            if getattr(self, name) and self.path_to_cache is None:
+                raise ValueError(f"{name}: expected path_to_cache (where the indices are "
+                                 "cached) beside it, found None")
+        if self.fast_cache_load and self.blend is not None:
+            raise ValueError("fast_cache_load: expected blend_per_split, found blend; with blend "
+                             "every split's datasets are cut from the same files, give each "
+                             "split its own blend")
+        if self.sequences_per_dataset is not None and self.token_dtype_code is None:
+            raise ValueError("sequences_per_dataset: expected a tokenizer with vocab_size (the "
+                             "token dtype is checked against it), found none")
+        if self.num_dataset_builder_threads < 1:
+            raise ValueError(f"num_dataset_builder_threads: expected >= 1, found "
+                             f"{self.num_dataset_builder_threads}")
         if self.mid_level_dataset_surplus < 0:
             raise ValueError(f"mid_level_dataset_surplus: expected >= 0, found "
                              f"{self.mid_level_dataset_surplus!r}")
@@ -101,11 +134,28 @@ class GPTDatasetConfig:
                              "found none")
 
     @property
+    def mock(self) -> bool:
+        """No blend and no blend_per_split: megatron's mock data."""
+        return self.blend is None and self.blend_per_split is None
+
+    @property
     def split_matrix(self) -> SplitMatrix:
-        """The split book-ends (megatron's `split_matrix`); all of [0, 1] per blend_per_split."""
+        """The split book-ends (megatron's `split_matrix`); all of [0, 1] per blend_per_split,
+        and for mock data always "1,1,1" (as megatron, whatever `split` says)."""
+        if self.mock:
+            return split_matrix(parse_split(MOCK_SPLIT))
         if self.split is None:
             return [(0.0, 1.0)] * len(Split)
         return split_matrix(parse_split(self.split))
+
+    @property
+    def token_dtype_code(self) -> int | None:
+        """The token dtype code the tokenizer's vocabulary implies (megatron's rule: 4, int32,
+        above 65536 tokens, else 8, uint16); None without a `vocab_size`."""
+        vocab_size = getattr(self.tokenizer, "vocab_size", None)
+        if vocab_size is None:
+            return None
+        return 4 if vocab_size > np.iinfo(np.uint16).max + 1 else 8
 
     @property
     def eod(self) -> int | None:

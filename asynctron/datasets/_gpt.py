@@ -16,7 +16,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from asynctron import _native
 from asynctron.datasets._cache import CacheEntry, describe, load_or_build
 from asynctron.datasets._config import GPTDatasetConfig
 from asynctron.datasets._indexed import IndexedDataset
@@ -24,6 +23,7 @@ from asynctron.datasets._sample_index import (
     build_document_index,
     build_sample_index,
     build_shuffle_index,
+    num_samples_of,
 )
 from asynctron.datasets._splits import Split
 
@@ -72,8 +72,8 @@ class GPTDataset(torch.utils.data.Dataset):
                  indexed_indices: np.ndarray, num_samples: int | None, index_split: Split,
                  config: GPTDatasetConfig) -> None:
         self.dataset = indexed_dataset
-        self.dataset_path = dataset_path if dataset_path is not None else (
-            indexed_dataset.path_prefix)
+        self.dataset_path = dataset_path if dataset_path is not None else getattr(
+            indexed_dataset, "path_prefix", None)
         self.indices = np.asarray(indexed_indices, np.int32)
         self.num_samples = num_samples
         self.index_split = index_split
@@ -83,13 +83,51 @@ class GPTDataset(torch.utils.data.Dataset):
                                            or config.drop_last_partial_validation_sequence)
         self.num_tokens_per_epoch = int(np.sum(indexed_dataset.sequence_lengths[self.indices],
                                                dtype=np.int64))
-        self.identity = self._identity()
-        self.description, self.description_hash = describe(self.identity)
-        arrays = load_or_build(self._cache_entry(), _INDEX_LAYOUT, self._build_indices)
-        self.document_index = arrays["document_index"]
-        self.sample_index = arrays["sample_index"]
-        self.shuffle_index = arrays["shuffle_index"]
+        self.unique_identifiers = self._identity()
+        self.unique_description, self.unique_description_hash = describe(
+            self.unique_identifiers)
+        self._arrays: dict[str, np.ndarray] | None = None
+        if not config.defer_npy_index_mmap:
+            self._load_indices()
         self._prepare_reads()
+
+    @staticmethod
+    def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> IndexedDataset:
+        """The `IndexedDataset` at `dataset_path` (megatron's `build_low_level_dataset`)."""
+        sequences_per_dataset = None
+        if config.sequences_per_dataset:
+            sequences_per_dataset = tuple(config.sequences_per_dataset[dataset_path])
+        return IndexedDataset(dataset_path, multimodal=False, mmap=config.mmap_bin_files,
+                              fast_cache_load=config.fast_cache_load,
+                              sequences_per_dataset=sequences_per_dataset,
+                              dtype_code=config.token_dtype_code)
+
+    @staticmethod
+    def numel_low_level_dataset(low_level_dataset: IndexedDataset) -> int:
+        """Documents the splits are cut from (megatron's `numel_low_level_dataset`)."""
+        return int(low_level_dataset.document_indices.shape[0] - 1)
+
+    def _load_indices(self) -> dict[str, np.ndarray]:
+        if self._arrays is None:
+            self._arrays = load_or_build(self._cache_entry(), _INDEX_LAYOUT, self._build_indices,
+                                         must_exist=self.config.fast_cache_load
+                                         or self.config.defer_npy_index_mmap)
+        return self._arrays
+
+    @property
+    def document_index(self) -> np.ndarray:
+        """The split's document ids, once per epoch, shuffled (int32)."""
+        return self._load_indices()["document_index"]
+
+    @property
+    def sample_index(self) -> np.ndarray:
+        """Row `i`: (position in the document index, token offset) where sample `i` starts."""
+        return self._load_indices()["sample_index"]
+
+    @property
+    def shuffle_index(self) -> np.ndarray:
+        """The order samples are served in."""
+        return self._load_indices()["shuffle_index"]
 
     def _identity(self) -> dict[str, Any]:
         """Every input that changes the indices (megatron's key omits
@@ -115,11 +153,15 @@ class GPTDataset(torch.utils.data.Dataset):
             "drop_last_partial_sequence": self.drop_last_partial_sequence,
         }
 
-    def _cache_entry(self) -> CacheEntry:
-        directory = self.config.path_to_cache or os.path.join(
-            self.dataset.path_prefix, "cache", f"{type(self).__name__}_indices")
-        stem = f"{self.description_hash}-{type(self).__name__}-{self.index_split.name}"
-        return CacheEntry(directory, stem, self.description)
+    def _cache_entry(self) -> CacheEntry | None:
+        directory = self.config.path_to_cache
+        if directory is None:
+            prefix = getattr(self.dataset, "path_prefix", None)
+            if prefix is None:  # mock data: nothing on disk to cache beside
+                return None
+            directory = os.path.join(prefix, "cache", f"{type(self).__name__}_indices")
+        stem = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
+        return CacheEntry(directory, stem, self.unique_description)
 
     def num_epochs(self) -> int:
         """Epochs needed for `num_samples` (megatron-core's `_get_num_epochs`)."""
@@ -167,7 +209,7 @@ class GPTDataset(torch.utils.data.Dataset):
         config = self.config
         self._extra = int(config.add_extra_token_to_sequence)
         self._width = config.sequence_length + self._extra
-        self._tokens = self.dataset.tokens
+        self._tokens = getattr(self.dataset, "tokens", None)
         self._pointers = self.dataset.sequence_pointers
         self._itemsize = self.dataset.dtype.itemsize
         self._cacheable = not (config.reset_position_ids or config.reset_attention_mask
@@ -186,6 +228,10 @@ class GPTDataset(torch.utils.data.Dataset):
         self.__init__(*state["args"])  # type: ignore[misc]
 
     def __len__(self) -> int:
+        if self._arrays is None:  # deferred: counted without mapping the indices, as megatron
+            return num_samples_of(self.num_epochs() * self.num_tokens_per_epoch,
+                                  self.config.sequence_length, self.drop_last_partial_sequence,
+                                  self.config.add_extra_token_to_sequence)
         return self.sample_index.shape[0] - 1
 
     def sample_parts(self, idx: int) -> list[tuple[int, int, int]]:
@@ -225,7 +271,7 @@ class GPTDataset(torch.utils.data.Dataset):
     def _texts(self, runs: TokenRuns) -> np.ndarray:
         """The tokens of each sample of `runs`, a row each, as `sample_text`."""
         text = np.full((runs.num_samples, self._width), self.pad_id, np.int64)
-        _native.gather_tokens(self._tokens, runs.starts, runs.counts, text, runs.destinations)
+        self.dataset.gather(runs.starts, runs.counts, text, runs.destinations)
         return text
 
     def locate_batch(self, ids: Sequence[int]) -> TokenRuns:
@@ -233,7 +279,10 @@ class GPTDataset(torch.utils.data.Dataset):
         return self._runs([self.sample_parts(int(i)) for i in ids])
 
     def token_ranges(self, runs: TokenRuns) -> tuple[np.ndarray, np.ndarray]:
-        """`(addresses, nbytes)` of the mapped `.bin` bytes that `runs` read."""
+        """`(addresses, nbytes)` of the mapped `.bin` bytes that `runs` read; none when the
+        tokens are not mapped (`mmap=False`, mock data)."""
+        if self._tokens is None:
+            return np.empty(0, np.int64), np.empty(0, np.int64)
         return (self._tokens.ctypes.data + runs.starts * self._itemsize,
                 runs.counts * self._itemsize)
 

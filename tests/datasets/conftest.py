@@ -43,14 +43,18 @@ def megatron() -> types.SimpleNamespace:
                 convert_split_vector_to_split_matrix,
                 parse_and_normalize_split,
             )
-            from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+            from megatron.core.datasets.gpt_dataset import (
+                GPTDataset,
+                GPTDatasetConfig,
+                MockGPTDataset,
+            )
             from megatron.core.datasets.utils import Split
     except Exception as exc:  # ImportError, or a broken build of helpers_cpp
         pytest.skip(f"megatron-core does not import here ({type(exc).__name__}: {exc}); "
                     "pip install megatron-core==0.16.1 for the parity tests")
     return types.SimpleNamespace(
         helpers=helpers, indexed_dataset=indexed_dataset, GPTDataset=GPTDataset,
-        GPTDatasetConfig=GPTDatasetConfig, Builder=BlendedMegatronDatasetBuilder, Split=Split,
+        GPTDatasetConfig=GPTDatasetConfig, MockGPTDataset=MockGPTDataset, Builder=BlendedMegatronDatasetBuilder, Split=Split,
         parse_split=parse_and_normalize_split, split_matrix=convert_split_vector_to_split_matrix)
 
 

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from asynctron.datasets import BlendedDataset, GPTDataset, GPTDatasetConfig, build_gpt_datasets
+from asynctron.datasets import (
+    BlendedDataset,
+    BlendedMegatronDatasetBuilder,
+    GPTDataset,
+    GPTDatasetConfig,
+    MockGPTDataset,
+    build_gpt_datasets,
+)
 
 
 @pytest.fixture
@@ -43,6 +50,11 @@ BLENDS = {
     "blend by length": lambda p: {"blend": (p[:2], None), "split": "90,8,2"},
     "one dataset": lambda p: {"blend": (p[:1], None), "split": "90,8,2"},
     "per split": lambda p: {"blend_per_split": [(p[:2], [1.0, 2.0]), (p[2:], None), None]},
+    # one weighted prefix in a split: megatron builds a plain dataset of exactly that size
+    "per split, one weighted prefix": lambda p: {
+        "blend_per_split": [(p[:1], [0.7]), (p[1:2], [1.0]), (p[2:], None)]},
+    "pread reads": lambda p: {"blend": (p, [0.3, 0.5, 0.2]), "split": "90,8,2",
+                              "mmap_bin_files": False},
 }
 SIZES = {"sized": [900, 60, 10], "one epoch": [None, None, None]}
 
@@ -97,9 +109,33 @@ def test_argument_errors(corpora, tok) -> None:
         build_gpt_datasets(config, [10, None, None])
     with pytest.raises(ValueError, match=r"^sizes: expected 3"):
         build_gpt_datasets(config, [10])
-    with pytest.raises(ValueError, match=r"^config: expected blend or blend_per_split"):
+    with pytest.raises(ValueError, match=r"^MockGPTDataset: expected config.tokenizer"):
         build_gpt_datasets(GPTDatasetConfig(random_seed=1, sequence_length=8), [1, 1, 1])
     single = build_gpt_datasets(GPTDatasetConfig(
         random_seed=3, sequence_length=32, tokenizer=tok, blend=(corpora[:1], None),
         split="1"), [None, None, None])
     assert isinstance(single[0], GPTDataset) and single[1] is None and single[2] is None
+
+
+def test_mock_data_is_megatrons(megatron, tok) -> None:
+    options = {"random_seed": 5, "sequence_length": 64, "split": "990,9,1", "tokenizer": tok}
+    mock = megatron.MockGPTDataset
+    theirs = megatron.Builder(mock, [200, 20, 20], lambda: True, megatron.GPTDatasetConfig(
+        reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True,
+        **options)).build()
+    ours = BlendedMegatronDatasetBuilder(MockGPTDataset, [200, 20, 20], lambda: True,
+                                         GPTDatasetConfig(
+        reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True,
+        **options)).build()
+    for expected, found in zip(theirs, ours, strict=True):
+        for name in ("document_index", "sample_index", "shuffle_index"):
+            assert np.array_equal(getattr(found, name), getattr(expected, name)), name
+        _assert_same(expected, found)
+        assert np.array_equal(found.dataset.get(7, 3, 20), expected.dataset.get(7, 3, 20))
+
+
+def test_weights_without_a_size_are_an_assertion_error_too(corpora, tok) -> None:
+    config = GPTDatasetConfig(random_seed=3, sequence_length=32, tokenizer=tok,
+                              blend_per_split=[(corpora[:2], [1.0, 2.0]), None, None])
+    with pytest.raises(AssertionError, match=r"train\): expected a number of samples"):
+        BlendedMegatronDatasetBuilder(GPTDataset, [None, None, None], lambda: True, config)

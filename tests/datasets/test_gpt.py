@@ -135,14 +135,14 @@ def test_cache_key_covers_the_data(make_corpus, tmp_path, tok) -> None:
     cache = str(tmp_path / "cache")
     first = _ours(make_corpus("corpus", seed=1), 50, tok, cache)
     second = _ours(make_corpus("corpus", seed=2), 50, tok, cache)  # same path, new content
-    assert first.description_hash != second.description_hash
+    assert first.unique_description_hash != second.unique_description_hash
 
 
 def test_corrupt_cache_file_is_named(make_corpus, tmp_path, tok) -> None:
     ds = make_corpus("corpus")
     cache = str(tmp_path / "cache")
     built = _ours(ds, 300, tok, cache)
-    path = os.path.join(cache, f"{built.description_hash}-GPTDataset-train-sample_index.npy")
+    path = os.path.join(cache, f"{built.unique_description_hash}-GPTDataset-train-sample_index.npy")
     with open(path, "r+b") as f:
         f.truncate(200)
     with pytest.raises(CorruptDatasetError, match=rf"^cached index {re.escape(path)}: expected "
@@ -159,7 +159,7 @@ def test_an_incomplete_cache_entry_is_rebuilt(make_corpus, tmp_path, tok) -> Non
     ds = make_corpus("corpus")
     cache = str(tmp_path / "cache")
     built = _ours(ds, 300, tok, cache)
-    os.remove(os.path.join(cache, f"{built.description_hash}-GPTDataset-train-description.txt"))
+    os.remove(os.path.join(cache, f"{built.unique_description_hash}-GPTDataset-train-description.txt"))
     again = _ours(ds, 300, tok, cache)
     assert np.array_equal(again.sample_index, built.sample_index)
 
