@@ -33,8 +33,9 @@ class GPTDatasetConfig:
     """How to build GPT datasets; fields named as megatron-core's `GPTDatasetConfig`.
 
     Without `blend` and `blend_per_split` the config is `mock` (megatron's mock data, split
-    "1,1,1" whatever `split` says, as megatron's). Not supported (megatron-only): `multiple_validation_sets`,
-    `full_validation`, object storage, context/sequence parallel padding.
+    "1,1,1" whatever `split` says, as megatron's). Not supported (megatron-only):
+    `multiple_validation_sets`, `full_validation`, object storage, context/sequence parallel
+    padding.
     """
 
     random_seed: int

@@ -54,7 +54,8 @@ def megatron() -> types.SimpleNamespace:
                     "pip install megatron-core==0.16.1 for the parity tests")
     return types.SimpleNamespace(
         helpers=helpers, indexed_dataset=indexed_dataset, GPTDataset=GPTDataset,
-        GPTDatasetConfig=GPTDatasetConfig, MockGPTDataset=MockGPTDataset, Builder=BlendedMegatronDatasetBuilder, Split=Split,
+        GPTDatasetConfig=GPTDatasetConfig, MockGPTDataset=MockGPTDataset,
+        Builder=BlendedMegatronDatasetBuilder, Split=Split,
         parse_split=parse_and_normalize_split, split_matrix=convert_split_vector_to_split_matrix)
 
 

@@ -159,7 +159,8 @@ def test_an_incomplete_cache_entry_is_rebuilt(make_corpus, tmp_path, tok) -> Non
     ds = make_corpus("corpus")
     cache = str(tmp_path / "cache")
     built = _ours(ds, 300, tok, cache)
-    os.remove(os.path.join(cache, f"{built.unique_description_hash}-GPTDataset-train-description.txt"))
+    stem = f"{built.unique_description_hash}-GPTDataset-train"
+    os.remove(os.path.join(cache, f"{stem}-description.txt"))
     again = _ours(ds, 300, tok, cache)
     assert np.array_equal(again.sample_index, built.sample_index)
 
