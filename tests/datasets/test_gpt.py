@@ -197,3 +197,20 @@ def test_too_few_tokens(make_corpus, tmp_path, tok) -> None:
     ds = make_corpus("tiny", num_documents=1, max_length=2)
     with pytest.raises(ValueError, match=r"split train: expected at least 2 tokens, found 1;"):
         _ours(ds, 3, tok, str(tmp_path / "cache"))
+
+
+@pytest.mark.parametrize("split", [Split.train, Split.valid])
+def test_deferred_indices_are_counted_without_mapping_and_must_be_cached(
+        make_corpus, tmp_path, tok, split: Split) -> None:
+    ds = make_corpus("corpus")
+    cache = str(tmp_path / "cache")
+    options = {"drop_last_partial_validation_sequence": False}
+    with pytest.raises(FileNotFoundError, match=r"-description.txt: expected the complete "):
+        _ours(ds, 700, tok, cache, split, defer_npy_index_mmap=True, **options).sample_index
+    built = _ours(ds, 700, tok, cache, split, **options)
+    deferred = _ours(ds, 700, tok, cache, split, defer_npy_index_mmap=True, **options)
+    assert deferred._arrays is None and len(deferred) == len(built)
+    assert deferred._arrays is None  # counting mapped nothing
+    assert np.array_equal(deferred.shuffle_index, built.shuffle_index)
+    fast = _ours(ds, 700, tok, cache, split, fast_cache_load=True, **options)
+    assert np.array_equal(fast.sample_index, built.sample_index)
