@@ -9,8 +9,10 @@ the loop is compiled C (`_blending.c`) doing megatron's arithmetic term for term
 
 This is a recurrence: each choice depends on every earlier one, and no static order of the
 datasets' samples reproduces it for three or more datasets, so it cannot be vectorised over
-steps the way the sample index is. Cost: a few nanoseconds per step and dataset, without the
-GIL; memory: the two output arrays (10 bytes a sample) and one count per dataset.
+steps the way the sample index is. Cost, as megatron's: about 10 ns a step for a few datasets
+and 1 ns more per dataset (50 M samples of 3 datasets: 0.5 s; 1 B of 10: 25 s, half of it the
+kernel faulting in the fresh output), without the GIL; memory: the two output arrays (10 bytes a
+sample) and one count per dataset.
 """
 
 from __future__ import annotations
