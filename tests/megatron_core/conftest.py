@@ -8,9 +8,9 @@ megatron-core itself.
 
 from __future__ import annotations
 
+import megatron_swap  # rebinds megatron-core's names to asynctron's, for collection
 import pytest
 import torch
-import megatron_swap  # rebinds megatron-core's names to asynctron's, for collection
 
 #: upstream tests that need files from a hub, with why
 NEEDS_THE_HUB = {
