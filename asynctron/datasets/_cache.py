@@ -6,9 +6,10 @@ to a temporary name and renamed; the description goes last, so an entry without 
 incomplete and is rebuilt. Loads map the arrays (`np.load(mmap_mode="r")`) and check their
 dtype and shape, so a truncated or foreign file is an error naming it.
 
-With torch.distributed initialized, rank 0 builds a missing entry while the others wait at a
-barrier, then load it (as megatron-core does). With `must_exist` (megatron's `fast_cache_load`)
-every rank loads the entry directly, with no collective; a missing one is an error naming it.
+Nothing here is a collective: under torch.distributed, `BlendedMegatronDatasetBuilder` lets
+rank 0 build every entry before the other ranks look (as megatron-core's builder does). With
+`must_exist` (megatron's `fast_cache_load`) an entry is only loaded; a missing one is an error
+naming it.
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch.distributed as dist
 
 from asynctron.datasets._atomic import write_atomically
-from asynctron.errors import CorruptDatasetError, PeerError
+from asynctron.errors import CorruptDatasetError
 
 logger = logging.getLogger(__name__)
 
@@ -92,10 +92,12 @@ class CacheEntry:
 def load_or_build(entry: CacheEntry | None, layout: Layout,
                   build: Callable[[], dict[str, np.ndarray]],
                   must_exist: bool = False) -> dict[str, np.ndarray]:
-    """The cached arrays of `entry`, built (by rank 0 first, under torch.distributed) and saved
-    when missing; with no entry, just `build()`.
+    """The cached arrays of `entry`, built and saved when missing; with no entry, just
+    `build()`. No collective: under torch.distributed the dataset builder lets rank 0 build
+    first; a rank that still finds the entry missing builds it too (the files are published by
+    rename, so concurrent builds publish the same entry).
 
-    With `must_exist` the entry is loaded on every rank with no barrier, never built.
+    With `must_exist` the entry is loaded, never built.
 
     Raises:
         FileNotFoundError: `must_exist` and the entry is not complete; names its description.
@@ -110,21 +112,7 @@ def load_or_build(entry: CacheEntry | None, layout: Layout,
                 "first with `asynctron prepare-cache CONFIG`, or with a run without "
                 "fast_cache_load")
         return entry.load(layout)
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if distributed:
-        failed: BaseException | None = None
-        if dist.get_rank() == 0 and not entry.complete():
-            try:
-                entry.save(build())
-            except BaseException as exc:  # the barrier below must still be reached
-                failed = exc
-        dist.barrier()
-        if failed is not None:
-            raise failed
-        if not entry.complete():
-            raise PeerError(f"cached indices {entry.path('description.txt')}: expected rank 0 to "
-                            "build them, found none; see rank 0's error", rank=0)
-    elif not entry.complete():
+    if not entry.complete():
         logger.info("building indices %s in %s", entry.stem, entry.directory)
         arrays = build()
         entry.save(arrays)
