@@ -176,7 +176,8 @@ def section_save_ranks(result: dict[str, Any], docs: str) -> list[str]:
 def section_data(result: dict[str, Any], docs: str) -> list[str]:
     if result.get("megatron"):
         return [f"megatron-core: {result['megatron']}"]
-    index = result["index_build"]["timings_s"]
+    index_result = result["index_build"]
+    index = index_result["timings_s"]
     pairs = [("sample index, {:.1f} M samples (time)".format(
         result["index_build"]["sample_index_rows"] / 1e6),
         "asynctron sample index (numpy)", "megatron sample index (C++)", "<= 1.0x"),
@@ -184,12 +185,31 @@ def section_data(result: dict[str, Any], docs: str) -> list[str]:
          "megatron GPTDataset build", "<= 1.0x"),
         ("blending index, {:.0f} M samples (time)".format(
             result["index_build"]["blend_samples"] / 1e6),
-         "asynctron blending index (Python)", "megatron blending index (C++)", "-")]
+         "asynctron blending index (C)", "megatron blending index (C++)", "<= 1.0x")]
     rows = []
     for label, ours, theirs, target in pairs:
         a, b = _median(index[ours]), _median(index[theirs])
         rows.append([label, f"{a:.3f} s", f"{b:.3f} s", f"{a / b:.2f}x",
                      target if target == "-" else f"{target} {_ok(a / b <= 1.0)}"])
+    peaks = index_result.get("blend_peak_rss_growth_bytes")
+    if peaks:
+        a, b = peaks["asynctron blending index (C)"], peaks["megatron blending index (C++)"]
+        out = index_result["blend_output_bytes"]
+        rows.append([f"blending index, peak memory growth (output {out / 1e6:.0f} MB)",
+                     f"{a / 1e6:,.0f} MB", f"{b / 1e6:,.0f} MB", f"{a / b:.2f}x",
+                     f"<= 3x output {_ok(a <= 3 * out)}"])
+    scale = result.get("blend_scale")
+    if scale and "megatron" in scale:
+        ours_s, theirs_s = (_median(scale[k]["seconds"]) for k in ("asynctron", "megatron"))
+        rows.append(["blending index, {:.0f} M samples of {} datasets (time{})".format(
+            scale["samples"] / 1e6, len(scale["weights"]),
+            ", arrays identical" if scale.get("identical") else ", ARRAYS DIFFER"),
+            f"{ours_s:.1f} s", f"{theirs_s:.1f} s", f"{ours_s / theirs_s:.2f}x",
+            "reported"])
+        a, b = (scale[k]["peak_rss_growth_bytes"] for k in ("asynctron", "megatron"))
+        rows.append(["same, peak memory growth (output {:.1f} GB)".format(
+            scale["output_bytes"] / 1e9), f"{a / 1e9:.2f} GB", f"{b / 1e9:.2f} GB",
+            f"{a / b:.2f}x", "reported"])
     for mask, warm in result["warm"].items():
         a, b = warm["samples_per_s"]["asynctron"], warm["samples_per_s"]["megatron"]
         rows.append([f"warm random `ds[i]`, {mask} (samples/s)", f"{a:,.0f}", f"{b:,.0f}",

@@ -40,8 +40,10 @@ def test_subpackages() -> None:
         "StorageError", "WouldBlock",
     }
     assert set(asynctron.datasets.__all__) == {
-        "AsyncLoader", "BlendedDataset", "ByteTokenizer", "GPTDataset", "GPTDatasetConfig",
-        "HFTokenizer", "IndexedDataset", "IndexedDatasetBuilder", "PreprocessConfig",
+        "AsyncLoader", "BlendSizeError", "BlendedDataset", "BlendedMegatronDatasetBuilder",
+        "ByteTokenizer", "DatasetIndex", "GPTDataset", "GPTDatasetConfig", "HFTokenizer",
+        "IndexedDataset", "IndexedDatasetBuilder", "MockGPTDataset", "MockGPTLowLevelDataset",
+        "PreprocessConfig",
         "PreprocessResult", "Split", "build_blending_indices", "build_document_index",
         "build_exhaustive_blending_indices", "build_gpt_datasets", "build_sample_index",
         "build_shuffle_index", "collate", "load_tokenizer", "optimal_dtype", "preprocess",

@@ -206,7 +206,7 @@ def test_deferred_indices_are_counted_without_mapping_and_must_be_cached(
     cache = str(tmp_path / "cache")
     options = {"drop_last_partial_validation_sequence": False}
     with pytest.raises(FileNotFoundError, match=r"-description.txt: expected the complete "):
-        _ours(ds, 700, tok, cache, split, defer_npy_index_mmap=True, **options).sample_index
+        _ = _ours(ds, 700, tok, cache, split, defer_npy_index_mmap=True, **options).sample_index
     built = _ours(ds, 700, tok, cache, split, **options)
     deferred = _ours(ds, 700, tok, cache, split, defer_npy_index_mmap=True, **options)
     assert deferred._arrays is None and len(deferred) == len(built)

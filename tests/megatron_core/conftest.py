@@ -8,9 +8,15 @@ megatron-core itself.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import megatron_swap  # rebinds megatron-core's names to asynctron's, for collection
 import pytest
 import torch
+
+# Megatron-LM's test packages, imported as `unit_tests` (README.md: `tests` is this suite's)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "tests"))
 
 #: upstream tests that need files from a hub, with why
 NEEDS_THE_HUB = {
@@ -38,15 +44,11 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.fixture(autouse=True)
 def _asynctron_in_place_of_megatron():
+    """The swap around each test; and the one-rank gloo group an upstream test starts is closed
+    after it, so the rest of the suite never sees it."""
     megatron_swap.apply()
     yield
     megatron_swap.restore()
-
-
-@pytest.fixture(scope="package", autouse=True)
-def _close_the_process_group():
-    """The upstream tests start a one-rank gloo group; the rest of the suite must not see it."""
-    yield
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -23,8 +23,8 @@ import tools.preprocess_data
 from megatron.training.tokenizer.gpt2_tokenization import bytes_to_unicode
 from megatron.training.tokenizer.tokenizer import _NullTokenizer
 from megatron_swap import REFERENCE, swaps
-from tests.unit_tests.data import test_builder, test_gpt_dataset
-from tests.unit_tests.data.test_preprocess_data import do_test_preprocess_data
+from unit_tests.data import test_builder, test_gpt_dataset
+from unit_tests.data.test_preprocess_data import do_test_preprocess_data
 
 import asynctron.datasets as ours
 

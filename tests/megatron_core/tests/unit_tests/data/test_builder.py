@@ -24,8 +24,8 @@ from megatron.core.datasets.megatron_dataset import LowLevelDataset, MegatronDat
 from megatron.core.datasets.utils import Split, compile_helpers, get_blend_from_list
 from megatron.training.tokenizer import build_tokenizer
 from megatron.training.utils import get_blend_and_blend_per_split
-from tests.unit_tests.dist_checkpointing import TempNamedDir
-from tests.unit_tests.test_utilities import Utils
+from unit_tests.dist_checkpointing import TempNamedDir
+from unit_tests.test_utilities import Utils
 from tools.build_sequences_per_dataset import build_sequences_per_dataset
 
 _NUM_DATASETS = 10

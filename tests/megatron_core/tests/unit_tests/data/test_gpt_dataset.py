@@ -14,7 +14,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 from megatron.core.datasets.utils import compile_helpers
 from megatron.training.tokenizer.tokenizer import _NullTokenizer
-from tests.unit_tests.test_utilities import Utils
+from unit_tests.test_utilities import Utils
 
 _MOCK_VOCAB_SIZE = 8192
 

@@ -7,7 +7,7 @@ from typing import Optional, Union
 
 # asynctron: the model-checkpointing helpers' import is dropped (they import the whole trainer);
 # the data tests use only TempNamedDir.
-from tests.unit_tests.test_utilities import Utils
+from unit_tests.test_utilities import Utils
 
 
 def empty_dir(path: Path):
