@@ -1,10 +1,13 @@
 """The index cache: `.npy` files named by a hash of everything that changes the indices.
 
 A cache entry is `<hash>-<Class>-<split>-<name>.npy` for each index plus
-`<hash>-<Class>-<split>-description.txt`, the JSON the hash is taken of. Each file is written
-to a temporary name and renamed; the description goes last, so an entry without it is
-incomplete and is rebuilt. Loads map the arrays (`np.load(mmap_mode="r")`) and check their
-dtype and shape, so a truncated or foreign file is an error naming it.
+`<hash>-<Class>-<split>-description.txt`, the JSON the hash is taken of. The arrays are written
+at once, one thread each (with `O_DIRECT` where the filesystem takes it, see `_atomic`), each to
+a temporary name, made durable and renamed; the renames are made durable; only then is the
+description written the same way. So after a crash at any point an entry either has its
+description and every array whole, or has no description and is rebuilt. Loads map the arrays
+(`np.load(mmap_mode="r")`) and check their dtype and shape, so a truncated or foreign file is
+an error naming it.
 
 Nothing here is a collective: under torch.distributed, `BlendedMegatronDatasetBuilder` lets
 rank 0 build every entry before the other ranks look (as megatron-core's builder does). With
@@ -15,16 +18,22 @@ naming it.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from asynctron.datasets._atomic import write_atomically
+from asynctron.datasets._atomic import (
+    sync_directory,
+    write_atomically,
+    write_buffers_atomically,
+)
 from asynctron.errors import CorruptDatasetError
 
 logger = logging.getLogger(__name__)
@@ -81,12 +90,29 @@ class CacheEntry:
         return arrays
 
     def save(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Write every array, then the description, each by rename."""
+        """Write every array as `.npy` (at once, a thread each) and make them and their
+        renames durable, then the description: a description in place means every array is.
+        Blocking call."""
         os.makedirs(self.directory, exist_ok=True)
-        for name, array in arrays.items():
-            write_atomically(self.path(f"{name}.npy"), lambda f, a=array: np.save(f, a))
+        with ThreadPoolExecutor(max_workers=max(1, len(arrays)),
+                                thread_name_prefix="asynctron-cache-save") as pool:
+            writes = [pool.submit(_save_npy, self.path(f"{name}.npy"), array)
+                      for name, array in arrays.items()]
+        for write in writes:
+            write.result()
+        sync_directory(self.directory)
         write_atomically(self.path("description.txt"),
-                          lambda f: f.write(self.description.encode()))
+                         lambda f: f.write(self.description.encode()))
+
+
+def _save_npy(path: str, array: np.ndarray) -> None:
+    """`array` as the `.npy` file `path` (the bytes `np.save` writes), durably, by rename; the
+    directory is not synced."""
+    array = np.ascontiguousarray(array)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
+    data = memoryview(array.reshape(-1).view(np.uint8))
+    write_buffers_atomically(path, [header.getbuffer(), data], sync_dir=False)
 
 
 def load_or_build(entry: CacheEntry | None, layout: Layout,
