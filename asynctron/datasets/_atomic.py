@@ -20,7 +20,7 @@ import fcntl
 import mmap
 import os
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO
 
 #: O_DIRECT offsets and lengths are multiples of this (the largest usual logical block size).
@@ -33,10 +33,6 @@ DIRECT_CHUNK_BYTES = 2 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none: plain writes
 
 
-def _temporary(path: str) -> str:
-    return f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-
-
 def sync_directory(directory: str) -> None:
     """Make the renames done in `directory` durable. Blocking call."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
@@ -46,25 +42,35 @@ def sync_directory(directory: str) -> None:
         os.close(fd)
 
 
-def write_atomically(path: str, write: Callable[[IO[bytes]], object],
-                     buffering: int = -1, *, sync_dir: bool = True) -> None:
-    """Call `write(f)` on a new file and publish it as `path`, durably: after a crash `path`
-    is either the old file or the whole new one (the rename itself durable only once the
-    directory is synced: here unless `sync_dir` is False). On any error the temporary file is
-    removed and `path` is untouched. Blocking call."""
-    tmp = _temporary(path)
+@contextlib.contextmanager
+def _publishing(path: str, sync_dir: bool) -> Iterator[str]:
+    """A temporary path beside `path`, renamed to `path` when the block succeeds (the directory
+    then synced if `sync_dir`) and removed when it fails; an OSError without a file name is
+    raised again naming `path`."""
+    tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        with open(tmp, "wb", buffering=buffering) as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+        if isinstance(exc, OSError) and exc.errno is not None and exc.filename is None:
+            raise OSError(exc.errno, exc.strerror, path) from exc
         raise
     if sync_dir:
         sync_directory(os.path.dirname(os.path.abspath(path)))
+
+
+def write_atomically(path: str, write: Callable[[IO[bytes]], object],
+                     buffering: int = -1, *, sync_dir: bool = True) -> None:
+    """Call `write(f)` on a new file and publish it as `path`, durably: after a crash `path`
+    is either the old file or the whole new one (the rename itself durable once the directory
+    is synced: here, unless `sync_dir` is False). On any error the temporary file is removed,
+    `path` is untouched, and an OSError names `path`. Blocking call."""
+    with _publishing(path, sync_dir) as tmp, open(tmp, "wb", buffering=buffering) as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_buffers_atomically(path: str, buffers: Sequence[bytes | memoryview], *,
@@ -75,27 +81,19 @@ def write_buffers_atomically(path: str, buffers: Sequence[bytes | memoryview], *
 
     Memory: one bounce buffer of at most `DIRECT_CHUNK_BYTES`.
     """
-    tmp = _temporary(path)
-    try:
+    with _publishing(path, sync_dir) as tmp:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_DIRECT,
-                         0o666)
+            fd = os.open(tmp, flags | _O_DIRECT, 0o666)
         except OSError as exc:
             if exc.errno != errno.EINVAL or not _O_DIRECT:
                 raise
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+            fd = os.open(tmp, flags, 0o666)
         try:
             _write_aligned(fd, [memoryview(b).cast("B") for b in buffers])
             os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
-    if sync_dir:
-        sync_directory(os.path.dirname(os.path.abspath(path)))
 
 
 def _write_aligned(fd: int, views: list[memoryview]) -> None:
@@ -107,35 +105,30 @@ def _write_aligned(fd: int, views: list[memoryview]) -> None:
     if total == 0:
         return
     size = min(DIRECT_CHUNK_BYTES, -(-total // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT)
-    with mmap.mmap(-1, size) as bounce:
-        offset = fill = 0
-
-        def flush(length: int) -> None:
-            nonlocal offset, fill
-            chunk = memoryview(bounce)[:length]
-            try:
-                written = 0
-                while written < length:
-                    written += _pwrite(fd, chunk[written:], offset + written)
-            finally:
-                chunk.release()
-            offset += length
-            fill = 0
-
-        for view in views:
-            position = 0
-            while position < view.nbytes:
-                count = min(size - fill, view.nbytes - position)
-                bounce[fill:fill + count] = view[position:position + count]
-                fill += count
-                position += count
-                if fill == size:
-                    flush(size)
-        if fill:
-            padded = -(-fill // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT
-            bounce[fill:padded] = bytes(padded - fill)
-            flush(padded)
+    bounce = memoryview(mmap.mmap(-1, size))  # page-aligned; unmapped once unreferenced
+    offset = fill = 0
+    for view in views:
+        position = 0
+        while position < view.nbytes:
+            count = min(size - fill, view.nbytes - position)
+            bounce[fill:fill + count] = view[position:position + count]
+            fill += count
+            position += count
+            if fill == size:
+                _pwrite_all(fd, bounce, offset)
+                offset += size
+                fill = 0
+    if fill:
+        padded = -(-fill // DIRECT_ALIGNMENT) * DIRECT_ALIGNMENT
+        bounce[fill:padded] = bytes(padded - fill)
+        _pwrite_all(fd, bounce[:padded], offset)
     os.ftruncate(fd, total)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    written = 0
+    while written < len(data):
+        written += _pwrite(fd, data[written:], offset + written)
 
 
 def _pwrite(fd: int, data: memoryview, offset: int) -> int:

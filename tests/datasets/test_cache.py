@@ -219,3 +219,15 @@ def test_an_entry_killed_while_saving_is_rebuilt_not_loaded(tmp_path, kill_at) -
         for name in LAYOUT:
             assert np.array_equal(arrays[name], expected[name])
             assert np.array_equal(np.load(entry.path(f"{name}.npy")), expected[name])
+
+
+def test_a_failed_write_names_the_file_and_leaves_nothing(tmp_path, monkeypatch) -> None:
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    entry = _entry(str(tmp_path))
+    path = entry.path("a.npy")
+    with pytest.raises(OSError, match=rf"No space left on device: '{re.escape(path)}'"):
+        entry.save(_arrays())
+    assert os.listdir(tmp_path) == [] and not entry.complete()
