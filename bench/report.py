@@ -225,7 +225,8 @@ def section_data(result: dict[str, Any], docs: str) -> list[str]:
                                                      "idle_loop_worst_delay_s"))
     return [*_table(["measure", "asynctron", "megatron-core", "ratio", "target"], rows), "",
             f"- loop worst heartbeat delay while the loader ran: {delay:.1f} ms (an idle loop "
-            f"over the same time: {idle:.1f} ms)"]
+            f"over the same time: {idle:.1f} ms)",
+            *([f"- {result['meta']['blend_runs']}"] if "blend_runs" in result["meta"] else [])]
 
 
 def section_comm(result: dict[str, Any], docs: str) -> list[str]:
