@@ -14,11 +14,14 @@ Subcommands:
 - `preprocess --input data.jsonl --output-prefix out --tokenizer byte|tokenizer.json`:
   tokenizes JSON lines into megatron `.bin`/`.idx` files (`out_text_document.*`), like
   megatron's `tools/preprocess_data.py`.
+- `prepare-cache CONFIG`: builds every GPT dataset index a JSON config describes into its
+  `path_to_cache` (those cached already are kept), like megatron's `tools/prepare_cache.py`, so
+  a run can start with `fast_cache_load` and no rank waits on a build; one line per dataset.
 - `bench SCENARIO ARGS...`: runs `bench/<scenario>.py` from a source checkout.
 
 PATH is a checkpoint directory or a root whose `latest` pointer names one.
-Exit status: 0 success; 1 corrupt checkpoint or failed round trip; 2 not found, unreadable, or
-bad usage.
+Exit status: 0 success; 1 corrupt checkpoint or dataset, or failed round trip; 2 not found,
+unreadable, or bad usage (a bad config).
 """
 
 from __future__ import annotations
@@ -40,8 +43,14 @@ from tqdm import tqdm
 
 from asynctron._demo import DemoConfig, DemoReport, run_demo
 from asynctron.datasets import PreprocessConfig, preprocess
+from asynctron.datasets._prepare_cache import PreparedDataset, prepare_cache
 from asynctron.engine import Engine
-from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from asynctron.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    CorruptDatasetError,
+    StorageError,
+)
 from asynctron.storage import LocalFileIO, Manifest, read_manifest, resolve_checkpoint
 from asynctron.storage._dcp import decode_blob, tensor_of
 from asynctron.storage._manifest import ItemRecord
@@ -130,6 +139,13 @@ def _parser() -> argparse.ArgumentParser:
                       help="end each document with the end-of-document token")
     prep.add_argument("--workers", type=_positive_int, default=1, help="tokenizing processes")
     prep.set_defaults(run=_preprocess)
+
+    cache = commands.add_parser("prepare-cache", help="build the GPT dataset indices of a "
+                                                      "config into its cache, offline")
+    cache.add_argument("config", help='a JSON file: {"sizes": [train, valid, test], "config": '
+                                      "{GPTDatasetConfig fields, with eod_id/pad_id for the "
+                                      "tokenizer and path_to_cache}}")
+    cache.set_defaults(run=_prepare_cache)
 
     bench = commands.add_parser("bench", help="run a benchmark (source checkout only)")
     bench.add_argument("scenario", choices=sorted(BENCH_SCENARIOS))
@@ -350,6 +366,29 @@ def _preprocess(args: argparse.Namespace) -> int:
     print(f"{result.num_documents} documents, {result.num_tokens} tokens in "
           f"{result.elapsed_s:.2f} s")
     return 0
+
+
+# prepare-cache ---------------------------------------------------------------------------------
+
+def _prepare_cache(args: argparse.Namespace) -> int:
+    try:
+        report = prepare_cache(args.config, on_dataset=_print_prepared)
+    except CorruptDatasetError as exc:
+        print(f"asynctron prepare-cache: {exc}", file=sys.stderr)
+        return 1
+    except (FileNotFoundError, ValueError) as exc:  # PrepareCacheConfigError is a ValueError
+        print(f"asynctron prepare-cache: {exc}", file=sys.stderr)
+        return 2
+    built = sum(d.built for d in report.datasets)
+    print(f"{built} built, {len(report.datasets) - built} already cached, in "
+          f"{report.elapsed_s:.2f} s: {report.path_to_cache}")
+    return 0
+
+
+def _print_prepared(dataset: PreparedDataset) -> None:
+    done = "built" if dataset.built else "cached"
+    print(f"{dataset.split:<5} {dataset.class_name:<16} {dataset.num_samples:>13,} samples  "
+          f"{done:<6} {dataset.seconds:8.2f} s", flush=True)
 
 
 # bench -----------------------------------------------------------------------------------------

@@ -12,17 +12,20 @@ an error naming it.
 Nothing here is a collective: under torch.distributed, `BlendedMegatronDatasetBuilder` lets
 rank 0 build every entry before the other ranks look (as megatron-core's builder does). With
 `must_exist` (megatron's `fast_cache_load`) an entry is only loaded; a missing one is an error
-naming it.
+naming it. `observing(callback)` reports every entry loaded or built (`prepare-cache` prints
+them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import logging
 import os
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +64,16 @@ class CacheEntry:
 
     def path(self, name: str) -> str:
         return os.path.join(self.directory, f"{self.stem}-{name}")
+
+    @property
+    def class_name(self) -> str:
+        """The dataset class the entry is of (the stem's `<Class>`)."""
+        return self.stem.split("-")[1]
+
+    @property
+    def split(self) -> str:
+        """The split the entry is of (the stem's `<split>`)."""
+        return self.stem.split("-")[2]
 
     def complete(self) -> bool:
         path = self.path("description.txt")
@@ -115,6 +128,31 @@ def _save_npy(path: str, array: np.ndarray) -> None:
     write_buffers_atomically(path, [header.getbuffer(), data], sync_dir=False)
 
 
+@dataclass(frozen=True, slots=True)
+class CacheUse:
+    """One `load_or_build` of an entry: built (and saved) now, or loaded; each array's length;
+    the seconds it took."""
+
+    entry: CacheEntry
+    built: bool
+    lengths: dict[str, int]
+    seconds: float
+
+
+_observers: list[Callable[[CacheUse], None]] = []
+
+
+@contextlib.contextmanager
+def observing(callback: Callable[[CacheUse], None]) -> Iterator[None]:
+    """Call `callback` after each `load_or_build` of an entry while the block runs, from
+    whichever thread of this process ran it."""
+    _observers.append(callback)
+    try:
+        yield
+    finally:
+        _observers.remove(callback)
+
+
 def load_or_build(entry: CacheEntry | None, layout: Layout,
                   build: Callable[[], dict[str, np.ndarray]],
                   must_exist: bool = False) -> dict[str, np.ndarray]:
@@ -130,17 +168,23 @@ def load_or_build(entry: CacheEntry | None, layout: Layout,
     """
     if entry is None:
         return build()
-    if must_exist:
-        if not entry.complete():
+    start = time.perf_counter()
+    built = not must_exist and not entry.complete()
+    if built:
+        logger.info("building indices %s in %s", entry.stem, entry.directory)
+        arrays = build()
+        entry.save(arrays)
+    else:
+        if must_exist and not entry.complete():
             raise FileNotFoundError(
                 f"cached indices {entry.path('description.txt')}: expected the complete cache "
                 "entry this config describes (fast_cache_load), found none; build the cache "
                 "first with `asynctron prepare-cache CONFIG`, or with a run without "
                 "fast_cache_load")
-        return entry.load(layout)
-    if not entry.complete():
-        logger.info("building indices %s in %s", entry.stem, entry.directory)
-        arrays = build()
-        entry.save(arrays)
-        return arrays
-    return entry.load(layout)
+        arrays = entry.load(layout)
+    if _observers:
+        use = CacheUse(entry, built, {name: len(array) for name, array in arrays.items()},
+                       time.perf_counter() - start)
+        for callback in tuple(_observers):
+            callback(use)
+    return arrays
