@@ -80,10 +80,8 @@ class BlendedDataset(torch.utils.data.Dataset):
             self.unique_identifiers)
         entry = None
         if config.path_to_cache:
-            entry = CacheEntry(
-                config.path_to_cache,
-                f"{self.unique_description_hash}-{type(self).__name__}-{self.split.name}",
-                self.unique_description)
+            entry = CacheEntry(config.path_to_cache, self.unique_description_hash,
+                               type(self).__name__, self.split.name, self.unique_description)
         arrays = load_or_build(entry, _INDEX_LAYOUT, self._build_indices,
                                must_exist=getattr(config, "fast_cache_load", False))
         self.dataset_index = arrays["dataset_index"]

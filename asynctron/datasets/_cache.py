@@ -56,24 +56,22 @@ def describe(identity: Mapping[str, Any]) -> tuple[str, str]:
 
 @dataclass(frozen=True, slots=True)
 class CacheEntry:
-    """The files of one cached set of indices."""
+    """The files of one cached set of indices: those of the dataset class `class_name`, split
+    `split`, whose `description` has the md5 `description_hash`."""
 
     directory: str
-    stem: str
+    description_hash: str
+    class_name: str
+    split: str
     description: str
+
+    @property
+    def stem(self) -> str:
+        """`<hash>-<Class>-<split>`, the start of every file name of the entry."""
+        return f"{self.description_hash}-{self.class_name}-{self.split}"
 
     def path(self, name: str) -> str:
         return os.path.join(self.directory, f"{self.stem}-{name}")
-
-    @property
-    def class_name(self) -> str:
-        """The dataset class the entry is of (the stem's `<Class>`)."""
-        return self.stem.split("-")[1]
-
-    @property
-    def split(self) -> str:
-        """The split the entry is of (the stem's `<split>`)."""
-        return self.stem.split("-")[2]
 
     def complete(self) -> bool:
         path = self.path("description.txt")

@@ -160,8 +160,8 @@ class GPTDataset(torch.utils.data.Dataset):
             if prefix is None:  # mock data: nothing on disk to cache beside
                 return None
             directory = os.path.join(prefix, "cache", f"{type(self).__name__}_indices")
-        stem = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
-        return CacheEntry(directory, stem, self.unique_description)
+        return CacheEntry(directory, self.unique_description_hash, type(self).__name__,
+                          self.index_split.name, self.unique_description)
 
     def num_epochs(self) -> int:
         """Epochs needed for `num_samples` (megatron-core's `_get_num_epochs`)."""

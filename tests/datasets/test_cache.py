@@ -29,7 +29,7 @@ def _arrays() -> dict[str, np.ndarray]:
 
 def _entry(directory: str) -> CacheEntry:
     description, digest = describe({"class": "Test", "n": 1000})
-    return CacheEntry(directory, f"{digest}-Test-train", description)
+    return CacheEntry(directory, digest, "Test", "train", description)
 
 
 def _builds(built: list[int]):
@@ -182,7 +182,7 @@ KILLED_CHILD = textwrap.dedent("""
     import numpy as np
     from asynctron.datasets._cache import CacheEntry
 
-    directory, stem, description, kill_at = sys.argv[1:5]
+    directory, digest, description, kill_at = sys.argv[1:5]
     real_replace, renames = os.replace, []
 
     def replace(src, dst):  # SIGKILL before the rename number `kill_at` (1-based)
@@ -193,7 +193,7 @@ KILLED_CHILD = textwrap.dedent("""
 
     os.replace = replace
     rng = np.random.default_rng(int(kill_at))
-    CacheEntry(directory, stem, description).save(
+    CacheEntry(directory, digest, "Test", "train", description).save(
         {"a": rng.integers(0, 100, 1000, dtype=np.int32),
          "b": rng.integers(0, 100, (300, 2), dtype=np.int64)})
 """)
@@ -205,9 +205,9 @@ def test_an_entry_killed_while_saving_is_rebuilt_not_loaded(tmp_path, kill_at) -
     control, never (4th): only the finished save loads; the others are rebuilt, and the
     arrays the killed save left (other values than the build's) are replaced."""
     entry = _entry(str(tmp_path / "cache"))
-    child = subprocess.run([sys.executable, "-c", KILLED_CHILD, entry.directory, entry.stem,
-                            entry.description, str(kill_at)], capture_output=True, text=True,
-                           timeout=120)
+    child = subprocess.run([sys.executable, "-c", KILLED_CHILD, entry.directory,
+                            entry.description_hash, entry.description, str(kill_at)],
+                           capture_output=True, text=True, timeout=120)
     finished = kill_at > len(LAYOUT) + 1
     assert child.returncode == (0 if finished else -signal.SIGKILL), child.stderr
     assert entry.complete() == finished
