@@ -94,13 +94,14 @@ class GPTDataset(torch.utils.data.Dataset):
     @staticmethod
     def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> IndexedDataset:
         """The `IndexedDataset` at `dataset_path` (megatron's `build_low_level_dataset`)."""
-        sequences_per_dataset = None
-        if config.sequences_per_dataset:
+        sequences_per_dataset = dtype_code = None
+        if config.sequences_per_dataset:  # the tokenizer's dtype is expected with them only
             sequences_per_dataset = tuple(config.sequences_per_dataset[dataset_path])
+            dtype_code = config.token_dtype_code
         return IndexedDataset(dataset_path, multimodal=False, mmap=config.mmap_bin_files,
                               fast_cache_load=config.fast_cache_load,
                               sequences_per_dataset=sequences_per_dataset,
-                              dtype_code=config.token_dtype_code)
+                              dtype_code=dtype_code)
 
     @staticmethod
     def numel_low_level_dataset(low_level_dataset: IndexedDataset) -> int:

@@ -214,3 +214,17 @@ def test_deferred_indices_are_counted_without_mapping_and_must_be_cached(
     assert np.array_equal(deferred.shuffle_index, built.shuffle_index)
     fast = _ours(ds, 700, tok, cache, split, fast_cache_load=True, **options)
     assert np.array_equal(fast.sample_index, built.sample_index)
+
+
+def test_the_tokenizers_dtype_is_checked_only_with_sequences_per_dataset(make_corpus,
+                                                                          tok) -> None:
+    """megatron checks the token dtype against the vocabulary only beside
+    sequences_per_dataset; an int32 corpus with a small vocabulary builds otherwise."""
+    ds = make_corpus("wide", dtype=np.int32)
+    config = GPTDatasetConfig(random_seed=1, sequence_length=16, tokenizer=tok)
+    assert GPTDataset.build_low_level_dataset(ds.path_prefix, config).dtype == np.int32
+    strict = GPTDatasetConfig(random_seed=1, sequence_length=16, tokenizer=tok,
+                              sequences_per_dataset={ds.path_prefix: (len(ds),
+                                                                      ds.num_documents + 1)})
+    with pytest.raises(CorruptDatasetError, match=r"expected token dtype code 8, found 4"):
+        GPTDataset.build_low_level_dataset(ds.path_prefix, strict)
