@@ -172,11 +172,13 @@ def _record(flat: FlatStateDict, item: PlannedItem, file: str, offset: int) -> I
     kind = flat.kinds[key]
     if item.type == WriteItemType.BYTE_IO:
         if kind == "object":
-            return ItemRecord(key, "object", None, None, None, None, file, offset, item.nbytes,
-                              None, encoding="torch_save")
-        return ItemRecord(key, "bytes", None, None, None, None, file, offset, item.nbytes, None)
+            return ItemRecord(key=key, kind="object", file=file, offset=offset,
+                              nbytes=item.nbytes, checksum=None, encoding="torch_save")
+        return ItemRecord(key=key, kind="bytes", file=file, offset=offset, nbytes=item.nbytes,
+                          checksum=None)
     assert item.dtype is not None
     dtype = flat.arrays[key][0] if kind == "ndarray" else dtype_name(item.dtype, key)
     shape, offsets = item.chunk()
-    return ItemRecord(key, kind, dtype, shape, item.global_shape, offsets, file, offset,
-                      item.nbytes, None)
+    return ItemRecord(key=key, kind=kind, file=file, offset=offset, nbytes=item.nbytes,
+                      checksum=None, dtype=dtype, shape=shape, global_shape=item.global_shape,
+                      chunk_offsets=offsets)

@@ -295,8 +295,8 @@ def _records(state_dict_metadata: Mapping[Any, Any], storage_data: Mapping[Any, 
                        f"inside {name} ({sizes[name]} bytes)", key)
         entry = state_dict_metadata.get(key)
         if isinstance(entry, BytesStorageMetadata):
-            items.append(ItemRecord(key, "object", None, None, None, None, name, offset, length,
-                                    None, encoding="torch_save"))
+            items.append(ItemRecord(key=key, kind="object", file=name, offset=offset,
+                                    nbytes=length, checksum=None, encoding="torch_save"))
         else:
             items.append(tables.record(key, entry, getattr(index, "offset", None), name, offset,
                                        length))
@@ -340,8 +340,9 @@ class _ChunkTables:
             raise fail(f"item {key!r} chunk at {list(offsets)} in {file}: expected a torch.save "
                        f"blob of at least {nbytes} bytes for {dtype} {list(shape)}, found "
                        f"{length}", key)
-        return ItemRecord(key, "tensor", dtype, shape, size, offsets, file, offset, length, None,
-                          encoding="torch_save")
+        return ItemRecord(key=key, kind="tensor", file=file, offset=offset, nbytes=length,
+                          checksum=None, dtype=dtype, shape=shape, global_shape=size,
+                          chunk_offsets=offsets, encoding="torch_save")
 
     def _table(self, key: str, entry: Any) -> tuple[str, tuple[int, ...],
                                                     dict[tuple[int, ...], tuple[int, ...]]]:

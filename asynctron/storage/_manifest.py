@@ -38,13 +38,14 @@ _BIN_FILE = re.compile(r"__\d{1,9}_\d{1,9}\.distcp")
 _STRUCTURE_TAGS = frozenset({"dict", "list", "tuple", "item", "value"})
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ItemRecord:
-    """Where one item (a tensor chunk, ndarray or bytes) lives and how to check it.
+    """Where one item (a tensor chunk, ndarray or bytes) lives and how to check it; built with
+    keywords.
 
     `shape` is the stored (local chunk) shape; `global_shape` and `chunk_offsets` place the chunk
-    in the full tensor (equal to `shape` and zeros for an unsharded tensor). Bytes items have
-    `dtype`, shapes and offsets set to None. `checksum` is the item's digest (see
+    in the full tensor (equal to `shape` and zeros for an unsharded tensor). Bytes and object
+    items leave `dtype`, shapes and offsets None. `checksum` is the item's digest (see
     `Manifest.checksum` for the algorithm), or None in a checkpoint saved without checksums.
 
     `encoding` says how the stored bytes hold the value: `"raw"` (the tensor's bytes, as
@@ -55,14 +56,14 @@ class ItemRecord:
 
     key: str
     kind: ItemKind
-    dtype: str | None
-    shape: tuple[int, ...] | None
-    global_shape: tuple[int, ...] | None
-    chunk_offsets: tuple[int, ...] | None
     file: str
     offset: int
     nbytes: int
     checksum: str | None
+    dtype: str | None = None
+    shape: tuple[int, ...] | None = None
+    global_shape: tuple[int, ...] | None = None
+    chunk_offsets: tuple[int, ...] | None = None
     encoding: Literal["raw", "torch_save"] = "raw"
 
 
@@ -257,8 +258,8 @@ class _ObjectHook:
                        "non-negative integers below 2**63", key)
         file = self._share(file) if isinstance(file, str) else file
         if kind in ("bytes", "object"):
-            return ItemRecord(key, _KINDS[kind], None, None, None, None, file, offset, nbytes,
-                              checksum, _ENCODINGS[encoding])
+            return ItemRecord(key=key, kind=_KINDS[kind], file=file, offset=offset, nbytes=nbytes,
+                              checksum=checksum, encoding=_ENCODINGS[encoding])
         dtype = raw.get("dtype")
         table = TORCH_DTYPES if kind == "tensor" else NUMPY_DTYPES
         if not isinstance(dtype, str) or dtype not in table:
@@ -279,8 +280,9 @@ class _ObjectHook:
         if expected != nbytes:
             raise fail(f"item {key!r}: expected {expected} bytes for {dtype} {list(shape)}, "
                        f"found nbytes {nbytes}", key)
-        return ItemRecord(key, _KINDS[kind], self._share(dtype), shape, global_shape,
-                          chunk_offsets, file, offset, nbytes, checksum)
+        return ItemRecord(key=key, kind=_KINDS[kind], file=file, offset=offset, nbytes=nbytes,
+                          checksum=checksum, dtype=self._share(dtype), shape=shape,
+                          global_shape=global_shape, chunk_offsets=chunk_offsets)
 
     def _dims(self, value: Any) -> tuple[int, ...] | None:
         if isinstance(value, list) and len(value) <= MAX_DIMS and all(map(is_count, value)):

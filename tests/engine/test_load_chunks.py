@@ -20,9 +20,10 @@ def _write_chunked_checkpoint(path: str, full: torch.Tensor) -> None:
     for offset, rows, part in ((0, 0, top), (4096, 2, bottom)):
         raw = part.numpy().tobytes()
         data[offset:offset + len(raw)] = raw
-        records.append(ItemRecord("w", "tensor", "float32", tuple(part.shape), tuple(full.shape),
-                                  (rows, 0), "__0_0.distcp", offset, len(raw),
-                                  digest(memoryview(raw))))
+        records.append(ItemRecord(key="w", kind="tensor", file="__0_0.distcp", offset=offset,
+                                  nbytes=len(raw), checksum=digest(memoryview(raw)),
+                                  dtype="float32", shape=tuple(part.shape),
+                                  global_shape=tuple(full.shape), chunk_offsets=(rows, 0)))
     with open(f"{path}/__0_0.distcp", "wb") as f:
         f.write(data)
     manifest = Manifest(structure={"dict": [["w", {"item": "w"}]]}, items=tuple(records),

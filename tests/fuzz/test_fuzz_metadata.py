@@ -69,10 +69,12 @@ def _rich_state() -> dict:
 def _grid_records() -> list[ItemRecord]:
     """A float32 [4, 6] tensor in a 2x2 grid of chunks, and a bytes item, in one file."""
     corners = [(0, 0), (0, 3), (2, 0), (2, 3)]
-    records = [ItemRecord("w", "tensor", "float32", (2, 3), (4, 6), corner, "__0_0.distcp",
-                          4096 * (i + 1), 24, None) for i, corner in enumerate(corners)]
-    return [*records, ItemRecord("b", "bytes", None, None, None, None, "__0_0.distcp", 20_000,
-                                 5, None)]
+    records = [ItemRecord(key="w", kind="tensor", file="__0_0.distcp", offset=4096 * (i + 1),
+                          nbytes=24, checksum=None, dtype="float32", shape=(2, 3),
+                          global_shape=(4, 6), chunk_offsets=corner)
+               for i, corner in enumerate(corners)]
+    return [*records, ItemRecord(key="b", kind="bytes", file="__0_0.distcp", offset=20_000,
+                                 nbytes=5, checksum=None)]
 
 
 class _Bases:

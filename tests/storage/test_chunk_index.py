@@ -13,10 +13,11 @@ from asynctron.storage._manifest import ItemRecord
 
 
 def _grid(rows: int, cols: int, row_step: int, col_step: int) -> list[ItemRecord]:
-    return [ItemRecord("w", "tensor", "float32", (row_step, col_step), (rows * row_step,
-                                                                       cols * col_step),
-                       (r * row_step, c * col_step), "__0_0.distcp", (r * cols + c) * 4096,
-                       row_step * col_step * 4, None)
+    return [ItemRecord(key="w", kind="tensor", file="__0_0.distcp", offset=(r * cols + c) * 4096,
+                       nbytes=row_step * col_step * 4, checksum=None, dtype="float32",
+                       shape=(row_step, col_step),
+                       global_shape=(rows * row_step, cols * col_step),
+                       chunk_offsets=(r * row_step, c * col_step))
             for r, c in itertools.product(range(rows), range(cols))]
 
 
@@ -61,8 +62,9 @@ def test_a_query_touches_few_candidates_in_a_large_grid() -> None:
 
 def _chunk(shape: tuple[int, ...], offsets: tuple[int, ...], file_offset: int = 4096
            ) -> ItemRecord:
-    return ItemRecord("w", "tensor", "float32", shape, None, offsets, "__0_0.distcp",
-                      file_offset, 4 * math.prod(shape), "xxh3:0")
+    return ItemRecord(key="w", kind="tensor", file="__0_0.distcp", offset=file_offset,
+                      nbytes=4 * math.prod(shape), checksum="xxh3:0", dtype="float32",
+                      shape=shape, chunk_offsets=offsets)
 
 
 def _shift(origin: tuple[int, ...], by: list[int]) -> tuple[int, ...]:

@@ -14,8 +14,9 @@ from asynctron.storage._manifest import ItemRecord, check_chunks, encode_manifes
 
 
 def _tile(offsets: tuple[int, int], shape: tuple[int, int] = (2, 2)) -> ItemRecord:
-    return ItemRecord("w", "tensor", "float32", shape, (4, 4), offsets, "__0_0.distcp", 0,
-                      4 * shape[0] * shape[1], None)
+    return ItemRecord(key="w", kind="tensor", file="__0_0.distcp", offset=0,
+                      nbytes=4 * shape[0] * shape[1], checksum=None, dtype="float32",
+                      shape=shape, global_shape=(4, 4), chunk_offsets=offsets)
 
 
 def _fail(what: str, key: str | None = None) -> CorruptCheckpointError:
@@ -27,8 +28,9 @@ def test_four_tiles_of_a_square_pass() -> None:
 
 
 def test_many_row_chunks_pass_quickly() -> None:
-    rows = [ItemRecord("w", "tensor", "float32", (1, 8), (20_000, 8), (i, 0), "__0_0.distcp",
-                       0, 32, None) for i in range(20_000)]
+    rows = [ItemRecord(key="w", kind="tensor", file="__0_0.distcp", offset=0, nbytes=32,
+                       checksum=None, dtype="float32", shape=(1, 8), global_shape=(20_000, 8),
+                       chunk_offsets=(i, 0)) for i in range(20_000)]
     check_chunks(rows, _fail)
 
 
@@ -49,8 +51,9 @@ def test_overlaps_and_gaps_are_refused_naming_the_key(tiles: list[ItemRecord],
 
 def _box(offsets: tuple[int, ...], shape: tuple[int, ...],
          global_shape: tuple[int, ...]) -> ItemRecord:
-    return ItemRecord("w", "tensor", "float32", shape, global_shape, offsets, "__0_0.distcp", 0,
-                      4 * math.prod(shape), None)
+    return ItemRecord(key="w", kind="tensor", file="__0_0.distcp", offset=0,
+                      nbytes=4 * math.prod(shape), checksum=None, dtype="float32", shape=shape,
+                      global_shape=global_shape, chunk_offsets=offsets)
 
 
 def test_column_chunks_are_checked_in_near_linear_time() -> None:
@@ -87,8 +90,10 @@ def test_overlapping_column_chunks_are_refused_quickly() -> None:
 
 
 def _manifest_json(num_items: int) -> bytes:
-    items = [ItemRecord(f"model.layers.{i}.w", "tensor", "float32", (4,), (4,), (0,),
-                        "__0_0.distcp", 64 * i, 16, "0123456789abcdef") for i in range(num_items)]
+    items = [ItemRecord(key=f"model.layers.{i}.w", kind="tensor", file="__0_0.distcp",
+                        offset=64 * i, nbytes=16, checksum="0123456789abcdef", dtype="float32",
+                        shape=(4,), global_shape=(4,), chunk_offsets=(0,))
+             for i in range(num_items)]
     structure = json.dumps({"dict": [[item.key, {"item": item.key}] for item in items]})
     return encode_manifest(structure=structure, items=items, checksums=None,
                            files={"__0_0.distcp": 64 * num_items}, created_unix_s=1.0,

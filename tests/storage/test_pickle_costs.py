@@ -104,8 +104,10 @@ def _dcp_metadata(tmp_path: object, state: dict) -> bytes:
 
 def _sharded_metadata(num_tensors: int, chunks: int) -> bytes:
     """asynctron's own `.metadata` of tensors in `chunks` row chunks each (as N ranks save)."""
-    records = [ItemRecord(f"model.layers.{t}.mlp.weight", "tensor", "float32", (1, 8),
-                          (chunks, 8), (c, 0), f"__{c}_0.distcp", 4096 * t, 32, None)
+    records = [ItemRecord(key=f"model.layers.{t}.mlp.weight", kind="tensor",
+                          file=f"__{c}_0.distcp", offset=4096 * t, nbytes=32, checksum=None,
+                          dtype="float32", shape=(1, 8), global_shape=(chunks, 8),
+                          chunk_offsets=(c, 0))
                for t in range(num_tensors) for c in range(chunks)]
     return metadata_bytes(records, [(0, 0)] * len(records), {}, "ckpt")
 

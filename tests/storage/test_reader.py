@@ -16,7 +16,8 @@ from asynctron.storage._sysio import LocalFileIO
 
 
 def _record(key: str, offset: int, nbytes: int) -> ItemRecord:
-    return ItemRecord(key, "bytes", None, None, None, None, "__0_0.distcp", offset, nbytes, None)
+    return ItemRecord(key=key, kind="bytes", file="__0_0.distcp", offset=offset, nbytes=nbytes,
+                      checksum=None)
 
 
 def test_neighbours_share_a_call_and_far_items_do_not() -> None:
