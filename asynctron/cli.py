@@ -17,7 +17,8 @@ Subcommands:
 - `prepare-cache CONFIG`: builds every GPT dataset index a JSON config describes into its
   `path_to_cache` (those cached already are kept), like megatron's `tools/prepare_cache.py`, so
   a run can start with `fast_cache_load` and no rank waits on a build; one line per dataset.
-- `bench SCENARIO ARGS...`: runs `bench/<scenario>.py` from a source checkout.
+- `bench SCENARIO ARGS...`: runs a benchmark of `asynctron.bench` (peers from the `bench`
+  extra), e.g. `asynctron bench write --target DIR --quick` on the storage at DIR.
 
 PATH is a checkpoint directory or a root whose `latest` pointer names one.
 Exit status: 0 success; 1 corrupt checkpoint or dataset, or failed round trip; 2 not found,
@@ -36,12 +37,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import uvloop
 from tqdm import tqdm
 
 from asynctron._demo import DemoConfig, DemoReport, run_demo
+from asynctron.bench import SCENARIOS
 from asynctron.datasets import PreprocessConfig, preprocess
 from asynctron.datasets._prepare_cache import PreparedDataset, prepare_cache
 from asynctron.engine import Engine
@@ -55,20 +56,6 @@ from asynctron.storage import LocalFileIO, Manifest, read_manifest, resolve_chec
 from asynctron.storage._dcp import decode_blob, tensor_of
 from asynctron.storage._manifest import ItemRecord
 from asynctron.storage._reader import CheckpointReader, ReadJob
-
-#: Benchmark scenario -> module under the source checkout's `bench/` directory.
-BENCH_SCENARIOS = {
-    "save": "bench.save_throughput",
-    "cuda": "bench.cuda_staging",
-    "write": "bench.write_sweep",
-    "comm": "bench.allreduce_overlap",
-    "data": "bench.data_throughput",
-    "train": "bench.train",
-    "many": "bench.save_many",
-    "train_data": "bench.train_data",
-    "hostile": "bench.hostile_metadata",
-    "all": "bench.all",
-}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,8 +134,8 @@ def _parser() -> argparse.ArgumentParser:
                                       "tokenizer and path_to_cache}}")
     cache.set_defaults(run=_prepare_cache)
 
-    bench = commands.add_parser("bench", help="run a benchmark (source checkout only)")
-    bench.add_argument("scenario", choices=sorted(BENCH_SCENARIOS))
+    bench = commands.add_parser("bench", help="run a benchmark on this machine")
+    bench.add_argument("scenario", choices=sorted(SCENARIOS))
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the scenario")
     bench.set_defaults(run=_bench)
     return parser
@@ -238,7 +225,7 @@ async def verify_checkpoint(path: str) -> tuple[str, Manifest, list[CorruptCheck
                 failures = await reader.read(
                     [ReadJob(record, None) for record in manifest.items
                      if record.encoding == "raw"], verify=True,
-                    call_nbytes=engine.config.slab_bytes, progress=progress.update)
+                    slab_bytes=engine.config.slab_bytes, progress=progress.update)
                 for batch in _batches(blobs, engine.config.slab_bytes):
                     failures += await _decode_blobs(reader, engine, batch, progress.update)
         finally:
@@ -266,7 +253,7 @@ async def _decode_blobs(reader: CheckpointReader, engine: Engine, records: list[
     buffers = [bytearray(record.nbytes) for record in records]
     failures = await reader.read([ReadJob(record, memoryview(buffer))
                                   for record, buffer in zip(records, buffers, strict=True)],
-                                 verify=True, call_nbytes=engine.config.slab_bytes,
+                                 verify=True, slab_bytes=engine.config.slab_bytes,
                                  progress=progress)
     failed = {(error.key, error.offset) for error in failures}
     for record, buffer in zip(records, buffers, strict=True):
@@ -322,7 +309,7 @@ def demo_summary(report: DemoReport) -> list[str]:
              f"{report.corpus_s:.1f} s; model: GPT, {params} parameters"]
     for name, run in (("first run", first), ("resumed run", resumed)):
         last = run.first_step + len(run.losses) - 1
-        nbytes = sum(r[name.split()[0]].saved_nbytes for r in runs)
+        nbytes = sum(r[name.split()[0]].saved_bytes for r in runs)
         lines.append(
             f"{name} (steps {run.first_step}-{last}): {len(run.losses) / run.train_s:.1f} "
             f"steps/s, data wait {run.data_wait_s:.3f} s; {run.num_saves} checkpoints "
@@ -394,20 +381,13 @@ def _print_prepared(dataset: PreparedDataset) -> None:
 # bench -----------------------------------------------------------------------------------------
 
 def _bench(args: argparse.Namespace) -> int:
-    root = Path(__file__).resolve().parent.parent
-    module_name = BENCH_SCENARIOS[args.scenario]
-    if not (root / "bench").is_dir():
-        print(f"asynctron bench {args.scenario}: expected a source checkout with bench/ beside "
-              f"the asynctron package, found none in {root}; benchmarks run from a git clone "
-              "installed with `pip install -e .[bench]`", file=sys.stderr)
-        return 2
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+    module_name = f"asynctron.bench.{SCENARIOS[args.scenario]}"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        print(f"asynctron bench {args.scenario}: importing {module_name} failed: {exc}; "
-              "install the extras with `pip install -e .[bench]`", file=sys.stderr)
+        print(f"asynctron bench {args.scenario}: {module_name} needs {exc.name!r}, which is not "
+              "installed; `pip install asynctron[bench]` installs every benchmark's peers",
+              file=sys.stderr)
         return 2
     scenario_main: Callable[[list[str]], int] = module.main
     return scenario_main(args.args)

@@ -105,7 +105,8 @@ async def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[st
     num_features = np.load(args.data, mmap_mode="r").shape[1] - 1
     async with Engine(num_workers=2) as engine:
         model = DataParallel(make_model(num_features, args.hidden, args.layers),
-                             bucket_size_mb=args.bucket_mb, run_blocking=engine.run_blocking)
+                             bucket_size_bytes=int(args.bucket_mb * 2**20),
+                             run_blocking=engine.run_blocking)
         await model.broadcast_parameters()
         optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
         source = MemmapBatches(args.data, batch_size=args.batch_size, rank=rank,
@@ -178,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--bucket-mb", type=float, default=1.0)
+    parser.add_argument("--bucket-mb", type=float, default=1.0,
+                        help="gradient bucket cap in MiB, as DDP's bucket_cap_mb")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--json", help="write rank 0's results here")
     args = parser.parse_args(argv)

@@ -94,7 +94,7 @@ class RunReport:
     checkpoint_s: float
     """Sum over saves of request → committed."""
     num_saves: int
-    saved_nbytes: int
+    saved_bytes: int
     worst_loop_delay_s: float
     num_params: int
 
@@ -119,7 +119,7 @@ async def train(config: DemoConfig, rank: int, samples: Any, name: str, *, stop_
     model = TinyGPT(vocab_size=ByteTokenizer.vocab_size, sequence_length=config.sequence_length,
                     hidden=config.hidden, num_layers=config.num_layers,
                     num_heads=config.num_heads)
-    parallel = DataParallel(model, bucket_size_mb=1)
+    parallel = DataParallel(model, bucket_size_bytes=1 * MiB)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     tasks: list[SaveTask] = []
     losses: list[float] = []
@@ -169,6 +169,6 @@ async def train(config: DemoConfig, rank: int, samples: Any, name: str, *, stop_
     return RunReport(name=name, first_step=first_step, losses=losses, train_s=train_s,
                      data_wait_s=data_wait_s, longest_step_s=longest_step_s,
                      blocked_s=blocked_s, checkpoint_s=sum(r.total_s for r in results),
-                     num_saves=len(results), saved_nbytes=sum(r.nbytes for r in results),
+                     num_saves=len(results), saved_bytes=sum(r.nbytes for r in results),
                      worst_loop_delay_s=watchdog.report().worst_delay_s,
                      num_params=sum(p.numel() for p in model.parameters()))

@@ -1,6 +1,6 @@
 """`DataParallel`: the trainer face of the bucket manager, a module wrapper in a few lines.
 
-    model = DataParallel(net, bucket_size_mb=25)
+    model = DataParallel(net, bucket_size_bytes=25 * 2**20)
     await model.broadcast_parameters()          # every rank starts from rank 0's weights
     for batch in batches:
         loss_fn(model(batch)).backward()        # all-reduces launch during backward
@@ -26,7 +26,7 @@ class DataParallel(torch.nn.Module):
 
     `forward` is the module's; `no_sync()`, `synchronize()` and `zero_grad()` are the
     manager's; `step(optimizer)` does the three calls that end a step. Keyword arguments are
-    `BucketConfig` fields (`bucket_size_mb`, `find_unused_parameters`, `grad_dtype`, ...).
+    `BucketConfig` fields (`bucket_size_bytes`, `find_unused_parameters`, `grad_dtype`, ...).
 
     Unlike DDP, construction does not communicate: `await broadcast_parameters()` makes every
     rank start from the same weights, and buffers (e.g. BatchNorm statistics) are not

@@ -47,12 +47,12 @@ from asynctron.errors import BusyError
 class BucketConfig:
     """How a model's gradients are bucketed and reduced, validated at construction."""
 
-    bucket_size_mb: float = 25.0
-    """Bucket cap in MiB (2**20 bytes, like DDP's `bucket_cap_mb`): a bucket closes as soon as
-    its gradients reach this size."""
-    first_bucket_size_mb: float = 1.0
+    bucket_size_bytes: int = 25 * MiB
+    """Bucket cap in bytes (DDP's `bucket_cap_mb`, 25 MiB by default, times 2**20): a bucket
+    closes as soon as its gradients reach this size."""
+    first_bucket_size_bytes: int = 1 * MiB
     """Cap of the first bucket (the gradients ready first), so that the first all-reduce
-    starts early; DDP's default is 1 MiB too. Values above `bucket_size_mb` act as it."""
+    starts early; DDP's default is 1 MiB too. Values above `bucket_size_bytes` act as it."""
     find_unused_parameters: bool = False
     """A parameter that gets no gradient in a step is ready with zeros (one more small
     all-reduce per step tells which parameters no rank used; their `.grad` is left alone).
@@ -63,10 +63,10 @@ class BucketConfig:
     bf16/fp16 gradients in fp32 and hands out a copy in the parameter's dtype."""
 
     def __post_init__(self) -> None:
-        for name in ("bucket_size_mb", "first_bucket_size_mb"):
+        for name in ("bucket_size_bytes", "first_bucket_size_bytes"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"{name}: expected a number of MiB > 0, found {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected an int of bytes >= 1, found {value!r}")
         if not isinstance(self.find_unused_parameters, bool):
             raise ValueError(f"find_unused_parameters: expected a bool, found "
                              f"{self.find_unused_parameters!r}")
@@ -76,8 +76,8 @@ class BucketConfig:
                              f"{self.grad_dtype!r}")
 
     def limits_bytes(self) -> list[int]:
-        cap = int(self.bucket_size_mb * MiB)
-        return [min(int(self.first_bucket_size_mb * MiB), cap), cap]
+        return [min(self.first_bucket_size_bytes, self.bucket_size_bytes),
+                self.bucket_size_bytes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +121,7 @@ class _Slot:
 class BucketManager:
     """Buckets a module's gradients and all-reduces them while backward runs.
 
-    `BucketManager(model, bucket_size_mb=25)`; then per step: `loss.backward()`,
+    `BucketManager(model, bucket_size_bytes=25 * 2**20)`; then per step: `loss.backward()`,
     `await manager.synchronize()` (the averaged gradients are then in each `param.grad`),
     `optimizer.step()`, `manager.zero_grad()`. Keyword arguments are `BucketConfig` fields.
 

@@ -469,7 +469,7 @@ class Engine:
                                       max_files_at_once=self.config.num_workers)
             manifest = await reader.open()
             loader = Loader(reader, manifest, pool=self._pool, copy_streams=self._copy_streams,
-                            run_blocking=self.run_blocking, call_nbytes=self.config.slab_bytes,
+                            run_blocking=self.run_blocking, slab_bytes=self.config.slab_bytes,
                             verify=(not mmap) if verify is None else verify)
             if mmap:
                 return await loader.mapped()

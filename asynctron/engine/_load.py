@@ -99,14 +99,14 @@ class Loader:
     """
 
     def __init__(self, reader: CheckpointReader, manifest: Manifest, *, pool: SlabPool,
-                 copy_streams: CopyStreams, run_blocking: RunBlocking, call_nbytes: int,
+                 copy_streams: CopyStreams, run_blocking: RunBlocking, slab_bytes: int,
                  verify: bool):
         self._reader = reader
         self._manifest = manifest
         self._pool = pool
         self._copy_streams = copy_streams
         self._run_blocking = run_blocking
-        self._call_nbytes = call_nbytes
+        self._slab_bytes = slab_bytes
         self._verify = verify and reader.verifiable
 
     async def _read_all(self, jobs: Sequence[ReadJob],
@@ -119,7 +119,7 @@ class Loader:
 
         async def read_direct() -> None:
             errors = await self._reader.read(jobs, verify=self._verify,
-                                             call_nbytes=self._call_nbytes)
+                                             slab_bytes=self._slab_bytes)
             if errors:
                 raise errors[0]
 
@@ -139,10 +139,10 @@ class Loader:
     async def _read_through_slabs(self, record: ItemRecord, target: torch.Tensor) -> None:
         """Read `record` slab by slab and copy each piece into `target` (CUDA or strided)."""
         itemsize = target.dtype.itemsize
-        piece_nbytes = self._pool.slab_nbytes // itemsize * itemsize
+        piece_bytes = self._pool.slab_bytes // itemsize * itemsize
         hasher = ItemHasher() if self._verify else None
-        for start in range(0, record.nbytes, piece_nbytes):
-            nbytes = min(piece_nbytes, record.nbytes - start)
+        for start in range(0, record.nbytes, piece_bytes):
+            nbytes = min(piece_bytes, record.nbytes - start)
             (slab,) = await self._pool.acquire(1)
             try:
                 await self._reader.read_range(record, start, slab.view[:nbytes], hasher)

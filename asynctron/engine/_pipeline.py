@@ -107,7 +107,7 @@ async def stage_and_write(request: SaveRequest, tmp_dir: str, *, snapshot: bool,
             else:
                 waiting.append((bin, queue, index))
         waiting.reverse()
-        if len(waiting) * pool.slab_nbytes > pool.budget.total_bytes:
+        if len(waiting) * pool.slab_bytes > pool.budget.total_bytes:
             gate.set()  # streaming through the budget: blocking waits for writes anyway
         while waiting:
             slabs = await pool.acquire(len(waiting))
@@ -165,7 +165,7 @@ async def _writes_in_place(tmp_dir: str, *, direct_io: bool, pool: SlabPool, num
     memory (2.3-2.8 against 1.7 GB/s here), but not once each slab's pages are first touched
     (0.5 s per GiB): so in place where O_DIRECT is off, where the cache lacks the warm slabs,
     or on a memory filesystem (a buffered write is all its storage does)."""
-    slabs_needed = min(num_batches, max(1, pool.budget.total_bytes // pool.slab_nbytes))
+    slabs_needed = min(num_batches, max(1, pool.budget.total_bytes // pool.slab_bytes))
     if not direct_io or pool.num_warm < slabs_needed:
         return True
     return await run_blocking(_sysio.filesystem_type, tmp_dir) in _sysio.MEMORY_FILESYSTEMS

@@ -148,17 +148,17 @@ def staging_statistics() -> SlabCacheStatistics:
 
 
 class SlabPool:
-    """One engine's slabs of `slab_nbytes`: never more bytes borrowed at once than its budget
+    """One engine's slabs of `slab_bytes`: never more bytes borrowed at once than its budget
     allows; slabs come from, and go back to, the process-wide cache.
 
     Memory: at most `budget.total_bytes` rounded down to whole slabs (at least one) are
     borrowed by this engine at once.
     """
 
-    def __init__(self, budget: ByteBudget, slab_nbytes: int, pinned: bool,
+    def __init__(self, budget: ByteBudget, slab_bytes: int, pinned: bool,
                  run_blocking: RunBlocking, cache: SlabCache = SLAB_CACHE) -> None:
         self.budget = budget
-        self.slab_nbytes = slab_nbytes
+        self.slab_bytes = slab_bytes
         self.pinned = pinned
         self._run_blocking = run_blocking
         self._cache = cache
@@ -175,7 +175,7 @@ class SlabPool:
     def num_warm(self) -> int:
         """Idle slabs of this pool's size and kind in the cache: copies into them touch no
         fresh page (a momentary value)."""
-        return self._cache.num_idle(self.slab_nbytes, self.pinned)
+        return self._cache.num_idle(self.slab_bytes, self.pinned)
 
     async def acquire(self, count: int) -> list[Slab]:
         """At least one slab (waiting for budget), then as many more as the budget allows now,
@@ -183,7 +183,7 @@ class SlabPool:
 
         Cancellation: nothing is borrowed.
         """
-        nbytes = self.slab_nbytes
+        nbytes = self.slab_bytes
         try:
             self.budget.acquire_nowait(nbytes)
         except WouldBlock:
@@ -210,11 +210,11 @@ class SlabPool:
         return slabs
 
     def _allocate(self, count: int) -> list[Slab]:
-        return [self._cache.allocate(self.slab_nbytes, self.pinned) for _ in range(count)]
+        return [self._cache.allocate(self.slab_bytes, self.pinned) for _ in range(count)]
 
     def release(self, slab: Slab) -> None:
         self._cache.give(slab)
-        self.budget.release(self.slab_nbytes)
+        self.budget.release(self.slab_bytes)
 
     async def prefault(self, nbytes: int) -> int:
         """Make sure the cache holds warm slabs for `nbytes` (at most the budget): allocate
@@ -224,7 +224,7 @@ class SlabPool:
         in the cache.
         Cancellation: slabs touched so far stay in the cache.
         """
-        count = min(-(-nbytes // self.slab_nbytes), self.budget.total_bytes // self.slab_nbytes)
+        count = min(-(-nbytes // self.slab_bytes), self.budget.total_bytes // self.slab_bytes)
         warmed: list[Slab] = []
         try:
             while len(warmed) < count:
@@ -236,7 +236,7 @@ class SlabPool:
         finally:
             for slab in warmed:
                 self.release(slab)
-        return len(warmed) * self.slab_nbytes
+        return len(warmed) * self.slab_bytes
 
 
 def _prefault_all(slabs: list[Slab]) -> None:

@@ -90,7 +90,7 @@ class StagedBatch:
 
     @property
     def nbytes(self) -> int:
-        return self.bin.batches.batch_size(self.index)
+        return self.bin.batches.batch_bytes(self.index)
 
     def buffers(self) -> list[memoryview]:
         """iovecs covering the batch, padding included."""

@@ -71,8 +71,8 @@ def chunk_large_items(items: Sequence[PlannedItem], num_bins: int) -> list[Plann
 
     Deterministic: the same items and `num_bins` give the same chunks.
     """
-    tensor_nbytes = sum(item.nbytes for item in items if item.type != WriteItemType.BYTE_IO)
-    share = max(MIN_CHUNK_BYTES, -(-tensor_nbytes // num_bins))
+    tensor_bytes = sum(item.nbytes for item in items if item.type != WriteItemType.BYTE_IO)
+    share = max(MIN_CHUNK_BYTES, -(-tensor_bytes // num_bins))
     planned: list[PlannedItem] = []
     for item in items:
         rows = item.shape[0] if item.shape else 0
@@ -80,9 +80,9 @@ def chunk_large_items(items: Sequence[PlannedItem], num_bins: int) -> list[Plann
             planned.append(item)
             continue
         num_chunks = min(rows, -(-item.nbytes // share))
-        row_nbytes = item.nbytes // rows
+        row_bytes = item.nbytes // rows
         bounds = [rows * k // num_chunks for k in range(num_chunks + 1)]
-        planned.extend(dataclasses.replace(item, nbytes=(stop - start) * row_nbytes,
+        planned.extend(dataclasses.replace(item, nbytes=(stop - start) * row_bytes,
                                            rows=(start, stop))
                        for start, stop in itertools.pairwise(bounds))
     return planned

@@ -6,7 +6,7 @@ item starts at a 4 KiB-aligned offset when it holds at least a page (mmap and O_
 pages), at a 64-byte-aligned one when it is smaller (so a state of many tiny tensors packs
 densely, as `torch.save` packs it); zero bytes fill the gaps.
 
-The stream is cut into *batches* at fixed multiples of `batch_nbytes`: one batch is staged into
+The stream is cut into *batches* at fixed multiples of `slab_bytes`: one batch is staged into
 one slab and written with one pwritev. A *segment* is the part of one piece inside one batch.
 
 Pieces, segments and gaps are numpy arrays, one entry each: a plan of 100k items is laid out,
@@ -63,11 +63,11 @@ class BinLayout:
         bodies = self.part == Part.BODY
         return dict(zip(self.item[bodies].tolist(), self.offset[bodies].tolist(), strict=True))
 
-    def batches(self, batch_nbytes: int) -> Batches:
-        """The file cut into batches of at most `batch_nbytes` (the last is shorter)."""
-        if batch_nbytes < ALIGN_BYTES:
-            raise ValueError(f"batch_nbytes: expected >= {ALIGN_BYTES}, found {batch_nbytes!r}")
-        return Batches.cut(self, batch_nbytes)
+    def batches(self, slab_bytes: int) -> Batches:
+        """The file cut into batches of at most `slab_bytes` (the last is shorter)."""
+        if slab_bytes < ALIGN_BYTES:
+            raise ValueError(f"slab_bytes: expected >= {ALIGN_BYTES}, found {slab_bytes!r}")
+        return Batches.cut(self, slab_bytes)
 
 
 def layout_bin(file_name: str, item_indices: list[int], pieces: list[tuple[int, ...]]
@@ -106,11 +106,11 @@ _PARTS = {1: (Part.BODY,), 3: (Part.HEAD, Part.BODY, Part.TAIL)}
 @dataclass(frozen=True, slots=True, eq=False)
 class Batches:
     """A bin file cut into batches: every segment and every gap (bytes no piece covers), in
-    file order, grouped by batch. Batch `i` is file bytes [i·batch_nbytes, +`batch_size(i)`);
+    file order, grouped by batch. Batch `i` is file bytes [i·slab_bytes, +`batch_bytes(i)`);
     its segments are `[segment_starts[i], segment_starts[i+1])`, its gaps likewise."""
 
-    batch_nbytes: int
-    file_nbytes: int
+    slab_bytes: int
+    file_bytes: int
     piece: np.ndarray
     """int64 per segment: the piece (index in the layout) it is part of."""
     piece_offset: np.ndarray
@@ -129,10 +129,10 @@ class Batches:
         return len(self.segment_starts) - 1
 
     def file_offset(self, index: int) -> int:
-        return index * self.batch_nbytes
+        return index * self.slab_bytes
 
-    def batch_size(self, index: int) -> int:
-        return min(self.batch_nbytes, self.file_nbytes - index * self.batch_nbytes)
+    def batch_bytes(self, index: int) -> int:
+        return min(self.slab_bytes, self.file_bytes - index * self.slab_bytes)
 
     def segments(self, index: int) -> slice:
         return slice(int(self.segment_starts[index]), int(self.segment_starts[index + 1]))
@@ -141,29 +141,29 @@ class Batches:
         return slice(int(self.gap_starts[index]), int(self.gap_starts[index + 1]))
 
     @classmethod
-    def cut(cls, layout: BinLayout, batch_nbytes: int) -> Batches:
-        num_batches = -(-layout.nbytes // batch_nbytes)
+    def cut(cls, layout: BinLayout, slab_bytes: int) -> Batches:
+        num_batches = -(-layout.nbytes // slab_bytes)
         present = np.flatnonzero(layout.size > 0)
         start = layout.offset[present]
         stop = start + layout.size[present]
-        first = start // batch_nbytes
-        count = (stop - 1) // batch_nbytes - first + 1
+        first = start // slab_bytes
+        count = (stop - 1) // slab_bytes - first + 1
         piece = np.repeat(present, count)
         # the k-th segment of a piece lies in batch first + k
         k = np.arange(len(piece)) - np.repeat(np.cumsum(count) - count, count)
         batch = np.repeat(first, count) + k
-        lo = np.maximum(np.repeat(start, count), batch * batch_nbytes)
-        hi = np.minimum(np.repeat(stop, count), (batch + 1) * batch_nbytes)
+        lo = np.maximum(np.repeat(start, count), batch * slab_bytes)
+        hi = np.minimum(np.repeat(stop, count), (batch + 1) * slab_bytes)
         segment_starts = np.searchsorted(batch, np.arange(num_batches + 1))
         # gaps: before each segment (from the previous segment's end in its batch, or the
         # batch's start), and after the last segment of each batch up to the batch's end
-        batch_start = batch * batch_nbytes
+        batch_start = batch * slab_bytes
         previous_end = np.where(np.arange(len(batch)) == segment_starts[batch], batch_start,
                                 np.concatenate(([0], hi[:-1])))
-        batch_end = np.minimum((np.arange(num_batches) + 1) * batch_nbytes, layout.nbytes)
+        batch_end = np.minimum((np.arange(num_batches) + 1) * slab_bytes, layout.nbytes)
         last_end = np.where(segment_starts[1:] > segment_starts[:-1],
                             hi[np.maximum(segment_starts[1:] - 1, 0)] if len(hi) else 0,
-                            np.arange(num_batches) * batch_nbytes)
+                            np.arange(num_batches) * slab_bytes)
         gap_batch = np.concatenate((batch, np.arange(num_batches)))
         gap_lo = np.concatenate((previous_end, last_end))
         gap_hi = np.concatenate((lo, batch_end))
@@ -171,9 +171,9 @@ class Batches:
         order = np.lexsort((gap_lo, gap_batch))
         keep = order[gap_hi[order] > gap_lo[order]]
         gap_batch = gap_batch[keep]
-        return cls(batch_nbytes=batch_nbytes, file_nbytes=layout.nbytes, piece=piece,
+        return cls(slab_bytes=slab_bytes, file_bytes=layout.nbytes, piece=piece,
                    piece_offset=lo - np.repeat(start, count), batch_offset=lo - batch_start,
                    size=hi - lo, segment_starts=segment_starts,
-                   gap_offset=gap_lo[keep] - gap_batch * batch_nbytes,
+                   gap_offset=gap_lo[keep] - gap_batch * slab_bytes,
                    gap_size=gap_hi[keep] - gap_lo[keep],
                    gap_starts=np.searchsorted(gap_batch, np.arange(num_batches + 1)))

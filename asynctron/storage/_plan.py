@@ -275,7 +275,7 @@ def _merge(first: Structure, other: Structure) -> Structure:
     return {"dict": [[key, node] for key, node in entries.items()]}
 
 
-def item_nbytes(item: WriteItem, value: Any) -> int:
+def item_bytes(item: WriteItem, value: Any) -> int:
     """Bytes of a tensor or bytes item on storage: its LOCAL chunk (Megatron's fix), not the
     global tensor. (A pickled object's size is known once pickled: `SavePlan.nbytes`.)"""
     if item.type == WriteItemType.BYTE_IO:
@@ -308,9 +308,9 @@ class SavePlan:
         return tensor.detach()
 
     def nbytes(self, item: WriteItem) -> int:
-        """Bytes of `item` on storage (`item_nbytes`, or its pickle's size)."""
+        """Bytes of `item` on storage (`item_bytes`, or its pickle's size)."""
         key = item.index.fqn
-        return len(self.pickled[key]) if key in self.pickled else item_nbytes(
+        return len(self.pickled[key]) if key in self.pickled else item_bytes(
             item, self.flat.values[key])
 
 

@@ -4,11 +4,11 @@
 so truncation is reported up front, naming the file and the first item it cuts.
 
 `CheckpointReader.read` reads many items at once: one task per file; in each file the wanted
-items, in file order, are grouped into *read batches* of at most `call_nbytes` (neighbours
+items, in file order, are grouped into *read batches* of at most `slab_bytes` (neighbours
 closer than `MAX_GAP_BYTES` share a batch), and each batch is ONE executor call: one `preadv`
 straight into the destinations (the padding between items goes to a scratch sink), then the
 digest of each piece. So a checkpoint of thousands of small items costs few calls, and a large
-item streams in calls of `call_nbytes`.
+item streams in calls of `slab_bytes`.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class ReadJob:
     destination: memoryview | None
 
 
-def plan_reads(records: Sequence[ItemRecord], call_nbytes: int) -> list[ReadBatch]:
+def plan_reads(records: Sequence[ItemRecord], slab_bytes: int) -> list[ReadBatch]:
     """Read batches for `records` (all of one file, sorted by offset, not overlapping); a
     segment's `item_index` is its record's index in `records`."""
     batches: list[ReadBatch] = []
@@ -130,10 +130,10 @@ def plan_reads(records: Sequence[ItemRecord], call_nbytes: int) -> list[ReadBatc
         done = 0
         while done < record.nbytes:
             at = record.offset + done
-            if not segments or at - end > MAX_GAP_BYTES or at - start >= call_nbytes:
+            if not segments or at - end > MAX_GAP_BYTES or at - start >= slab_bytes:
                 flush()
                 start = end = at
-            nbytes = min(record.nbytes - done, start + call_nbytes - at)
+            nbytes = min(record.nbytes - done, start + slab_bytes - at)
             segments.append(ReadSegment(index, done, at - start, nbytes))
             done += nbytes
             end = at + nbytes
@@ -230,7 +230,7 @@ class CheckpointReader:
         if self._fds.setdefault(name, fd) != fd:  # another task opened it meanwhile
             _sysio.close(self._fio, fd, name)
 
-    async def read(self, jobs: Sequence[ReadJob], *, verify: bool, call_nbytes: int,
+    async def read(self, jobs: Sequence[ReadJob], *, verify: bool, slab_bytes: int,
                    progress: Callable[[int], None] | None = None
                    ) -> list[CorruptCheckpointError]:
         """Read every job (one task per file, file order within it).
@@ -244,7 +244,7 @@ class CheckpointReader:
             CorruptCheckpointError: a file ends early (names the file and item).
             StorageError: a read failed.
 
-        Memory: jobs without a destination share one scratch buffer of `call_nbytes` per file
+        Memory: jobs without a destination share one scratch buffer of `slab_bytes` per file
         being read, so at most `max_files_at_once` buffers at once.
         Cancellation: the executor call in flight finishes; destinations are partly filled.
         """
@@ -264,9 +264,9 @@ class CheckpointReader:
             hashers = [ItemHasher() for _ in file_jobs] if check else None
             fd = await self.fd(name)
             path = os.path.join(self.path, name)
-            scratch = (memoryview(bytearray(call_nbytes))
+            scratch = (memoryview(bytearray(slab_bytes))
                        if any(job.destination is None for job in file_jobs) else None)
-            for batch in plan_reads([job.record for job in file_jobs], call_nbytes):
+            for batch in plan_reads([job.record for job in file_jobs], slab_bytes):
                 await self._run_blocking(read_batch, self._fio, fd, path, batch, file_jobs,
                                          hashers, scratch)
                 if progress is not None:

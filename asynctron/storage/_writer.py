@@ -131,9 +131,9 @@ def _write_all(fio: FileIO, fd: int, path: str, batches: Sequence[WriteBatch],
         buffers = list(batch.buffers())
         calls = [buffers]
         nbytes = batch.nbytes
-        head_nbytes = nbytes // _sysio.DIRECT_IO_ALIGN_BYTES * _sysio.DIRECT_IO_ALIGN_BYTES
-        if direct is not None and len(buffers) == 1 and 0 < head_nbytes < nbytes:
-            calls = [[buffers[0][:head_nbytes]], [buffers[0][head_nbytes:]]]
+        head_bytes = nbytes // _sysio.DIRECT_IO_ALIGN_BYTES * _sysio.DIRECT_IO_ALIGN_BYTES
+        if direct is not None and len(buffers) == 1 and 0 < head_bytes < nbytes:
+            calls = [[buffers[0][:head_bytes]], [buffers[0][head_bytes:]]]
         written = 0
         for call in calls:
             written += _sysio.write_fully(fio, fd, call, batch.file_offset + written, path,

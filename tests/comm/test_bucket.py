@@ -18,7 +18,7 @@ def model() -> torch.nn.Module:
 
 
 def test_buckets_hold_parameters_in_reverse_registration_order(world_one: None) -> None:
-    manager = BucketManager(model(), bucket_size_mb=4 / 1024, first_bucket_size_mb=1 / 1024)
+    manager = BucketManager(model(), bucket_size_bytes=4096, first_bucket_size_bytes=1024)
     # reverse order: 3.bias 32 B, 3.weight 1 KiB (first cap 1 KiB: close), 2.bias, 2.weight
     # 4 KiB (cap 4 KiB: close), 0.bias, 0.weight (2 KiB, still open at the end)
     assert [bucket.names for bucket in manager.buckets] == [
@@ -30,7 +30,7 @@ def test_buckets_hold_parameters_in_reverse_registration_order(world_one: None) 
 def test_one_contiguous_buffer_per_dtype_and_views_into_it(world_one: None) -> None:
     net = model()
     net[2].to(torch.bfloat16)
-    manager = BucketManager(net, bucket_size_mb=1 / 1024, first_bucket_size_mb=1 / 1024)
+    manager = BucketManager(net, bucket_size_bytes=1024, first_bucket_size_bytes=1024)
     buffers = {bucket.buffer.dtype: bucket.buffer for bucket in manager.buckets}
     assert set(buffers) == {torch.float32, torch.bfloat16}
     for bucket in manager.buckets:
@@ -56,7 +56,7 @@ def test_grad_dtype_float32_makes_fp32_buckets_for_bf16_parameters(world_one: No
 
 
 async def test_start_all_reduce_returns_an_awaitable_task(world_one: None) -> None:
-    manager = BucketManager(model(), bucket_size_mb=1)
+    manager = BucketManager(model(), bucket_size_bytes=1 << 20)
     bucket = manager.buckets[0]
     bucket.buffer.fill_(3.0)
     task = bucket.start_all_reduce()

@@ -43,7 +43,7 @@ def _net(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
 
 async def test_cuda_gradients_synchronize(cuda_world_one: str) -> None:
     net, reference = _net(), _net()
-    manager = BucketManager(net, bucket_size_mb=0.02, first_bucket_size_mb=0.01)
+    manager = BucketManager(net, bucket_size_bytes=20_000, first_bucket_size_bytes=10_000)
     assert {bucket.buffer.device.type for bucket in manager.buckets} == {"cuda"}
     for step in range(3):
         x = torch.randn(16, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(step))

@@ -29,9 +29,10 @@ def local_grads(seed: int = 0) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(("field", "value", "expected"), [
-    ("bucket_size_mb", 0, "a number of MiB > 0"),
-    ("bucket_size_mb", True, "a number of MiB > 0"),
-    ("first_bucket_size_mb", -1.0, "a number of MiB > 0"),
+    ("bucket_size_bytes", 0, "an int of bytes >= 1"),
+    ("bucket_size_bytes", True, "an int of bytes >= 1"),
+    ("bucket_size_bytes", 25.0, "an int of bytes >= 1"),
+    ("first_bucket_size_bytes", -1, "an int of bytes >= 1"),
     ("find_unused_parameters", "yes", "a bool"),
     ("grad_dtype", torch.int32, "None or a floating torch.dtype"),
 ])
@@ -41,8 +42,8 @@ def test_config_names_the_bad_field(field: str, value: object, expected: str) ->
 
 
 def test_first_bucket_cap_never_exceeds_the_bucket_cap() -> None:
-    assert BucketConfig(bucket_size_mb=0.5, first_bucket_size_mb=4).limits_bytes() == [
-        1 << 19, 1 << 19]
+    config = BucketConfig(bucket_size_bytes=1 << 19, first_bucket_size_bytes=4 << 20)
+    assert config.limits_bytes() == [1 << 19, 1 << 19]
 
 
 def test_needs_an_initialized_process_group() -> None:
@@ -60,7 +61,7 @@ def test_needs_parameters_that_require_grad(world_one: None) -> None:
 
 async def test_synchronized_grads_are_the_buckets_views(world_one: None) -> None:
     net = model()
-    manager = BucketManager(net, bucket_size_mb=1 / 1024, first_bucket_size_mb=1 / 1024)
+    manager = BucketManager(net, bucket_size_bytes=1024, first_bucket_size_bytes=1024)
     for step in range(2):
         backward(net, step)
         await manager.synchronize()

@@ -38,7 +38,7 @@ def killed_rank(rank: int, world: int) -> dict[str, Any]:
     dedicated = new_gloo_group(timeout_s=TIMEOUT_S)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    manager = BucketManager(model, bucket_size_mb=0.004)
+    manager = BucketManager(model, bucket_size_bytes=4000)
 
     async def run() -> dict[str, Any]:
         errors: dict[str, Any] = {}

@@ -33,7 +33,8 @@ from asynctron.engine import Engine
 from asynctron.errors import BusyError
 from asynctron.testing import LoopWatchdog
 
-BUCKET_MB = 0.01  # 10 KiB: several buckets even for these small models
+BUCKET_MB = 0.01  # 10 KiB: several buckets even for these small models (DDP's bucket_cap_mb)
+BUCKET_BYTES = int(BUCKET_MB * 2**20)  # the same cap, as BucketManager takes it
 
 
 def mlp(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -124,7 +125,7 @@ def end_step(manager: BucketManager, ours: torch.nn.Module, ddp: DDP,
 
 def parity(rank: int, world: int) -> dict[str, Any]:
     ours, theirs = mlp(0), mlp(0)
-    manager = BucketManager(ours, bucket_size_mb=BUCKET_MB, first_bucket_size_mb=0.001)
+    manager = BucketManager(ours, bucket_size_bytes=BUCKET_BYTES, first_bucket_size_bytes=1000)
     ddp = DDP(theirs, bucket_cap_mb=BUCKET_MB)
     optimizers = sgd(ours.parameters()), sgd(ddp.parameters())
 
@@ -144,7 +145,7 @@ def parity(rank: int, world: int) -> dict[str, Any]:
 
 def launch_order(rank: int, world: int) -> dict[str, Any]:
     model = HeadFirst()
-    manager = BucketManager(model, bucket_size_mb=0.004, first_bucket_size_mb=0.001)
+    manager = BucketManager(model, bucket_size_bytes=4000, first_bucket_size_bytes=1000)
     bucket_at = {bucket.buffer.data_ptr(): bucket.index for bucket in manager.buckets}
     launched: list[int] = []
     real_all_reduce = dist.all_reduce
@@ -172,7 +173,7 @@ def launch_order(rank: int, world: int) -> dict[str, Any]:
 
 def unused(rank: int, world: int) -> None:
     ours, theirs = Branchy(), Branchy()
-    manager = BucketManager(ours, bucket_size_mb=BUCKET_MB, find_unused_parameters=True)
+    manager = BucketManager(ours, bucket_size_bytes=BUCKET_BYTES, find_unused_parameters=True)
     ddp = DDP(theirs, bucket_cap_mb=BUCKET_MB, find_unused_parameters=True)
     optimizers = sgd(ours.parameters()), sgd(ddp.parameters())
 
@@ -193,7 +194,7 @@ def unused(rank: int, world: int) -> None:
 
 def missing_gradient(rank: int, world: int) -> dict[str, str]:
     model = Branchy()
-    manager = BucketManager(model, bucket_size_mb=BUCKET_MB)
+    manager = BucketManager(model, bucket_size_bytes=BUCKET_BYTES)
     errors = {}
 
     async def run() -> None:
@@ -217,7 +218,7 @@ def missing_gradient(rank: int, world: int) -> dict[str, str]:
 
 def no_sync(rank: int, world: int) -> None:
     ours, theirs = mlp(0), mlp(0)
-    manager = BucketManager(ours, bucket_size_mb=BUCKET_MB)
+    manager = BucketManager(ours, bucket_size_bytes=BUCKET_BYTES)
     ddp = DDP(theirs, bucket_cap_mb=BUCKET_MB)
     optimizers = sgd(ours.parameters()), sgd(ddp.parameters())
 
@@ -243,8 +244,8 @@ def no_sync(rank: int, world: int) -> None:
 def bf16(rank: int, world: int) -> None:
     ours, theirs, local = mlp(0, torch.bfloat16), mlp(0, torch.bfloat16), mlp(0, torch.bfloat16)
     wide = mlp(0, torch.bfloat16)
-    manager = BucketManager(ours, bucket_size_mb=BUCKET_MB)
-    wide_manager = BucketManager(wide, bucket_size_mb=BUCKET_MB, grad_dtype=torch.float32)
+    manager = BucketManager(ours, bucket_size_bytes=BUCKET_BYTES)
+    wide_manager = BucketManager(wide, bucket_size_bytes=BUCKET_BYTES, grad_dtype=torch.float32)
     ddp = DDP(theirs, bucket_cap_mb=BUCKET_MB)
     assert {b.buffer.dtype for b in manager.buckets} == {torch.bfloat16}
     assert {b.buffer.dtype for b in wide_manager.buckets} == {torch.float32}
@@ -286,7 +287,7 @@ def bf16(rank: int, world: int) -> None:
 
 def misuse(rank: int, world: int) -> dict[str, str]:
     model, reference = mlp(0), DDP(mlp(0), bucket_cap_mb=BUCKET_MB)
-    manager = BucketManager(model, bucket_size_mb=BUCKET_MB)
+    manager = BucketManager(model, bucket_size_bytes=BUCKET_BYTES)
     optimizer = sgd(model.parameters())
     errors = {}
 
@@ -323,7 +324,7 @@ def cancelled_synchronize(rank: int, world: int) -> dict[str, str]:
     barrier of a dedicated group that rank 0 joins only after the cancellation)."""
     dedicated = new_gloo_group(timeout_s=30)
     ours, reference = mlp(0), DDP(mlp(0), bucket_cap_mb=BUCKET_MB)
-    manager = BucketManager(ours, bucket_size_mb=BUCKET_MB)
+    manager = BucketManager(ours, bucket_size_bytes=BUCKET_BYTES)
     seen = {}
 
     async def run() -> None:
@@ -360,7 +361,7 @@ def cancelled_synchronize(rank: int, world: int) -> dict[str, str]:
 def data_parallel(rank: int, world: int) -> None:
     net = mlp(100 + rank)  # different weights on every rank until broadcast
     reference = DDP(mlp(100 + rank), bucket_cap_mb=BUCKET_MB)  # DDP broadcasts rank 0's
-    model = DataParallel(net, bucket_size_mb=BUCKET_MB)
+    model = DataParallel(net, bucket_size_bytes=BUCKET_BYTES)
     opt_a, opt_b = sgd(model.parameters()), sgd(reference.parameters())
 
     async def run() -> None:
@@ -426,7 +427,7 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
 def loop_stays_free(rank: int, world: int) -> dict[str, float]:
     torch.manual_seed(3)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(4)])  # 16 MiB
-    manager = BucketManager(model, bucket_size_mb=4)
+    manager = BucketManager(model, bucket_size_bytes=4 << 20)
 
     async def run() -> float:
         worst = 0.0

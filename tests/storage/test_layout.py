@@ -25,15 +25,15 @@ def test_frames_surround_their_body_without_gaps() -> None:
     assert layout.body_offsets() == {0: 3, 1: 5063}
 
 
-def _check_batches(layout: object, batch_nbytes: int) -> None:
+def _check_batches(layout: object, slab_bytes: int) -> None:
     """Each batch: its segments and gaps, in order, tile [0, batch size) exactly; every
     piece's bytes appear once, in order, at their file offsets."""
-    batches = layout.batches(batch_nbytes)  # type: ignore[attr-defined]
+    batches = layout.batches(slab_bytes)  # type: ignore[attr-defined]
     file = np.full(layout.nbytes, -1, dtype=np.int64)  # type: ignore[attr-defined]
     total = 0
     for index in range(len(batches)):
-        size = batches.batch_size(index)
-        assert 0 < size <= batch_nbytes and batches.file_offset(index) == total
+        size = batches.batch_bytes(index)
+        assert 0 < size <= slab_bytes and batches.file_offset(index) == total
         spans = []
         segments, gaps = batches.segments(index), batches.gaps(index)
         for piece, start, at, n in zip(batches.piece[segments], batches.piece_offset[segments],
@@ -56,10 +56,10 @@ def _check_batches(layout: object, batch_nbytes: int) -> None:
         assert (file[offset:offset + size] == piece).all()
 
 
-@pytest.mark.parametrize("batch_nbytes", [4096, 8192, 3 * 4096, 1 << 20])
-def test_batches_cover_every_piece_byte_once(batch_nbytes: int) -> None:
+@pytest.mark.parametrize("slab_bytes", [4096, 8192, 3 * 4096, 1 << 20])
+def test_batches_cover_every_piece_byte_once(slab_bytes: int) -> None:
     sizes = [(1,), (4096,), (4097,), (0,), (123_457,), (3,), (20_000,), (60, 5, 30)]
-    _check_batches(layout_bin("f", list(range(len(sizes))), sizes), batch_nbytes)
+    _check_batches(layout_bin("f", list(range(len(sizes))), sizes), slab_bytes)
 
 
 def test_random_layouts_tile_their_batches() -> None:
@@ -75,5 +75,5 @@ def test_random_layouts_tile_their_batches() -> None:
 
 
 def test_batch_size_must_be_at_least_one_block() -> None:
-    with pytest.raises(ValueError, match=rf"^batch_nbytes: expected >= {ALIGN_BYTES}, found 100$"):
+    with pytest.raises(ValueError, match=rf"^slab_bytes: expected >= {ALIGN_BYTES}, found 100$"):
         layout_bin("f", [0], [(10,)]).batches(100)
