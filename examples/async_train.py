@@ -38,7 +38,7 @@ import torch.distributed as dist
 import uvloop
 
 from asynctron import Engine
-from asynctron.comm import CollectiveGroup, DataParallel, new_gloo_group
+from asynctron.comm import AsyncDataParallel, CollectiveGroup, new_gloo_group
 
 
 def write_synthetic(path: str, *, num_samples: int, num_features: int, seed: int = 0) -> None:
@@ -104,7 +104,7 @@ async def train(args: argparse.Namespace, rank: int, world_size: int) -> dict[st
     torch.manual_seed(rank)  # different on purpose: broadcast_parameters() aligns them
     num_features = np.load(args.data, mmap_mode="r").shape[1] - 1
     async with Engine(num_workers=2) as engine:
-        model = DataParallel(make_model(num_features, args.hidden, args.layers),
+        model = AsyncDataParallel(make_model(num_features, args.hidden, args.layers),
                              bucket_size_bytes=int(args.bucket_mb * 2**20),
                              run_blocking=engine.run_blocking)
         await model.broadcast_parameters()

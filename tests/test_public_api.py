@@ -32,7 +32,7 @@ def test_subpackages() -> None:
     }
     assert set(asynctron.comm.__all__) == {
         "AllReduceTask", "Bucket", "BucketConfig", "BucketManager", "CollectiveGroup",
-        "DataParallel", "StepTimings", "new_gloo_group", "wait_future", "wait_work",
+        "AsyncDataParallel", "StepTimings", "new_gloo_group", "wait_future", "wait_work",
     }
     assert set(asynctron.errors.__all__) == {
         "AsynctronError", "BusyError", "CheckpointNotFoundError", "ClosedError",

@@ -3,7 +3,7 @@ of asynctron at work.
 
 Per step: the next batch comes from the `AsyncLoader` (assembled by a worker process),
 forward and backward run on the loop, gradients are all-reduced bucket by bucket while backward
-runs (`DataParallel`), and every K steps the whole state (model, optimizer, loader position,
+runs (`AsyncDataParallel`), and every K steps the whole state (model, optimizer, loader position,
 step) is saved asynchronously: training waits only for `task.staged`, then goes on while the
 engine writes.
 """
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from asynctron.comm import DataParallel
+from asynctron.comm import AsyncDataParallel
 from asynctron.datasets import AsyncLoader, ByteTokenizer, GPTDatasetConfig, build_gpt_datasets
 from asynctron.engine import Engine, SaveTask
 from asynctron.testing import LoopWatchdog
@@ -119,7 +119,7 @@ async def train(config: DemoConfig, rank: int, samples: Any, name: str, *, stop_
     model = TinyGPT(vocab_size=ByteTokenizer.vocab_size, sequence_length=config.sequence_length,
                     hidden=config.hidden, num_layers=config.num_layers,
                     num_heads=config.num_heads)
-    parallel = DataParallel(model, bucket_size_bytes=1 * MiB)
+    parallel = AsyncDataParallel(model, bucket_size_bytes=1 * MiB)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     tasks: list[SaveTask] = []
     losses: list[float] = []

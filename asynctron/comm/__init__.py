@@ -1,7 +1,7 @@
 """Comm: gradient buckets whose all-reduces are asyncio awaitables, the Work → asyncio bridge,
 and awaitable object collectives for coordination.
 
-- `BucketManager` / `DataParallel`: a model's gradients in buckets, all-reduced while backward
+- `BucketManager` / `AsyncDataParallel`: a model's gradients in buckets, all-reduced while backward
   runs; `await synchronize()` before `optimizer.step()`.
 - `wait_work` / `wait_future`: any torch.distributed `Work` or `torch.futures.Future`, awaited.
 - `CollectiveGroup` / `new_gloo_group`: all-gather, gather, broadcast of objects and barriers
@@ -14,16 +14,16 @@ caller passes in (`engine.run_blocking`).
 from asynctron.comm._bridge import wait_future, wait_work
 from asynctron.comm._bucket import AllReduceTask, Bucket
 from asynctron.comm._collectives import CollectiveGroup, new_gloo_group
-from asynctron.comm._data_parallel import DataParallel
+from asynctron.comm._data_parallel import AsyncDataParallel
 from asynctron.comm._manager import BucketConfig, BucketManager, StepTimings
 
 __all__ = [
     "AllReduceTask",
+    "AsyncDataParallel",
     "Bucket",
     "BucketConfig",
     "BucketManager",
     "CollectiveGroup",
-    "DataParallel",
     "StepTimings",
     "new_gloo_group",
     "wait_future",

@@ -1,6 +1,7 @@
-"""`DataParallel`: the trainer face of the bucket manager, a module wrapper in a few lines.
+"""`AsyncDataParallel`: the trainer face of the bucket manager, a module wrapper in a few lines
+(named apart from `torch.nn.DataParallel` and DDP, which it does not replace in `import`s).
 
-    model = DataParallel(net, bucket_size_bytes=25 * 2**20)
+    model = AsyncDataParallel(net, bucket_size_bytes=25 * 2**20)
     await model.broadcast_parameters()          # every rank starts from rank 0's weights
     for batch in batches:
         loss_fn(model(batch)).backward()        # all-reduces launch during backward
@@ -21,7 +22,7 @@ from asynctron.comm._bridge import peer_error, wait_work
 from asynctron.comm._manager import BucketManager, StepTimings
 
 
-class DataParallel(torch.nn.Module):
+class AsyncDataParallel(torch.nn.Module):
     """Wraps `module` for data-parallel training with a `BucketManager`.
 
     `forward` is the module's; `no_sync()`, `synchronize()` and `zero_grad()` are the

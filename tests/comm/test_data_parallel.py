@@ -1,17 +1,17 @@
-"""DataParallel on one rank: a module wrapper that trains in a few lines.
+"""AsyncDataParallel on one rank: a module wrapper that trains in a few lines.
 (Against DDP on several ranks: tests/distributed/test_comm_ranks.py.)"""
 
 from __future__ import annotations
 
 import torch
 
-from asynctron.comm import DataParallel
+from asynctron.comm import AsyncDataParallel
 
 
 async def test_wraps_a_module_and_ends_steps(world_one: None) -> None:
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
-    model = DataParallel(net, bucket_size_bytes=1 << 20)
+    model = AsyncDataParallel(net, bucket_size_bytes=1 << 20)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     await model.broadcast_parameters()
     x, y = torch.randn(32, 8), torch.randn(32, 1)

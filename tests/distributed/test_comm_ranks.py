@@ -1,6 +1,6 @@
 """asynctron.comm on real gloo ranks (2 and 3), against PyTorch DDP on the same model, data and
 bucket size: gradients every step, parameters after the optimizer steps, all-reduce count and
-launch order, unused parameters, no_sync accumulation, bf16, the DataParallel face, and the
+launch order, unused parameters, no_sync accumulation, bf16, the AsyncDataParallel face, and the
 awaitable object collectives.
 
 Spawning is slow (torch imports), so each world size is spawned once and every scenario runs
@@ -23,9 +23,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from asynctron._launch import run_local_ranks
 from asynctron.comm import (
+    AsyncDataParallel,
     BucketManager,
     CollectiveGroup,
-    DataParallel,
     new_gloo_group,
     wait_work,
 )
@@ -361,7 +361,7 @@ def cancelled_synchronize(rank: int, world: int) -> dict[str, str]:
 def data_parallel(rank: int, world: int) -> None:
     net = mlp(100 + rank)  # different weights on every rank until broadcast
     reference = DDP(mlp(100 + rank), bucket_cap_mb=BUCKET_MB)  # DDP broadcasts rank 0's
-    model = DataParallel(net, bucket_size_bytes=BUCKET_BYTES)
+    model = AsyncDataParallel(net, bucket_size_bytes=BUCKET_BYTES)
     opt_a, opt_b = sgd(model.parameters()), sgd(reference.parameters())
 
     async def run() -> None:
