@@ -72,11 +72,12 @@ def test_storage_and_comm_never_import_the_engine() -> None:
 
 def test_nothing_below_datasets_imports_it() -> None:
     """datasets sits on top (it uses engine's loop helpers); engine, storage, comm and the
-    shared modules never import datasets. Only the applications do: the CLI and the demo."""
+    shared modules never import datasets. Only the applications do: the CLI, the demo and the
+    benchmarks."""
     import pathlib
 
     root = pathlib.Path(asynctron.__file__).parent
     for source in root.rglob("*.py"):
-        if {"datasets", "_demo"} & set(source.parts) or source.name == "cli.py":
+        if {"datasets", "_demo", "bench"} & set(source.parts) or source.name == "cli.py":
             continue
         assert "asynctron.datasets" not in source.read_text(), source
