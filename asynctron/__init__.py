@@ -17,12 +17,16 @@ from asynctron.engine import (
 )
 from asynctron.errors import (
     AsynctronError,
+    BlendSizeError,
     BusyError,
     CheckpointNotFoundError,
     ClosedError,
     CorruptCheckpointError,
+    CorruptDatasetError,
+    LoaderWorkerError,
     PeerError,
     StorageError,
+    WouldBlock,
 )
 
 __version__ = "0.1.0"
@@ -30,16 +34,20 @@ __version__ = "0.1.0"
 __all__ = [
     "AsynctronError",
     "BackgroundEngine",
+    "BlendSizeError",
     "BusyError",
     "CheckpointNotFoundError",
     "ClosedError",
     "CorruptCheckpointError",
+    "CorruptDatasetError",
     "Engine",
     "EngineConfig",
+    "LoaderWorkerError",
     "PeerError",
     "SaveResult",
     "SaveTask",
     "StorageError",
+    "WouldBlock",
     "free_idle_staging",
     "load",
     "save",

@@ -11,13 +11,18 @@
 - `CheckpointNotFoundError`: no committed checkpoint at the path (also a `FileNotFoundError`).
 - `WouldBlock`: raised only by `*_nowait` calls that would have to wait.
 
-Bad arguments raise `ValueError` / `TypeError` at call time, before any work starts.
+Bad arguments raise `ValueError` / `TypeError` at call time, before any work starts;
+`BlendSizeError` is the `ValueError` of a blend without a size (also the `AssertionError`
+megatron-core raises there).
+
+Every error here is also exported by `asynctron` itself.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "AsynctronError",
+    "BlendSizeError",
     "BusyError",
     "CheckpointNotFoundError",
     "ClosedError",
@@ -127,3 +132,8 @@ class CheckpointNotFoundError(AsynctronError, FileNotFoundError):
 
 class WouldBlock(AsynctronError):
     """A `*_nowait` call would have had to wait."""
+
+
+class BlendSizeError(ValueError, AssertionError):
+    """A split has blend weights but no size. Also an AssertionError, which is what
+    megatron-core raises here and what code written for it catches."""

@@ -13,10 +13,11 @@ import asynctron.testing
 
 def test_top_level() -> None:
     assert set(asynctron.__all__) == {
-        "AsynctronError", "BackgroundEngine", "BusyError", "CheckpointNotFoundError",
-        "ClosedError", "CorruptCheckpointError", "Engine", "EngineConfig", "PeerError",
-        "SaveResult", "SaveTask", "StorageError", "free_idle_staging", "load", "save",
-        "staging_statistics",
+        "AsynctronError", "BackgroundEngine", "BlendSizeError", "BusyError",
+        "CheckpointNotFoundError", "ClosedError", "CorruptCheckpointError",
+        "CorruptDatasetError", "Engine", "EngineConfig", "LoaderWorkerError", "PeerError",
+        "SaveResult", "SaveTask", "StorageError", "WouldBlock", "free_idle_staging", "load",
+        "save", "staging_statistics",
     }
 
 
@@ -35,12 +36,12 @@ def test_subpackages() -> None:
         "AsyncDataParallel", "StepTimings", "new_gloo_group", "wait_future", "wait_work",
     }
     assert set(asynctron.errors.__all__) == {
-        "AsynctronError", "BusyError", "CheckpointNotFoundError", "ClosedError",
+        "AsynctronError", "BlendSizeError", "BusyError", "CheckpointNotFoundError", "ClosedError",
         "CorruptCheckpointError", "CorruptDatasetError", "LoaderWorkerError", "PeerError",
         "StorageError", "WouldBlock",
     }
     assert set(asynctron.datasets.__all__) == {
-        "AsyncLoader", "BlendSizeError", "BlendedDataset", "BlendedMegatronDatasetBuilder",
+        "AsyncLoader", "BlendedDataset", "BlendedMegatronDatasetBuilder",
         "ByteTokenizer", "DatasetIndex", "GPTDataset", "GPTDatasetConfig", "HFTokenizer",
         "IndexedDataset", "IndexedDatasetBuilder", "MockGPTDataset", "MockGPTLowLevelDataset",
         "PreprocessConfig",
@@ -50,6 +51,21 @@ def test_subpackages() -> None:
     }
     assert set(asynctron.testing.__all__) == {"FaultyFileIO", "LoopWatchdog",
                                               "LoopWatchdogReport"}
+
+
+def test_every_error_is_in_errors_and_at_the_top_level() -> None:
+    """One home for errors: every exception class a public module exports is defined in
+    asynctron.errors, and asynctron exports all of them."""
+    modules = (asynctron, asynctron.comm, asynctron.datasets, asynctron.engine,
+               asynctron.storage, asynctron.testing)
+    for module in modules:
+        for name in module.__all__:
+            value = getattr(module, name)
+            if isinstance(value, type) and issubclass(value, BaseException):
+                assert value.__module__ == "asynctron.errors", f"{module.__name__}.{name}"
+    assert set(asynctron.errors.__all__) <= set(asynctron.__all__)
+    for name in asynctron.errors.__all__:
+        assert getattr(asynctron, name) is getattr(asynctron.errors, name)
 
 
 def test_every_exported_name_exists() -> None:

@@ -10,7 +10,6 @@ read ahead under a byte budget.
 
 from asynctron.datasets._blend_builder import (
     BlendedMegatronDatasetBuilder,
-    BlendSizeError,
     build_gpt_datasets,
 )
 from asynctron.datasets._blended import BlendedDataset
@@ -35,7 +34,6 @@ from asynctron.datasets._tokenizers import ByteTokenizer, HFTokenizer, load_toke
 
 __all__ = [
     "AsyncLoader",
-    "BlendSizeError",
     "BlendedDataset",
     "BlendedMegatronDatasetBuilder",
     "ByteTokenizer",

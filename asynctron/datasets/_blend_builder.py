@@ -36,12 +36,7 @@ from asynctron.datasets._splits import (
     sizes_per_dataset,
     split_bounds,
 )
-from asynctron.errors import PeerError
-
-
-class BlendSizeError(ValueError, AssertionError):
-    """A split has blend weights but no size. Also an AssertionError, which is what
-    megatron-core raises here and what code written for it catches."""
+from asynctron.errors import BlendSizeError, PeerError
 
 
 class BlendedMegatronDatasetBuilder:
