@@ -24,8 +24,11 @@ test: setup
 	$(VENV)/bin/ruff check asynctron tests bench examples
 	$(PY) -m pytest -q
 
+# every benchmark into bench/results/, then docs/benchmarks.md from them (bench/report.py)
+RESULTS ?= bench/results/all_$(shell hostname)_$(shell date +%Y%m%d)
 bench: setup
-	$(VENV)/bin/asynctron bench all
+	$(VENV)/bin/asynctron bench all --results $(RESULTS)
+	$(PY) -m bench.report $(RESULTS) --docs docs
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache

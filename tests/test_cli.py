@@ -145,12 +145,21 @@ def test_bench_forwards_the_remaining_args(monkeypatch: pytest.MonkeyPatch):
         calls.append(list(argv or []))
         return 7
 
-    fake = types.ModuleType("bench.save_throughput")
+    fake = types.ModuleType("asynctron.bench.save_throughput")
     fake.main = fake_main  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "bench.save_throughput", fake)
-    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setitem(sys.modules, "asynctron.bench.save_throughput", fake)
     assert main(["bench", "save", "--size", "1MiB", "-h"]) == 7
     assert calls == [["--size", "1MiB", "-h"]]
+
+
+def test_bench_names_the_missing_peer_and_the_extra_that_installs_it(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "psutil", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "asynctron.bench.data_throughput", raising=False)
+    assert main(["bench", "data"]) == 2
+    err = capsys.readouterr().err
+    assert "needs 'psutil', which is not installed" in err
+    assert "pip install asynctron[bench]" in err
 
 
 @pytest.mark.parametrize(("nbytes", "text"), [

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from bench import cuda_staging
+from asynctron.bench import cuda_staging
 
 
 def test_without_cuda_it_says_so(capsys: pytest.CaptureFixture[str]) -> None:

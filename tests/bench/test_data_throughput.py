@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import data_throughput
+from asynctron.bench import data_throughput
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import save_throughput
+from asynctron.bench import save_throughput
 
 
 @pytest.mark.slow

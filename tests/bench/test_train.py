@@ -18,7 +18,7 @@ def test_quick_run_measures_every_trainer_and_method(shm_path: str, tmp_path: ob
     """In a process of its own: DCP's process mode needs a process group, which would outlive
     the test in this one."""
     out = f"{tmp_path}/train.json"
-    subprocess.run([sys.executable, "-m", "bench.train", "--quick", "--target", shm_path,
+    subprocess.run([sys.executable, "-m", "asynctron.bench.train", "--quick", "--target", shm_path,
                     "--out", out, "--skip-megatron"], cwd=ROOT, check=True, timeout=600,
                    capture_output=True)
     with open(out) as f:

@@ -17,7 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 @pytest.mark.slow
 def test_quick_run_measures_every_method(tmp_path: object) -> None:
     out = f"{tmp_path}/train_data.json"
-    subprocess.run([sys.executable, "-m", "bench.train_data", "--quick", "--dir", str(tmp_path),
+    subprocess.run([sys.executable, "-m", "asynctron.bench.train_data", "--quick",
+                    "--dir", str(tmp_path),
                     "--trainers", "idle,torch", "--caches", "cold", "--duration", "0.5",
                     "--out", out], cwd=ROOT, check=True, timeout=600, capture_output=True)
     with open(out) as f:

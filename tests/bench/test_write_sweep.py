@@ -8,7 +8,8 @@ import os
 
 import pytest
 
-from bench import write_sweep
+from asynctron.bench import write_sweep
+from asynctron.cli import main
 
 
 @pytest.mark.slow
@@ -17,7 +18,8 @@ def test_quick_sweep_reports_every_setting_and_a_recommendation(
     out = f"{tmp_path}/sweep.json"
     target = f"{tmp_path}/storage"
     os.mkdir(target)
-    assert write_sweep.main(["--quick", "--target", target, "--out", out]) == 0
+    assert write_sweep.main(["--quick", "--size-mib", "16", "--bins", "1,2", "--threads", "1,2",
+                             "--item-sizes-mib", "0.25,8", "--target", target, "--out", out]) == 0
     with open(out) as f:
         results = json.load(f)
     modes = 2 if results["direct_io_available"] else 1
@@ -26,7 +28,26 @@ def test_quick_sweep_reports_every_setting_and_a_recommendation(
     assert set(results["recommended"]) >= {"num_bins", "num_workers", "direct_io"}
     assert os.path.getsize(out.replace(".json", ".png")) > 0
     assert os.listdir(target) == []  # the sweep cleans up after itself
-    assert "recommended for this storage: Engine(num_workers=" in capsys.readouterr().out
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("recommended for this storage: Engine(num_workers=")
+
+
+@pytest.mark.slow
+def test_cli_from_any_directory_writes_results_under_the_working_directory(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(str(tmp_path))  # not a source checkout: no bench/ here
+    os.mkdir("storage")
+    assert main(["bench", "write", "--quick", "--size-mib", "8", "--bins", "2", "--threads", "2",
+                 "--item-sizes-mib", "1", "--target", "storage"]) == 0
+    results, picture = sorted(os.listdir("asynctron-bench"))
+    assert results.startswith("write_sweep_") and results.endswith(".json")
+    assert picture == results.replace(".json", ".png")
+    assert "GB/s" in capsys.readouterr().out
+
+
+def test_quick_fills_in_only_what_the_command_line_left_out() -> None:
+    assert set(write_sweep.QUICK_GRID) == set(write_sweep.FULL_GRID)
 
 
 def test_recommendation_prefers_fewer_threads_within_five_percent() -> None:

@@ -9,7 +9,7 @@ throughput a job sees. Also reported: each rank's blocking time (`await task.sta
 (seed 002), and the loop's worst heartbeat delay during asynctron's saves. The physical
 baseline: every rank writes its bytes with one large pwrite+fsync loop, at the same time.
 
-Run: `python -m bench.save_ranks --nproc 2` (or `asynctron bench save --nproc 2`); `--quick`
+Run: `asynctron bench save --nproc 2`; `--quick`
 for a smoke run.
 """
 
@@ -32,8 +32,8 @@ import uvloop
 
 from asynctron import Engine
 from asynctron._launch import run_local_ranks
+from asynctron.bench import _baselines, _peers, _results
 from asynctron.testing import LoopWatchdog
-from bench import _baselines, _peers, _results
 
 GiB = 1 << 30
 OURS = "asynctron"
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default=os.getcwd(), help="directory to save into")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke)")
-    parser.add_argument("--out", default=None, help="JSON results path")
+    parser.add_argument("--out", default=None, help=_results.OUT_HELP)
     args = parser.parse_args(argv)
     if args.quick:
         args.size_gib, args.repeats = 0.02, 1
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = report(ranks, args)
     summary["meta"] = _results.run_meta(started, args, torch=torch.__version__,
                                         peers=_peers.peer_versions())
-    _results.write_results(f"save_ranks{args.nproc}", summary, out=args.out, quick=args.quick)
+    _results.write_results(f"save_ranks{args.nproc}", summary, out=args.out)
     return 0
 
 

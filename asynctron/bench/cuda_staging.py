@@ -7,7 +7,7 @@ raw pinned `copy_` of the same tensors, in one process (needs a GPU; exits 0 say
   >= 0.8x the raw bandwidth.
 - H2D: `engine.load(path, into=gpu_state)` from /dev/shm against a raw pinned->device copy.
 
-Run: `python -m bench.cuda_staging` (or `asynctron bench cuda`).
+Run: `python -m asynctron.bench.cuda_staging` (or `asynctron bench cuda`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import uvloop
 
 from asynctron import Engine
-from bench import _results
+from asynctron.bench import _results
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-gib", type=float, default=4.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--target", default="/dev/shm")
-    parser.add_argument("--out", default=None, help="JSON results path")
+    parser.add_argument("--out", default=None, help=_results.OUT_HELP)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("asynctron bench cuda: no CUDA device; nothing to measure")
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(device), "nbytes": nbytes, "timings_s": timings,
         "d2h_vs_raw": d2h_ratio, "h2d_vs_raw": h2d_ratio,
         "meta": _results.run_meta(started, args, torch=torch.__version__)},
-        out=args.out, quick=False)
+        out=args.out)
     return 0
 
 

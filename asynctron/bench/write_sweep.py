@@ -12,8 +12,8 @@ tuned trainer freezes its model: otherwise a full collection, which stops every 
 scans torch's ~300K objects in ~200 ms on a 2-core VM, lands in the loop delay whenever a
 save of thousands of items allocates enough to trigger one (docs/guide.md, "Tuning").
 
-Run: `python -m bench.write_sweep --target DIR` (or `asynctron bench write --target DIR`);
-`--quick` for a small smoke grid.
+Run: `asynctron bench write --target DIR` (results in ./asynctron-bench/, or `--out DIR`);
+`--quick` for a small grid in about a minute.
 """
 
 from __future__ import annotations
@@ -28,17 +28,13 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
-import matplotlib
 import torch
 import uvloop
 from tqdm import tqdm
 
 from asynctron import Engine
+from asynctron.bench import _baselines, _results
 from asynctron.testing import LoopWatchdog
-from bench import _baselines, _results
-
-matplotlib.use("Agg")  # headless; must precede the pyplot import
-import matplotlib.pyplot as plt
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -63,6 +59,14 @@ class Result:
     median_gb_per_s: float
     samples_s: list[float]
     worst_loop_delay_ms: float
+
+
+#: The settings swept unless given: the full grid, and `--quick`'s (about a minute on a 1 GB/s
+#: disk).
+FULL_GRID = {"size_mib": 1024, "bins": "1,2,4,8", "threads": "1,2,4,8",
+             "item_sizes_mib": "0.25,4,64,1024", "repeats": 3}
+QUICK_GRID = {"size_mib": 256, "bins": "1,4", "threads": "1,4", "item_sizes_mib": "1,64",
+              "repeats": 1}
 
 
 def _size(nbytes: int) -> str:
@@ -157,6 +161,13 @@ def recommend(results: list[Result], max_loop_delay_ms: float) -> Recommendation
 
 
 def plot(results: list[Result], baselines: dict[str, float], path: str, title: str) -> None:
+    """Draw GB/s against bins, a panel per item size and mode, a line per thread count
+    (matplotlib, from the `bench` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless; must precede the pyplot import
+    import matplotlib.pyplot as plt
+
     sizes = sorted({r.setting.item_bytes for r in results})
     modes = sorted({r.setting.direct_io for r in results})
     figure, axes = plt.subplots(len(modes), len(sizes), squeeze=False,
@@ -191,19 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asynctron bench write",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--target", default=os.getcwd(), help="directory on the storage to test")
-    parser.add_argument("--size-mib", type=int, default=1024, help="bytes saved per run")
-    parser.add_argument("--bins", default="1,2,4,8")
-    parser.add_argument("--threads", default="1,2,4,8")
-    parser.add_argument("--item-sizes-mib", default="0.25,4,64,1024")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--size-mib", type=int, help="bytes saved per run")
+    parser.add_argument("--bins", help="comma-separated bin counts (files, writer tasks)")
+    parser.add_argument("--threads", help="comma-separated executor thread counts")
+    parser.add_argument("--item-sizes-mib", help="comma-separated tensor sizes")
+    parser.add_argument("--repeats", type=int, help="saves per setting (median)")
     parser.add_argument("--max-loop-delay-ms", type=float, default=10.0)
-    parser.add_argument("--quick", action="store_true", help="a small grid (smoke)")
-    parser.add_argument("--out", default=None, help="JSON results path")
-    parser.add_argument("--plot", default=None, help="PNG path")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a small grid in about a minute: {QUICK_GRID}")
+    parser.add_argument("--out", default=None, help=_results.OUT_HELP + "; the PNG goes beside")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.size_mib, args.bins, args.threads, args.repeats = 16, "1,2", "1,2", 1
-        args.item_sizes_mib = "0.25,8"
+    for name, value in (QUICK_GRID if args.quick else FULL_GRID).items():
+        if getattr(args, name) is None:  # the grid fills in what the command line left out
+            setattr(args, name, value)
 
     def ints(text: str) -> list[int]:
         return [int(x) for x in text.split(",") if x]
@@ -247,10 +258,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{'O_DIRECT' if s.direct_io else 'buffered':>10}{r.median_gb_per_s:>8.2f}"
               f"{r.median_gb_per_s / raw:>7.2f}x{r.worst_loop_delay_ms:>9.1f}")
     c = recommend(results_list, args.max_loop_delay_ms)
-    print(f"\nrecommended for this storage: Engine(num_workers={c.num_workers}, "
-          f"num_bins={c.num_bins}, direct_io={c.direct_io}): {c.mean_gb_per_s:.2f} GB/s "
-          f"(geometric mean over item sizes, {c.mean_gb_per_s / raw:.2f}x the raw 1-thread "
-          f"baseline), loop worst {c.worst_loop_delay_ms:.1f} ms")
     summary = {"target": args.target, "nbytes": nbytes, "direct_io_available": direct,
                "baselines_gb_per_s": baselines,
                "results": [{**asdict(r.setting), "median_gb_per_s": r.median_gb_per_s,
@@ -258,11 +265,18 @@ def main(argv: list[str] | None = None) -> int:
                             "worst_loop_delay_ms": r.worst_loop_delay_ms} for r in results_list],
                "recommended": asdict(c),
                "meta": _results.run_meta(started, args, torch=torch.__version__)}
-    path = _results.write_results("write_sweep", summary, out=args.out, quick=args.quick)
-    picture = args.plot or (os.path.splitext(path)[0] + ".png" if path else None)
-    if picture is not None:
+    path = _results.write_results("write_sweep", summary, out=args.out)
+    picture = os.path.splitext(path)[0] + ".png"
+    try:
         plot(results_list, baselines, picture, f"asynctron save sweep on {args.target}")
+    except ModuleNotFoundError as exc:
+        print(f"plot: skipped, {exc.name!r} is not installed (`pip install asynctron[bench]`)")
+    else:
         print(f"plot: {picture}")
+    print(f"\nrecommended for this storage: Engine(num_workers={c.num_workers}, "
+          f"num_bins={c.num_bins}, direct_io={c.direct_io}): {c.mean_gb_per_s:.2f} GB/s "
+          f"(geometric mean over item sizes, {c.mean_gb_per_s / raw:.2f}x the raw 1-thread "
+          f"baseline), loop worst {c.worst_loop_delay_ms:.1f} ms")
     return 0
 
 

@@ -18,9 +18,9 @@ backward returns) and the loop's worst heartbeat delay during `synchronize()` (a
 untimed round). With `--trainer python`, each rank also runs a thread spinning Python (it holds
 the GIL, as a GPU trainer's dispatch thread does) through every measurement.
 
-Run: `python -m bench.allreduce_overlap` (or `asynctron bench comm`); `--quick` for a smoke run;
+Run: `asynctron bench comm`; `--quick` for a smoke run;
 `--device cuda --backend nccl` on a machine with one GPU per rank.
-Results: printed, and written as JSON to bench/results/allreduce_overlap_<host>_<date>.json.
+Results: printed, and written as JSON (`--out`; default ./asynctron-bench/).
 """
 
 from __future__ import annotations
@@ -38,11 +38,11 @@ import uvloop
 from torch.nn.parallel import DistributedDataParallel
 
 from asynctron._launch import run_local_ranks
+from asynctron.bench import _results
+from asynctron.bench._rounds import round_order
+from asynctron.bench._trainers import TrainerThread
 from asynctron.comm import BucketManager
 from asynctron.testing import LoopWatchdog
-from bench import _results
-from bench._rounds import round_order
-from bench._trainers import TrainerThread
 
 MiB = 1 << 20
 MODELS = {"10M": (1024, 10), "100M": (2896, 12)}  # name -> (width, layers) of an MLP
@@ -165,8 +165,8 @@ def _step_ddp(ddp: DistributedDataParallel, hook_times: list[float], step: _Step
 async def _compare(ours: torch.nn.Module, theirs: torch.nn.Module, bucket_mb: int, step: _Step,
                    args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """asynctron and DDP with the same bucket size, alternating round by round."""
-    manager = BucketManager(ours, bucket_size_mb=bucket_mb,
-                            first_bucket_size_mb=min(1, bucket_mb))
+    manager = BucketManager(ours, bucket_size_bytes=bucket_mb * MiB,
+                            first_bucket_size_bytes=min(1, bucket_mb) * MiB)
     ddp, ddp_config = _ddp(theirs, bucket_mb, device)
     hook_times: list[float] = []
     hooks = [p.register_post_accumulate_grad_hook(lambda _: hook_times.append(time.perf_counter()))
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a busy thread in each rank: spinning Python (holds the GIL) or "
                              "1-thread torch matmuls")
     parser.add_argument("--quick", action="store_true", help="tiny models, one repeat (smoke)")
-    parser.add_argument("--out", default=None, help="JSON results path")
+    parser.add_argument("--out", default=None, help=_results.OUT_HELP)
     args = parser.parse_args(argv)
     if args.quick:
         args.bucket_mb, args.repeats, args.warmup = [1, 4], 1, 1
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["meta"] = _results.run_meta(
         started, args, torch=torch.__version__,
         device=args.device if args.device == "cpu" else torch.cuda.get_device_name(0))
-    _results.write_results("allreduce_overlap", summary, out=args.out, quick=args.quick)
+    _results.write_results("allreduce_overlap", summary, out=args.out)
     return 0
 
 

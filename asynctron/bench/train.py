@@ -17,8 +17,8 @@ second before). For `gpt`: step time while a save is in flight / without.
 torch runs with one intra-op thread (the trainers and DCP's copies alike), so the 2-core
 machine has one core for the trainer and one for checkpointing.
 
-Run: `python -m bench.train` (or `asynctron bench train`); `--quick` for a smoke run.
-Results: printed, and written as JSON to bench/results/train_<host>_<date>.json.
+Run: `asynctron bench train`; `--quick` for a smoke run.
+Results: printed, and written as JSON (`--out`; default ./asynctron-bench/).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ import uvloop
 
 from asynctron import Engine
 from asynctron._demo._model import TinyGPT, language_model_loss
+from asynctron.bench import _baselines, _peers, _results
+from asynctron.bench._rounds import round_order
+from asynctron.bench._trainers import TrainerThread
 from asynctron.testing import LoopWatchdog
-from bench import _baselines, _peers, _results
-from bench._rounds import round_order
-from bench._trainers import TrainerThread
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpt-hidden", type=int, default=384)
     parser.add_argument("--gpt-layers", type=int, default=4)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke)")
-    parser.add_argument("--out", default=None, help="JSON results path")
+    parser.add_argument("--out", default=None, help=_results.OUT_HELP)
     parser.add_argument("--skip-megatron", action="store_true",
                         help="do not run Megatron's writer even where megatron-core imports")
     args = parser.parse_args(argv)
@@ -400,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     summary["meta"] = _results.run_meta(
         started, args, memory_bytes=psutil.virtual_memory().total, peers=_peers.peer_versions(),
         warmed_guest_memory_bytes=warmed, torch_threads=torch.get_num_threads())
-    _results.write_results("train", summary, out=args.out, quick=args.quick)
+    _results.write_results("train", summary, out=args.out)
     return 0
 
 

@@ -7,8 +7,8 @@ structure (a fresh Engine: planned afresh), durable `torch.save`, `safetensors` 
 and (one round, it takes tens of seconds) `dcp.save` with 4 threads. Reported: medians, the
 loop's worst heartbeat delay during asynctron's saves, and loads (asynctron, `torch.load`).
 
-Run: `python -m bench.save_many` (or `asynctron bench many`); `--quick` for a smoke run.
-Results: printed, and written as JSON to bench/results/save_many_<host>_<date>.json.
+Run: `asynctron bench many`; `--quick` for a smoke run.
+Results: printed, and written as JSON (`--out`; default ./asynctron-bench/).
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import torch
 import uvloop
 
 from asynctron import Engine
+from asynctron.bench import _peers, _results
+from asynctron.bench._rounds import round_order
 from asynctron.testing import LoopWatchdog
-from bench import _peers, _results
-from bench._rounds import round_order
 
 OURS = "asynctron (warm engine)"
 FIRST = "asynctron (first save, fresh Engine)"
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", default="/dev/shm", help="directory to save into")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke)")
-    parser.add_argument("--out", default=None, help="JSON results path")
+    parser.add_argument("--out", default=None, help=_results.OUT_HELP)
     args = parser.parse_args(argv)
     if args.quick:
         args.num_tensors, args.repeats = 2000, 1
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                "meta": _results.run_meta(started, args,
                                          memory_bytes=psutil.virtual_memory().total,
                                          peers=_peers.peer_versions())}
-    _results.write_results("save_many", results, out=args.out, quick=args.quick)
+    _results.write_results("save_many", results, out=args.out)
     return 0
 
 

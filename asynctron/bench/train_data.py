@@ -21,8 +21,8 @@ DataLoader gets megatron's settings (`pin_memory` where CUDA is, `persistent_wor
 `batch_sampler` in megatron's pretraining order); asynctron its defaults (2 workers at nice
 +10). Methods take turns in a seeded shuffled order per round; medians of `--repeats`.
 
-Run: `python -m bench.train_data` (or `asynctron bench train_data`); `--quick` for a smoke run.
-Results: printed, and written as JSON to bench/results/train_data_<host>_<date>.json.
+Run: `asynctron bench train_data`; `--quick` for a smoke run.
+Results: printed, and written as JSON (`--out`; default ./asynctron-bench/).
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from asynctron.bench import _results
+from asynctron.bench._rounds import round_order
+from asynctron.bench._trainers import TrainerThread
+from asynctron.bench.data_throughput import _configs, _megatron, write_corpus
 from asynctron.datasets import GPTDataset, IndexedDataset, Split
-from bench import _results
-from bench._rounds import round_order
-from bench._trainers import TrainerThread
-from bench.data_throughput import _configs, _megatron, write_corpus
 
 MiB = 1 << 20
 METHODS = ("asynctron AsyncLoader", "DataLoader (2 workers)", "DataLoader (4 workers)",
@@ -246,13 +246,12 @@ def _files(work: str) -> list[str]:
 
 
 def _spawn(args: argparse.Namespace, method: str, trainer: str, work: str) -> dict[str, Any]:
-    command = [sys.executable, "-m", "bench.train_data", "--one", "--method", method,
+    command = [sys.executable, "-m", "asynctron.bench.train_data", "--one", "--method", method,
                "--trainer", trainer, "--prefix", f"{work}/corpus", "--cache", f"{work}/cache",
                "--duration", str(args.duration), "--micro-batch-size",
                str(args.micro_batch_size), "--sequence-length", str(args.sequence_length),
                "--prefetch-mib", str(args.prefetch_mib), "--pace-ms", str(args.pace_ms or 0)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"{method} / {trainer}: exit {done.returncode}\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -334,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--caches", default=",".join(CACHES))
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--quick", action="store_true", help="tiny corpus, short runs (smoke)")
-    parser.add_argument("--out", default=None, help="JSON results path")
+    parser.add_argument("--out", default=None, help=_results.OUT_HELP)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     for hidden in ("--method", "--trainer", "--prefix", "--cache"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -358,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         started, args, torch=torch.__version__, cpu_count=os.cpu_count(),
         page_cache="cold: evicted with posix_fadvise(DONTNEED) before each run; warm: every "
                    "file read once before each run")
-    _results.write_results("train_data", summary, out=args.out, quick=args.quick)
+    _results.write_results("train_data", summary, out=args.out)
     return 0
 
 

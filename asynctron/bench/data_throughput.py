@@ -16,8 +16,8 @@ Scenarios (medians of `--repeats` runs after a warm-up; ratios > 1 mean asynctro
    `ds[i]` one by one (no prefetch), and asynctron's `AsyncLoader` with prefetch; the loop's
    worst heartbeat delay while the loader runs.
 
-Run: `python -m bench.data_throughput` (or `asynctron bench data`); `--quick` for a smoke run.
-Results: printed, and written as JSON to bench/results/data_throughput_<host>_<date>.json.
+Run: `asynctron bench data`; `--quick` for a smoke run.
+Results: printed, and written as JSON (`--out`; default ./asynctron-bench/).
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ import uvloop
 import xxhash
 
 from asynctron import Engine
+from asynctron.bench import _results
+from asynctron.bench._rounds import round_order
 from asynctron.datasets import (
     AsyncLoader,
     GPTDataset,
@@ -54,8 +56,6 @@ from asynctron.datasets import (
     build_sample_index,
 )
 from asynctron.testing import LoopWatchdog
-from bench import _results
-from bench._rounds import round_order
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated subset of index,scale,warm,cold")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke)")
-    parser.add_argument("--out", default=None, help="JSON results path")
+    parser.add_argument("--out", default=None, help=_results.OUT_HELP)
     parser.add_argument("--skip-megatron", action="store_true",
                         help="do not run megatron-core even where it imports")
     args = parser.parse_args(argv)
@@ -522,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         megatron_core=_version("megatron-core"),
         page_cache="warm for 'warm'; evicted with posix_fadvise(DONTNEED) before each 'cold' "
                    "run")
-    _results.write_results("data_throughput", results, out=args.out, quick=args.quick)
+    _results.write_results("data_throughput", results, out=args.out)
     return 0
 
 

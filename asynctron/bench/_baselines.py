@@ -24,9 +24,7 @@ import random
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TypeAlias
 
-import crc32c
 import numpy as np
-import psutil
 import torch
 import xxhash
 
@@ -292,6 +290,8 @@ def warm_guest_memory(reserve_bytes: int = 4 * GIB, chunk_bytes: int = GIB) -> i
     first method to allocate memory would look slow for reasons that have nothing to do with
     it. Touching the memory once up front gives every method the same, warm, memory.
     """
+    import psutil  # the `bench` extra
+
     target = max(0, psutil.virtual_memory().available - reserve_bytes)
     chunks = []
     for _ in range(target // chunk_bytes):
@@ -305,6 +305,8 @@ def warm_guest_memory(reserve_bytes: int = 4 * GIB, chunk_bytes: int = GIB) -> i
 
 def hash_all(buffers: Sequence[np.ndarray], algorithm: str) -> None:
     """One thread hashes every buffer whole: ``"crc32c"`` or ``"xxh3_64"``."""
+    import crc32c  # the `bench` extra
+
     for buffer in buffers:
         view = _byte_view(buffer)
         if algorithm == "crc32c":

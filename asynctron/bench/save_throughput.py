@@ -12,10 +12,10 @@ without checksums; crc32c and xxh3-64 speeds), peak RSS growth with a state 4x t
 budget, cold load against a raw read, and mmap load time.
 
 Also: a fresh Engine per save and the one-call `asynctron.save` against the durable peers, and
-each method's first save in a fresh process (`bench.first_save`, one process per save).
+each method's first save in a fresh process (`first_save`, one process per save).
 
-Run: `python -m bench.save_throughput` (or `asynctron bench save`); `--quick` for a smoke run.
-Results: printed, and written as JSON to bench/results/save_throughput_<host>_<date>.json.
+Run: `asynctron bench save`; `--quick` for a smoke run.
+Results: printed, and written as JSON (`--out`; default ./asynctron-bench/).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ import uvloop
 
 import asynctron
 from asynctron import Engine
+from asynctron.bench import _baselines, _peers, _results, first_save, save_ranks
+from asynctron.bench._rounds import round_order
 from asynctron.testing import LoopWatchdog
-from bench import _baselines, _peers, _results, first_save, save_ranks
-from bench._rounds import round_order
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -345,7 +345,7 @@ def _targets(s: Scenario, saves: dict[str, float], budget_bytes: int) -> list[st
 
 def run_first_saves(targets: list[str], size_gib: float, repeats: int
                     ) -> dict[str, dict[str, dict[str, list[float]]]]:
-    """Each method's first save in a fresh process (`bench.first_save`), `repeats` processes
+    """Each method's first save in a fresh process (`first_save`), `repeats` processes
     per method and target, methods taking turns."""
     results: dict[str, dict[str, dict[str, list[float]]]] = {}
     for target in targets:
@@ -354,9 +354,8 @@ def run_first_saves(targets: list[str], size_gib: float, repeats: int
         for round_index in range(repeats):
             for method in first_save.METHODS:
                 done = subprocess.run(
-                    [sys.executable, "-m", "bench.first_save", method, target,
-                     "--size-gib", str(size_gib)], capture_output=True, text=True, check=True,
-                    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                    [sys.executable, "-m", "asynctron.bench.first_save", method, target,
+                     "--size-gib", str(size_gib)], capture_output=True, text=True, check=True)
                 timings = json.loads(done.stdout.strip().splitlines()[-1])
                 for key, value in timings.items():
                     if key != "method":
@@ -436,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asynctron bench save",
                                      description=__doc__.split("\n")[0],
                                      epilog="With --nproc N > 1, see `python -m "
-                                            "bench.save_ranks --help`.")
+                                            "asynctron.bench.save_ranks --help`.")
     parser.add_argument("--size-gib", type=float, default=2.0, help="mixed state dict size")
     parser.add_argument("--large-gib", type=float, default=3.0,
                         help="size of the single large tensor (0: skip that state dict)")
@@ -444,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated directories to save into")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat (smoke)")
-    parser.add_argument("--out", default=None, help="JSON results path")
+    parser.add_argument("--out", default=None, help=_results.OUT_HELP)
     parser.add_argument("--skip-megatron", action="store_true",
                         help="do not run Megatron's writer even where megatron-core imports")
     args = parser.parse_args(argv)
@@ -489,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     results["meta"] = _results.run_meta(
         started, args, memory_bytes=psutil.virtual_memory().total, peers=_peers.peer_versions(),
         engine_config=repr(config), warmed_guest_memory_bytes=warmed)
-    _results.write_results("save_throughput", results, out=args.out, quick=args.quick)
+    _results.write_results("save_throughput", results, out=args.out)
     return 0
 
 

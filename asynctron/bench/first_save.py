@@ -8,7 +8,7 @@ trainer calls it at start-up, timed apart as `prefault_s`), `asynctron.save` (on
 and the peers' durable saves (`torch.save`, `dcp (4 threads)`, `dcp async_save` (blocking:
 until it returns), `safetensors`).
 
-Run: `python -m bench.first_save METHOD TARGET_DIR --size-gib N` (prints one JSON line).
+Run: `python -m asynctron.bench.first_save METHOD TARGET_DIR --size-gib N` (prints one JSON line).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ METHODS = ("asynctron", "asynctron prefaulted", "asynctron.save", "torch.save",
 def run(method: str, state: dict[str, torch.Tensor], path: str) -> dict[str, float]:
     """Time `method`'s first save of `state` to `path`: blocking, total (and prefault)."""
     import asynctron
-    from bench import _peers
+    from asynctron.bench import _peers
 
     if method in ("asynctron", "asynctron prefaulted"):
         async def save() -> dict[str, float]:
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-gib", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    from bench import _baselines
+    from asynctron.bench import _baselines
 
     state = _baselines.make_state_dict(int(args.size_gib * (1 << 30)), seed=args.seed)
     base = tempfile.mkdtemp(prefix=f"asynctron-bench-{os.getpid()}-", dir=args.target)

@@ -13,8 +13,8 @@ against the costliest real metadata of the same size (for `manifest.json`, a che
 tensors and one of empty lists). Target: at most 2 s and 1 GiB, or, where real metadata itself
 takes more, at most 1.5 times what it takes.
 
-Run: `python -m bench.hostile_metadata` (or `asynctron bench hostile`); `--quick` for a smoke
-run. Results: printed, and written as JSON to bench/results/hostile_<host>_<date>.json.
+Run: `asynctron bench hostile`; `--quick` for a smoke
+run. Results: printed, and written as JSON (`--out`; default ./asynctron-bench/).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from asynctron.bench import _results
 from asynctron.storage._dcp import MAX_METADATA_BYTES, METADATA_NAME
 from asynctron.storage._manifest import (
     MANIFEST_NAME,
@@ -48,7 +49,6 @@ from asynctron.storage._manifest import (
     ItemRecord,
     encode_manifest,
 )
-from bench import _results
 
 MiB = 1 << 20
 TIME_LIMIT_S = 2.0
@@ -94,8 +94,9 @@ def _fill(prefix: str, unit: str, suffix: str, size: int) -> bytes:
 
 
 def _records(count: int) -> list[ItemRecord]:
-    return [ItemRecord(f"model.layers.{i}.mlp.weight", "tensor", "float32", (4,), (4,), (0,),
-                       _FILE, 64 * i, 16, None) for i in range(count)]
+    return [ItemRecord(key=f"model.layers.{i}.mlp.weight", kind="tensor", file=_FILE,
+                       offset=64 * i, nbytes=16, checksum=None, dtype="float32", shape=(4,),
+                       global_shape=(4,), chunk_offsets=(0,)) for i in range(count)]
 
 
 def legit_manifest(size: int) -> tuple[bytes, int]:
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="scratch directory")
     parser.add_argument("--quick", action="store_true",
                         help="1 MiB inputs, the real metadata and one attack per file (smoke)")
-    parser.add_argument("--out", default=None, help="JSON results path")
+    parser.add_argument("--out", default=None, help=_results.OUT_HELP)
     args = parser.parse_args(argv)
     started = time.time()
     if args.quick:
@@ -312,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                                   time_limit_s=TIME_LIMIT_S,
                                   memory_limit_bytes=MEMORY_LIMIT_BYTES,
                                   relative_limit=RELATIVE_LIMIT),
-        "rows": rows}, out=args.out, quick=args.quick)
+        "rows": rows}, out=args.out)
     return 0 if all(row["within_absolute"] or row["within_real"] for row in rows) else 1
 
 

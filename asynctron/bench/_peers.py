@@ -44,7 +44,7 @@ script that calls :func:`save_megatron_async` must keep its work under
 ``if __name__ == "__main__":``. The first call also pays for that Manager and for the
 one-rank gloo group; benchmark after a warm-up call.
 
-Run ``python -m bench._peers`` for a self-check that runs every function on ~64 MiB.
+Run ``python -m asynctron.bench._peers`` for a self-check that runs every function on ~64 MiB.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.utils import _get_failure_dict
 
-from bench._baselines import (
+from asynctron.bench._baselines import (
     MIB,
     StateDict,
     evict_page_cache,
