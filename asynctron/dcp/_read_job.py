@@ -1,0 +1,192 @@
+"""One rank's `read_data`: DCP's load plan read by asynctron's reader.
+
+Stages (on the runtime's loop; the planner's calls, reads, decodes and copies on the engine's
+executor):
+1. plan (`_plan`): each read item's stored item found in the checkpoint's manifest; its target
+   resolved through the planner. Raw tensor bytes (checkpoints asynctron wrote) are read straight
+   into a contiguous CPU target of the same dtype when the item's rows are whole (its dim-0 rows
+   range), else into a chunk of their own; `torch.save` blobs (stock DCP) are read whole;
+2. read: `CheckpointReader.read` (one task per file, batched preadv calls), each whole item
+   verified against its digest where the checkpoint has them;
+3. finish (`_finish`): blobs decoded without unpickling anything but tensors and plain values,
+   chunks narrowed and copied into their targets (dtype conversion, CUDA), then
+   `planner.commit_tensor`; pickled values checked the same way before `planner.load_bytes`
+   (stock DCP's planner unpickles them with `weights_only=False`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+
+from asynctron.dcp._runtime import Runtime
+from asynctron.errors import CorruptCheckpointError
+from asynctron.storage._dcp import decode_blob, tensor_of
+from asynctron.storage._dtypes import TORCH_DTYPES
+from asynctron.storage._manifest import ItemRecord, Manifest
+from asynctron.storage._reader import CheckpointReader, ReadJob
+
+RecordKey = tuple[str, tuple[int, ...] | None]
+"""A stored item: its key and, for a tensor chunk, its offsets in the global tensor."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpenCheckpoint:
+    """A checkpoint ready to read: its directory, its validated manifest, its items by
+    (key, chunk offsets)."""
+
+    path: str
+    manifest: Manifest
+    records: Mapping[RecordKey, ItemRecord]
+
+    @classmethod
+    def of(cls, path: str, manifest: Manifest) -> OpenCheckpoint:
+        return cls(path, manifest, {(record.key, record.chunk_offsets): record
+                                    for record in manifest.items})
+
+
+@dataclass(slots=True, eq=False)
+class _Read:
+    """One read item: what is read (`record`: the item, or a range of its rows) and where
+    (`buffer`: a blob or chunk of its own; None when read straight into `target`)."""
+
+    item: ReadItem
+    record: ItemRecord
+    target: torch.Tensor | None
+    buffer: bytearray | torch.Tensor | None
+    starts: tuple[int, ...] = ()
+    """Where the wanted region starts in what is read (a blob's whole chunk, or `buffer`)."""
+
+
+async def read(runtime: Runtime, checkpoint: OpenCheckpoint, plan: LoadPlan,
+               planner: LoadPlanner, *, verify: bool) -> None:
+    """Read every item of this rank's load plan into the planner's targets.
+
+    Raises:
+        CorruptCheckpointError: an item missing, truncated, not matching its digest or its
+            metadata, or a blob holding objects asynctron refuses to unpickle (naming file and
+            key).
+        ValueError: a target whose shape differs from the read item's (naming the key).
+        StorageError: a read failed.
+
+    Cancellation: reads in flight finish; targets may be partly filled.
+    """
+    run_blocking = runtime.run_blocking
+    reads, jobs = await run_blocking(_plan, checkpoint, plan, planner)
+    reader = CheckpointReader(runtime.file_io, checkpoint.path, run_blocking,
+                              max_files_at_once=runtime.config.num_workers)
+    reader.manifest = checkpoint.manifest  # already read and validated by read_metadata
+    try:
+        errors = await reader.read(jobs, verify=verify, slab_bytes=runtime.config.slab_bytes)
+    finally:
+        await reader.aclose()
+    if errors:
+        raise errors[0]
+    await run_blocking(_finish, reads, planner, checkpoint.path)
+
+
+def _plan(checkpoint: OpenCheckpoint, plan: LoadPlan, planner: LoadPlanner
+          ) -> tuple[list[_Read], list[ReadJob]]:
+    """Blocks: each read item's stored item, target and read."""
+    reads: list[_Read] = []
+    jobs: list[ReadJob] = []
+    for item in plan.items:
+        index = item.storage_index
+        key = index.fqn
+        offsets = None if index.offset is None else tuple(index.offset)
+        record = checkpoint.records.get((key, offsets))
+        if record is None:
+            where = "" if offsets is None else f" chunk at {list(offsets)}"
+            raise CorruptCheckpointError(
+                f"checkpoint {checkpoint.path}: expected item {key!r}{where}, which DCP's "
+                "metadata lists, in its manifest; found none; the checkpoint is damaged",
+                path=checkpoint.path, key=key)
+        if item.type == LoadItemType.BYTE_IO or record.encoding == "torch_save":
+            target = None
+            if item.type != LoadItemType.BYTE_IO:
+                target = _target(planner, item, record, checkpoint.path)
+            buffer = bytearray(record.nbytes)
+            reads.append(_Read(item, record, target, buffer, tuple(item.storage_offsets)))
+            jobs.append(ReadJob(record, memoryview(buffer)))
+            continue
+        target = _target(planner, item, record, checkpoint.path)
+        read = _raw_read(item, record, target)
+        reads.append(read)
+        if read.record.nbytes:
+            buffer = target if read.buffer is None else read.buffer
+            assert isinstance(buffer, torch.Tensor)
+            jobs.append(ReadJob(read.record, _tensor_bytes(buffer)))
+    return reads, jobs
+
+
+def _target(planner: LoadPlanner, item: ReadItem, record: ItemRecord, path: str
+            ) -> torch.Tensor:
+    target = planner.resolve_tensor(item).detach()
+    if tuple(target.shape) != tuple(item.lengths):
+        raise ValueError(f"load target for {item.dest_index.fqn!r}: expected shape "
+                         f"{list(item.lengths)} (of item {record.key!r} in {path}), found "
+                         f"{list(target.shape)}; the planner resolved a tensor of another shape")
+    return target
+
+
+def _raw_read(item: ReadItem, record: ItemRecord, target: torch.Tensor) -> _Read:
+    """The read of a raw tensor chunk's wanted region: the range of its rows that holds it (the
+    whole item, verifiable, when all rows are wanted), straight into `target` when the region
+    is those whole rows and `target` is contiguous CPU memory of the item's dtype."""
+    assert record.dtype is not None and record.shape is not None
+    dtype = TORCH_DTYPES[record.dtype]
+    shape, starts, lengths = record.shape, tuple(item.storage_offsets), tuple(item.lengths)
+    if not shape:
+        part, rows_shape, starts_in_part = record, shape, starts
+    else:
+        first, count = starts[0], lengths[0]
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        rows_shape = (count, *shape[1:])
+        part = record if (first, count) == (0, shape[0]) else dataclasses.replace(
+            record, offset=record.offset + first * row_bytes, nbytes=count * row_bytes,
+            shape=rows_shape, checksum=None)
+        starts_in_part = (0, *starts[1:])
+    direct = (tuple(lengths) == tuple(rows_shape) and target.device.type == "cpu"
+              and target.dtype == dtype and target.is_contiguous())
+    buffer = None if direct else torch.empty(rows_shape, dtype=dtype)
+    return _Read(item, part, target, buffer, starts_in_part)
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _region(tensor: torch.Tensor, starts: Sequence[int], lengths: Sequence[int]
+            ) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(starts, lengths, strict=True)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+def _finish(reads: Sequence[_Read], planner: LoadPlanner, path: str) -> None:
+    """Blocks: decode blobs, place chunks read apart, hand every item to the planner."""
+    for read in reads:
+        record, item = read.record, read.item
+        if isinstance(read.buffer, bytearray):
+            file = os.path.join(path, record.file)
+            value = decode_blob(memoryview(read.buffer), key=record.key, path=file)
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(read.buffer))
+                continue
+            source = _region(tensor_of(value, record, file), read.starts, item.lengths)
+        elif read.buffer is not None:
+            source = _region(read.buffer, read.starts, item.lengths)
+        else:
+            source = None
+        assert read.target is not None
+        if source is not None:
+            read.target.copy_(source)
+        planner.commit_tensor(item, read.target)

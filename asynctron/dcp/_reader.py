@@ -1,0 +1,170 @@
+"""`StorageReader`: DCP's storage reader on asynctron's reader.
+
+`dcp.load` asks every rank for the checkpoint's metadata (`read_metadata`), lets the planner
+plan (resharding included), then has every rank read its items (`read_data`). This reader
+unpickles nothing but DCP's metadata types (`MetadataUnpickler`) and, in blobs, tensors and
+plain values; validates the checkpoint before any item is read (every item inside its file,
+chunks inside their tensors); reads with batched preadv calls on the engine's executor; and
+verifies every whole item against its digest where the checkpoint carries them (checkpoints
+written by `asynctron.dcp.StorageWriter` or `Engine.save(format="dcp")`).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+from torch.distributed.checkpoint import storage as dcp_storage
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from asynctron.dcp._read_job import OpenCheckpoint, read
+from asynctron.dcp._runtime import Runtime, plugin_config, runtime_for
+from asynctron.dcp._writer import checkpoint_path
+from asynctron.errors import CorruptCheckpointError
+from asynctron.storage import FileIO, _sysio, read_manifest, resolve_checkpoint
+from asynctron.storage._dcp import MAX_METADATA_BYTES, METADATA_NAME, MetadataUnpickler
+from asynctron.storage._manifest import paused_gc
+
+
+class StorageReader(dcp_storage.StorageReader):
+    """A `torch.distributed.checkpoint` storage reader on asynctron's reader:
+    `dcp.load(state_dict, storage_reader=asynctron.dcp.StorageReader(path))`.
+
+    Reads DCP checkpoints: those stock `FileSystemWriter` writes, and those
+    `asynctron.dcp.StorageWriter` and `Engine.save(format="dcp")` write (whose items it verifies
+    against their digests). Stock planners plan, so DTensor targets and resharding work as with
+    stock DCP.
+
+    Args:
+        path: the checkpoint directory (or a directory whose `latest` names one);
+            `dcp.load(checkpoint_id=...)` replaces it.
+        verify: check every whole item's digest (where the checkpoint has digests).
+        file_io: replaces the local filesystem's data path (fault-injecting fakes in tests).
+        **engine_options: `EngineConfig` fields: `num_workers` (threads, and files read at
+            once), `slab_bytes` (the largest read call).
+
+    Raises:
+        ValueError: an unknown or invalid option (naming it).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, verify: bool = True,
+                 file_io: FileIO | None = None, **engine_options: Any) -> None:
+        super().__init__()
+        self.path = checkpoint_path("StorageReader", path)
+        self.verify = verify
+        self._config = plugin_config("StorageReader", engine_options)
+        self._file_io = file_io
+        self._runtime: Runtime | None = None
+        self._checkpoint: OpenCheckpoint | None = None
+        self.load_id = uuid.uuid4().hex
+
+    def _started(self) -> Runtime:
+        if self._runtime is None:
+            self._runtime = runtime_for(self._config, self._file_io)
+        return self._runtime
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint path this reader loads from."""
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether `checkpoint_id` is a local path (what this reader loads from)."""
+        return isinstance(checkpoint_id, str | os.PathLike) and "://" not in os.fspath(
+            checkpoint_id)
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        self._checkpoint = None
+        if checkpoint_id:
+            self.path = checkpoint_path("StorageReader", checkpoint_id)
+        self.load_id = uuid.uuid4().hex
+
+    # Not named `**kwargs`: DCP then never asks for rank-local metadata (`__<rank>.metadata`,
+    # of saves with use_collectives=False), which this reader does not read.
+    def read_metadata(self, *args: Any, **options: Any) -> Metadata:
+        """The checkpoint's DCP metadata, after the whole checkpoint is validated.
+
+        Raises:
+            CheckpointNotFoundError: nothing committed at the path.
+            CorruptCheckpointError: a damaged or hostile `.metadata` or manifest (a foreign
+                global, an item outside its file, a missing data file), naming file and field.
+            ValueError: the checkpoint is in asynctron's format, without DCP's metadata.
+        """
+        runtime = self._started()
+        checkpoint, metadata = runtime.call(runtime.run_blocking(_open, self.path))
+        self._checkpoint = checkpoint
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        if self._checkpoint is None:
+            self.read_metadata()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Start reading this rank's items into the planner's targets; returns at once. The
+        future is done once every item is in place (or raises what failed, naming the file
+        and key)."""
+        runtime = self._started()
+        if self._checkpoint is None:
+            self.read_metadata()
+        assert self._checkpoint is not None
+        started = runtime.start(read(runtime, self._checkpoint, plan, planner,
+                                     verify=self.verify))
+        future: Future[None] = Future()
+
+        def settle(done: Any) -> None:
+            error = None if done.cancelled() else done.exception()
+            if done.cancelled() or error is not None:
+                future.set_exception(error if isinstance(error, Exception) else RuntimeError(
+                    f"checkpoint {self.path}: this rank's reads were cancelled"))
+            else:
+                future.set_result(None)
+
+        started.add_done_callback(settle)
+        return future
+
+    def __repr__(self) -> str:
+        return f"<asynctron.dcp.StorageReader {self.path!r}>"
+
+
+def _open(path: str) -> tuple[OpenCheckpoint, Metadata]:
+    """Blocks: find the checkpoint, validate it whole (`read_manifest`: its `manifest.json`,
+    or a stock checkpoint's `.metadata`, checked against its files), and unpickle DCP's
+    metadata (only DCP's types admitted)."""
+    checkpoint = resolve_checkpoint(path)
+    metadata_path = os.path.join(checkpoint, METADATA_NAME)
+    if not _sysio.is_file(metadata_path):
+        raise ValueError(f"checkpoint {checkpoint}: expected DCP's {METADATA_NAME}, found an "
+                         "asynctron checkpoint without one; load it with asynctron.load, or "
+                         "save with format='dcp'")
+    manifest = read_manifest(checkpoint)
+    raw = _sysio.read_small_file(metadata_path, MAX_METADATA_BYTES)
+    with paused_gc():
+        try:
+            metadata = MetadataUnpickler(raw, metadata_path).load()
+        except CorruptCheckpointError:
+            raise
+        except Exception as error:
+            raise CorruptCheckpointError(
+                f"metadata {metadata_path}: expected a pickled Metadata, found "
+                f"{type(error).__name__}; the checkpoint is damaged or not a "
+                "torch.distributed.checkpoint checkpoint", path=metadata_path) from error
+    if not isinstance(metadata, Metadata):
+        raise CorruptCheckpointError(
+            f"metadata {metadata_path}: expected a pickled Metadata, found "
+            f"{type(metadata).__name__}; the checkpoint is damaged or not a "
+            "torch.distributed.checkpoint checkpoint", path=metadata_path)
+    return OpenCheckpoint.of(checkpoint, manifest), metadata
