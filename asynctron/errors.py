@@ -7,9 +7,15 @@
 - `CorruptDatasetError`: a dataset file (`.idx`, `.bin`, cached `.npy` index) is not in the
   format it claims (magic, version, dtype code, sizes). Never retried.
 - `LoaderWorkerError`: a data loader's worker process failed on a batch, or died.
-- `PeerError`: another rank failed or timed out (a collective could not complete).
+- `PeerError`: another rank failed or timed out (a collective could not complete);
+  `PeerTimeoutError` when it timed out.
 - `CheckpointNotFoundError`: no committed checkpoint at the path (also a `FileNotFoundError`).
 - `WouldBlock`: raised only by `*_nowait` calls that would have to wait.
+
+Every timeout raises the builtin `TimeoutError` (which `asyncio.TimeoutError` and
+`concurrent.futures.TimeoutError` are on Python 3.11+): `SaveTask.result(timeout)`,
+`BackgroundEngine.run(..., timeout=)`, and across ranks `PeerTimeoutError` (a `PeerError` that
+is also a `TimeoutError`), so `except TimeoutError` catches them all.
 
 Bad arguments raise `ValueError` / `TypeError` at call time, before any work starts;
 `BlendSizeError` is the `ValueError` of a blend without a size (also the `AssertionError`
@@ -30,6 +36,7 @@ __all__ = [
     "CorruptDatasetError",
     "LoaderWorkerError",
     "PeerError",
+    "PeerTimeoutError",
     "StorageError",
     "WouldBlock",
 ]
@@ -116,6 +123,15 @@ class PeerError(AsynctronError):
     def __init__(self, message: str, *, rank: int | None) -> None:
         super().__init__(message)
         self.rank = rank
+
+
+class PeerTimeoutError(PeerError, TimeoutError):
+    """Another rank did not answer within a timeout (a collective's `timeout_s`, the process
+    group's, or `coordination_timeout_s`): a `PeerError`, and a `TimeoutError` like every
+    timeout asynctron raises."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class CheckpointNotFoundError(AsynctronError, FileNotFoundError):

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from asynctron._concurrency import RunBlocking
-from asynctron.errors import PeerError
+from asynctron.errors import PeerError, PeerTimeoutError
 
 T = TypeVar("T")
 
@@ -93,7 +93,9 @@ async def wait_work(work: dist.Work, *, run_blocking: RunBlocking | None) -> Non
 
 def peer_error(what: str, process_group: dist.ProcessGroup | None,
                cause: BaseException) -> PeerError:
-    """The `PeerError` for a collective `what` on `process_group` that failed with `cause`.
+    """The `PeerError` for a collective `what` on `process_group` that failed with `cause`: a
+    `PeerTimeoutError` when `cause` is a timeout (a `TimeoutError`, or the backend's "timed
+    out" error).
 
     The failing rank is known when the group has two ranks (it is the other one); otherwise
     it is None and the message names the group's ranks.
@@ -105,7 +107,8 @@ def peer_error(what: str, process_group: dist.ProcessGroup | None,
     culprit = next(r for r in ranks if r != me) if world == 2 else None
     found = "rank {culprit}" if culprit is not None else f"a rank of {ranks}"
     detail = _first_sentence(str(cause)) or type(cause).__name__
-    return PeerError(
+    timed_out = isinstance(cause, TimeoutError) or "timed out" in str(cause).lower()
+    return (PeerTimeoutError if timed_out else PeerError)(
         f"{what} on ranks {ranks}: expected every rank to take part, found "
         f"{found.format(culprit=culprit)} gone or late ({detail}); stop this rank and restart "
         "the job from its last checkpoint", rank=culprit)

@@ -75,7 +75,8 @@ class AllReduceTask:
 
         Raises:
             RuntimeError: called on a thread that runs an event loop (it would block it).
-            PeerError: the all-reduce failed, or did not finish within `timeout_s`.
+            PeerError: the all-reduce failed; `PeerTimeoutError` (also a `TimeoutError`) when
+                it did not finish within `timeout_s`.
         """
         try:
             asyncio.get_running_loop()

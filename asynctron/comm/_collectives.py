@@ -224,10 +224,13 @@ class CollectiveGroup:
                 raise
 
     async def _guarded(self, what: str, run: Callable[[], Awaitable[T]]) -> T:
+        scope = asyncio.timeout(self.timeout_s)
         try:
-            async with asyncio.timeout(self.timeout_s):
+            async with scope:
                 return await run()
         except TimeoutError as exc:
+            if not scope.expired():  # already a PeerTimeoutError from the backend
+                raise
             error = peer_error(what, self.process_group, TimeoutError(
                 f"not complete within timeout_s={self.timeout_s:g}"))
             self._broken = (what, error)

@@ -31,6 +31,7 @@ def _step(model: torch.nn.Module, rank: int) -> None:
 
 def _raised(errors: dict[str, Any], name: str, started_s: float, exc: PeerError) -> None:
     errors[name] = {"message": str(exc), "rank": exc.rank,
+                    "timeout": isinstance(exc, TimeoutError),
                     "elapsed_s": time.perf_counter() - started_s}
 
 
@@ -118,6 +119,7 @@ def test_a_late_rank_times_out_with_its_rank_named() -> None:
     assert results[1].unwrap() == {}
     errors = results[0].unwrap()
     assert errors["gather_object"]["rank"] == 1
+    assert errors["gather_object"]["timeout"]  # a PeerTimeoutError, like every timeout
     assert errors["gather_object"]["message"].startswith(
         "gather_object (call 2) on ranks [0, 1]: expected every rank to take part, found rank 1 "
         "gone or late (not complete within timeout_s=1); ")

@@ -33,6 +33,7 @@ def absent_rank(rank: int, world: int) -> dict[str, Any] | None:
         while threading.active_count() > threads_before and time.monotonic() < deadline:
             time.sleep(0.01)  # the executor's idle worker exits on its own
         return {"message": str(raised.value), "rank": raised.value.rank, "elapsed_s": elapsed_s,
+                "timeout": isinstance(raised.value, TimeoutError),
                 "threads_left": threading.active_count() - threads_before}
 
     return uvloop.run(run())
@@ -45,6 +46,6 @@ def test_an_absent_rank_fails_engine_start_and_leaves_nothing_running() -> None:
     assert outcome["message"].startswith(
         "engine start: expected every rank to start its Engine (creating the coordination "
         "groups), found a rank absent within 2 s (DistStoreError: ")
-    assert outcome["rank"] is None
+    assert outcome["rank"] is None and outcome["timeout"]  # a PeerTimeoutError
     assert outcome["elapsed_s"] < 10  # liveness, generous
     assert outcome["threads_left"] == 0
