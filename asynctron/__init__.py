@@ -1,7 +1,7 @@
 """asynctron: an asyncio-first I/O engine for large-model training.
 
 `await engine.save(state_dict, path)` writes a checkpoint while the loop keeps running;
-`await engine.load(path)` reads it back.
+`await engine.load(path)` reads it back (`await engine.load_into(state_dict, path)`: in place).
 """
 
 from asynctron.engine import (
@@ -12,6 +12,7 @@ from asynctron.engine import (
     SaveTask,
     free_idle_staging,
     load,
+    load_into,
     save,
     staging_statistics,
 )
@@ -25,6 +26,7 @@ from asynctron.errors import (
     CorruptDatasetError,
     LoaderWorkerError,
     PeerError,
+    PeerTimeoutError,
     StorageError,
     WouldBlock,
 )
@@ -44,12 +46,14 @@ __all__ = [
     "EngineConfig",
     "LoaderWorkerError",
     "PeerError",
+    "PeerTimeoutError",
     "SaveResult",
     "SaveTask",
     "StorageError",
     "WouldBlock",
     "free_idle_staging",
     "load",
+    "load_into",
     "save",
     "staging_statistics",
 ]

@@ -34,7 +34,7 @@ async def main(out: str) -> int:
         target = {"model": {"weight": distribute_tensor(torch.zeros(64, 16), mesh, [Shard(1)]),
                             "bias": torch.zeros(16)},
                   "step": 0}
-        loaded = await engine.load(out, into=target)  # `out/latest` names step_100
+        loaded = await engine.load_into(target, out)  # `out/latest` names step_100
     ok = (torch.equal(target["model"]["weight"].full_tensor(), weight)
           and torch.equal(target["model"]["bias"], torch.ones(16)) and loaded["step"] == 100)
     print(f"rank {dist.get_rank()}: wrote {result.files}, reloaded resharded: "

@@ -16,8 +16,8 @@ def test_top_level() -> None:
         "AsynctronError", "BackgroundEngine", "BlendSizeError", "BusyError",
         "CheckpointNotFoundError", "ClosedError", "CorruptCheckpointError",
         "CorruptDatasetError", "Engine", "EngineConfig", "LoaderWorkerError", "PeerError",
-        "SaveResult", "SaveTask", "StorageError", "WouldBlock", "free_idle_staging", "load",
-        "save", "staging_statistics",
+        "PeerTimeoutError", "SaveResult", "SaveTask", "StorageError", "WouldBlock",
+        "free_idle_staging", "load", "load_into", "save", "staging_statistics",
     }
 
 
@@ -25,7 +25,7 @@ def test_subpackages() -> None:
     assert set(asynctron.engine.__all__) == {
         "BackgroundEngine", "BudgetStatistics", "ByteBudget", "Engine", "EngineConfig",
         "Milestone", "SaveResult", "SaveTask", "SlabCacheStatistics", "free_idle_staging",
-        "load", "save", "staging_statistics",
+        "load", "load_into", "save", "staging_statistics",
     }
     assert set(asynctron.storage.__all__) == {
         "FileIO", "ItemRecord", "LocalFileIO", "Manifest", "read_manifest",
@@ -38,7 +38,7 @@ def test_subpackages() -> None:
     assert set(asynctron.errors.__all__) == {
         "AsynctronError", "BlendSizeError", "BusyError", "CheckpointNotFoundError", "ClosedError",
         "CorruptCheckpointError", "CorruptDatasetError", "LoaderWorkerError", "PeerError",
-        "StorageError", "WouldBlock",
+        "PeerTimeoutError", "StorageError", "WouldBlock",
     }
     assert set(asynctron.datasets.__all__) == {
         "AsyncLoader", "BlendedDataset", "BlendedMegatronDatasetBuilder",

@@ -12,36 +12,38 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 import torch.distributed as dist
 
 from asynctron._concurrency import RunBlocking
 from asynctron.comm._bridge import peer_error, wait_work
-from asynctron.comm._manager import BucketManager, StepTimings
+from asynctron.comm._manager import BucketConfig, BucketManager, BucketOptions, StepTimings
 
 
 class AsyncDataParallel(torch.nn.Module):
     """Wraps `module` for data-parallel training with a `BucketManager`.
 
     `forward` is the module's; `no_sync()`, `synchronize()` and `zero_grad()` are the
-    manager's; `step(optimizer)` does the three calls that end a step. Keyword arguments are
-    `BucketConfig` fields (`bucket_size_bytes`, `find_unused_parameters`, `grad_dtype`, ...).
+    manager's; `step(optimizer)` does the three calls that end a step. Configured as the
+    manager: a `BucketConfig`, or its fields as keywords (`bucket_size_bytes`,
+    `find_unused_parameters`, `grad_dtype`, ...), not both.
 
     Unlike DDP, construction does not communicate: `await broadcast_parameters()` makes every
     rank start from the same weights, and buffers (e.g. BatchNorm statistics) are not
     broadcast at each forward.
     """
 
-    def __init__(self, module: torch.nn.Module, *,
+    def __init__(self, module: torch.nn.Module, config: BucketConfig | None = None, *,
                  process_group: dist.ProcessGroup | None = None,
-                 run_blocking: RunBlocking | None = None, **config: Any) -> None:
+                 run_blocking: RunBlocking | None = None,
+                 **options: Unpack[BucketOptions]) -> None:
         super().__init__()
         self.module = module
         self._run_blocking = run_blocking
-        self.manager = BucketManager(module, process_group=process_group,
-                                     run_blocking=run_blocking, **config)
+        self.manager = BucketManager(module, config, process_group=process_group,
+                                     run_blocking=run_blocking, **options)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)

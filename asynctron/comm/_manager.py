@@ -31,13 +31,14 @@ import time
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict, Unpack
 
 import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from asynctron._concurrency import RunBlocking
+from asynctron._config import resolve_config
 from asynctron.comm._bridge import peer_error, wait_future, wait_work
 from asynctron.comm._bucket import AllReduceTask, MiB, layout_buckets
 from asynctron.errors import BusyError
@@ -78,6 +79,16 @@ class BucketConfig:
     def limits_bytes(self) -> list[int]:
         return [min(self.first_bucket_size_bytes, self.bucket_size_bytes),
                 self.bucket_size_bytes]
+
+
+class BucketOptions(TypedDict, total=False):
+    """`BucketConfig`'s fields as keywords: `BucketManager(model, bucket_size_bytes=...)` is
+    `BucketManager(model, config=BucketConfig(bucket_size_bytes=...))`."""
+
+    bucket_size_bytes: int
+    first_bucket_size_bytes: int
+    find_unused_parameters: bool
+    grad_dtype: torch.dtype | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,17 +134,20 @@ class BucketManager:
 
     `BucketManager(model, bucket_size_bytes=25 * 2**20)`; then per step: `loss.backward()`,
     `await manager.synchronize()` (the averaged gradients are then in each `param.grad`),
-    `optimizer.step()`, `manager.zero_grad()`. Keyword arguments are `BucketConfig` fields.
+    `optimizer.step()`, `manager.zero_grad()`.
 
     Args:
         module: the model; its parameters that require grad are bucketed, in reverse
             registration order. Every rank must build the same model.
+        config: a `BucketConfig`; or its fields as keywords (`bucket_size_bytes=...`), not
+            both.
         process_group: the group to average over (default: the default group).
         run_blocking: the blocking-call door (`engine.run_blocking`), needed only for a backend
             whose all-reduce has no future (gloo and NCCL have one).
 
     Raises:
         ValueError: a bad config field, or a module with no parameter that requires grad.
+        TypeError: both `config` and keyword fields.
         RuntimeError: torch.distributed is not initialized.
 
     Concurrency: gradient hooks may run on autograd's threads (one per CUDA device); the
@@ -145,9 +159,11 @@ class BucketManager:
     freed).
     """
 
-    def __init__(self, module: torch.nn.Module, *, process_group: dist.ProcessGroup | None = None,
-                 run_blocking: RunBlocking | None = None, **config: Any) -> None:
-        self.config = BucketConfig(**config)
+    def __init__(self, module: torch.nn.Module, config: BucketConfig | None = None, *,
+                 process_group: dist.ProcessGroup | None = None,
+                 run_blocking: RunBlocking | None = None,
+                 **options: Unpack[BucketOptions]) -> None:
+        self.config = resolve_config("BucketManager", BucketConfig, config, options)
         if not dist.is_initialized():
             raise RuntimeError("bucket manager: expected torch.distributed to be initialized, "
                                "found it is not; call dist.init_process_group() first")

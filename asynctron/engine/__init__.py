@@ -3,7 +3,7 @@ process-wide staging memory."""
 
 from asynctron._budget import BudgetStatistics, ByteBudget
 from asynctron.engine._engine import Engine, EngineConfig
-from asynctron.engine._oneshot import load, save
+from asynctron.engine._oneshot import load, load_into, save
 from asynctron.engine._runner import BackgroundEngine
 from asynctron.engine._slabs import SlabCacheStatistics, free_idle_staging, staging_statistics
 from asynctron.engine._task import Milestone, SaveResult, SaveTask
@@ -20,6 +20,7 @@ __all__ = [
     "SlabCacheStatistics",
     "free_idle_staging",
     "load",
+    "load_into",
     "save",
     "staging_statistics",
 ]

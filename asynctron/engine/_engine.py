@@ -15,16 +15,17 @@ import secrets
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypedDict, TypeVar, Unpack
 
 import torch
 import torch.distributed as dist
 
 from asynctron._budget import ByteBudget
 from asynctron._concurrency import uncancellable
+from asynctron._config import resolve_config
 from asynctron.comm import CollectiveGroup, new_gloo_group
 from asynctron.engine._coordinator import Collectives, Committer, Coordinator, SoloCollectives
 from asynctron.engine._load import Loader
@@ -33,7 +34,7 @@ from asynctron.engine._save import SaveJob, SaveOptions
 from asynctron.engine._slabs import SlabPool
 from asynctron.engine._staging import CopyStreams, mark_ready
 from asynctron.engine._task import SaveResult, SaveTask
-from asynctron.errors import BusyError, ClosedError, PeerError
+from asynctron.errors import BusyError, ClosedError, PeerTimeoutError
 from asynctron.storage._checksum import ALGORITHMS, XXH3_64
 from asynctron.storage._layout import ALIGN_BYTES
 from asynctron.storage._reader import CheckpointReader
@@ -76,8 +77,8 @@ class EngineConfig:
     then have nothing to verify)."""
     coordination_timeout_s: float = 1800.0
     """Across ranks: how long a rank waits in the save protocol's collectives for the others
-    (at the end of a save, for the slowest rank's writes) before raising `PeerError`. A rank
-    that dies is noticed at once; this bounds a rank that hangs."""
+    (at the end of a save, for the slowest rank's writes) before raising `PeerTimeoutError`.
+    A rank that dies is noticed at once; this bounds a rank that hangs."""
     worker_nice_increment: int = 10
     """How much lower the CPU priority of the executor's threads is than the thread that
     starts the engine (added to its nice value, Linux only): when the event loop or training
@@ -118,11 +119,29 @@ class EngineConfig:
                              f"found {self.job!r}")
 
 
+class EngineOptions(TypedDict, total=False):
+    """`EngineConfig`'s fields as keywords: `Engine(num_workers=2)` is
+    `Engine(config=EngineConfig(num_workers=2))`."""
+
+    num_workers: int
+    num_bins: int
+    memory_budget_bytes: int
+    slab_bytes: int
+    keep_last: int | None
+    job: str | None
+    pin_memory: bool | None
+    direct_io: bool
+    checksum: str | None
+    coordination_timeout_s: float
+    worker_nice_increment: int
+
+
 class Engine:
     """The asynctron checkpoint engine. Use as `async with Engine(...) as engine:`.
 
-    Binds to the running loop on entry. Keyword arguments are `EngineConfig` fields;
-    `file_io` replaces the local filesystem's data path (fault-injecting fakes in tests).
+    Binds to the running loop on entry. Configured by `config` (an `EngineConfig`) or by its
+    fields as keywords (`Engine(num_workers=2)`), not both; `file_io` replaces the local
+    filesystem's data path (fault-injecting fakes in tests).
 
     Across ranks: when torch.distributed is initialized with several ranks, every rank saves
     its share of the same checkpoint (its own files, replicated tensors written once) and the
@@ -134,9 +153,10 @@ class Engine:
     BusyError.
     """
 
-    def __init__(self, *, file_io: FileIO | None = None,
-                 process_group: dist.ProcessGroup | None = None, **config: Any) -> None:
-        self.config = EngineConfig(**config)
+    def __init__(self, config: EngineConfig | None = None, *, file_io: FileIO | None = None,
+                 process_group: dist.ProcessGroup | None = None,
+                 **options: Unpack[EngineOptions]) -> None:
+        self.config = resolve_config("Engine", EngineConfig, config, options)
         if process_group is not None and dist.get_backend(process_group) != "gloo":
             raise ValueError(f"process_group: expected a gloo group for coordination, found "
                              f"{dist.get_backend(process_group)!r}; create one with "
@@ -179,8 +199,8 @@ class Engine:
         group (done by `async with`).
 
         Raises:
-            PeerError: a rank did not start its engine within `coordination_timeout_s`; this
-                engine is left unstarted, with nothing running.
+            PeerTimeoutError: a rank did not start its engine within `coordination_timeout_s`;
+                this engine is left unstarted, with nothing running.
 
         Concurrency: across ranks this is collective (a gloo group for finishing saves is
         created, and one for planning unless `process_group` was given): every rank starts its
@@ -225,7 +245,7 @@ class Engine:
             planning = self._process_group or await self.run_blocking(new_group)
             finishing = await self.run_blocking(new_group)
         except RuntimeError as error:  # dist.DistError: a rank never came
-            raise PeerError(
+            raise PeerTimeoutError(
                 "engine start: expected every rank to start its Engine (creating the "
                 f"coordination groups), found a rank absent within {timeout_s:g} s "
                 f"({type(error).__name__}: {error}); start an Engine on every rank, in the same "
@@ -432,33 +452,73 @@ class Engine:
         finally:
             del self._saves[job.path]
 
-    async def load(self, path: str | os.PathLike[str], *, into: Mapping[str, Any] | None = None,
-                   mmap: bool = False, verify: bool | None = None) -> Any:
-        """Load the checkpoint at `path` (or the one `path/latest` names).
+    async def load(self, path: str | os.PathLike[str], *, mmap: bool = False,
+                   verify: bool | None = None) -> dict[str, Any]:
+        """Load the checkpoint at `path` (or the one `path/latest` names) into new objects.
 
         Args:
-            into: a state dict whose tensors (CPU or CUDA) and arrays are filled in place;
-                the result mirrors its structure, with non-tensor values from the checkpoint.
             mmap: return tensors backed by copy-on-write maps of the files (nothing is read
                 until touched; writes never reach the files). Items stored as several chunks
-                (sharded, or cut to spread over bins) are read instead. Exclusive with `into`.
+                (sharded, or cut to spread over bins) are read instead.
             verify: check every item's checksum; default True, but False with `mmap` (checking
                 would read every byte). A checkpoint saved without checksums has none to check.
+
+        Returns:
+            the saved state dict: fresh CPU tensors (or mapped ones), numpy arrays, bytes and
+            JSON values, in the saved structure.
 
         Raises:
             CheckpointNotFoundError: nothing committed at `path`.
             CorruptCheckpointError: a bad manifest, a short file or a checksum mismatch,
-                naming file, key and offset. With `into`, tensors may be partly overwritten.
-            ValueError: `into` does not match the checkpoint (naming the key).
+                naming file, key and offset.
 
-        Cancellation: reads in flight finish; `into` tensors may be partly filled.
+        Cancellation: reads in flight finish; nothing is returned.
         Concurrency: no `keep_last` pruning (of any process) deletes the checkpoint while it
         loads; `mmap` tensors stay valid after a later pruning (the maps keep the files).
-        Memory: fresh tensors as saved; CUDA/strided `into` targets stage through slabs.
+        Memory: fresh tensors as saved (none with `mmap`, for single-chunk items).
         """
         self._check_open()
-        if mmap and into is not None:
-            raise ValueError("load: mmap=True and into= are exclusive; choose one")
+        return await self._load(path, (not mmap) if verify is None else verify,
+                                Loader.mapped if mmap else Loader.fresh)
+
+    async def load_into(self, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
+                        verify: bool = True) -> dict[str, Any]:
+        """Load the checkpoint at `path` (or the one `path/latest` names) into the tensors and
+        arrays of `state_dict`, in place (CPU, CUDA or DTensor shards, resharding as needed).
+
+        Args:
+            state_dict: the state to fill, as `save` took it; every tensor and array in it must
+                match a saved one by key, dtype and (global) shape.
+            verify: check every item's checksum (a checkpoint saved without checksums has none
+                to check).
+
+        Returns:
+            `state_dict`'s structure holding its own tensors and arrays (now filled), and the
+            checkpoint's values for its other leaves (JSON values, bytes), which cannot be
+            filled in place.
+
+        Raises:
+            TypeError: `state_dict` is not a dict.
+            ValueError: `state_dict` does not match the checkpoint (naming the key).
+            CheckpointNotFoundError: nothing committed at `path`.
+            CorruptCheckpointError: a bad manifest, a short file or a checksum mismatch,
+                naming file, key and offset; tensors may be partly overwritten.
+
+        Cancellation: reads in flight finish; the tensors may be partly filled.
+        Concurrency: no `keep_last` pruning (of any process) deletes the checkpoint while it
+        loads.
+        Memory: none for contiguous CPU targets; CUDA and strided targets stage through slabs
+        under `memory_budget_bytes`.
+        """
+        self._check_open()
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict: expected a dict, found {type(state_dict).__name__}; "
+                            "pass the state dict to fill")
+        return await self._load(path, verify, lambda loader: loader.into(state_dict))
+
+    async def _load(self, path: str | os.PathLike[str], verify: bool,
+                    read: Callable[[Loader], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        """Lease the checkpoint, open its reader, `read` it; close and release on every path."""
         self._num_loads += 1
         self._loads_done.clear()
         lease = None
@@ -468,14 +528,10 @@ class Engine:
             reader = CheckpointReader(self._fio, checkpoint, self.run_blocking,
                                       max_files_at_once=self.config.num_workers)
             manifest = await reader.open()
-            loader = Loader(reader, manifest, pool=self._pool, copy_streams=self._copy_streams,
-                            run_blocking=self.run_blocking, slab_bytes=self.config.slab_bytes,
-                            verify=(not mmap) if verify is None else verify)
-            if mmap:
-                return await loader.mapped()
-            if into is not None:
-                return await loader.into(into)
-            return await loader.fresh()
+            return await read(Loader(reader, manifest, pool=self._pool,
+                                     copy_streams=self._copy_streams,
+                                     run_blocking=self.run_blocking,
+                                     slab_bytes=self.config.slab_bytes, verify=verify))
         finally:
             try:
                 if reader is not None:

@@ -1,7 +1,7 @@
 """Loading a committed checkpoint: fresh CPU tensors, in place into the caller's tensors, or mmap.
 
 Every destination that is contiguous CPU memory (a fresh tensor, a shard's part of a saved
-chunk, a contiguous `into` target) is read straight into, in batched calls
+chunk, a contiguous `load_into` target) is read straight into, in batched calls
 (`CheckpointReader.read`: one task per file). CUDA and non-contiguous targets go through
 budgeted slabs (H2D on the copy stream, waited off the loop). Nothing is ever unpickled: the
 structure is JSON and bytes items come back as `bytes`.
@@ -198,7 +198,7 @@ class Loader:
                 partial.append((view, chunk))
         return tensor
 
-    async def fresh(self) -> Any:
+    async def fresh(self) -> dict[str, Any]:
         """The saved structure with fresh CPU tensors, numpy arrays and bytes."""
         items: dict[str, Any] = {}
         jobs: list[ReadJob] = []
@@ -249,7 +249,7 @@ class Loader:
                 items[key] = value.numpy()
         return items
 
-    async def mapped(self) -> Any:
+    async def mapped(self) -> dict[str, Any]:
         """The saved structure with tensors backed by copy-on-write maps of the files.
 
         An item stored as several chunks (a sharded tensor, or one cut into chunks to spread
@@ -280,7 +280,7 @@ class Loader:
         await self._finish_reads(items, partial, decodes)
         return unflatten(self._manifest.structure, self._finish(items))
 
-    async def into(self, target: Mapping[str, Any]) -> Any:
+    async def into(self, target: Mapping[str, Any]) -> dict[str, Any]:
         """Fill `target`'s tensors and arrays in place; return `target`'s structure with
         non-tensor values (and bytes) taken from the checkpoint.
 
@@ -298,8 +298,8 @@ class Loader:
         if aliased is not None:
             raise CorruptCheckpointError(
                 f"checkpoint {self._reader.path}: key {aliased!r} names two values once its "
-                "parts are joined, so into= cannot tell them apart (an older asynctron saved "
-                "such keys); load without into= to read both", path=self._reader.path,
+                "parts are joined, so load_into cannot tell them apart (an older asynctron saved "
+                "such keys); load() it to read both", path=self._reader.path,
                 key=aliased)
         # A stock DCP checkpoint keeps non-tensor values as pickled items: decode them too.
         object_keys = [key for key in _values_by_key(structure)[0]
@@ -317,15 +317,15 @@ class Loader:
             records = by_key.get(key)
             if records is None:
                 raise ValueError(f"key {key!r}: expected in checkpoint {self._reader.path}, "
-                                 "found no such item; load without `into` to see its keys")
+                                 "found no such item; load() it to see its keys")
             first = records[0]
             if first.kind == "object":
-                raise ValueError(f"key {key!r}: expected a {kind} as in `into`, found a "
-                                 "pickled Python value in the DCP checkpoint; load it without "
-                                 "`into`")
+                raise ValueError(f"key {key!r}: expected a {kind} as in the state dict, found a "
+                                 "pickled Python value in the DCP checkpoint; read it with "
+                                 "load()")
             if kind == "bytes" or first.kind == "bytes":
                 if kind != first.kind:
-                    raise ValueError(f"key {key!r}: expected {kind} (as in `into`), "
+                    raise ValueError(f"key {key!r}: expected {kind} (as in the state dict), "
                                      f"found {first.kind} in the checkpoint")
                 items[key] = bytearray(first.nbytes)
                 jobs.append(ReadJob(first, memoryview(items[key])))
@@ -339,8 +339,8 @@ class Loader:
             if tensor.dtype != saved_dtype or tuple(tensor.shape) != first.global_shape:
                 raise ValueError(
                     f"key {key!r}: expected {saved_dtype} {list(first.global_shape or ())} as "
-                    f"saved, found {tensor.dtype} {list(tensor.shape)} in `into`; load into a "
-                    "matching tensor or without `into`")
+                    f"saved, found {tensor.dtype} {list(tensor.shape)} in the state dict; "
+                    "load into a matching tensor, or load() it")
             local, origin = _target_box(tensor)
             for overlap in ChunkIndex(records).overlapping(origin, tuple(local.shape)):
                 self._plan_overlap(overlap, local, origin, jobs, staged, partial, decodes)
@@ -412,14 +412,14 @@ def _region(tensor: torch.Tensor, lo: Sequence[int], hi: Sequence[int], *,
 
 def _rebuild(structure: Structure, items: dict[str, Any], saved_values: dict[str, Any],
              path: str, prefix: str = "") -> Any:
-    """`into`'s structure with its JSON values replaced by the checkpoint's."""
+    """The target state dict's structure with its JSON values replaced by the checkpoint's."""
     (tag, body), = structure.items()
     if tag == "item":
         return items[body]
     if tag == "value":
         if prefix not in saved_values:
             raise ValueError(f"key {prefix!r}: expected a value in checkpoint {path}, "
-                             "found none; load without `into` to see its keys")
+                             "found none; load() it to see its keys")
         return saved_values[prefix]
 
     def child(key: Any) -> str:

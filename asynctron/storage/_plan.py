@@ -94,7 +94,7 @@ def flatten(state_dict: Mapping[str, Any], *, values_as_items: bool = False) -> 
     emit = parts.append
 
     def claim(path: str) -> None:
-        """Refuse a second leaf at `path`: a load (`into=`, DCP) finds leaves by it."""
+        """Refuse a second leaf at `path`: a load (`load_into`, DCP) finds leaves by it."""
         if path in values or path in value_paths:
             raise ValueError(
                 f"state dict key {path!r}: two different paths flatten to this key (e.g. "

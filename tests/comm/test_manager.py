@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from asynctron.comm import BucketConfig, BucketManager
+from asynctron import BackgroundEngine
+from asynctron.comm import AsyncDataParallel, BucketConfig, BucketManager
+from asynctron.comm._manager import BucketOptions
 from asynctron.errors import BusyError
 
 
@@ -57,6 +61,32 @@ def test_needs_parameters_that_require_grad(world_one: None) -> None:
     with pytest.raises(ValueError, match=r"^module Sequential: expected parameters that require "
                                          r"grad, found none; "):
         BucketManager(frozen)
+
+
+def test_config_object_or_keywords_never_both(world_one: None) -> None:
+    config = BucketConfig(bucket_size_bytes=4096)
+    assert BucketManager(model(), config).config is config
+    assert AsyncDataParallel(model(), config=config).manager.config is config
+    assert BucketManager(model(), bucket_size_bytes=4096).config == config
+    with pytest.raises(TypeError, match=r"^BucketManager grad_dtype: expected config= or "
+                                        r"BucketConfig fields as keywords, found both; "):
+        BucketManager(model(), config, grad_dtype=torch.float32)
+
+
+def test_keyword_options_are_the_config_fields() -> None:
+    assert set(BucketOptions.__annotations__) == {f.name for f in dataclasses.fields(BucketConfig)}
+
+
+def test_a_sync_trainer_synchronizes_through_a_background_engine(world_one: None) -> None:
+    """From a plain thread: backward, then `run(synchronize())` on the engine's loop."""
+    net = model()
+    with BackgroundEngine(num_workers=1) as engine:
+        manager = BucketManager(net, run_blocking=engine.engine.run_blocking)
+        backward(net)
+        engine.run(manager.synchronize(), timeout=30)
+        for param, expected in zip(net.parameters(), local_grads(), strict=True):
+            torch.testing.assert_close(param.grad, expected)
+        manager.zero_grad()
 
 
 async def test_synchronized_grads_are_the_buckets_views(world_one: None) -> None:

@@ -90,11 +90,11 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
             for name, placement in (("shard0", Shard(0)), ("shard1", Shard(1)),
                                     ("replicate", Replicate())):
                 target = {"dt": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [placement])}
-                await engine.load(f"{root}/dt", into=target)
+                await engine.load_into(target, f"{root}/dt")
                 out[f"reshard_{name}"] = torch.equal(target["dt"].full_tensor(), _full(1))
             four = {"dt": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)]),
                     "shared": {k: torch.zeros_like(v) for k, v in _shared().items()}}
-            await engine.load(f"{root}/four", into=four)  # saved by 4 ranks, loaded by 2
+            await engine.load_into(four, f"{root}/four")  # saved by 4 ranks, loaded by 2
             out["four_to_two"] = torch.equal(four["dt"].full_tensor(), _full(1)) and all(
                 torch.equal(four["shared"][k], v) for k, v in _shared().items())
         # Each rank reads only the bytes its own shard needs: half of each tensor, saved as
@@ -103,7 +103,7 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
         async with Engine(file_io=counting, coordination_timeout_s=30) as engine:
             halves = {"dt": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(0)]),
                       "wide": distribute_tensor(torch.zeros(WIDE), mesh, [Shard(1)])}
-            await engine.load(f"{root}/four", into=halves)
+            await engine.load_into(halves, f"{root}/four")
             out["four_to_two_bytes_read"] = counting.bytes_read
             out["four_to_two_halves_ok"] = (
                 torch.equal(halves["dt"].full_tensor(), _full(1))
@@ -125,7 +125,7 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
             dcp.save({"dt": _dtensor(mesh, Shard(0), seed=2), "shared": _shared()},
                      checkpoint_id=f"{root}/stock")
             target = {"dt": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(1)])}
-            await engine.load(f"{root}/stock", into=target)
+            await engine.load_into(target, f"{root}/stock")
             out["stock_to_asynctron"] = torch.equal(target["dt"].full_tensor(), _full(2))
             await engine.save({"dt": _dtensor(mesh, Shard(0), seed=3), "shared": _shared()},
                               f"{root}/ours_dcp", format="dcp")

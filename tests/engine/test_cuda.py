@@ -36,7 +36,7 @@ async def test_cuda_round_trip_and_in_place_load(shm_path: str) -> None:
         target = {k: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v
                   for k, v in state.items()}
         target["t"] = torch.zeros(32, 64, device="cuda").t()
-        await engine.load(f"{shm_path}/c", into=target)
+        await engine.load_into(target, f"{shm_path}/c")
     for key in ("w", "bf16", "t"):
         assert target[key].is_cuda and torch.equal(target[key], state[key])
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -15,7 +16,8 @@ import pytest
 import torch
 
 import asynctron
-from asynctron import BusyError, ClosedError, Engine
+from asynctron import BusyError, ClosedError, Engine, EngineConfig
+from asynctron.engine._engine import EngineOptions
 from asynctron.storage import LocalFileIO
 from asynctron.storage._dtypes import TORCH_DTYPES
 from tests.conftest import assert_same
@@ -97,7 +99,7 @@ async def test_load_into_fills_tensors_in_place(shm_path: str) -> None:
         target = {"model": {"w": torch.zeros(50, 50), "t": torch.zeros(8, 8).t()}, "step": 0,
                   "arr": np.zeros(5)}
         w, t, arr = target["model"]["w"], target["model"]["t"], target["arr"]
-        result = await engine.load(shm_path + "/c", into=target)
+        result = await engine.load_into(target, shm_path + "/c")
     assert result["model"]["w"] is w and torch.equal(w, state["model"]["w"])
     assert torch.equal(t, state["model"]["t"])  # a strided target, filled through slabs
     assert np.array_equal(arr, state["arr"]) and result["step"] == 10
@@ -107,16 +109,17 @@ async def test_load_into_rejects_mismatches_by_key(shm_path: str) -> None:
     async with Engine(**SMALL) as engine:
         await engine.save({"w": torch.zeros(4, 4)}, shm_path + "/c")
         with pytest.raises(ValueError, match=r"^key 'w': expected torch\.float32 \[4, 4\] as "
-                                             r"saved, found torch\.float32 \[4, 5\] in `into`"):
-            await engine.load(shm_path + "/c", into={"w": torch.zeros(4, 5)})
+                                             r"saved, found torch\.float32 \[4, 5\] in the "
+                                             r"state dict"):
+            await engine.load_into({"w": torch.zeros(4, 5)}, shm_path + "/c")
         with pytest.raises(ValueError, match=r"^key 'v': expected in checkpoint .*found no"):
-            await engine.load(shm_path + "/c", into={"v": torch.zeros(4, 4)})
-        with pytest.raises(ValueError, match=r"^load: mmap=True and into= are exclusive"):
-            await engine.load(shm_path + "/c", into={}, mmap=True)
+            await engine.load_into({"v": torch.zeros(4, 4)}, shm_path + "/c")
+        with pytest.raises(TypeError, match=r"^state_dict: expected a dict, found list; "):
+            await engine.load_into([torch.zeros(4, 4)], shm_path + "/c")  # type: ignore[arg-type]
 
 
 async def test_keys_that_alias_once_joined_are_refused_at_save(shm_path: str) -> None:
-    """`{"a.b": 1, "a": {"b": 2}}` would load back into `into=` as 1 and 1: never saved."""
+    """`{"a.b": 1, "a": {"b": 2}}` would load back by `load_into` as 1 and 1: never saved."""
     async with Engine(**SMALL) as engine:
         task = engine.save({"a.b": 1, "a": {"b": 2}}, shm_path + "/c")
         with pytest.raises(ValueError, match=r"^state dict key 'a\.b': two different paths"):
@@ -127,8 +130,8 @@ async def test_keys_that_alias_once_joined_are_refused_at_save(shm_path: str) ->
 @pytest.mark.parametrize("aliasing", ["two values", "a value and an item"])
 async def test_into_refuses_an_older_checkpoint_whose_keys_alias(shm_path: str,
                                                                    aliasing: str) -> None:
-    """Such a checkpoint (saved before save refused aliasing keys) loads whole without into=;
-    into= cannot tell the two apart and says so, naming the key."""
+    """Such a checkpoint (saved before save refused aliasing keys) loads whole with load();
+    load_into cannot tell the two apart and says so, naming the key."""
     path = f"{shm_path}/c"
     async with Engine(**SMALL) as engine:
         await engine.save({"a": {"b": torch.ones(2) if aliasing != "two values" else 2}}, path)
@@ -141,9 +144,9 @@ async def test_into_refuses_an_older_checkpoint_whose_keys_alias(shm_path: str,
         assert whole["a.b"] == 1 and list(whole["a"]) == ["b"]
         with pytest.raises(asynctron.CorruptCheckpointError,
                            match=r"^checkpoint .*/c: key 'a\.b' names two values once its parts "
-                                 r"are joined, so into= cannot tell them apart") as raised:
-            await engine.load(path, into={"a": {"b": torch.zeros(2)} if aliasing != "two values"
-                                          else {"b": 0}})
+                                 r"are joined, so load_into cannot tell them apart") as raised:
+            await engine.load_into({"a": {"b": torch.zeros(2)} if aliasing != "two values"
+                                    else {"b": 0}}, path)
     assert raised.value.key == "a.b"
 
 
@@ -240,6 +243,23 @@ def test_config_errors_name_the_field() -> None:
         Engine(worker_nice_increment=-5)
 
 
+def test_config_object_or_keywords_never_both() -> None:
+    config = EngineConfig(num_workers=3, slab_bytes=1 << 16)
+    assert Engine(config).config is config and Engine(config=config).config is config
+    assert Engine(num_workers=3, slab_bytes=1 << 16).config == config
+    with pytest.raises(TypeError, match=r"^Engine num_workers: expected config= or EngineConfig "
+                                        r"fields as keywords, found both; pass "
+                                        r"EngineConfig\(\.\.\., num_workers=\.\.\.\) as "
+                                        r"config, or only keywords$"):
+        Engine(config, num_workers=2)
+    with pytest.raises(TypeError, match=r"^Engine config: expected EngineConfig, found dict$"):
+        Engine({"num_workers": 2})  # type: ignore[arg-type]
+
+
+def test_keyword_options_are_the_config_fields() -> None:
+    assert set(EngineOptions.__annotations__) == {f.name for f in dataclasses.fields(EngineConfig)}
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
 async def test_worker_threads_yield_the_cpu_to_the_loop() -> None:
     """The executor's threads run at a lower CPU priority than the thread that started the
@@ -274,9 +294,9 @@ async def test_a_large_tensor_spreads_over_bins_and_loads_every_way(shm_path: st
         fresh = await engine.load(f"{shm_path}/c")
         mapped = await engine.load(f"{shm_path}/c", mmap=True)
         contiguous = {"big": torch.zeros(40, 1 << 19), "small": torch.zeros(3)}
-        await engine.load(f"{shm_path}/c", into=contiguous)
+        await engine.load_into(contiguous, f"{shm_path}/c")
         strided = {"big": torch.zeros(1 << 19, 40).t(), "small": torch.zeros(3)}
-        await engine.load(f"{shm_path}/c", into=strided)
+        await engine.load_into(strided, f"{shm_path}/c")
     with open(f"{shm_path}/c/manifest.json") as f:
         chunks = [item for item in json.load(f)["items"] if item["key"] == "big"]
     assert [(c["shape"][0], c["chunk_offsets"][0]) for c in chunks] == [(20, 0), (20, 20)]

@@ -39,8 +39,8 @@ async def test_chunks_are_assembled_fresh_and_in_place(shm_path: str) -> None:
     async with Engine(slab_bytes=4096, memory_budget_bytes=8192) as engine:
         loaded = await engine.load(f"{shm_path}/c")
         target = {"w": torch.zeros(6, 4).t()}  # a strided target
-        await engine.load(f"{shm_path}/c", into=target)
+        await engine.load_into(target, f"{shm_path}/c")
         contiguous = {"w": torch.zeros(4, 6)}
-        await engine.load(f"{shm_path}/c", into=contiguous)
+        await engine.load_into(contiguous, f"{shm_path}/c")
     assert torch.equal(loaded["w"], full)
     assert torch.equal(target["w"], full) and torch.equal(contiguous["w"], full)

@@ -67,7 +67,7 @@ async def test_load_into_fills_tensors_and_takes_values(tmp_path: object) -> Non
     target = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()},
               "step": 0, "layers": [torch.empty(2), torch.empty(2, 2).t()]}
     async with Engine() as engine:
-        result = await engine.load(f"{tmp_path}/dcp", into=target)
+        result = await engine.load_into(target, f"{tmp_path}/dcp")
     assert result["step"] == 7
     assert_same(state["model"], target["model"])
     assert_same(state["layers"], [target["layers"][0], target["layers"][1].contiguous()])

@@ -47,7 +47,7 @@ def test_structure_json_escapes_keys_and_keeps_json_values() -> None:
         ({"bad\x00key": 1}, ValueError, r"contains NUL$"),
         ({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}, ValueError,
          r"^state dict key 'a\.b': two different paths flatten to this key"),
-        # values alias too: `load(into=)` finds them by this key
+        # values alias too: `load_into` finds them by this key
         ({"a.b": 1, "a": {"b": 2}}, ValueError,
          r"^state dict key 'a\.b': two different paths flatten to this key"),
         ({"a.b": torch.ones(1), "a": {"b": 2}}, ValueError, r"^state dict key 'a\.b': two"),
