@@ -168,6 +168,7 @@ class AsyncLoader:
         Raises:
             ValueError: another version or dataset, or a position that is not a whole step
                 of this loader.
+            RuntimeError: the loader is already iterating.
         """
         if self._num_batches is not None:
             raise RuntimeError("load_state_dict: expected a loader not yet iterating, found one "
@@ -251,6 +252,8 @@ class AsyncLoader:
             StopAsyncIteration: the dataset has no further whole step.
             LoaderWorkerError: a worker failed on this batch or died (later calls raise it
                 too).
+            RuntimeError: called outside `async with` (the loader is not started).
+            ClosedError: the loader is closed.
         Cancellation: no batch is lost; the next call returns the batch this one would have.
         """
         if not self._entered:

@@ -1,10 +1,15 @@
 """Item checksums: one xxh3-64 digest per item, over the item's bytes in any number of pieces,
 stored in the manifest as 16 lowercase hex digits.
 
+Who hashes: a save's items are digested by their bin's writer (`_writer.py`), in the same
+executor call that writes them, just before each batch's pwritev, not while staging: staging
+stays a plain copy and the caller's blocking time does not pay for hashing. `Checksums` digests
+the items whose whole body is in one batch many at a time, in one native call
+(`_native.hash_ranges`, the GIL released once), and streams an item cut across batches piece
+by piece (`ItemHasher`). Loads digest with `ItemHasher` as they read (`_reader.py`).
+
 Why xxh3-64: on this project's VM one core hashes 30 GiB/s with it against 15 GiB/s for
-crc32c, and fused into the staging copy (hash each 1 MiB piece right after copying it, while it
-is in cache) it adds about a fifth to a plain memcpy where copy-then-crc32c doubles it
-(`bench/save_throughput.py` prints both). Large inputs release the GIL.
+crc32c. Large inputs release the GIL.
 
 `ALGORITHMS` is the closed set a manifest may name; `None` means the checkpoint carries no
 checksums (a saver's choice) and verification has nothing to check.
@@ -28,7 +33,7 @@ DIGEST_HEX_CHARS = 16
 
 class ItemHasher:
     """The running digest of one item. Not thread-safe: one thread updates it at a time (the
-    stager or reader that owns the item's file)."""
+    writer or reader that owns the item's file)."""
 
     __slots__ = ("_state",)
 

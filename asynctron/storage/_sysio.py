@@ -1,9 +1,14 @@
-"""Blocking system calls: the only module in storage that touches files.
+"""Blocking system calls: file data, directories, renames and small files.
 
 Every function here blocks and must run on the engine's executor (`RunBlocking`), never on the
-event loop thread. `FileIO` is the seam fault-injecting fakes (`asynctron.testing`) plug into;
-directory operations are plain functions. `OSError` becomes `StorageError` in one place:
-`translate_os_errors`.
+event loop thread. `FileIO` is the seam for the data path (open, pwritev/preadv, fsync, close)
+that fault-injecting fakes (`asynctron.testing`) plug into; directory operations are plain
+functions. `OSError` becomes `StorageError` here, in `translate_os_errors`.
+
+Elsewhere in storage, three blocking calls stay beside the code they serve (and run on the
+executor too): `_locks.py` opens and `flock`s directories, `_reader.py` maps files
+(`_map_file`), and `_commit.py` renames a checkpoint back to its tmp dir when the directory
+fsync after its commit fails.
 """
 
 from __future__ import annotations
