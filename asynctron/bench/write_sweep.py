@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     base = tempfile.mkdtemp(prefix=f"asynctron-write-sweep-{os.getpid()}-", dir=args.target)
     started = time.time()
     try:
-        baselines = _measure_baselines(args.target, nbytes, max(1, args.repeats), direct)
+        baselines = _measure_baselines(args.target, nbytes, max(3, args.repeats), direct)
         results_list: list[Result] = []
         with tqdm(settings, desc="bench write", unit="setting", disable=None) as progress:
             for item_bytes, group in itertools.groupby(settings, key=lambda s: s.item_bytes):
