@@ -79,7 +79,9 @@ async def read(runtime: Runtime, checkpoint: OpenCheckpoint, plan: LoadPlan,
     Cancellation: reads in flight finish; targets may be partly filled.
     """
     run_blocking = runtime.run_blocking
-    reads, jobs = await run_blocking(_plan, checkpoint, plan, planner)
+    # In a box emptied here: the executor's futures sit in reference cycles, which would keep
+    # the read buffers (as large as the items) until the next garbage collection.
+    reads, jobs = (await run_blocking(_plan, checkpoint, plan, planner)).pop()
     reader = CheckpointReader(runtime.file_io, checkpoint.path, run_blocking,
                               max_files_at_once=runtime.config.num_workers)
     reader.manifest = checkpoint.manifest  # already read and validated by read_metadata
@@ -93,8 +95,8 @@ async def read(runtime: Runtime, checkpoint: OpenCheckpoint, plan: LoadPlan,
 
 
 def _plan(checkpoint: OpenCheckpoint, plan: LoadPlan, planner: LoadPlanner
-          ) -> tuple[list[_Read], list[ReadJob]]:
-    """Blocks: each read item's stored item, target and read."""
+          ) -> list[tuple[list[_Read], list[ReadJob]]]:
+    """Blocks: each read item's stored item, target and read (in a one-item list)."""
     reads: list[_Read] = []
     jobs: list[ReadJob] = []
     for item in plan.items:
@@ -123,7 +125,7 @@ def _plan(checkpoint: OpenCheckpoint, plan: LoadPlan, planner: LoadPlanner
             buffer = target if read.buffer is None else read.buffer
             assert isinstance(buffer, torch.Tensor)
             jobs.append(ReadJob(read.record, _tensor_bytes(buffer)))
-    return reads, jobs
+    return [(reads, jobs)]
 
 
 def _target(planner: LoadPlanner, item: ReadItem, record: ItemRecord, path: str

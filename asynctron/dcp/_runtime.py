@@ -99,6 +99,11 @@ class Runtime:
         SLAB_CACHE.admit(config.memory_budget_bytes)
         self.copy_streams = CopyStreams()
 
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called (at interpreter exit): nothing more can start."""
+        return self._closed
+
     def start(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run `coroutine` on the runtime's loop; returns at once with its future. The runtime
         owns it: `close` waits for it."""

@@ -13,7 +13,8 @@ Stages of `stage(state_dict)` (the caller blocks for all of them):
    (64-byte aligned), one larger than a slab in a slab of its own size (so the next save of
    the same model finds the same sizes warm);
 2. acquire: the total from the staging budget (waiting while earlier saves still hold their
-   copies), the slabs from the cache (missing ones allocated on the executor);
+   copies, after a garbage collection frees those only reference cycles still hold), the
+   slabs from the cache (missing ones allocated on the executor);
 3. copy (executor, in parallel calls): then the staged state dict is built, its tensors views of
    the slabs.
 A slab returns to the cache, and its bytes to the budget, when the last tensor viewing it is
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import io
 import weakref
 from collections.abc import Callable, Mapping
@@ -40,6 +42,7 @@ from asynctron import _native
 from asynctron.dcp._runtime import Runtime, plugin_config, runtime_for
 from asynctron.engine._slabs import SLAB_CACHE, Slab
 from asynctron.engine._staging import mark_ready
+from asynctron.errors import WouldBlock
 from asynctron.storage._layout import ALIGN_BYTES, SMALL_ALIGN_BYTES, align_up
 
 #: CPU copies are cut into pieces of at most this many bytes, spread over the executor.
@@ -115,11 +118,14 @@ def stage_state_dict(runtime: Runtime, state_dict: STATE_DICT_TYPE) -> STATE_DIC
     """`AsyncStager.stage` on `runtime` (also `StorageWriter.stage`)."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict: expected a dict, found {type(state_dict).__name__}")
-    return runtime.call(_stage(runtime, state_dict, mark_ready()))
+    # Handed over in a box emptied here: the futures that carried it across threads sit in
+    # reference cycles, which would otherwise keep the staged copy (and its slabs) until the
+    # next garbage collection.
+    return runtime.call(_stage(runtime, state_dict, mark_ready())).pop()
 
 
 async def _stage(runtime: Runtime, state_dict: Mapping[str, Any],
-                 ready: Mapping[torch.device, torch.cuda.Event]) -> STATE_DICT_TYPE:
+                 ready: Mapping[torch.device, torch.cuda.Event]) -> list[STATE_DICT_TYPE]:
     run_blocking, budget = runtime.run_blocking, runtime.staging_budget
     leaves, sizes = await run_blocking(_plan, state_dict, runtime.config.slab_bytes)
     total = sum(sizes)
@@ -127,7 +133,13 @@ async def _stage(runtime: Runtime, state_dict: Mapping[str, Any],
         raise ValueError(f"AsyncStager: expected the state dict's tensors to fit "
                          f"memory_budget_bytes ({budget.total_bytes}), found {total} bytes "
                          "(slab-aligned); raise memory_budget_bytes")
-    await budget.acquire(total)
+    try:
+        budget.acquire_nowait(total)
+    except WouldBlock:
+        # Earlier saves hold their copies; a finished one may be held only by reference
+        # cycles (futures that crossed threads): collect them before waiting.
+        await run_blocking(gc.collect)
+        await budget.acquire(total)
     taken: list[Slab] = []
     try:
         cached = [SLAB_CACHE.take(size, runtime.pinned) for size in sizes]
@@ -271,9 +283,9 @@ def _copy_with_torch(leaves: list[_Leaf], slabs: list[Slab],
 
 
 def _rebuild(state_dict: Mapping[str, Any], leaves: list[_Leaf], slabs: list[Slab],
-             released: Callable[[Slab], None]) -> STATE_DICT_TYPE:
-    """Blocks: the staged state dict, its tensors views of `slabs`; each slab is `released`
-    once no tensor views it any more."""
+             released: Callable[[Slab], None]) -> list[STATE_DICT_TYPE]:
+    """Blocks: the staged state dict (in a one-item list), its tensors views of `slabs`; each
+    slab is `released` once no tensor views it any more."""
     bases = []
     for slab in slabs:
         lease = slab.array[:]  # a view of the slab whose life the staged tensors decide
@@ -308,4 +320,6 @@ def _rebuild(state_dict: Mapping[str, Any], leaves: list[_Leaf], slabs: list[Sla
             return node
         return copy.deepcopy(node)
 
-    return rebuild(state_dict)
+    box = [rebuild(state_dict)]
+    bases.clear()  # `rebuild` is a cycle (it calls itself): only the staged tensors keep slabs
+    return box

@@ -72,8 +72,11 @@ async def write(runtime: Runtime, plan: DcpSavePlan, planner: SavePlanner,
     target = plan.storage_data
     assert isinstance(target, SaveTarget)
     config, run_blocking = runtime.config, runtime.run_blocking
-    request = await run_blocking(_request, plan, planner, target, config.num_bins,
-                                 config.slab_bytes, config.checksum is not None)
+    # Handed over in a box emptied here: the executor's futures sit in reference cycles, which
+    # would keep the request (and the tensors it points at, e.g. a staged copy) until the
+    # next garbage collection.
+    request = (await run_blocking(_request, plan, planner, target, config.num_bins,
+                                  config.slab_bytes, config.checksum is not None)).pop()
     await stage_and_write(request, target.tmp_dir, snapshot=False, direct_io=config.direct_io,
                           ready=ready, pool=runtime.pool, copy_streams=runtime.copy_streams,
                           fio=runtime.file_io, run_blocking=run_blocking,
@@ -82,10 +85,10 @@ async def write(runtime: Runtime, plan: DcpSavePlan, planner: SavePlanner,
 
 
 def _request(plan: DcpSavePlan, planner: SavePlanner, target: SaveTarget, num_bins: int,
-             slab_bytes: int, checksum: bool) -> SaveRequest:
-    """Blocks (CPU-bound): DCP's final plan as asynctron's request: pickled values resolved
-    now (DCP's planner `torch.save`s them), tensors resolved where the request takes their
-    addresses; nothing is copied."""
+             slab_bytes: int, checksum: bool) -> list[SaveRequest]:
+    """Blocks (CPU-bound): DCP's final plan as asynctron's request (in a one-item list):
+    pickled values resolved now (DCP's planner `torch.save`s them), tensors resolved where the
+    request takes their addresses; nothing is copied."""
     kinds: dict[str, ItemKind] = {}
     pickled: dict[str, bytes] = {}
     for item in plan.items:
@@ -104,9 +107,9 @@ def _request(plan: DcpSavePlan, planner: SavePlanner, target: SaveTarget, num_bi
     layout, sources = file_plan(flat, dcp_items(save_plan), num_bins=num_bins,
                                 rank=target.rank, slab_bytes=slab_bytes,
                                 torch_save_frames=True)
-    return build_request(flat, target.tmp_dir, layout,
-                         (save_plan, [save_plan.items[source] for source in sources]),
-                         checksum=checksum)
+    return [build_request(flat, target.tmp_dir, layout,
+                          (save_plan, [save_plan.items[source] for source in sources]),
+                          checksum=checksum)]
 
 
 def _results(request: SaveRequest, rank: int) -> list[WriteResult]:

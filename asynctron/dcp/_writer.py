@@ -88,9 +88,14 @@ def _abandon(tmp_dir: str, lock: DirLock) -> None:
 
 def _abandon_pending(runtime: Runtime | None, pending: _PendingSave) -> None:
     """The writer's finalizer: hand its uncommitted tmp dir, if any, to the runtime to remove
-    (never on the thread that happens to free the writer: it may be the loop's)."""
+    (never on the thread that happens to free the writer: it may be the loop's); at exit,
+    once the runtime is closed, on this thread."""
     held = pending.take()
-    if held is not None and runtime is not None:
+    if held is None:
+        return
+    if runtime is None or runtime.closed:  # the interpreter is exiting: no loop to wait for
+        _abandon(*held)
+    else:
         runtime.start(runtime.run_blocking(_abandon, *held))
 
 

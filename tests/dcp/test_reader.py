@@ -1,0 +1,116 @@
+"""`asynctron.dcp.StorageReader`: reads stock DCP checkpoints and its writer's bit-exactly;
+refuses hostile or damaged checkpoints by name before reading a byte, and items whose bytes
+changed after commit."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+import asynctron
+from asynctron import CheckpointNotFoundError, CorruptCheckpointError
+from asynctron.dcp import StorageReader, StorageWriter
+from tests.conftest import assert_same
+from tests.dcp.test_writer import load_with, state
+
+
+class Payload:
+    """A value stock DCP pickles as an object: loading must refuse it, not run it."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.getcwd, ())
+
+
+def test_reads_stock_checkpoints_of_one_file_per_item(tmp_path: Any) -> None:
+    expected = state(4)
+    path = f"{tmp_path}/stock"
+    dcp.save(expected, storage_writer=dcp.FileSystemWriter(path, single_file_per_rank=False))
+    assert_same(expected, load_with(StorageReader(path), expected))
+
+
+def test_loads_into_another_dtype_as_stock_does(tmp_path: Any) -> None:
+    saved = {"w": torch.randn(6, 4)}
+    dcp.save(saved, storage_writer=StorageWriter(f"{tmp_path}/c"))
+    target = {"w": torch.zeros(6, 4, dtype=torch.float64)}
+    dcp.load(target, storage_reader=StorageReader(f"{tmp_path}/c"))
+    assert torch.equal(target["w"], saved["w"].double())
+
+
+def test_a_missing_checkpoint_is_named(tmp_path: Any) -> None:
+    reader = StorageReader(f"{tmp_path}/nothing")
+    with pytest.raises(CheckpointNotFoundError, match=r"checkpoint .*/nothing: expected a "
+                                                      r"committed checkpoint"):
+        reader.read_metadata()
+    with pytest.raises(CheckpointException, match=r"nothing: expected a committed checkpoint"):
+        dcp.load({"w": torch.zeros(1)}, storage_reader=reader)
+
+
+def test_an_asynctron_format_checkpoint_is_refused_with_the_fix(tmp_path: Any) -> None:
+    asynctron.save({"w": torch.ones(2)}, f"{tmp_path}/native")
+    with pytest.raises(ValueError, match=r"expected DCP's \.metadata, found an asynctron "
+                                         r"checkpoint without one; load it with asynctron"):
+        StorageReader(f"{tmp_path}/native").read_metadata()
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b"not a pickle at all", r"metadata .*\.metadata: "),
+    (pickle.dumps(Payload()), r"expected only DCP metadata types, found global posix\.getcwd"),
+    (pickle.dumps({"a": 1}), r"expected a pickled Metadata, found dict"),
+])
+def test_a_corrupt_or_hostile_metadata_is_refused_unrun(tmp_path: Any, content: bytes,
+                                                         message: str) -> None:
+    for writer in (dcp.FileSystemWriter, StorageWriter):
+        path = f"{tmp_path}/{writer.__name__}"
+        dcp.save({"w": torch.ones(2)}, storage_writer=writer(path))
+        with open(f"{path}/.metadata", "wb") as f:
+            f.write(content)
+        with pytest.raises(CorruptCheckpointError, match=message):
+            StorageReader(path).read_metadata()
+
+
+def test_a_truncated_file_is_named_before_any_read(tmp_path: Any) -> None:
+    path = f"{tmp_path}/c"
+    dcp.save({"w": torch.randn(1000)}, storage_writer=StorageWriter(path, num_bins=1))
+    os.truncate(f"{path}/__0_0.distcp", 100)
+    with pytest.raises(CorruptCheckpointError, match=r"file .*__0_0\.distcp: expected \d+ "
+                                                     r"bytes, found 100; items \['w'\] are cut"):
+        StorageReader(path).read_metadata()
+
+
+def test_changed_bytes_fail_their_digest(tmp_path: Any) -> None:
+    """Stock DCP would load the changed value; the reader names the item, file and offset."""
+    path = f"{tmp_path}/c"
+    expected = {"w": torch.zeros(4096), "b": torch.ones(3)}
+    dcp.save(expected, storage_writer=StorageWriter(path, num_bins=1))
+    data_file = f"{path}/__0_0.distcp"
+    with open(data_file, "r+b") as f:
+        content = f.read()
+        at = content.index(bytes(4096))  # inside w's zeros
+        f.seek(at + 100)
+        f.write(b"\x01")
+    with pytest.raises(CheckpointException, match=r"item 'w' in .*__0_0\.distcp at offset \d+: "
+                                                  r"expected xxh3_64"):
+        load_with(StorageReader(path), expected)
+    assert load_with(StorageReader(path, verify=False), expected)["w"].count_nonzero() == 1
+
+
+def test_a_pickled_object_is_refused_not_run(tmp_path: Any) -> None:
+    """Stock DCP's planner loads pickled values with `weights_only=False`: the reader checks
+    the blob first, and refuses a foreign global by naming the item."""
+    path = f"{tmp_path}/stock"
+    dcp.save({"w": torch.ones(2), "obj": Payload()}, storage_writer=dcp.FileSystemWriter(path))
+    with pytest.raises(CheckpointException, match=r"item 'obj' in .*: expected a torch\.save "
+                                                  r"blob of tensors and plain values"):
+        dcp.load({"w": torch.zeros(2), "obj": None}, storage_reader=StorageReader(path))
+
+
+def test_a_target_of_another_shape_is_refused_by_dcp(tmp_path: Any) -> None:
+    dcp.save({"w": torch.ones(4)}, storage_writer=StorageWriter(f"{tmp_path}/c"))
+    with pytest.raises(CheckpointException, match=r"[Ss]ize mismatch|shape"):
+        dcp.load({"w": torch.zeros(5)}, storage_reader=StorageReader(f"{tmp_path}/c"))

@@ -1,0 +1,113 @@
+"""`asynctron.dcp.AsyncStager` (and `StorageWriter.stage`): `dcp.async_save`'s staged copy is
+exact, untouched by later changes, bounded by its budget, and its slabs go back to the
+process-wide cache once the save that held it ends."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import AsyncStager as DcpAsyncStager
+
+import asynctron
+from asynctron.dcp import AsyncStager, StorageReader, StorageWriter
+from asynctron.dcp._runtime import plugin_config, runtime_for
+from tests.conftest import assert_same
+from tests.dcp.test_writer import load_with, state
+
+BUDGET = {"memory_budget_bytes": 8 << 20, "slab_bytes": 256 << 10}
+
+
+def borrowed(options: dict[str, Any]) -> int:
+    """Bytes the stagers with these options hold, once releases queued so far are done."""
+    runtime = runtime_for(plugin_config("test", options))
+    runtime.call(asyncio.sleep(0))  # runs after the releases already queued on the loop
+    return runtime.staging_budget.borrowed_bytes
+
+
+class Marked(torch.Tensor):
+    pass
+
+
+def test_the_staged_copy_is_exact_and_later_changes_do_not_reach_it() -> None:
+    original = state(5)
+    original["array"] = np.arange(6)
+    expected = {key: value for key, value in original.items()}
+    snapshot = {"model": {k: v.clone() for k, v in original["model"].items()},
+                "array": original["array"].copy()}
+    staged = AsyncStager(**BUDGET).stage(original)
+    assert_same(original, staged)
+    for tensor in original["model"].values():
+        if tensor.numel():
+            tensor.zero_() if tensor.dtype != torch.bool else tensor.fill_(False)
+    original["array"][:] = 0
+    assert_same(snapshot["model"], staged["model"])
+    assert_same(snapshot["array"], staged["array"])
+    assert staged["model"]["w"].data_ptr() != expected["model"]["w"].data_ptr()
+    assert all(t.device.type == "cpu" for t in staged["model"].values())
+
+
+def test_slabs_return_to_the_cache_when_the_copy_is_freed() -> None:
+    options = {"memory_budget_bytes": 6 << 20, "slab_bytes": 128 << 10}
+    stager = AsyncStager(**options)
+    source = {"a": torch.randn(1 << 18), "small": [torch.randn(10) for _ in range(50)]}
+    staged = stager.stage(source)
+    assert borrowed(options) > 1 << 20
+    view = staged["a"][10:20]  # a view keeps its slab
+    del staged
+    gc.collect()
+    assert borrowed(options) == 1 << 20  # the small tensors' slab went back; a's is viewed
+    del view
+    assert borrowed(options) == 0
+    reused = asynctron.staging_statistics().num_reused
+    stager.stage(source)  # the same sizes again: warm slabs from the cache
+    assert asynctron.staging_statistics().num_reused > reused
+    assert borrowed(options) == 0
+
+
+def test_a_state_dict_larger_than_the_budget_is_refused_by_name() -> None:
+    stager = AsyncStager(memory_budget_bytes=1 << 20, slab_bytes=64 << 10)
+    with pytest.raises(ValueError, match=r"AsyncStager: expected the state dict's tensors to "
+                                         r"fit memory_budget_bytes \(1048576\), found \d+ bytes"):
+        stager.stage({"w": torch.zeros(1 << 19)})
+
+
+def test_unknown_tensor_types_and_options_are_refused_by_name() -> None:
+    with pytest.raises(TypeError, match=r"tensor at key 'm.x': expected a tensor or DTensor, "
+                                        r"found .*Marked"):
+        AsyncStager().stage({"m": {"x": torch.zeros(2).as_subclass(Marked)}})
+    with pytest.raises(ValueError, match=r"AsyncStager: unknown option 'job'"):
+        AsyncStager(job="x")
+
+
+def test_async_save_with_the_stager_and_a_stock_writer(tmp_path: Any) -> None:
+    expected = state(6)
+    copy = {"model": {k: v.clone() for k, v in expected["model"].items()}}
+    future = dcp.async_save(expected, storage_writer=dcp.FileSystemWriter(f"{tmp_path}/c"),
+                            async_stager=AsyncStager(**BUDGET))
+    for tensor in expected["model"].values():  # training goes on while the save runs
+        tensor.add_(1) if tensor.dtype not in (torch.bool,) else None
+    future.result()
+    loaded = load_with(dcp.FileSystemReader(f"{tmp_path}/c"), expected)
+    assert_same(copy["model"], loaded["model"])
+    del future, loaded
+    assert borrowed(BUDGET) == 0
+
+
+def test_async_save_with_the_writer_stages_on_asynctron(tmp_path: Any) -> None:
+    writer = StorageWriter(f"{tmp_path}/c")
+    assert isinstance(writer, DcpAsyncStager)  # so async_save uses it when no stager is given
+    expected = state(7)
+    future = dcp.async_save(expected, storage_writer=writer)
+    future.result()
+    assert_same(expected, load_with(StorageReader(f"{tmp_path}/c"), expected))
+    assert_same(expected, load_with(dcp.FileSystemReader(f"{tmp_path}/c"), expected))
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+    del future
+    assert borrowed({}) == 0  # the writer's stager (default options) holds nothing now
