@@ -43,7 +43,24 @@ __all__ = [
 
 
 class AsynctronError(Exception):
-    """Root of every asynctron error."""
+    """Root of every asynctron error.
+
+    Picklable with its attributes (those given as keywords too), so an error crosses process
+    boundaries intact (DCP gathers every rank's failure at the coordinator by pickling it).
+    """
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return _rebuild_error, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuild_error(cls: type[AsynctronError], args: tuple[object, ...],
+                   state: dict[str, object]) -> AsynctronError:
+    """An unpickled asynctron error: its args and attributes, without calling `__init__`
+    (whose keyword-only arguments pickle's default would leave out)."""
+    error = cls.__new__(cls, *args)
+    error.args = args  # OSError's `__new__` leaves them to `__init__` in subclasses
+    error.__dict__.update(state)
+    return error
 
 
 class ClosedError(AsynctronError):

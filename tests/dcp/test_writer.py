@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 from typing import Any
 
 import pytest
@@ -202,3 +203,16 @@ def test_unsupported_dtype_names_the_key(tmp_path: Any) -> None:
         dcp.save({"w": torch.ones(2), "q": torch.zeros(2, dtype=torch.complex32)},
                  storage_writer=StorageWriter(f"{tmp_path}/c"))
     assert not os.path.exists(f"{tmp_path}/c")
+
+
+def test_asynctron_errors_survive_dcps_gather() -> None:
+    """DCP pickles every rank's failure to the coordinator: asynctron's errors, built with
+    keyword arguments, come back whole (a non-picklable one crashed the coordinator's
+    gather with a TypeError instead of raising CheckpointException)."""
+    error = asynctron.StorageError("writing 'f' failed: ENOSPC", path="/ckpt/f",
+                                   errno=errno.ENOSPC)
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is asynctron.StorageError and str(back) == str(error)
+    assert (back.path, back.errno) == ("/ckpt/f", errno.ENOSPC)
+    missing = pickle.loads(pickle.dumps(asynctron.CheckpointNotFoundError("gone", path="/c")))
+    assert isinstance(missing, FileNotFoundError) and str(missing) == "gone"
