@@ -5,7 +5,7 @@ Every ``save_*`` function takes a flat or nested state dict of CPU tensors
 (the data files are fsync'ed wherever the peer itself does it; none of the peers fsyncs the
 parent directory, so neither do these functions) and returns ``None`` once the checkpoint
 is complete on storage. Timing is the caller's job: wrap the call in ``time.perf_counter``.
-The physical baselines they are compared with live in `bench/_baselines.py`.
+The physical baselines they are compared with live in `asynctron/bench/_baselines.py`.
 
 Peers:
 

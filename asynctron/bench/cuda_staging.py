@@ -5,7 +5,7 @@ raw pinned `copy_` of the same tensors, in one process (needs a GPU; exits 0 say
   into pinned slabs, hashed as they land) against a raw loop of `pinned.copy_(t,
   non_blocking=True)` into preallocated pinned buffers plus one synchronize. Target: asynctron
   >= 0.8x the raw bandwidth.
-- H2D: `engine.load(path, into=gpu_state)` from /dev/shm against a raw pinned->device copy.
+- H2D: `engine.load_into(gpu_state, path)` from /dev/shm against a raw pinned->device copy.
 
 Run: `python -m asynctron.bench.cuda_staging` (or `asynctron bench cuda`).
 """
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 h2d = raw_h2d(state, pinned)
                 torch.cuda.synchronize()
                 start = time.perf_counter()
-                await engine.load(path, into=state)
+                await engine.load_into(state, path)
                 load_s = time.perf_counter() - start
                 shutil.rmtree(path)
                 if round_index:  # round 0 warms slabs, streams and the page cache

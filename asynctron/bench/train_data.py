@@ -4,7 +4,7 @@ worker processes) over megatron's GPTDataset, and megatron's plain `ds[i]` loop.
 Every run is a fresh process reading a corpus larger than the prefetch window (default 1 GiB
 of uint16 tokens; 2048-token samples, micro batch 8, a 64 MiB prefetch budget, 4 batches
 ahead), for `--duration` seconds, with the page cache of every file it reads either evicted
-first (`cold`) or warm. Beside it a trainer thread works (`bench/_trainers.py`): none
+first (`cold`) or warm. Beside it a trainer thread works (`asynctron/bench/_trainers.py`): none
 (`idle`), pure Python holding the GIL (`python`), the same bound to the first CPU with every
 loader's worker processes bound to the others, as on a node where ranks are bound to cores
 (`python-bound`; asynctron's `worker_cpus`, DataLoader's `worker_init_fn`), or 1-thread torch

@@ -70,13 +70,13 @@ class AllReduceTask:
             return self.future.done()
         return self._work.is_completed()
 
-    def result(self, timeout_s: float | None = None) -> None:
+    def result(self, timeout: float | None = None) -> None:
         """Block the calling thread until the all-reduce is done (for synchronous trainers).
 
         Raises:
             RuntimeError: called on a thread that runs an event loop (it would block it).
             PeerError: the all-reduce failed; `PeerTimeoutError` (also a `TimeoutError`) when
-                it did not finish within `timeout_s`.
+                it did not finish within `timeout` seconds.
         """
         try:
             asyncio.get_running_loop()
@@ -86,10 +86,10 @@ class AllReduceTask:
             raise RuntimeError(f"{self._what()}: result() called on an event loop thread, "
                                "where it would block the loop; use `await task` instead")
         try:
-            if timeout_s is None:
+            if timeout is None:
                 self._work.wait()
             else:
-                self._work.wait(datetime.timedelta(seconds=timeout_s))
+                self._work.wait(datetime.timedelta(seconds=timeout))
         except (RuntimeError, dist.DistError) as exc:
             raise peer_error(self._what(), self.bucket.process_group, exc) from exc
 
