@@ -17,7 +17,7 @@ import asynctron
 from asynctron import CheckpointNotFoundError, CorruptCheckpointError
 from asynctron.dcp import StorageReader, StorageWriter
 from tests.conftest import assert_same
-from tests.dcp.test_writer import load_with, state
+from tests.dcp.test_dcp_writer import load_with, state
 
 
 class Payload:

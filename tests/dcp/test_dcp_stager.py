@@ -19,7 +19,7 @@ import asynctron
 from asynctron.dcp import AsyncStager, StorageReader, StorageWriter
 from asynctron.dcp._runtime import plugin_config, runtime_for
 from tests.conftest import assert_same
-from tests.dcp.test_writer import load_with, state
+from tests.dcp.test_dcp_writer import load_with, state
 
 BUDGET = {"memory_budget_bytes": 8 << 20, "slab_bytes": 256 << 10}
 
