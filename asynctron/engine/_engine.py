@@ -350,9 +350,10 @@ class Engine:
         try:
             return await done
         except asyncio.CancelledError:
-            await uncancellable(asyncio.wrap_future(call, loop=loop))
-            if not call.cancelled():
-                call.exception()  # the cancellation wins; mark the thread's error as seen
+            finished = asyncio.wrap_future(call, loop=loop)
+            await uncancellable(finished)
+            if not finished.cancelled():
+                finished.exception()  # the cancellation wins; mark the thread's error as seen
             raise
 
     def save(self, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,

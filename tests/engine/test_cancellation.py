@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import threading
 
@@ -133,3 +134,27 @@ async def test_cancelling_through_the_task_or_the_engine_is_silent(shm_path: str
             engine.save({"w": torch.ones(100_000)}, f"{shm_path}/b")
             raise RuntimeError("trainer failed")
     assert os.listdir(shm_path) == []
+
+
+async def test_a_cancelled_call_whose_thread_fails_logs_nothing(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The cancellation wins over the thread's error, and that error is not left for the
+    garbage collector to log as "never retrieved" (on whatever thread collects it)."""
+    started, release = threading.Event(), threading.Event()
+
+    def fail_later() -> None:
+        started.set()
+        release.wait(5)
+        raise OSError("disk went away")
+
+    async with Engine() as engine:
+        call = asyncio.ensure_future(engine.run_blocking(fail_later))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait, 5)
+        call.cancel()
+        await asyncio.sleep(0)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    gc.collect()
+    await asyncio.sleep(0)  # the loop runs the exception handler's report, if any
+    assert "never retrieved" not in caplog.text
