@@ -5,6 +5,7 @@ from __future__ import annotations
 import asynctron
 import asynctron.comm
 import asynctron.datasets
+import asynctron.dcp
 import asynctron.engine
 import asynctron.errors
 import asynctron.storage
@@ -51,12 +52,24 @@ def test_subpackages() -> None:
     }
     assert set(asynctron.testing.__all__) == {"FaultyFileIO", "LoopWatchdog",
                                               "LoopWatchdogReport"}
+    assert set(asynctron.dcp.__all__) == {"AsyncStager", "StorageReader", "StorageWriter"}
+
+
+def test_dcp_plugins_are_dcps_own_types() -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import AsyncStager
+
+    assert issubclass(asynctron.dcp.StorageWriter, dcp.StorageWriter)
+    assert issubclass(asynctron.dcp.StorageReader, dcp.StorageReader)
+    # AsyncStager is a Protocol with data members, which issubclass refuses: its MRO tells
+    assert AsyncStager in asynctron.dcp.AsyncStager.__mro__
+    assert AsyncStager in asynctron.dcp.StorageWriter.__mro__
 
 
 def test_every_error_is_in_errors_and_at_the_top_level() -> None:
     """One home for errors: every exception class a public module exports is defined in
     asynctron.errors, and asynctron exports all of them."""
-    modules = (asynctron, asynctron.comm, asynctron.datasets, asynctron.engine,
+    modules = (asynctron, asynctron.comm, asynctron.datasets, asynctron.dcp, asynctron.engine,
                asynctron.storage, asynctron.testing)
     for module in modules:
         for name in module.__all__:
@@ -69,8 +82,8 @@ def test_every_error_is_in_errors_and_at_the_top_level() -> None:
 
 
 def test_every_exported_name_exists() -> None:
-    for module in (asynctron, asynctron.comm, asynctron.datasets, asynctron.engine,
-                   asynctron.errors, asynctron.storage, asynctron.testing):
+    for module in (asynctron, asynctron.comm, asynctron.datasets, asynctron.dcp,
+                   asynctron.engine, asynctron.errors, asynctron.storage, asynctron.testing):
         for name in module.__all__:
             assert hasattr(module, name), f"{module.__name__}.{name}"
 
@@ -84,6 +97,18 @@ def test_storage_and_comm_never_import_the_engine() -> None:
     for package in (asynctron.storage, asynctron.comm):
         for source in pathlib.Path(package.__file__).parent.rglob("*.py"):
             assert not imports_engine.search(source.read_text()), source
+
+
+def test_nothing_below_the_dcp_plugins_imports_them() -> None:
+    """asynctron.dcp sits on top of engine and storage, beside datasets; only the benchmarks
+    use it."""
+    import pathlib
+
+    root = pathlib.Path(asynctron.__file__).parent
+    for source in root.rglob("*.py"):
+        if {"dcp", "bench"} & set(source.parts):
+            continue
+        assert "asynctron.dcp" not in source.read_text(), source
 
 
 def test_nothing_below_datasets_imports_it() -> None:
