@@ -41,6 +41,7 @@ COMMANDS = {
     "many": "asynctron bench many",
     "train_data": "asynctron bench train_data",
     "hostile": "asynctron bench hostile",
+    "dcp": "asynctron bench dcp --target /dev/shm --target $PWD/.benchtmp",
 }
 
 
@@ -300,6 +301,29 @@ def section_write(result: dict[str, Any], docs: str) -> list[str]:
     return lines
 
 
+def section_dcp(result: dict[str, Any], docs: str) -> list[str]:
+    """`dcp.save` and `dcp.async_save` with stock FileSystemWriter and with asynctron.dcp."""
+    rows = []
+    for t in result["targets"]:
+        where = "tmpfs" if t["target"].startswith("/dev/shm") else "disk"
+        saves, blocking = t["save_median_s"], t["async_blocking_median_s"]
+        stock_blocking = min(v for k, v in blocking.items() if not k.startswith("asynctron"))
+        rows.append([where, f"{saves[t['best_stock']]:.3f} s ({t['best_stock']})",
+                     f"{saves['asynctron.dcp']:.3f} s", f"{saves['raw pwrite+fsync']:.3f} s",
+                     f"{t['save_ratio']:.2f}x {_ok(t['save_ratio'] >= 1.0)}",
+                     f"{stock_blocking:.3f} s",
+                     f"{blocking['asynctron.dcp async_save']:.3f} s",
+                     f"{t['async_blocking_ratio']:.2f}x {_ok(t['async_blocking_ratio'] <= 0.5)}"])
+    first = result["targets"][0]
+    return [f"{first['nbytes'] / GiB:.2f} GiB state dict, one process, every save fsynced; "
+            f"medians of {len(first['samples']['save_s']['asynctron.dcp'])} shuffled rounds. "
+            "Save ratio: the best stock thread count's time over asynctron's (target >= 1.0x); "
+            "async_save blocking ratio: asynctron's over stock's shortest (target <= 0.5x).", "",
+            *_table(["target", "stock dcp.save (best)", "asynctron.dcp", "raw pwrite+fsync",
+                     "save ratio", "stock async_save blocks", "asynctron blocks",
+                     "blocking ratio"], rows)]
+
+
 def section_cuda(result: dict[str, Any], docs: str) -> list[str]:
     return [f"{result['device']}: D2H staging {result['d2h_vs_raw']:.2f}x a raw pinned `copy_` "
             f"(target >= 0.8x {_ok(result['d2h_vs_raw'] >= 0.8)}); load into GPU "
@@ -486,6 +510,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any], str], list[str]]]] = {
     "many": ("Many small tensors (issue 11)", section_many),
     "train_data": ("Data inside a busy trainer (issue 16)", section_train_data),
     "hostile": ("Hostile checkpoint metadata (issue 15)", section_hostile),
+    "dcp": ("Stock DCP through asynctron's plugin (issue 14)", section_dcp),
 }
 
 

@@ -17,6 +17,7 @@ SCENARIOS = {
     "many": "save_many",
     "train_data": "train_data",
     "hostile": "hostile_metadata",
+    "dcp": "dcp_plugin",
     "all": "all",
 }
 

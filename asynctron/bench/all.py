@@ -1,6 +1,7 @@
 """Every benchmark of the engine in one command: save (one process and across 2 and 4 ranks),
 datasets, comm (idle and beside a GIL-busy thread), the write sweep, CUDA staging where there is
-a GPU, saves and data inside a busy trainer, many small tensors, and hostile checkpoint metadata.
+a GPU, saves and data inside a busy trainer, many small tensors, hostile checkpoint metadata, and
+stock DCP through asynctron's plugin.
 Each scenario runs in its own process (fresh memory), writing JSON into one results directory
 (a source checkout's `bench/report.py` renders `docs/benchmarks.md` from it).
 
@@ -46,6 +47,7 @@ RUNS = {
     "many": Run("save_many", (), "many.json"),
     "train_data": Run("train_data", ("--dir", "{disk}"), "train_data.json"),
     "hostile": Run("hostile_metadata", ("--dir", "{disk}"), "hostile.json"),
+    "dcp": Run("dcp_plugin", ("--target", "/dev/shm", "--target", "{disk}"), "dcp.json"),
 }
 
 

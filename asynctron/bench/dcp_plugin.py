@@ -42,6 +42,7 @@ GiB = 1 << 30
 MiB = 1 << 20
 RAW = "raw pwrite+fsync"
 OURS = "asynctron.dcp"
+OURS_ASYNC = "asynctron.dcp async_save"
 STOCK_THREADS = (1, 2, 4)
 
 
@@ -100,7 +101,7 @@ def _async_methods(state: dict[str, torch.Tensor]
             lambda path: dcp.FileSystemWriter(path, sync_files=True)),
         "stock async_save (FileSystemWriter, 4 threads)": timed(
             lambda path: dcp.FileSystemWriter(path, thread_count=4, sync_files=True)),
-        "asynctron.dcp async_save": timed(asynctron.dcp.StorageWriter),
+        OURS_ASYNC: timed(asynctron.dcp.StorageWriter),
     }
 
 
@@ -145,7 +146,7 @@ def summarize(target: str, measured: dict[str, Any], nbytes: int) -> dict[str, A
     totals = {name: statistics.median(values)
               for name, values in measured["async_total_s"].items()}
     best_stock = min((_stock(n) for n in STOCK_THREADS), key=median.__getitem__)
-    stock_blocking = blocking["stock async_save (FileSystemWriter, 1 thread)"]
+    stock_blocking = min(seconds for name, seconds in blocking.items() if name != OURS_ASYNC)
     return {
         "target": target, "nbytes": nbytes,
         "save_median_s": median,
@@ -154,7 +155,7 @@ def summarize(target: str, measured: dict[str, Any], nbytes: int) -> dict[str, A
         "save_ratio": median[best_stock] / median[OURS],
         "save_vs_baseline": median[RAW] / median[OURS],
         "async_blocking_median_s": blocking, "async_total_median_s": totals,
-        "async_blocking_ratio": blocking["asynctron.dcp async_save"] / stock_blocking,
+        "async_blocking_ratio": blocking[OURS_ASYNC] / stock_blocking,
         "samples": measured,
     }
 
@@ -171,7 +172,7 @@ def report(summary: dict[str, Any]) -> None:
     print(f"  dcp.save: asynctron.dcp is {summary['save_ratio']:.2f}x the best stock writer "
           f"({summary['best_stock']}) [target >= 1.0x]; "
           f"{summary['save_vs_baseline']:.2f}x the raw pwrite+fsync baseline")
-    print(f"  async_save blocking: asynctron.dcp / stock = "
+    print(f"  async_save blocking: asynctron.dcp / stock's shortest = "
           f"{summary['async_blocking_ratio']:.2f}x [target <= 0.5x]")
 
 
