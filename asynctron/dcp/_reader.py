@@ -22,7 +22,7 @@ from torch.futures import Future
 
 from asynctron.dcp._read_job import OpenCheckpoint, read
 from asynctron.dcp._runtime import Runtime, plugin_config, runtime_for
-from asynctron.dcp._writer import checkpoint_path
+from asynctron.dcp._writer import checkpoint_path, is_local_path
 from asynctron.errors import CorruptCheckpointError
 from asynctron.storage import FileIO, _sysio, read_manifest, resolve_checkpoint
 from asynctron.storage._dcp import MAX_METADATA_BYTES, METADATA_NAME, MetadataUnpickler
@@ -74,8 +74,7 @@ class StorageReader(dcp_storage.StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether `checkpoint_id` is a local path (what this reader loads from)."""
-        return isinstance(checkpoint_id, str | os.PathLike) and "://" not in os.fspath(
-            checkpoint_id)
+        return is_local_path(checkpoint_id)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._checkpoint = None

@@ -60,6 +60,12 @@ def checkpoint_path(owner: str, path: str | os.PathLike[str]) -> str:
     return os.path.abspath(text)
 
 
+def is_local_path(checkpoint_id: object) -> bool:
+    """Whether `checkpoint_id` names a local path (what the plugins save to and load from), not
+    a URL such as fsspec's."""
+    return isinstance(checkpoint_id, str | os.PathLike) and "://" not in os.fspath(checkpoint_id)
+
+
 class _PendingSave:
     """The coordinator's tmp dir of a save that has not committed, and the lock marking it
     live (so no other commit in the directory takes it for debris). Shared with the writer's
@@ -158,8 +164,7 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         """Whether `checkpoint_id` is a local path (what this writer saves to)."""
-        return isinstance(checkpoint_id, str | os.PathLike) and "://" not in os.fspath(
-            checkpoint_id)
+        return is_local_path(checkpoint_id)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save (to `checkpoint_id`, if given). The tmp dir of an earlier save
