@@ -58,7 +58,6 @@ import multiprocessing
 import os
 import shutil
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -72,6 +71,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.utils import _get_failure_dict
 
+from asynctron.bench import _results
 from asynctron.bench._baselines import (
     MIB,
     StateDict,
@@ -525,7 +525,7 @@ def main() -> None:
     parser.add_argument("--mib", type=int, default=64, help="state dict size in MiB")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    base = tempfile.mkdtemp(prefix="asynctron-peers-", dir=args.dir)
+    base = _results.scratch_dir("asynctron-peers-", args.dir)
     try:
         _self_check(base, args.mib)
     finally:

@@ -1,5 +1,6 @@
-"""Where a benchmark's results go: the run's metadata, and a JSON file at `--out` (a `.json`
-path, or a directory), by default ./asynctron-bench/<scenario>_<host>_<yyyymmdd>.json."""
+"""Where a benchmark's files go: its scratch directory on the storage under test, the run's
+metadata, and a JSON file at `--out` (a `.json` path, or a directory), by default
+./asynctron-bench/<scenario>_<host>_<yyyymmdd>.json."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import argparse
 import json
 import os
 import platform
+import tempfile
 import time
 from typing import Any
 
@@ -16,6 +18,12 @@ import asynctron
 DEFAULT_RESULTS_DIR = "asynctron-bench"
 #: The help of every scenario's `--out`.
 OUT_HELP = "results: a .json path or a directory (default: ./asynctron-bench)"
+
+
+def scratch_dir(prefix: str, parent: str) -> str:
+    """A new directory for a run's files inside `parent` (created if missing)."""
+    os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix=prefix, dir=parent)
 
 
 def run_meta(started_unix_s: float, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:

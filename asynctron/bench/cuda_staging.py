@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import tempfile
 import time
 
 import torch
@@ -73,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     pinned = [torch.empty(t.numel() * t.element_size(), dtype=torch.uint8, pin_memory=True)
               .view(t.dtype).view(t.shape) for t in state.values()]
     started = time.time()
-    base = tempfile.mkdtemp(prefix="asynctron-cuda-bench-", dir=args.target)
+    base = _results.scratch_dir("asynctron-cuda-bench-", args.target)
     timings: dict[str, list[float]] = {}
 
     async def run() -> None:

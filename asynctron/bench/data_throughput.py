@@ -495,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         args.scale_samples = 200_000
     megatron, reason = (None, "skipped (--skip-megatron)") if args.skip_megatron else _megatron()
     started = time.time()
-    work = tempfile.mkdtemp(prefix=f"asynctron-bench-data-{os.getpid()}-", dir=args.dir)
+    work = _results.scratch_dir(f"asynctron-bench-data-{os.getpid()}-", args.dir)
     results: dict[str, Any] = {"megatron": None if megatron else f"not run: {reason}"}
     try:
         prefix = f"{work}/corpus"

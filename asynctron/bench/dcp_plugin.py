@@ -25,7 +25,6 @@ import gc
 import os
 import shutil
 import statistics
-import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -53,7 +52,7 @@ def _stock(threads: int) -> str:
 def _fresh_dir(target: str) -> str:
     """A new, empty run directory under `target` (removed at the end)."""
     os.makedirs(target, exist_ok=True)
-    return tempfile.mkdtemp(prefix="asynctron-bench-dcp-", dir=target)
+    return _results.scratch_dir("asynctron-bench-dcp-", target)
 
 
 def _drop(path: str) -> None:

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import shutil
-import tempfile
 import time
 
 import torch
@@ -77,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-gib", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
-    from asynctron.bench import _baselines
+    from asynctron.bench import _baselines, _results
 
     state = _baselines.make_state_dict(int(args.size_gib * (1 << 30)), seed=args.seed)
-    base = tempfile.mkdtemp(prefix=f"asynctron-bench-{os.getpid()}-", dir=args.target)
+    base = _results.scratch_dir(f"asynctron-bench-{os.getpid()}-", args.target)
     try:
         timings = run(args.method, state, os.path.join(base, "first"))
     finally:

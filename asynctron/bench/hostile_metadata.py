@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'file':14s} {'input':36s} {'MiB':>6s} {'s':>6s} {'peak MiB':>8s} {'x real':>11s}  "
           "outcome")
     for file, name, build in cases:
-        directory = tempfile.mkdtemp(prefix="asynctron-hostile-", dir=args.dir)
+        directory = _results.scratch_dir("asynctron-hostile-", args.dir)
         try:
             data, data_bytes = build()
             checkpoint = _write_checkpoint(

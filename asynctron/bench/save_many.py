@@ -18,7 +18,6 @@ import gc
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -59,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     flat = {f"optim.state.{i}.{name}": tensor  # safetensors takes flat string keys only
             for i, entry in state["optim"]["state"].items() for name, tensor in entry.items()}
     gc.collect()
-    base = tempfile.mkdtemp(prefix=f"asynctron-bench-{os.getpid()}-", dir=args.target)
+    base = _results.scratch_dir(f"asynctron-bench-{os.getpid()}-", args.target)
     loop = uvloop.new_event_loop()
     engine = Engine()
     loop.run_until_complete(engine.start())

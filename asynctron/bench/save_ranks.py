@@ -20,7 +20,6 @@ import asyncio
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
@@ -165,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.size_gib, args.repeats = 0.02, 1
     started = time.time()
-    base = tempfile.mkdtemp(prefix=f"asynctron-bench-ranks-{os.getpid()}-", dir=args.target)
+    base = _results.scratch_dir(f"asynctron-bench-ranks-{os.getpid()}-", args.target)
     try:
         outcomes = run_local_ranks(_rank, args.nproc, args, base)
     finally:

@@ -29,7 +29,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -207,7 +206,7 @@ def _time(fn: Callable[[], None]) -> float:
 
 def run_saves(ours: AsynctronRunner, scenario: Scenario, repeats: int, quick: bool,
               megatron: bool) -> None:
-    base = tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}-", dir=scenario.target)
+    base = _results.scratch_dir(f"{_RUN_PREFIX}{os.getpid()}-", scenario.target)
     try:
         methods = _methods(ours, scenario, quick, megatron)
         names = list(methods)
@@ -279,7 +278,7 @@ def run_budget(target: str, nbytes: int) -> dict[str, float]:
     state = _baselines.make_state_dict(nbytes, seed=7)
     budget = nbytes // 4
     process = psutil.Process()
-    base = tempfile.mkdtemp(prefix=f"{_RUN_PREFIX}{os.getpid()}-", dir=target)
+    base = _results.scratch_dir(f"{_RUN_PREFIX}{os.getpid()}-", target)
     peak = 0
     stop = threading.Event()
 

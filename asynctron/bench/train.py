@@ -29,7 +29,6 @@ import gc
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -391,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     started = time.time()
     warmed = 0 if args.quick else _baselines.warm_guest_memory()
-    base = tempfile.mkdtemp(prefix=f"asynctron-bench-{os.getpid()}-", dir=args.target)
+    base = _results.scratch_dir(f"asynctron-bench-{os.getpid()}-", args.target)
     try:
         summary = uvloop.run(main_async(args, base))
     finally:

@@ -35,7 +35,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -347,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     args.trainers, args.caches = args.trainers.split(","), args.caches.split(",")
     args.methods = args.methods.split(",")
     started = time.time()
-    work = tempfile.mkdtemp(prefix=f"asynctron-bench-train-data-{os.getpid()}-", dir=args.dir)
+    work = _results.scratch_dir(f"asynctron-bench-train-data-{os.getpid()}-", args.dir)
     try:
         samples = run_all(args, work)
     finally:

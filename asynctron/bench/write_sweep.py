@@ -24,7 +24,6 @@ import itertools
 import os
 import shutil
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 
@@ -225,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     direct = direct_io_works(args.target)
     settings = [Setting(b, t, s, d) for s, d, b, t in itertools.product(
         item_sizes, [False, True] if direct else [False], ints(args.bins), ints(args.threads))]
-    base = tempfile.mkdtemp(prefix=f"asynctron-write-sweep-{os.getpid()}-", dir=args.target)
+    base = _results.scratch_dir(f"asynctron-write-sweep-{os.getpid()}-", args.target)
     started = time.time()
     try:
         baselines = _measure_baselines(args.target, nbytes, max(3, args.repeats), direct)
