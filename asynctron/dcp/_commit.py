@@ -11,8 +11,12 @@ results; each rank's data files are already fsynced by then):
    to the checkpoint path (never over an existing one), the parent fsynced, then the debris of
    dead saves in the parent removed (as asynctron's own commit does). No `latest` pointer is
    written: DCP checkpoints are found by path.
-A crash before the rename leaves only the tmp dir (`.<name>.tmp-…`), which no reader takes for
-a checkpoint and the next commit in that directory removes.
+A crash before the rename leaves only the tmp dir (`.<name>.tmp-dcp`), which no reader takes
+for a checkpoint and the next commit in that directory (or the next save to that path) removes.
+
+The tmp dir's name is derived from the checkpoint path alone (`tmp_dir_of`), which is unique
+per save: every rank finds it without being told, so no plan carries per-save state (DCP's
+plan caching hands a later save the plans of the first).
 """
 
 from __future__ import annotations
@@ -35,10 +39,60 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from asynctron.dcp._write_job import ItemWritten
 from asynctron.errors import AsynctronError
-from asynctron.storage import _commit, _retention
+from asynctron.storage import _commit, _retention, _sysio
 from asynctron.storage._dcp import METADATA_NAME, _structure
 from asynctron.storage._locks import DirLock
 from asynctron.storage._manifest import MANIFEST_NAME, encode_manifest
+
+#: What ends the name of a DCP save's tmp dir, `.<name>.tmp-dcp` (`_commit.TMP_MARK` inside, so
+#: asynctron's cleaners know it for a tmp dir).
+TMP_SUFFIX = _commit.TMP_MARK + "dcp"
+
+
+def tmp_dir_of(final_path: str) -> str:
+    """The tmp dir of the save to `final_path`, beside it: the same on every rank."""
+    parent, name = os.path.split(os.path.abspath(final_path))
+    return os.path.join(parent, f".{name}{TMP_SUFFIX}")
+
+
+def prepare_tmp_dir(final_path: str) -> DirLock:
+    """Blocks (coordinator): refuse an existing `final_path`, then create its tmp dir fresh
+    (`tmp_dir_of`), removing a stale one a dead save left; returns the lock that marks it live
+    (release it once committed or removed). Under the parent's shared lock, so no cleaner sees
+    it unlocked.
+
+    Raises:
+        FileExistsError: `final_path` exists, or another live save to it holds its tmp dir.
+        StorageError: the tmp dir could not be created or the stale one removed.
+    """
+    root = os.path.dirname(final_path)
+    with _sysio.translate_os_errors("creating directory", root):
+        os.makedirs(root, exist_ok=True)
+    tmp_dir = tmp_dir_of(final_path)
+    with DirLock.take(os.path.realpath(root), exclusive=False):
+        if _sysio.exists(final_path):
+            raise FileExistsError(
+                f"checkpoint {final_path}: expected a new path, found an existing one; "
+                "save to a new path (e.g. one per step) or remove it first")
+        if _sysio.exists(tmp_dir):
+            _remove_stale(final_path, tmp_dir)
+        _sysio.make_dir(tmp_dir)
+        return DirLock.take(tmp_dir, exclusive=False)
+
+
+def _remove_stale(final_path: str, tmp_dir: str) -> None:
+    """Remove the tmp dir of an earlier save to `final_path` that no live save holds."""
+    try:
+        stale = DirLock.try_take(tmp_dir, exclusive=True)
+    except FileNotFoundError:
+        return
+    if stale is None:
+        raise FileExistsError(f"checkpoint {final_path}: another save to this path is in "
+                              f"progress (it holds {tmp_dir}); save to a new path")
+    try:  # where the filesystem has no flock, a save to the same path is taken for dead
+        _sysio.remove_tree(tmp_dir)
+    finally:
+        stale.release()
 
 
 def checkpoint_files(metadata: Metadata, results: Sequence[Sequence[WriteResult]], *,

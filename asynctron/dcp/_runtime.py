@@ -19,7 +19,7 @@ import atexit
 import concurrent.futures
 import dataclasses
 import threading
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 import torch
@@ -115,6 +115,27 @@ class Runtime:
             self._in_flight.add(future)
         future.add_done_callback(self._in_flight.discard)
         return future
+
+    def run_soon(self, fn: Callable[..., object], /, *args: Any) -> bool:
+        """Run blocking `fn(*args)` on the engine's executor, later; returns at once, whether
+        it was scheduled (False once the loop is gone: the caller runs it itself). Takes no
+        lock, so a finalizer may call it from a garbage collection on any thread, even one in
+        `start`. The runtime owns the call, as `start`'s; once closing, the loop's thread
+        runs it."""
+        if self._closed:
+            return False
+        try:
+            self.loop.call_soon_threadsafe(self._spawn, fn, args)
+        except RuntimeError:  # the loop is closed
+            return False
+        return True
+
+    def _spawn(self, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
+        """On the loop: `run_soon`'s call, on the executor (or here, once closing)."""
+        try:
+            self.start(self.run_blocking(fn, *args))
+        except RuntimeError:  # closed: no more work is waited for; do it now
+            fn(*args)
 
     def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run `coroutine` on the runtime's loop and block the calling thread for its result.

@@ -37,11 +37,10 @@ from asynctron.storage._plan import FlatStateDict, ItemKind, SavePlan
 
 @dataclass(frozen=True, slots=True)
 class SaveTarget:
-    """Where a rank writes, as the coordinator's global plan tells it (`storage_data` of each
-    rank's final `SavePlan`)."""
+    """Which files a rank writes, as the coordinator's global plan tells it (`storage_data` of
+    each rank's final `SavePlan`). The same for every save: DCP's plan caching hands later saves
+    the first one's plans, so nothing per save (such as the tmp dir) may be carried here."""
 
-    tmp_dir: str
-    """The save's tmp dir beside the checkpoint path (the coordinator made it)."""
     rank: int
     """The rank's index in DCP's plan: its files are `__<rank>_<bin>.distcp`."""
 
@@ -58,9 +57,10 @@ class ItemWritten:
     """The size of the item's data file."""
 
 
-async def write(runtime: Runtime, plan: DcpSavePlan, planner: SavePlanner,
+async def write(runtime: Runtime, plan: DcpSavePlan, planner: SavePlanner, tmp_dir: str,
                 ready: Mapping[torch.device, torch.cuda.Event]) -> list[WriteResult]:
-    """Write this rank's share of a DCP save into the save's tmp dir, every file fsynced.
+    """Write this rank's share of a DCP save into the save's tmp dir `tmp_dir` (the coordinator
+    made it), every file fsynced.
 
     Raises:
         TypeError: a dtype asynctron cannot store (naming the key).
@@ -75,16 +75,17 @@ async def write(runtime: Runtime, plan: DcpSavePlan, planner: SavePlanner,
     # Handed over in a box emptied here: the executor's futures sit in reference cycles, which
     # would keep the request (and the tensors it points at, e.g. a staged copy) until the
     # next garbage collection.
-    request = (await run_blocking(_request, plan, planner, target, config.num_bins,
-                                  config.slab_bytes, config.checksum is not None)).pop()
-    await stage_and_write(request, target.tmp_dir, snapshot=False, direct_io=config.direct_io,
+    request = (await run_blocking(_request, plan, planner, tmp_dir, target.rank,
+                                  config.num_bins, config.slab_bytes,
+                                  config.checksum is not None)).pop()
+    await stage_and_write(request, tmp_dir, snapshot=False, direct_io=config.direct_io,
                           ready=ready, pool=runtime.pool, copy_streams=runtime.copy_streams,
                           fio=runtime.file_io, run_blocking=run_blocking,
                           on_staged=lambda: None)
     return await run_blocking(_results, request, target.rank)
 
 
-def _request(plan: DcpSavePlan, planner: SavePlanner, target: SaveTarget, num_bins: int,
+def _request(plan: DcpSavePlan, planner: SavePlanner, tmp_dir: str, rank: int, num_bins: int,
              slab_bytes: int, checksum: bool) -> list[SaveRequest]:
     """Blocks (CPU-bound): DCP's final plan as asynctron's request (in a one-item list):
     pickled values resolved now (DCP's planner `torch.save`s them), tensors resolved where the
@@ -105,9 +106,9 @@ def _request(plan: DcpSavePlan, planner: SavePlanner, target: SaveTarget, num_bi
                          planner=planner,  # type: ignore[arg-type]  (any SavePlanner)
                          pickled=pickled)
     layout, sources = file_plan(flat, dcp_items(save_plan), num_bins=num_bins,
-                                rank=target.rank, slab_bytes=slab_bytes,
+                                rank=rank, slab_bytes=slab_bytes,
                                 torch_save_frames=True)
-    return [build_request(flat, target.tmp_dir, layout,
+    return [build_request(flat, tmp_dir, layout,
                           (save_plan, [save_plan.items[source] for source in sources]),
                           checksum=checksum)]
 

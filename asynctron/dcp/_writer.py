@@ -3,19 +3,24 @@
 DCP drives a save in steps (`dcp.save`): every rank sets the writer up and plans locally; the
 coordinator plans globally; every rank writes (`write_data`); the coordinator, given every
 rank's results, finishes. This writer maps them onto asynctron's save:
-- `prepare_global_plan` (coordinator): creates the tmp dir beside the checkpoint path and tells
-  every rank, in its plan, to write there;
+- `prepare_global_plan` (coordinator): creates the tmp dir beside the checkpoint path, named
+  after the path (`_commit.tmp_dir_of`), so every rank finds it without a plan saying so (DCP's
+  plan caching reuses the first save's plans); a plan says only which rank's files to write;
 - `write_data` (every rank): asynctron's per-bin writers on the runtime's loop (`_write_job`);
   returns a future at once;
 - `finish` (coordinator): `.metadata` and `manifest.json` sealed into the tmp dir, renamed to the
-  path (`_commit`).
+  path (`_commit`); the commit, or the tmp dir's removal where it fails, is one job on the
+  runtime's loop, which an interrupt of the waiting thread (Ctrl-C) does not split: the path is
+  then the whole checkpoint, or nothing.
 A save that fails anywhere (any rank's write, DCP's collectives, the commit) never reaches the
 rename: the path is never a half checkpoint. Its tmp dir is removed when the coordinator's
-writer is reset for the next save, garbage collected, or by the next commit in that directory.
+writer is reset for the next save, garbage collected, by the next commit in that directory, or
+by the next save to the same path.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -36,9 +41,8 @@ from asynctron.dcp import _commit as _dcp_commit
 from asynctron.dcp._runtime import Runtime, plugin_config, runtime_for
 from asynctron.dcp._stager import stage_state_dict
 from asynctron.dcp._write_job import SaveTarget, write
-from asynctron.engine._coordinator import prepare_tmp_dir
 from asynctron.engine._staging import mark_ready
-from asynctron.storage import FileIO, _commit, _sysio
+from asynctron.storage import FileIO, _sysio
 from asynctron.storage._locks import DirLock
 
 logger = logging.getLogger(__name__)
@@ -83,9 +87,11 @@ class _PendingSave:
 
 
 def _abandon(tmp_dir: str, lock: DirLock) -> None:
-    """Blocks: remove a save's tmp dir that never committed, then drop its lock."""
+    """Blocks: remove a save's tmp dir that never committed (if `tmp_dir` still names the
+    locked one), then drop its lock."""
     try:
-        _sysio.remove_tree(tmp_dir)
+        if lock.names(tmp_dir):
+            _sysio.remove_tree(tmp_dir)
     except Exception as error:  # debris never looks committed; the next commit retries
         logger.warning("could not remove the tmp dir of a save that did not commit: %s", error)
     finally:
@@ -94,15 +100,30 @@ def _abandon(tmp_dir: str, lock: DirLock) -> None:
 
 def _abandon_pending(runtime: Runtime | None, pending: _PendingSave) -> None:
     """The writer's finalizer: hand its uncommitted tmp dir, if any, to the runtime to remove
-    (never on the thread that happens to free the writer: it may be the loop's); at exit,
-    once the runtime is closed, on this thread."""
+    (never on the thread that happens to free the writer: it may be the loop's, or one inside
+    a runtime call, so this only schedules, taking no lock); at exit, once the runtime is
+    closed, on this thread."""
     held = pending.take()
     if held is None:
         return
-    if runtime is None or runtime.closed:  # the interpreter is exiting: no loop to wait for
+    if runtime is None or not runtime.run_soon(_abandon, *held):  # exiting: no loop left
         _abandon(*held)
-    else:
-        runtime.start(runtime.run_blocking(_abandon, *held))
+
+
+async def _commit_or_abandon(runtime: Runtime, tmp_dir: str, lock: DirLock, path: str,
+                             files: functools.partial[dict[str, bytes]]) -> list[str]:
+    """On the loop: build the commit's files, publish `tmp_dir` at `path`; if either fails,
+    remove `tmp_dir`, only once the publish has stopped (`run_blocking` waits for its thread
+    even when cancelled), so a rename never moves a half-removed tmp dir. Returns the
+    publish's warnings."""
+    try:
+        warnings = await runtime.run_blocking(_dcp_commit.publish, tmp_dir, path,
+                                              await runtime.run_blocking(files))
+    except BaseException:
+        await runtime.run_blocking(_abandon, tmp_dir, lock)
+        raise
+    lock.release()
+    return warnings
 
 
 class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
@@ -144,6 +165,9 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
         self._runtime: Runtime | None = None
         self._pending = _PendingSave()
         self._finalizer = weakref.finalize(self, _abandon_pending, None, self._pending)
+        # the last commit or removal of a tmp dir started (the waiting thread may have been
+        # interrupted): the next save waits for it
+        self._settling: concurrent.futures.Future[Any] | None = None
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = True
         self._requested_unix_s = time.time()
@@ -202,11 +226,10 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
         """
         runtime = self._started()
         self._remove_pending()
-        tmp_dir = _commit.tmp_dir_for(self.path)
-        self._pending.lock = runtime.call(runtime.run_blocking(prepare_tmp_dir, self.path,
-                                                               tmp_dir))
-        self._pending.tmp_dir = tmp_dir
-        return [dataclasses.replace(plan, storage_data=SaveTarget(tmp_dir, rank))
+        self._pending.lock = runtime.call(runtime.run_blocking(_dcp_commit.prepare_tmp_dir,
+                                                               self.path))
+        self._pending.tmp_dir = _dcp_commit.tmp_dir_of(self.path)
+        return [dataclasses.replace(plan, storage_data=SaveTarget(rank))
                 for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -226,7 +249,8 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
                              f"{type(plan.storage_data).__name__}; save with "
                              "asynctron.dcp.StorageWriter on every rank")
         runtime = self._started()
-        started = runtime.start(write(runtime, plan, planner, mark_ready()))
+        started = runtime.start(write(runtime, plan, planner, _dcp_commit.tmp_dir_of(self.path),
+                                      mark_ready()))
         future: Future[list[WriteResult]] = Future()
 
         def settle(done: Any) -> None:
@@ -250,25 +274,24 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
             FileExistsError: the path appeared meanwhile; nothing is committed.
             StorageError: a write, fsync or the rename failed; nothing is committed (the tmp
                 dir is removed).
+
+        Interrupted (KeyboardInterrupt, SystemExit) while it waits, it raises at once; the
+        commit goes on on the runtime's loop: the path becomes the whole checkpoint, or, if the
+        commit fails, nothing (the tmp dir is removed). The next save through this writer, and
+        interpreter exit, wait for it.
         """
         runtime = self._started()
         held = self._pending.take()
         if held is None:
             raise RuntimeError(f"checkpoint {self.path}: finish without a save in progress; "
                                "DCP calls it after prepare_global_plan")
-        tmp_dir, lock = held
-        try:
-            files = runtime.call(runtime.run_blocking(functools.partial(
-                _dcp_commit.checkpoint_files, metadata, results,
-                storage_meta=self.storage_meta(), checksum=self._config.checksum,
-                created_unix_s=self._requested_unix_s)))
-            for warning in runtime.call(runtime.run_blocking(_dcp_commit.publish, tmp_dir,
-                                                             self.path, files)):
-                logger.warning("%s", warning)
-        except BaseException:
-            runtime.call(runtime.run_blocking(_abandon, tmp_dir, lock))
-            raise
-        lock.release()
+        files = functools.partial(_dcp_commit.checkpoint_files, metadata, results,
+                                  storage_meta=self.storage_meta(),
+                                  checksum=self._config.checksum,
+                                  created_unix_s=self._requested_unix_s)
+        self._settling = runtime.start(_commit_or_abandon(runtime, *held, self.path, files))
+        for warning in self._settling.result():
+            logger.warning("%s", warning)
 
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
         """`dcp.async_save`'s staging, as `AsyncStager.stage`: a copy in asynctron's
@@ -284,10 +307,15 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
         self._remove_pending()
 
     def _remove_pending(self) -> None:
+        """Remove the uncommitted tmp dir, if any, as one job on the runtime's loop, and wait
+        for it (and for an earlier commit or removal whose waiting thread was interrupted)."""
         held = self._pending.take()
         if held is not None:
             runtime = self._started()
-            runtime.call(runtime.run_blocking(_abandon, *held))
+            self._settling = runtime.start(runtime.run_blocking(_abandon, *held))
+        if self._settling is not None:
+            concurrent.futures.wait([self._settling])  # its error, if any, was raised then
+            self._settling = None
 
     def __repr__(self) -> str:
         return f"<asynctron.dcp.StorageWriter {self.path!r}>"

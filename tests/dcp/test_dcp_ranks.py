@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -150,3 +151,26 @@ def test_two_ranks_reshard_and_async_save_with_the_stager(runs: dict[int, list[A
 
 def test_one_rank_reads_every_checkpoint_whole(runs: dict[int, list[Any]]) -> None:
     assert runs[1] == [{"four": True, "four_stock": True, "two": True, "one_saved": True}]
+
+
+def cached_plans(rank: int, world: int, root: str) -> list[bool]:
+    """Three saves (to a path each) with DCP's plan caching, as Megatron-Core's planner does:
+    the later saves get the first one's cached plans. Each loads back bit-exactly."""
+    mesh = init_device_mesh("cpu", (world,))
+    loaded = []
+    for step in range(3):
+        path = f"{root}/cached_{world}_{step}"
+        dcp.save(_state(mesh, Shard(0), Shard(1)), storage_writer=StorageWriter(path),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+        loaded.append(_load(dcp.FileSystemReader(path), mesh, Shard(1), Shard(0)))
+    return loaded
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_plan_caching_saves_every_time(tmp_path: Any, world: int) -> None:
+    """With `DefaultSavePlanner(enable_plan_caching=True)` every save after the first got the
+    first save's plans, which named its tmp dir: they failed (ENOENT/EEXIST)."""
+    out = [r.unwrap() for r in run_local_ranks(cached_plans, world, str(tmp_path),
+                                               timeout_s=240)]
+    assert out == [[True, True, True]] * world
+    assert sorted(os.listdir(tmp_path)) == [f"cached_{world}_{step}" for step in range(3)]

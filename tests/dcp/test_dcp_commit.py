@@ -1,0 +1,163 @@
+"""The coordinator's commit and the tmp dir's life: a save's tmp dir is found from its path
+alone (DCP's plan caching hands later saves the first one's plans); an interrupt while the
+coordinator waits in `finish` never splits the commit from the tmp dir's removal; a writer
+freed by a garbage collection inside a runtime call does not deadlock it; a dead save's tmp
+dir at the same path is replaced, a live one's refused."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import gc
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+
+from asynctron.dcp import StorageReader, StorageWriter
+from asynctron.dcp import _commit as dcp_commit
+from tests.conftest import assert_same
+
+
+def leftovers(root: Any) -> list[str]:
+    return sorted(name for name in os.listdir(root) if ".tmp-" in name)
+
+
+@pytest.fixture
+def no_cached_plans() -> Iterator[None]:
+    """DCP's plan cache is class-level: empty before and after the test."""
+    caches = ("_cached_save_plan", "_cached_all_plans", "_cached_global_plan",
+              "_cached_metadata", "_cached_final_save_plan")
+
+    def clear() -> None:
+        for name in caches:
+            getattr(SavePlanner, name, {}).clear()
+
+    clear()
+    yield
+    clear()
+
+
+@pytest.mark.usefixtures("no_cached_plans")
+def test_plan_caching_saves_every_time(tmp_path: Any) -> None:
+    state = {"w": torch.randn(100, 10), "step": 1}
+    for step in range(3):
+        state["w"].add_(1)
+        dcp.save(state, storage_writer=StorageWriter(f"{tmp_path}/step{step}"),
+                 planner=DefaultSavePlanner(enable_plan_caching=True))
+        target = {"w": torch.zeros(100, 10), "step": 0}
+        dcp.load(target, storage_reader=StorageReader(f"{tmp_path}/step{step}"))
+        assert_same(state, target)
+    assert sorted(os.listdir(tmp_path)) == ["step0", "step1", "step2"]
+
+
+def test_an_interrupt_in_finish_never_splits_the_commit(tmp_path: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C reaches the coordinator while it waits for the commit (the rename not yet made):
+    the tmp dir is never removed under the commit, so once the runtime is idle the path is
+    the whole checkpoint (the commit went on) and no tmp dir is left. Before, the interrupt
+    removed the tmp dir while the rename was still to come."""
+    real_publish = dcp_commit.publish
+    proceed, main = threading.Event(), threading.main_thread().ident
+    assert main is not None and threading.current_thread().ident == main
+
+    def publish(tmp_dir: str, final_path: str, files: Any) -> list[str]:
+        signal.pthread_kill(main, signal.SIGUSR1)  # the waiting thread is interrupted now
+        proceed.wait(timeout=120)  # a guard, never reached: the test sets it
+        return real_publish(tmp_dir, final_path, files)
+
+    def interrupt(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dcp_commit, "publish", publish)
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    state = {"w": torch.randn(1000, 100), "v": torch.randn(5000)}
+    writer = StorageWriter(f"{tmp_path}/ck", num_workers=4)
+    try:
+        with pytest.raises((KeyboardInterrupt, CheckpointException)):
+            dcp.save(state, storage_writer=writer)
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        proceed.set()
+    runtime = writer._started()
+    concurrent.futures.wait(list(runtime._in_flight))
+    assert leftovers(tmp_path) == [] and os.listdir(tmp_path) == ["ck"]
+    target = {"w": torch.zeros(1000, 100), "v": torch.zeros(5000)}
+    dcp.load(target, storage_reader=StorageReader(f"{tmp_path}/ck"))
+    assert_same(state, target)
+
+
+def _pending_garbage(path: str) -> None:
+    """A coordinator's writer with a tmp dir made, left as cyclic garbage."""
+    writer = StorageWriter(path, num_bins=7)
+    writer.set_up_storage_writer(True)
+    writer.prepare_global_plan([SavePlan([])])
+    writer.cycle = writer  # type: ignore[attr-defined]
+
+
+def test_a_writer_freed_inside_a_runtime_call_does_not_deadlock(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A garbage collection inside `Runtime.start` (under its lock) frees a writer whose
+    finalizer removes its tmp dir: it only schedules, so `start` goes on (it re-entered the
+    lock and deadlocked), and the tmp dir is removed."""
+    runtime = StorageWriter(f"{tmp_path}/x", num_bins=7)._started()  # options of its own
+    real = asyncio.run_coroutine_threadsafe
+    collected = threading.Event()
+
+    def with_gc(coroutine: Any, loop: Any) -> Any:  # a collection from an allocation
+        if not collected.is_set():
+            collected.set()
+            gc.collect()
+        return real(coroutine, loop)
+
+    async def nothing() -> None:
+        return None
+
+    gc.disable()
+    try:
+        _pending_garbage(f"{tmp_path}/ck")
+        assert len(leftovers(tmp_path)) == 1
+        monkeypatch.setattr(asyncio, "run_coroutine_threadsafe", with_gc)
+        caller = threading.Thread(target=lambda: runtime.start(nothing()).result(),
+                                  daemon=True)
+        caller.start()
+        caller.join(timeout=30)  # a guard against the deadlock, not a timing
+        assert not caller.is_alive(), "Runtime.start deadlocked in the writer's finalizer"
+    finally:
+        gc.enable()
+    monkeypatch.undo()
+    runtime.call(nothing())  # the finalizer's removal was scheduled before this
+    concurrent.futures.wait(list(runtime._in_flight))
+    assert collected.is_set() and leftovers(tmp_path) == []
+
+
+def test_a_dead_saves_tmp_dir_is_replaced_a_live_ones_refused(tmp_path: Any) -> None:
+    stale = tmp_path / ".ck.tmp-dcp"
+    stale.mkdir()
+    (stale / "__0_0.distcp").write_bytes(b"half")
+    dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(f"{tmp_path}/ck"))
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+    assert_same({"w": torch.ones(3)}, _load(f"{tmp_path}/ck"))
+
+    live = StorageWriter(f"{tmp_path}/d")
+    live.set_up_storage_writer(True)
+    live.prepare_global_plan([SavePlan([])])
+    with pytest.raises(CheckpointException, match="another save to this path is in progress"):
+        dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(f"{tmp_path}/d"))
+    assert leftovers(tmp_path) == [".d.tmp-dcp"]
+    live.close()
+    assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def _load(path: str) -> dict[str, Any]:
+    target = {"w": torch.zeros(3)}
+    dcp.load(target, storage_reader=StorageReader(path))
+    return target
