@@ -12,9 +12,13 @@ Stages of `stage(state_dict)` (the caller blocks for all of them):
 1. plan (executor): the tensors laid out in slabs: small ones packed into `slab_bytes` slabs
    (64-byte aligned), one larger than a slab in a slab of its own size (so the next save of
    the same model finds the same sizes warm);
-2. acquire: the total from the staging budget (waiting while earlier saves still hold their
-   copies, after a garbage collection frees those only reference cycles still hold), the
-   slabs from the cache (missing ones allocated on the executor);
+2. acquire: the total from the staging budget, at once (after a garbage collection frees the
+   copies only reference cycles still hold), the slabs from the cache (missing ones allocated
+   on the executor). It never waits: a staged copy is held as long as anything references
+   it (a failed save's kept exception does, through its traceback), so what the budget cannot
+   lend now is staged outside it, in slabs allocated for this save, with a logged warning.
+   A state dict larger than the whole budget is lent alone (when nothing else is staged);
+   its slabs stay warm in the cache up to `memory_budget_bytes`;
 3. copy (executor, in parallel calls): then the staged state dict is built, its tensors views of
    the slabs.
 A slab returns to the cache, and its bytes to the budget, when the last tensor viewing it is
@@ -27,6 +31,7 @@ import asyncio
 import copy
 import gc
 import io
+import logging
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,6 +44,7 @@ from torch.distributed.checkpoint.metadata import STATE_DICT_TYPE
 from torch.distributed.tensor import DTensor
 
 from asynctron import _native
+from asynctron._budget import ByteBudget
 from asynctron.dcp._runtime import Runtime, plugin_config, runtime_for
 from asynctron.engine._slabs import SLAB_CACHE, Slab
 from asynctron.engine._staging import mark_ready
@@ -47,6 +53,7 @@ from asynctron.storage._layout import ALIGN_BYTES, SMALL_ALIGN_BYTES, align_up
 
 #: CPU copies are cut into pieces of at most this many bytes, spread over the executor.
 _COPY_PIECE_BYTES = 16 << 20
+logger = logging.getLogger(__name__)
 _KEPT = (int, float, str, bytes, bool, type(None), io.BytesIO, torch.dtype, torch.device,
          torch.Size)
 
@@ -74,9 +81,11 @@ class AsyncStager(staging.AsyncStager):
     small tensors are packed into, `num_workers` the copying threads, `pin_memory` whether
     slabs are pinned (default: when CUDA is available).
 
-    Concurrency: any number of threads may stage at once; together they hold at most
-    `memory_budget_bytes` of staged copies, and a `stage` waits while earlier saves still hold
-    theirs.
+    Concurrency: any number of threads may stage at once. `memory_budget_bytes` bounds the
+    staged copies lent from the process-wide pool; a `stage` never waits for it: when earlier
+    saves still hold their copies (a save still running, or a failed save whose exception is
+    kept), or the state dict is larger than the budget while another copy is held, the copy
+    is made in slabs allocated for it, outside the budget, and a warning is logged.
     Memory: a staged copy's slabs return to the process-wide cache once its save ends (its
     tensors are freed), and stay there, warm, for the next save
     (`asynctron.free_idle_staging()` frees them).
@@ -102,7 +111,6 @@ class AsyncStager(staging.AsyncStager):
         Blocks until the copy is made.
 
         Raises:
-            ValueError: the tensors need more than `memory_budget_bytes` (naming both).
             TypeError: a tensor subclass other than DTensor (naming the key).
         """
         return stage_state_dict(self._started(), state_dict)
@@ -129,17 +137,25 @@ async def _stage(runtime: Runtime, state_dict: Mapping[str, Any],
     run_blocking, budget = runtime.run_blocking, runtime.staging_budget
     leaves, sizes = await run_blocking(_plan, state_dict, runtime.config.slab_bytes)
     total = sum(sizes)
-    if total > budget.total_bytes:
-        raise ValueError(f"AsyncStager: expected the state dict's tensors to fit "
-                         f"memory_budget_bytes ({budget.total_bytes}), found {total} bytes "
-                         "(slab-aligned); raise memory_budget_bytes")
-    try:
-        budget.acquire_nowait(total)
-    except WouldBlock:
-        # Earlier saves hold their copies; a finished one may be held only by reference
-        # cycles (futures that crossed threads): collect them before waiting.
+    # Never wait for the budget: a staged copy is held until the save that took it is freed,
+    # which a kept exception (its traceback holds the staged state dict) delays forever. What
+    # the budget cannot lend now is staged outside it, as stock stagers do, with a warning.
+    lent = _borrow_now(budget, total)
+    if not lent:
+        # A finished save's copy may be held only by reference cycles (futures that crossed
+        # threads): collect them, and let the releases that queues run, then try again.
         await run_blocking(gc.collect)
-        await budget.acquire(total)
+        await asyncio.sleep(0)
+        lent = _borrow_now(budget, total)
+    if not lent:
+        logger.warning(
+            "AsyncStager: staging %d bytes outside memory_budget_bytes (%d): %d bytes of it "
+            "are still held by earlier staged copies (a save still running, or a failed "
+            "save whose exception is kept: its traceback holds the staged state dict); "
+            "these slabs are allocated for this save, not lent from the budget. Raise "
+            "memory_budget_bytes, or drop references to failed saves' exceptions",
+            total, budget.total_bytes, budget.borrowed_bytes)
+    taken: list[Slab] = []
     taken: list[Slab] = []
     try:
         cached = [SLAB_CACHE.take(size, runtime.pinned) for size in sizes]
@@ -152,20 +168,32 @@ async def _stage(runtime: Runtime, state_dict: Mapping[str, Any],
     except BaseException:
         for slab in taken:
             SLAB_CACHE.give(slab)
-        budget.release(total)
+        if lent:
+            budget.release(total)
         raise
     loop = asyncio.get_running_loop()
 
     def released(slab: Slab) -> None:  # any thread: a staged copy's last tensor was freed
         if not loop.is_closed():
-            loop.call_soon_threadsafe(_give_back, runtime, slab)
+            loop.call_soon_threadsafe(_give_back, runtime, slab, lent)
 
     return await run_blocking(_rebuild, state_dict, leaves, slabs, released)
 
 
-def _give_back(runtime: Runtime, slab: Slab) -> None:
+def _borrow_now(budget: ByteBudget, nbytes: int) -> bool:
+    """Whether `nbytes` were borrowed from `budget` at once (a state dict larger than the
+    whole budget is lent alone, when nothing else is staged)."""
+    try:
+        budget.acquire_nowait(nbytes)
+    except WouldBlock:
+        return False
+    return True
+
+
+def _give_back(runtime: Runtime, slab: Slab, lent: bool) -> None:
     SLAB_CACHE.give(slab)
-    runtime.staging_budget.release(slab.nbytes)
+    if lent:
+        runtime.staging_budget.release(slab.nbytes)
 
 
 def _allocate(sizes: list[int], pinned: bool) -> list[Slab]:
