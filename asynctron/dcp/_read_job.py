@@ -71,8 +71,9 @@ async def read(runtime: Runtime, checkpoint: OpenCheckpoint, plan: LoadPlan,
 
     Raises:
         CorruptCheckpointError: an item missing, truncated, not matching its digest or its
-            metadata, or a blob holding objects asynctron refuses to unpickle (naming file and
-            key).
+            metadata (naming file and key); its subclass `RefusedObjectError` (also a
+            `TypeError`), a blob holding globals asynctron does not unpickle (naming them and
+            `torch.serialization.add_safe_globals`).
         ValueError: a target whose shape differs from the read item's (naming the key).
         StorageError: a read failed.
 

@@ -9,8 +9,11 @@ flattened keys back to nested paths) and `__<rank>_<n>.distcp` files whose tenso
 Reading it never runs foreign code: `.metadata` goes through `MetadataUnpickler`, which admits
 only DCP's metadata classes, torch dtypes and `torch.Size` (any other global is a
 `CorruptCheckpointError` naming it), and item blobs go through `torch.load(weights_only=True)`
-(tensors, containers and numpy arrays only). The result is an ordinary `Manifest` whose items
-say `encoding="torch_save"`, so the engine's loader reads both formats.
+(tensors, containers, numpy arrays and scalars of numeric dtypes, and what the user admits
+with `torch.serialization.add_safe_globals`; anything else is a `RefusedObjectError` naming the
+item and the refused globals; `check_object_blob` refuses such a value at save time). The
+result is an ordinary `Manifest` whose items say `encoding="torch_save"`, so the engine's loader
+reads both formats.
 
 Writing: a `torch.save` blob of a contiguous tensor is a constant prefix, the raw bytes and a
 constant suffix, given the dtype and shape (`torch_save_frame`), so asynctron's pipeline writes
@@ -555,17 +558,42 @@ def metadata_bytes(records: Sequence[ItemRecord], frames: Sequence[tuple[int, in
     return pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-_NUMPY_GLOBALS = [np.ndarray, np.dtype, np._core.multiarray._reconstruct] + [
-    type(np.dtype(name)) for name in ("float64", "float32", "float16", "int64", "int32", "int16",
-                                      "int8", "uint8", "bool", "complex64", "complex128")]
+#: What `decode_blob` admits beyond torch's own `weights_only` allowlist: numpy arrays and
+#: scalars of numeric and bool dtypes (`np.random.get_state()`, `np.float64(...)`), as torch
+#: documents for `weights_only` loads. No object, string, void or datetime dtype: nothing that
+#: can name another global is admitted.
+_NUMPY_DTYPE_NAMES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32",
+                      "uint64", "float16", "float32", "float64", "longdouble", "complex64",
+                      "complex128", "clongdouble")
+_NUMPY_GLOBALS = [np.ndarray, np.dtype, np._core.multiarray._reconstruct,
+                  np._core.multiarray.scalar,
+                  *dict.fromkeys(type(np.dtype(name)) for name in _NUMPY_DTYPE_NAMES)]
+
+
+class RefusedObjectError(CorruptCheckpointError, TypeError):
+    """An item's pickled value holds globals (classes, functions) asynctron does not unpickle;
+    the bytes are intact. A `TypeError`; also a `CorruptCheckpointError`, so that whatever
+    reports unloadable items (`asynctron verify`) reports it too.
+
+    Attributes: those of `CorruptCheckpointError`, and `refused`: what was refused (the
+    globals' `module.name`s).
+    """
+
+    def __init__(self, refused: str, message: str, *, path: str, key: str | None = None
+                 ) -> None:
+        super().__init__(message, path=path, key=key)
+        self.refused = refused
 
 
 def decode_blob(data: memoryview, *, key: str, path: str) -> Any:
     """Blocks: a `torch.save` blob of a DCP item as its value (a CPU tensor, or a Python value
-    of tensors, containers, scalars and numpy arrays); nothing else is unpickled, and its pickle
+    of tensors, containers, scalars and numpy arrays and scalars, and whatever
+    `torch.serialization.add_safe_globals` admits); nothing else is unpickled, and its pickle
     only once `check_pickle_costs` passes it.
 
     Raises:
+        RefusedObjectError: the blob holds globals asynctron does not unpickle (names the item
+            and them, and `torch.serialization.add_safe_globals`).
         CorruptCheckpointError: the blob is not a loadable `torch.save` blob (names the item).
     """
     try:
@@ -573,11 +601,62 @@ def decode_blob(data: memoryview, *, key: str, path: str) -> Any:
         with torch.serialization.safe_globals(_NUMPY_GLOBALS):
             return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:
+        refused = _refusal(exc, data)
+        if refused is not None:
+            raise RefusedObjectError(
+                refused, f"item {key!r} in {path}: holds {refused}, which asynctron does "
+                "not unpickle (only tensors, plain values, and numpy arrays and scalars of "
+                "numeric dtypes; unpickling other globals could run code); the item is not "
+                "damaged. If you trust the checkpoint, allow them before loading: "
+                "torch.serialization.add_safe_globals([...]) with those classes or functions",
+                path=path, key=key) from exc
         raise CorruptCheckpointError(
             f"item {key!r} in {path}: expected a torch.save blob of tensors and plain values, "
             f"found {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; the "
-            "item is damaged or holds objects asynctron refuses to unpickle",
-            path=path, key=key) from exc
+            "item is damaged", path=path, key=key) from exc
+
+
+def _refusal(exc: Exception, blob: bytes | memoryview) -> str | None:
+    """What in `blob` torch's `weights_only` unpickler refused (the globals it names, or its
+    reason), or None when `exc` is not such a refusal (the blob is damaged)."""
+    if not isinstance(exc, pickle.UnpicklingError) or "Weights only load failed" not in str(exc):
+        return None
+    try:
+        with torch.serialization.safe_globals(_NUMPY_GLOBALS):
+            names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(blob))
+    except Exception:
+        names = []
+    if names:
+        return ", ".join(names)
+    reason = str(exc).split("WeightsUnpickler error:", 1)[-1]
+    built = re.search(r"but got <class '([\w.]+)'>", reason)
+    if built:
+        return built.group(1)
+    lines = reason.strip().splitlines()
+    return f"objects ({lines[0][:200]})" if lines else "objects"
+
+
+def check_object_blob(blob: bytes | memoryview, *, key: str) -> None:
+    """Blocks: refuse, at save time, a pickled value (a `torch.save` blob) that `decode_blob`
+    would refuse when loading it, so that no unreadable checkpoint is written. Decodes it
+    (pickled values are the small, non-tensor part of a state dict).
+
+    Raises:
+        TypeError: the value holds what asynctron's reader does not unpickle (names the key
+            and it, and `torch.serialization.add_safe_globals`).
+    """
+    try:
+        decode_blob(memoryview(blob), key=key, path="<save>")
+    except RefusedObjectError as error:
+        raise TypeError(
+            f"value at key {key!r}: holds {error.refused}, which asynctron's reader does not "
+            "unpickle (only tensors, plain values, and numpy arrays and scalars of numeric "
+            "dtypes); convert it before saving (e.g. to a tensor, str or dict), or allow it on "
+            "every process that saves or loads: torch.serialization.add_safe_globals([...])"
+        ) from None
+    except CorruptCheckpointError as error:
+        raise TypeError(f"value at key {key!r}: asynctron's reader would refuse it: "
+                        f"{str(error).split(': ', 1)[-1]}") from None
 
 
 def _pickle_of(blob: memoryview) -> bytes:

@@ -3,8 +3,11 @@ anything but DCP's metadata types and plain values."""
 
 from __future__ import annotations
 
+import argparse
 import collections
 import copyreg
+import datetime
+import io
 import json
 import os
 import pathlib
@@ -29,7 +32,12 @@ from torch.distributed.checkpoint.metadata import (
 
 from asynctron import CorruptCheckpointError, Engine
 from asynctron.cli import main
-from asynctron.storage._dcp import read_dcp_manifest
+from asynctron.storage._dcp import (
+    RefusedObjectError,
+    check_object_blob,
+    decode_blob,
+    read_dcp_manifest,
+)
 from tests.conftest import assert_same
 
 
@@ -86,10 +94,67 @@ class Gadget:
 
 async def test_an_item_holding_a_foreign_class_is_refused_by_name(tmp_path: object) -> None:
     _save_stock(f"{tmp_path}/dcp", {"gadget": Gadget(), "w": torch.ones(2)})
-    with pytest.raises(CorruptCheckpointError,
-                       match=r"^item 'gadget' in .*__0_0\.distcp: expected a torch\.save blob of "
-                             r"tensors and plain values, found UnpicklingError"):
+    with pytest.raises(RefusedObjectError,
+                       match=r"^item 'gadget' in .*__0_0\.distcp: holds .*Gadget, which "
+                             r"asynctron does not unpickle .* the item is not "
+                             r"damaged\. .*torch\.serialization\.add_safe_globals") as raised:
         await _load(f"{tmp_path}/dcp")
+    assert isinstance(raised.value, TypeError | CorruptCheckpointError)
+    assert raised.value.key == "gadget"
+
+
+def _blob(value: object) -> memoryview:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getbuffer()
+
+
+@pytest.mark.parametrize("value", [
+    np.float64(2.5), np.float32(1.5), np.int64(-3), np.bool_(True), np.uint32(7),
+    np.complex128(1 + 2j), np.random.RandomState(0).get_state(), np.dtype("uint16"),
+    np.arange(6, dtype=np.uint32).reshape(2, 3), np.zeros(2, dtype=np.float16),
+], ids=lambda value: type(value).__name__)
+def test_numpy_scalars_dtypes_and_arrays_decode(value: object) -> None:
+    check_object_blob(_blob(value), key="v")
+    decoded = decode_blob(_blob(value), key="v", path="f")
+    if isinstance(value, tuple):  # np.random.get_state(): (name, keys, pos, has_gauss, gauss)
+        assert decoded[0] == value[0] and decoded[2:] == value[2:]
+        np.testing.assert_array_equal(decoded[1], value[1])
+    else:
+        assert type(decoded) is type(value)
+        if not isinstance(value, np.dtype):
+            np.testing.assert_array_equal(decoded, value)
+            assert decoded.dtype == value.dtype
+
+
+@pytest.mark.parametrize(("value", "names"), [
+    (datetime.datetime(2020, 1, 1), "datetime.datetime"),
+    (argparse.Namespace(a=1), "argparse.Namespace"),
+    (slice(1, 2), "builtins.slice"),
+    (np.array(["a"], dtype=object), "ObjectDType"),
+    (Gadget(), "Gadget"),
+], ids=["datetime", "Namespace", "slice", "object array", "class"])
+def test_refused_globals_are_named_with_the_way_to_allow_them(value: object, names: str) -> None:
+    with pytest.raises(RefusedObjectError, match=rf"item 'v' in f: holds .*{re.escape(names)}"):
+        decode_blob(_blob(value), key="v", path="f")
+    with pytest.raises(TypeError, match=rf"^value at key 'v': holds .*{re.escape(names)}, which "
+                                        r"asynctron's reader does not unpickle .*"
+                                        r"torch\.serialization\.add_safe_globals"):
+        check_object_blob(_blob(value), key="v")
+
+
+def test_safe_globals_the_user_adds_are_admitted() -> None:
+    value = datetime.datetime(2020, 1, 1)
+    with torch.serialization.safe_globals([datetime.datetime]):
+        check_object_blob(_blob(value), key="v")
+        assert decode_blob(_blob(value), key="v", path="f") == value
+
+
+def test_a_damaged_blob_is_still_corrupt_not_refused() -> None:
+    blob = bytes(_blob({"a": 1}))
+    with pytest.raises(CorruptCheckpointError, match=r"the item is damaged") as raised:
+        decode_blob(memoryview(blob[:len(blob) // 2]), key="v", path="f")
+    assert not isinstance(raised.value, RefusedObjectError)
 
 
 class _Exploit:
@@ -192,8 +257,8 @@ def _store_a_in_bs_blob(metadata: Metadata) -> None:
 
 @pytest.mark.parametrize(("state", "edit", "message", "summary"), [
     ({"gadget": Gadget(), "w": torch.ones(2)}, None,
-     r"item 'gadget' in .*/__0_0\.distcp: expected a torch\.save blob of tensors and plain "
-     r"values, found UnpicklingError", "1 of 2 items corrupt"),
+     r"item 'gadget' in .*/__0_0\.distcp: holds .*Gadget, which "
+     r"asynctron does not unpickle", "1 of 2 items corrupt"),
     ({"a": torch.ones(4), "b": torch.ones(5)}, _store_a_in_bs_blob,
      r"item 'a' in .*/__0_0\.distcp: expected torch\.float32 \[4\], found torch\.float32 "
      r"\[5\]; ", "1 of 1 items corrupt"),
