@@ -5,13 +5,22 @@ executor):
 1. plan (`_plan`): each read item's stored item found in the checkpoint's manifest; its target
    resolved through the planner. Raw tensor bytes (checkpoints asynctron wrote) are read straight
    into a contiguous CPU target of the same dtype when the item's rows are whole (its dim-0 rows
-   range), else into a chunk of their own; `torch.save` blobs (stock DCP) are read whole;
-2. read: `CheckpointReader.read` (one task per file, batched preadv calls), each whole item
+   range), else into a chunk of their own; `torch.save` blobs (stock DCP) are read whole, into
+   a buffer of their own;
+2. waves (`_waves`): the reads cut, in order, into waves whose buffers (blobs and chunks read
+   apart; direct reads need none) total at most `memory_budget_bytes`, and at most 256 MiB; a
+   read larger than that makes a wave alone. Each wave borrows its bytes from the runtime's
+   budget (shared with the writers' slabs), allocates its buffers, is read, finished, and its
+   buffers freed before the next one's are allocated;
+3. read: `CheckpointReader.read` (one task per file, batched preadv calls), each whole item
    verified against its digest where the checkpoint has them;
-3. finish (`_finish`): blobs decoded without unpickling anything but tensors and plain values,
+4. finish (`_finish`): blobs decoded without unpickling anything but tensors and plain values,
    chunks narrowed and copied into their targets (dtype conversion, CUDA), then
    `planner.commit_tensor`; pickled values checked the same way before `planner.load_bytes`
    (stock DCP's planner unpickles them with `weights_only=False`).
+
+Memory: beyond the targets, a wave's buffers (at most the budget, or one larger item), and
+while an item is finished, its decoded copy.
 """
 
 from __future__ import annotations
@@ -52,17 +61,30 @@ class OpenCheckpoint:
                                     for record in manifest.items})
 
 
+#: The most temporary bytes (blobs, chunks read apart) one wave holds, below
+#: `memory_budget_bytes`: a wave is read, then finished, before the next one's are allocated.
+_WAVE_BYTES = 256 << 20
+
+
 @dataclass(slots=True, eq=False)
 class _Read:
     """One read item: what is read (`record`: the item, or a range of its rows) and where
-    (`buffer`: a blob or chunk of its own; None when read straight into `target`)."""
+    (`buffer`, allocated for its wave: a blob (`blob`) or chunk of `chunk_shape` of its own;
+    None when read straight into `target`)."""
 
     item: ReadItem
     record: ItemRecord
     target: torch.Tensor | None
-    buffer: bytearray | torch.Tensor | None
     starts: tuple[int, ...] = ()
     """Where the wanted region starts in what is read (a blob's whole chunk, or `buffer`)."""
+    blob: bool = False
+    chunk_shape: tuple[int, ...] | None = None
+    buffer: torch.Tensor | None = None
+
+    @property
+    def temporary_bytes(self) -> int:
+        """The bytes of the buffer this read needs apart from its target."""
+        return self.record.nbytes if self.blob or self.chunk_shape is not None else 0
 
 
 async def read(runtime: Runtime, checkpoint: OpenCheckpoint, plan: LoadPlan,
@@ -80,26 +102,75 @@ async def read(runtime: Runtime, checkpoint: OpenCheckpoint, plan: LoadPlan,
     Cancellation: reads in flight finish; targets may be partly filled.
     """
     run_blocking = runtime.run_blocking
-    # In a box emptied here: the executor's futures sit in reference cycles, which would keep
-    # the read buffers (as large as the items) until the next garbage collection.
-    reads, jobs = (await run_blocking(_plan, checkpoint, plan, planner)).pop()
+    reads = await run_blocking(_plan, checkpoint, plan, planner)
+    budget = runtime.pool.budget  # shared with the writers' slabs
+    limit = min(budget.total_bytes, _WAVE_BYTES)
     reader = CheckpointReader(runtime.file_io, checkpoint.path, run_blocking,
                               max_files_at_once=runtime.config.num_workers)
     reader.manifest = checkpoint.manifest  # already read and validated by read_metadata
     try:
-        errors = await reader.read(jobs, verify=verify, slab_bytes=runtime.config.slab_bytes)
+        for wave, nbytes in _waves(reads, limit):
+            await budget.acquire(nbytes)  # a read larger than the budget: alone
+            try:
+                # In a box emptied here: the executor's futures sit in reference cycles,
+                # which would keep the buffers until the next garbage collection.
+                jobs = (await run_blocking(_allocate, wave)).pop()
+                errors = await reader.read(jobs, verify=verify,
+                                           slab_bytes=runtime.config.slab_bytes)
+                del jobs
+                if errors:
+                    raise errors[0]
+                await run_blocking(_finish, wave, planner, checkpoint.path)
+            finally:
+                for read_ in wave:
+                    read_.buffer = None
+                budget.release(nbytes)
     finally:
         await reader.aclose()
-    if errors:
-        raise errors[0]
-    await run_blocking(_finish, reads, planner, checkpoint.path)
 
 
-def _plan(checkpoint: OpenCheckpoint, plan: LoadPlan, planner: LoadPlanner
-          ) -> list[tuple[list[_Read], list[ReadJob]]]:
-    """Blocks: each read item's stored item, target and read (in a one-item list)."""
-    reads: list[_Read] = []
+def _waves(reads: Sequence[_Read], limit: int) -> list[tuple[list[_Read], int]]:
+    """`reads` in order, cut into waves of at most `limit` temporary bytes (a larger read in a
+    wave of its own); each with its temporary bytes."""
+    waves: list[tuple[list[_Read], int]] = []
+    wave: list[_Read] = []
+    nbytes = 0
+    for read_ in reads:
+        size = read_.temporary_bytes
+        if wave and nbytes + size > limit:
+            waves.append((wave, nbytes))
+            wave, nbytes = [], 0
+        wave.append(read_)
+        nbytes += size
+    if wave:
+        waves.append((wave, nbytes))
+    return waves
+
+
+def _temporary(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Blocks: a buffer for one wave's read."""
+    return torch.empty(shape, dtype=dtype)
+
+
+def _allocate(wave: Sequence[_Read]) -> list[list[ReadJob]]:
+    """Blocks: the wave's buffers, and its reads (in a one-item list)."""
     jobs: list[ReadJob] = []
+    for read_ in wave:
+        if read_.blob:
+            read_.buffer = _temporary((read_.record.nbytes,), torch.uint8)
+        elif read_.chunk_shape is not None:
+            assert read_.record.dtype is not None
+            read_.buffer = _temporary(read_.chunk_shape, TORCH_DTYPES[read_.record.dtype])
+        if read_.record.nbytes:
+            destination = read_.target if read_.buffer is None else read_.buffer
+            assert destination is not None
+            jobs.append(ReadJob(read_.record, _tensor_bytes(destination)))
+    return [jobs]
+
+
+def _plan(checkpoint: OpenCheckpoint, plan: LoadPlan, planner: LoadPlanner) -> list[_Read]:
+    """Blocks: each read item's stored item, target and read (its buffer not allocated)."""
+    reads: list[_Read] = []
     for item in plan.items:
         index = item.storage_index
         key = index.fqn
@@ -115,18 +186,11 @@ def _plan(checkpoint: OpenCheckpoint, plan: LoadPlan, planner: LoadPlanner
             target = None
             if item.type != LoadItemType.BYTE_IO:
                 target = _target(planner, item, record, checkpoint.path)
-            buffer = bytearray(record.nbytes)
-            reads.append(_Read(item, record, target, buffer, tuple(item.storage_offsets)))
-            jobs.append(ReadJob(record, memoryview(buffer)))
+            reads.append(_Read(item, record, target, tuple(item.storage_offsets), blob=True))
             continue
         target = _target(planner, item, record, checkpoint.path)
-        read = _raw_read(item, record, target)
-        reads.append(read)
-        if read.record.nbytes:
-            buffer = target if read.buffer is None else read.buffer
-            assert isinstance(buffer, torch.Tensor)
-            jobs.append(ReadJob(read.record, _tensor_bytes(buffer)))
-    return [(reads, jobs)]
+        reads.append(_raw_read(item, record, target))
+    return reads
 
 
 def _target(planner: LoadPlanner, item: ReadItem, record: ItemRecord, path: str
@@ -158,8 +222,8 @@ def _raw_read(item: ReadItem, record: ItemRecord, target: torch.Tensor) -> _Read
         starts_in_part = (0, *starts[1:])
     direct = (tuple(lengths) == tuple(rows_shape) and target.device.type == "cpu"
               and target.dtype == dtype and target.is_contiguous())
-    buffer = None if direct else torch.empty(rows_shape, dtype=dtype)
-    return _Read(item, part, target, buffer, starts_in_part)
+    return _Read(item, part, target, starts_in_part,
+                 chunk_shape=None if direct else tuple(rows_shape))
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -178,11 +242,13 @@ def _finish(reads: Sequence[_Read], planner: LoadPlanner, path: str) -> None:
     """Blocks: decode blobs, place chunks read apart, hand every item to the planner."""
     for read in reads:
         record, item = read.record, read.item
-        if isinstance(read.buffer, bytearray):
+        if read.blob:
+            assert read.buffer is not None
             file = os.path.join(path, record.file)
-            value = decode_blob(memoryview(read.buffer), key=record.key, path=file)
+            data = _tensor_bytes(read.buffer)
+            value = decode_blob(data, key=record.key, path=file)
             if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(read.buffer))
+                planner.load_bytes(item, io.BytesIO(data))
                 continue
             source = _region(tensor_of(value, record, file), read.starts, item.lengths)
         elif read.buffer is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import os
 import pickle
+import weakref
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import asynctron
 from asynctron import CheckpointNotFoundError, CorruptCheckpointError
-from asynctron.dcp import StorageReader, StorageWriter
+from asynctron.dcp import StorageReader, StorageWriter, _read_job
 from tests.conftest import assert_same
 from tests.dcp.test_dcp_writer import load_with, state
 
@@ -42,6 +43,45 @@ def test_loads_into_another_dtype_as_stock_does(tmp_path: Any) -> None:
     target = {"w": torch.zeros(6, 4, dtype=torch.float64)}
     dcp.load(target, storage_reader=StorageReader(f"{tmp_path}/c"))
     assert torch.equal(target["w"], saved["w"].double())
+
+
+@pytest.mark.parametrize(("writer", "dtype"), [
+    (dcp.FileSystemWriter, torch.float32),  # torch.save blobs, read apart
+    (StorageWriter, torch.float64),  # raw chunks read apart (converted into the targets)
+    (StorageWriter, torch.float32),  # raw chunks straight into the targets: nothing apart
+], ids=["stock blobs", "raw converted", "raw direct"])
+def test_temporary_buffers_are_bounded_by_the_budget(tmp_path: Any, monkeypatch: Any,
+                                                     writer: Any, dtype: torch.dtype) -> None:
+    """The reader holds what it reads apart from its targets in waves of at most
+    `memory_budget_bytes` (one larger item alone), not the rank's whole share at once."""
+    saved = {f"w{i}": torch.randn(64, 1024) for i in range(8)}  # 256 KiB each
+    saved["big"] = torch.randn(1024, 1024)  # 4 MiB: more than the budget
+    dcp.save(saved, storage_writer=writer(f"{tmp_path}/c"))
+    live: dict[int, int] = {}
+    peaks: list[int] = []
+
+    def temporary(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        buffer = torch.empty(shape, dtype=dtype)
+        live[id(buffer)] = buffer.numel() * buffer.element_size()
+        weakref.finalize(buffer, live.pop, id(buffer))
+        peaks.append(sum(live.values()))
+        return buffer
+
+    monkeypatch.setattr(_read_job, "_temporary", temporary)
+    budget = 600 << 10
+    target = {key: torch.zeros(value.shape, dtype=dtype) for key, value in saved.items()}
+    dcp.load(target, storage_reader=StorageReader(f"{tmp_path}/c", memory_budget_bytes=budget,
+                                                  slab_bytes=64 << 10))
+    for key, value in saved.items():
+        assert torch.equal(target[key], value.to(dtype)), key
+    assert not live  # every buffer freed
+    if dtype == torch.float32 and writer is StorageWriter:
+        assert peaks == []
+        return
+    assert len(peaks) == 9
+    *small, big = sorted(peaks)
+    assert (4 << 20) <= big < (4 << 20) + (16 << 10), peaks  # the big item, alone
+    assert max(small) <= budget, peaks
 
 
 def test_a_missing_checkpoint_is_named(tmp_path: Any) -> None:
