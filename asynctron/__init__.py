@@ -27,6 +27,7 @@ from asynctron.errors import (
     LoaderWorkerError,
     PeerError,
     PeerTimeoutError,
+    RefusedObjectError,
     StorageError,
     WouldBlock,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "LoaderWorkerError",
     "PeerError",
     "PeerTimeoutError",
+    "RefusedObjectError",
     "SaveResult",
     "SaveTask",
     "StorageError",

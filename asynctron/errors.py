@@ -37,6 +37,7 @@ __all__ = [
     "LoaderWorkerError",
     "PeerError",
     "PeerTimeoutError",
+    "RefusedObjectError",
     "StorageError",
     "WouldBlock",
 ]
@@ -101,6 +102,21 @@ class CorruptCheckpointError(AsynctronError):
         self.path = path
         self.key = key
         self.offset = offset
+
+
+class RefusedObjectError(CorruptCheckpointError, TypeError):
+    """An item's pickled value holds globals (classes, functions) asynctron does not unpickle;
+    the bytes are intact. A `TypeError`; also a `CorruptCheckpointError`, so that whatever
+    reports unloadable items (`asynctron verify`) reports it too.
+
+    Attributes: those of `CorruptCheckpointError`, and `refused`: what was refused (the
+    globals' `module.name`s).
+    """
+
+    def __init__(self, refused: str, message: str, *, path: str, key: str | None = None
+                 ) -> None:
+        super().__init__(message, path=path, key=key)
+        self.refused = refused
 
 
 class CorruptDatasetError(AsynctronError):

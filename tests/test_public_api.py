@@ -17,7 +17,8 @@ def test_top_level() -> None:
         "AsynctronError", "BackgroundEngine", "BlendSizeError", "BusyError",
         "CheckpointNotFoundError", "ClosedError", "CorruptCheckpointError",
         "CorruptDatasetError", "Engine", "EngineConfig", "LoaderWorkerError", "PeerError",
-        "PeerTimeoutError", "SaveResult", "SaveTask", "StorageError", "WouldBlock",
+        "PeerTimeoutError", "RefusedObjectError", "SaveResult", "SaveTask", "StorageError",
+        "WouldBlock",
         "free_idle_staging", "load", "load_into", "save", "staging_statistics",
     }
 
@@ -39,7 +40,7 @@ def test_subpackages() -> None:
     assert set(asynctron.errors.__all__) == {
         "AsynctronError", "BlendSizeError", "BusyError", "CheckpointNotFoundError", "ClosedError",
         "CorruptCheckpointError", "CorruptDatasetError", "LoaderWorkerError", "PeerError",
-        "PeerTimeoutError", "StorageError", "WouldBlock",
+        "PeerTimeoutError", "RefusedObjectError", "StorageError", "WouldBlock",
     }
     assert set(asynctron.datasets.__all__) == {
         "AsyncLoader", "BlendedDataset", "BlendedMegatronDatasetBuilder",

@@ -67,10 +67,11 @@ class Runtime:
 
     Not constructed directly; `runtime_for` returns the process's runtime for an option set.
 
-    Memory: `pool` (writes and CUDA/strided reads) borrows at most `memory_budget_bytes`;
-    `staging_budget` bounds, separately, the staged copies `AsyncStager` hands to DCP (they are
-    held until their save ends, so they cannot share the writers' budget without starving
-    them).
+    Memory: `pool`'s budget, `memory_budget_bytes`, bounds the writers' slabs and the reader's
+    buffers (read in waves, each borrowing from it); `staging_budget` bounds, separately, what
+    `AsyncStager` lends the staged copies it hands to DCP (they are held until their save
+    ends, so they cannot share the writers' budget without starving them; what it cannot lend
+    at once is staged outside it, with a warning).
     """
 
     def __init__(self, config: EngineConfig, file_io: FileIO | None) -> None:

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from asynctron.dcp._runtime import Runtime
 from asynctron.engine._pipeline import stage_and_write
 from asynctron.engine._save_plan import SaveRequest, build_request, dcp_items, file_plan
+from asynctron.storage._dcp import check_object_blob
 from asynctron.storage._manifest import ItemRecord
 from asynctron.storage._plan import FlatStateDict, ItemKind, SavePlan
 
@@ -88,8 +89,9 @@ async def write(runtime: Runtime, plan: DcpSavePlan, planner: SavePlanner, tmp_d
 def _request(plan: DcpSavePlan, planner: SavePlanner, tmp_dir: str, rank: int, num_bins: int,
              slab_bytes: int, checksum: bool) -> list[SaveRequest]:
     """Blocks (CPU-bound): DCP's final plan as asynctron's request (in a one-item list):
-    pickled values resolved now (DCP's planner `torch.save`s them), tensors resolved where the
-    request takes their addresses; nothing is copied."""
+    pickled values resolved now (DCP's planner `torch.save`s them) and refused if the reader
+    would refuse them (TypeError naming the key), tensors resolved where the request takes
+    their addresses; nothing is copied."""
     kinds: dict[str, ItemKind] = {}
     pickled: dict[str, bytes] = {}
     for item in plan.items:
@@ -97,6 +99,7 @@ def _request(plan: DcpSavePlan, planner: SavePlanner, tmp_dir: str, rank: int, n
         if item.type == WriteItemType.BYTE_IO:
             data = planner.resolve_data(item)
             pickled[key] = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+            check_object_blob(pickled[key], key=key)  # no value the reader would refuse
             kinds[key] = "object"
         else:
             kinds[key] = "tensor"

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from asynctron.errors import CorruptCheckpointError
+from asynctron.errors import CorruptCheckpointError, RefusedObjectError
 from asynctron.storage import _pickle_costs, _sysio
 from asynctron.storage._dtypes import TORCH_DTYPE_NAMES, TORCH_DTYPES
 from asynctron.storage._manifest import (
@@ -568,21 +568,6 @@ _NUMPY_DTYPE_NAMES = ("bool", "int8", "int16", "int32", "int64", "uint8", "uint1
 _NUMPY_GLOBALS = [np.ndarray, np.dtype, np._core.multiarray._reconstruct,
                   np._core.multiarray.scalar,
                   *dict.fromkeys(type(np.dtype(name)) for name in _NUMPY_DTYPE_NAMES)]
-
-
-class RefusedObjectError(CorruptCheckpointError, TypeError):
-    """An item's pickled value holds globals (classes, functions) asynctron does not unpickle;
-    the bytes are intact. A `TypeError`; also a `CorruptCheckpointError`, so that whatever
-    reports unloadable items (`asynctron verify`) reports it too.
-
-    Attributes: those of `CorruptCheckpointError`, and `refused`: what was refused (the
-    globals' `module.name`s).
-    """
-
-    def __init__(self, refused: str, message: str, *, path: str, key: str | None = None
-                 ) -> None:
-        super().__init__(message, path=path, key=key)
-        self.refused = refused
 
 
 def decode_blob(data: memoryview, *, key: str, path: str) -> Any:

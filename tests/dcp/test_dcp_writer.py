@@ -4,12 +4,14 @@ the previous checkpoint intact; bad paths and options are refused by name."""
 
 from __future__ import annotations
 
+import datetime
 import errno
 import json
 import os
 import pickle
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -203,6 +205,21 @@ def test_unsupported_dtype_names_the_key(tmp_path: Any) -> None:
         dcp.save({"w": torch.ones(2), "q": torch.zeros(2, dtype=torch.complex32)},
                  storage_writer=StorageWriter(f"{tmp_path}/c"))
     assert not os.path.exists(f"{tmp_path}/c")
+
+
+def test_a_value_its_reader_would_refuse_is_refused_at_save_time(tmp_path: Any) -> None:
+    """What StorageWriter writes, StorageReader reads: a pickled value holding a class the
+    reader does not unpickle fails the save, naming the key, and nothing is written; numpy
+    scalars, which the reader admits, save."""
+    with pytest.raises(CheckpointException, match=r"'when'.*add_safe_globals"):
+        dcp.save({"w": torch.ones(2), "when": datetime.date(2026, 11, 24)},
+                 storage_writer=StorageWriter(f"{tmp_path}/c"))
+    assert not os.path.exists(f"{tmp_path}/c")
+    dcp.save({"w": torch.ones(2), "loss": np.float64(2.5)},
+             storage_writer=StorageWriter(f"{tmp_path}/ok"))
+    back: dict[str, Any] = {"w": torch.zeros(2), "loss": None}
+    dcp.load(back, storage_reader=StorageReader(f"{tmp_path}/ok"))
+    assert back["loss"] == 2.5 and torch.equal(back["w"], torch.ones(2))
 
 
 def test_asynctron_errors_survive_dcps_gather() -> None:

@@ -30,10 +30,9 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from asynctron import CorruptCheckpointError, Engine
+from asynctron import CorruptCheckpointError, Engine, RefusedObjectError
 from asynctron.cli import main
 from asynctron.storage._dcp import (
-    RefusedObjectError,
     check_object_blob,
     decode_blob,
     read_dcp_manifest,
