@@ -29,6 +29,21 @@ def shm_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture
+def default_safe_globals() -> Iterator[None]:
+    """torch.load's weights-only allowlist as torch itself sets it, for the test's duration:
+    other code in the process may have extended it for good (megatron's modules, imported by
+    the Megatron suite, add `argparse.Namespace`), which would admit what a test expects
+    refused."""
+    added = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(
+        [g for g in added if getattr(g, "__module__", "").startswith("torch")])
+    yield
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(added)
+
+
 def assert_same(expected: Any, found: Any, path: str = "") -> None:
     """Structural, bit-exact equality of two state dicts (types, dtypes, shapes, bytes)."""
     assert type(expected) is type(found) or (

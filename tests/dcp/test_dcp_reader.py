@@ -142,6 +142,7 @@ def test_changed_bytes_fail_their_digest(tmp_path: Any) -> None:
     assert load_with(StorageReader(path, verify=False), expected)["w"].count_nonzero() == 1
 
 
+@pytest.mark.usefixtures("default_safe_globals")
 def test_a_pickled_object_is_refused_not_run(tmp_path: Any) -> None:
     """Stock DCP's planner loads pickled values with `weights_only=False`: the reader checks
     the blob first, and refuses a foreign global by naming the item."""
@@ -169,6 +170,7 @@ def test_numpy_values_round_trip(tmp_path: Any, writer: Any) -> None:
     np.testing.assert_array_equal(loaded["mask"], expected["mask"])
 
 
+@pytest.mark.usefixtures("default_safe_globals")
 def test_a_refused_value_names_its_key_and_add_safe_globals(tmp_path: Any) -> None:
     """A value stock DCP saves but asynctron does not unpickle: refused by name, not as
     damage; `torch.serialization.add_safe_globals` (here its context form) admits it."""

@@ -207,6 +207,7 @@ def test_unsupported_dtype_names_the_key(tmp_path: Any) -> None:
     assert not os.path.exists(f"{tmp_path}/c")
 
 
+@pytest.mark.usefixtures("default_safe_globals")
 def test_a_value_its_reader_would_refuse_is_refused_at_save_time(tmp_path: Any) -> None:
     """What StorageWriter writes, StorageReader reads: a pickled value holding a class the
     reader does not unpickle fails the save, naming the key, and nothing is written; numpy

@@ -91,6 +91,7 @@ class Gadget:
     """A class that must never be instantiated by a load."""
 
 
+@pytest.mark.usefixtures("default_safe_globals")
 async def test_an_item_holding_a_foreign_class_is_refused_by_name(tmp_path: object) -> None:
     _save_stock(f"{tmp_path}/dcp", {"gadget": Gadget(), "w": torch.ones(2)})
     with pytest.raises(RefusedObjectError,
@@ -133,6 +134,7 @@ def test_numpy_scalars_dtypes_and_arrays_decode(value: object) -> None:
     (np.array(["a"], dtype=object), "ObjectDType"),
     (Gadget(), "Gadget"),
 ], ids=["datetime", "Namespace", "slice", "object array", "class"])
+@pytest.mark.usefixtures("default_safe_globals")
 def test_refused_globals_are_named_with_the_way_to_allow_them(value: object, names: str) -> None:
     with pytest.raises(RefusedObjectError, match=rf"item 'v' in f: holds .*{re.escape(names)}"):
         decode_blob(_blob(value), key="v", path="f")
@@ -142,6 +144,7 @@ def test_refused_globals_are_named_with_the_way_to_allow_them(value: object, nam
         check_object_blob(_blob(value), key="v")
 
 
+@pytest.mark.usefixtures("default_safe_globals")
 def test_safe_globals_the_user_adds_are_admitted() -> None:
     value = datetime.datetime(2020, 1, 1)
     with torch.serialization.safe_globals([datetime.datetime]):
