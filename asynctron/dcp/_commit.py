@@ -38,8 +38,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from asynctron.dcp._write_job import ItemWritten
+from asynctron.engine._coordinator import prepare_tmp_dir as engine_prepare_tmp_dir
 from asynctron.errors import AsynctronError
-from asynctron.storage import _commit, _retention, _sysio
+from asynctron.storage import _commit, _retention
 from asynctron.storage._dcp import METADATA_NAME, _structure
 from asynctron.storage._locks import DirLock
 from asynctron.storage._manifest import MANIFEST_NAME, encode_manifest
@@ -57,42 +58,14 @@ def tmp_dir_of(final_path: str) -> str:
 
 def prepare_tmp_dir(final_path: str) -> DirLock:
     """Blocks (coordinator): refuse an existing `final_path`, then create its tmp dir fresh
-    (`tmp_dir_of`), removing a stale one a dead save left; returns the lock that marks it live
-    (release it once committed or removed). Under the parent's shared lock, so no cleaner sees
-    it unlocked.
+    (`tmp_dir_of`), replacing one a dead save left, as the engine's own saves do; returns the
+    lock that marks it live (release it once committed or removed).
 
     Raises:
         FileExistsError: `final_path` exists, or another live save to it holds its tmp dir.
         StorageError: the tmp dir could not be created or the stale one removed.
     """
-    root = os.path.dirname(final_path)
-    with _sysio.translate_os_errors("creating directory", root):
-        os.makedirs(root, exist_ok=True)
-    tmp_dir = tmp_dir_of(final_path)
-    with DirLock.take(os.path.realpath(root), exclusive=False):
-        if _sysio.exists(final_path):
-            raise FileExistsError(
-                f"checkpoint {final_path}: expected a new path, found an existing one; "
-                "save to a new path (e.g. one per step) or remove it first")
-        if _sysio.exists(tmp_dir):
-            _remove_stale(final_path, tmp_dir)
-        _sysio.make_dir(tmp_dir)
-        return DirLock.take(tmp_dir, exclusive=False)
-
-
-def _remove_stale(final_path: str, tmp_dir: str) -> None:
-    """Remove the tmp dir of an earlier save to `final_path` that no live save holds."""
-    try:
-        stale = DirLock.try_take(tmp_dir, exclusive=True)
-    except FileNotFoundError:
-        return
-    if stale is None:
-        raise FileExistsError(f"checkpoint {final_path}: another save to this path is in "
-                              f"progress (it holds {tmp_dir}); save to a new path")
-    try:  # where the filesystem has no flock, a save to the same path is taken for dead
-        _sysio.remove_tree(tmp_dir)
-    finally:
-        stale.release()
+    return engine_prepare_tmp_dir(final_path, tmp_dir_of(final_path))
 
 
 def checkpoint_files(metadata: Metadata, results: Sequence[Sequence[WriteResult]], *,

@@ -109,21 +109,38 @@ class Removal:
 
 
 def make_tmp_dir(root: str, final_path: str, tmp_dir: str) -> DirLock:
-    """Blocks: refuse an existing `final_path`, create `tmp_dir` beside it, and return the
-    lock that marks it live until released (under the root's shared lock, so no cleaner
-    sees it unlocked).
+    """Blocks: refuse an existing `final_path`, create `tmp_dir` beside it (replacing one of
+    that name a dead save left), and return the lock that marks it live until released (under
+    the root's shared lock, so no cleaner sees it unlocked).
 
     Raises:
-        FileExistsError: `final_path` exists.
-        StorageError: the directory could not be created.
+        FileExistsError: `final_path` exists, or a live save holds `tmp_dir`.
+        StorageError: the directory could not be created, or a dead save's not removed.
     """
     with DirLock.take(root, exclusive=False):
         if _sysio.exists(final_path):
             raise FileExistsError(
                 f"checkpoint {final_path}: expected a new path, found an existing one; "
                 "save to a new path (e.g. one per step) or remove it first")
+        if _sysio.exists(tmp_dir):
+            _remove_dead_tmp_dir(final_path, tmp_dir)
         _sysio.make_dir(tmp_dir)
         return DirLock.take(tmp_dir, exclusive=False)
+
+
+def _remove_dead_tmp_dir(final_path: str, tmp_dir: str) -> None:
+    """Remove `tmp_dir`, an earlier save's to `final_path`, if no live save holds it."""
+    try:
+        stale = DirLock.try_take(tmp_dir, exclusive=True)
+    except FileNotFoundError:
+        return
+    if stale is None:
+        raise FileExistsError(f"checkpoint {final_path}: another save to this path is in "
+                              f"progress (it holds {tmp_dir}); save to a new path")
+    try:  # where the filesystem has no flock, a save to the same path is taken for dead
+        _sysio.remove_tree(tmp_dir)
+    finally:
+        stale.release()
 
 
 def record_commit(root: str, tmp_dir: str, name: str, retention: Retention, seq: int) -> None:
