@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import dataclasses
 import threading
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
@@ -86,8 +85,7 @@ class Runtime:
         self._in_flight: set[concurrent.futures.Future[Any]] = set()
         self._lock = threading.Lock()
         self._closed = False
-        self.engine = _LocalEngine(file_io=self.file_io, **{
-            field.name: getattr(config, field.name) for field in dataclasses.fields(config)})
+        self.engine = _LocalEngine(config, file_io=self.file_io)
         try:
             self.call(self.engine.start())
         except BaseException:
