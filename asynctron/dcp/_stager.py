@@ -47,7 +47,7 @@ from asynctron import _native
 from asynctron._budget import ByteBudget
 from asynctron.dcp._runtime import Runtime, plugin_config, runtime_for
 from asynctron.engine._slabs import SLAB_CACHE, Slab
-from asynctron.engine._staging import mark_ready
+from asynctron.engine._staging import launch_d2h, mark_ready
 from asynctron.errors import WouldBlock
 from asynctron.storage._layout import ALIGN_BYTES, SMALL_ALIGN_BYTES, align_up
 
@@ -295,17 +295,7 @@ def _copy_with_torch(leaves: list[_Leaf], slabs: list[Slab],
         if device.type != "cuda":
             torch._foreach_copy_(destinations, sources)
             continue
-        stream = copy_streams(device)
-        event = ready.get(device)
-        if event is None:
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            stream.wait_event(event)
-            torch._foreach_copy_(destinations, sources, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        events.append(done)
+        events.append(launch_d2h(destinations, sources, ready.get(device), copy_streams(device)))
     for done in events:
         done.synchronize()
 
