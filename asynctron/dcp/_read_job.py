@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
+from asynctron._memory import tensor_bytes
 from asynctron.dcp._runtime import Runtime
 from asynctron.errors import CorruptCheckpointError
 from asynctron.storage._dcp import decode_blob, tensor_of
@@ -164,7 +165,7 @@ def _allocate(wave: Sequence[_Read]) -> list[list[ReadJob]]:
         if read_.record.nbytes:
             destination = read_.target if read_.buffer is None else read_.buffer
             assert destination is not None
-            jobs.append(ReadJob(read_.record, _tensor_bytes(destination)))
+            jobs.append(ReadJob(read_.record, tensor_bytes(destination)))
     return [jobs]
 
 
@@ -226,11 +227,6 @@ def _raw_read(item: ReadItem, record: ItemRecord, target: torch.Tensor) -> _Read
                  chunk_shape=None if direct else tuple(rows_shape))
 
 
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-
-
 def _region(tensor: torch.Tensor, starts: Sequence[int], lengths: Sequence[int]
             ) -> torch.Tensor:
     for dim, (start, length) in enumerate(zip(starts, lengths, strict=True)):
@@ -245,7 +241,7 @@ def _finish(reads: Sequence[_Read], planner: LoadPlanner, path: str) -> None:
         if read.blob:
             assert read.buffer is not None
             file = os.path.join(path, record.file)
-            data = _tensor_bytes(read.buffer)
+            data = tensor_bytes(read.buffer)
             value = decode_blob(data, key=record.key, path=file)
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(data))

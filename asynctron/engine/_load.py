@@ -21,6 +21,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from asynctron._concurrency import RunBlocking, first_error
+from asynctron._memory import tensor_bytes
 from asynctron.engine._slabs import SlabPool
 from asynctron.engine._staging import CopyStreams, copy_into_flat_range
 from asynctron.errors import CorruptCheckpointError
@@ -51,11 +52,6 @@ class _Decode:
 def _torch_dtype(record: ItemRecord) -> torch.dtype:
     assert record.dtype is not None
     return (TORCH_DTYPES if record.kind == "tensor" else NUMPY_DTYPES)[record.dtype]
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 def _is_whole(record: ItemRecord) -> bool:
@@ -190,11 +186,11 @@ class Loader:
                 decodes.append(_Decode(record, bytearray(record.nbytes), view))
                 jobs.append(ReadJob(record, memoryview(decodes[-1].buffer)))
             elif view.is_contiguous():
-                jobs.append(ReadJob(record, _tensor_bytes(view)))
+                jobs.append(ReadJob(record, tensor_bytes(view)))
             else:
                 assert record.shape is not None
                 chunk = torch.empty(record.shape, dtype=_torch_dtype(record))
-                jobs.append(ReadJob(record, _tensor_bytes(chunk)))
+                jobs.append(ReadJob(record, tensor_bytes(chunk)))
                 partial.append((view, chunk))
         return tensor
 
@@ -368,7 +364,7 @@ class Loader:
         if overlap.covers_record:
             if destination.device.type == "cpu" and destination.is_contiguous() and (
                     tuple(destination.shape) == record.shape):
-                jobs.append(ReadJob(record, _tensor_bytes(destination)))
+                jobs.append(ReadJob(record, tensor_bytes(destination)))
             else:  # CUDA or strided: through budgeted slabs
                 staged.append((record, destination))
             return
@@ -380,7 +376,7 @@ class Loader:
             into = torch.empty([h - low for low, h in zip(lo, hi, strict=True)],
                                dtype=_torch_dtype(record))
             partial.append((destination, _region(into, overlap.lo, overlap.hi, origin=lo)))
-        view, cursor = _tensor_bytes(into), 0
+        view, cursor = tensor_bytes(into), 0
         for run in runs:
             jobs.append(ReadJob(run, view[cursor:cursor + run.nbytes]))
             cursor += run.nbytes
