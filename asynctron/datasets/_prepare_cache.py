@@ -125,9 +125,7 @@ def read_prepare_config(path: str) -> tuple[GPTDatasetConfig, list[int | None]]:
                                       "build the cache in, found none")
     annotations = {f.name: str(f.type) for f in dataclasses.fields(GPTDatasetConfig)}
     values = {name: _value(path, name, value, annotations) for name, value in fields.items()}
-    for name in _LOAD_ONLY_FIELDS:
-        if name in annotations:
-            values[name] = False
+    values.update(dict.fromkeys(_LOAD_ONLY_FIELDS, False))
     try:
         return GPTDatasetConfig(**values), sizes
     except (TypeError, ValueError) as exc:
