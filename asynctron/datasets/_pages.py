@@ -20,6 +20,11 @@ import numpy as np
 
 PAGE_BYTES = mmap.PAGESIZE
 MADV_WILLNEED = 3
+#: pages to read ahead that lie at most this far apart are read as one request, gap included:
+#: on a corpus sampled densely, a request per sample costs the kernel more than the gaps'
+#: pages (the kernel's own read-around on a page fault is 128 KiB); on a sparse one gaps are
+#: wider and nothing is merged
+READ_GAP_BYTES = 128 << 10
 
 Range = tuple[int, int]
 
@@ -32,9 +37,11 @@ _mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 _mincore.restype = ctypes.c_int
 
 
-def page_ranges_of(starts: np.ndarray, nbytes: np.ndarray) -> list[Range]:
+def page_ranges_of(starts: np.ndarray, nbytes: np.ndarray, *,
+                   max_gap_bytes: int = 0) -> list[Range]:
     """Page-aligned, sorted, merged ranges covering the spans `starts[i] : starts[i] +
-    nbytes[i]` (empty spans dropped)."""
+    nbytes[i]` (empty spans dropped); ranges at most `max_gap_bytes` apart become one, gap
+    included."""
     keep = nbytes > 0
     begins = starts[keep]
     ends = begins + nbytes[keep]
@@ -44,7 +51,7 @@ def page_ranges_of(starts: np.ndarray, nbytes: np.ndarray) -> list[Range]:
     ends = ends + (-ends) % PAGE_BYTES
     order = np.argsort(begins, kind="stable")
     begins, ends = begins[order], np.maximum.accumulate(ends[order])
-    first = np.flatnonzero(np.concatenate(([True], begins[1:] > ends[:-1])))
+    first = np.flatnonzero(np.concatenate(([True], begins[1:] > ends[:-1] + max_gap_bytes)))
     last = np.concatenate((first[1:] - 1, [begins.size - 1]))
     return list(zip(begins[first].tolist(), (ends[last] - begins[first]).tolist(), strict=True))
 
@@ -80,8 +87,10 @@ class _ProcessMadvise:
             chunk = ranges[start:start + _IOV_MAX]
             iovecs = np.array(chunk, dtype=np.uint64)  # rows of struct iovec {base, len}
             wanted = int(iovecs[:, 1].sum())
-            done = _syscall(_SYS_PROCESS_MADVISE, self._pidfd, iovecs.ctypes.data,
-                            len(chunk), advice, 0)
+            # `syscall` is variadic: ctypes would pass a bare int as a 32-bit C int
+            done = _syscall(ctypes.c_long(_SYS_PROCESS_MADVISE), ctypes.c_int(self._pidfd),
+                            ctypes.c_void_p(iovecs.ctypes.data), ctypes.c_size_t(len(chunk)),
+                            ctypes.c_int(advice), ctypes.c_uint(0))
             if done != wanted:
                 code = ctypes.get_errno()
                 if done < 0 and code not in (errno.EINTR, errno.EAGAIN):

@@ -96,7 +96,8 @@ def _serve(index: int, num_workers: int, dataset: Any, layout: BatchLayout,
             with contextlib.suppress(OSError):  # advice only
                 _pages.advise_willneed(_pages.page_ranges_of(
                     np.concatenate([addresses for addresses, _ in coming]),
-                    np.concatenate([nbytes for _, nbytes in coming])))
+                    np.concatenate([nbytes for _, nbytes in coming]),
+                    max_gap_bytes=_pages.READ_GAP_BYTES))
         try:
             this = located.pop(batch, None)
             if this is None:  # beyond the budget's horizon: not advised
