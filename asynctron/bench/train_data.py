@@ -11,8 +11,9 @@ loader's worker processes bound to the others, as on a node where ranks are boun
 matmuls (`torch`).
 Measured: samples/s, the wait for each batch (p50/p95/max), the first batch's latency (from
 opening the dataset: imports, index maps, worker start), and the trainer's work retained
-while batches flow (its rate from the first batch asked for to the last one taken / its rate
-in the second before the dataset was opened). The consumer takes batches as fast as they
+while batches flow (its rate from the first batch asked for to the last one taken / its mean
+rate in a second before the dataset was opened and a second after the loader was done, so a
+drift of the machine's speed over the run cancels). The consumer takes batches as fast as they
 come: for asynctron on the event loop (`async for`), for the others on the main thread. With
 `--pace-ms`, it works that long after each batch, as a trainer's step would, and its waits
 are counted from the end of that work.
@@ -203,9 +204,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         trainer.start()
         time.sleep(0.2)
     try:
-        before = (trainer.count if trainer else 0), time.perf_counter()
-        time.sleep(1.0)
-        alone = (trainer.count if trainer else 0), time.perf_counter()
+        alone_before = _rate_alone(trainer)
         consumer = _Consumer(args.duration, args.micro_batch_size, trainer,
                              (args.pace_ms or 0) / 1e3)
         dataset = _datasets(args.prefix, args.cache, args.sequence_length, which)
@@ -218,16 +217,25 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                             worker_cpus)
         else:
             _run_plain(dataset, consumer)
+        alone_after = _rate_alone(trainer)
     finally:
         if trainer is not None:
             trainer.stop()
     result = {**consumer.result(), **extra, "dataset": type(dataset).__module__}
     if trainer is not None:
-        result["retained"] = result.pop("trainer_rate") / (
-            (alone[0] - before[0]) / (alone[1] - before[1]))
+        result["retained"] = result.pop("trainer_rate") / ((alone_before + alone_after) / 2)
     else:
         del result["trainer_rate"]
     return result
+
+
+def _rate_alone(trainer: TrainerThread | None) -> float:
+    """The trainer's units per second over a second with no loader at work."""
+    if trainer is None:
+        return 0.0
+    count, started = trainer.count, time.perf_counter()
+    time.sleep(1.0)
+    return (trainer.count - count) / (time.perf_counter() - started)
 
 
 # the harness ----------------------------------------------------------------------------------
