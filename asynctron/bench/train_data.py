@@ -20,7 +20,7 @@ are counted from the end of that work.
 
 DataLoader gets megatron's settings (`pin_memory` where CUDA is, `persistent_workers=True`,
 `batch_sampler` in megatron's pretraining order); asynctron its defaults (2 workers at nice
-+10). Methods take turns in a seeded shuffled order per round; medians of `--repeats`.
++10, kept off the cores of the process's busy threads). Methods take turns in a seeded shuffled order per round; medians of `--repeats`.
 
 Run: `asynctron bench train_data`; `--quick` for a smoke run.
 Results: printed, and written as JSON (`--out`; default ./asynctron-bench/).
@@ -162,8 +162,9 @@ class _Bind:
 
 def _run_asynctron(dataset: Any, consumer: _Consumer, budget_bytes: int, watched: bool,
                    worker_cpus: set[int] | None) -> dict[str, Any]:
-    """The loader on the event loop; `watched`: with a 5 ms heartbeat on the loop (its
-    wake-ups take the GIL, so it runs only beside an idle trainer)."""
+    """The loader on the event loop, with its defaults but `worker_cpus` where given;
+    `watched`: with a 5 ms heartbeat on the loop (its wake-ups take the GIL, so it runs only
+    beside an idle trainer)."""
     import contextlib
 
     import uvloop
@@ -177,7 +178,8 @@ def _run_asynctron(dataset: Any, consumer: _Consumer, budget_bytes: int, watched
         async with Engine(num_workers=2) as engine, AsyncLoader(
                 dataset, micro_batch_size=consumer.micro_batch_size,
                 run_blocking=engine.run_blocking, prefetch_budget=budget_bytes,
-                num_ready_batches=4, worker_cpus=worker_cpus) as loader, \
+                num_ready_batches=4,
+                **({} if worker_cpus is None else {"worker_cpus": worker_cpus})) as loader, \
                 dog or contextlib.nullcontext():
             consumer.begin()
             async for _ in loader:

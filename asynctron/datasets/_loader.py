@@ -21,7 +21,7 @@ import asyncio
 import collections
 import os
 from collections.abc import Callable, Collection
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -82,9 +82,12 @@ class AsyncLoader:
             and reopens its files).
         worker_nice_increment: workers run at this thread's nice level plus this, so a
             trainer keeps its cores.
-        worker_cpus: the CPUs the workers may run on (None: any). Bind them away from the
-            trainer's cores: a worker the loop wakes otherwise lands, now and then, on the
-            core a trainer thread is waiting to get back (`docs/datasets.md`).
+        worker_cpus: the CPUs the workers may run on: "away" (default): this process's CPUs
+            but those where its busy threads run (more than half a core over the last
+            second), followed as they move, so a worker the loop wakes does not land on the
+            core a trainer thread is waiting to get back (`docs/datasets.md`); a collection of
+            CPUs: those, fixed (e.g. the cores a node's binding leaves to the loader); None:
+            wherever the scheduler puts them.
         pin_memory: page-lock batch memory for CUDA (where CUDA is available), so
             `batch[k].to("cuda", non_blocking=True)` is asynchronous.
 
@@ -99,7 +102,8 @@ class AsyncLoader:
                  data_parallel_rank: int = 0, data_parallel_size: int = 1,
                  collate: Collate = collate, num_workers: int = 2,
                  start_method: str = "fork", worker_nice_increment: int = 10,
-                 worker_cpus: Collection[int] | None = None, pin_memory: bool = False) -> None:
+                 worker_cpus: Collection[int] | Literal["away"] | None = "away",
+                 pin_memory: bool = False) -> None:
         for name, value, low in (("micro_batch_size", micro_batch_size, 1),
                                  ("num_ready_batches", num_ready_batches, 1),
                                  ("data_parallel_size", data_parallel_size, 1),
@@ -113,10 +117,17 @@ class AsyncLoader:
         if start_method not in ("fork", "forkserver", "spawn"):
             raise ValueError(f"start_method: expected 'fork', 'forkserver' or 'spawn', found "
                              f"{start_method!r}")
-        cpus = None if worker_cpus is None else frozenset(worker_cpus)
-        if cpus is not None and not (cpus and cpus <= os.sched_getaffinity(0)):
-            raise ValueError(f"worker_cpus: expected a non-empty subset of this process's CPUs "
-                             f"{sorted(os.sched_getaffinity(0))}, found {sorted(cpus)}")
+        cpus: frozenset[int] | Literal["away"] | None
+        if worker_cpus is None or worker_cpus == "away":
+            cpus = worker_cpus
+        elif isinstance(worker_cpus, str):
+            raise ValueError(f"worker_cpus: expected 'away', None or a set of CPUs, found "
+                             f"{worker_cpus!r}")
+        else:
+            cpus = frozenset(worker_cpus)
+            if not (cpus and cpus <= os.sched_getaffinity(0)):
+                raise ValueError(f"worker_cpus: expected a non-empty subset of this process's "
+                                 f"CPUs {sorted(os.sched_getaffinity(0))}, found {sorted(cpus)}")
         self.dataset = dataset
         self.micro_batch_size = micro_batch_size
         self.data_parallel_rank = data_parallel_rank

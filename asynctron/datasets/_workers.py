@@ -28,7 +28,7 @@ import struct
 import threading
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ from asynctron._budget import ByteBudget
 from asynctron._concurrency import RunBlocking
 from asynctron.datasets import _pages
 from asynctron.datasets._batches import BatchLayout
+from asynctron.datasets._busy_cores import BusyCoreAvoidance
 from asynctron.datasets._shared_slabs import SharedSlabs, SlabFile
 from asynctron.errors import LoaderWorkerError, WouldBlock
 
@@ -61,8 +62,10 @@ EXIT_TIMEOUT_S = 5.0
 
 def _serve(index: int, num_workers: int, dataset: Any, layout: BatchLayout,
            slab_file: SlabFile, control_words: Any, semaphore: Any, done: Any,
-           niceness: int, parent: int, micro_batch_size: int, samples_per_step: int) -> None:
-    """A worker's life: wait for a batch, advise the coming ones, write it, report."""
+           niceness: int, parent: int, micro_batch_size: int, samples_per_step: int,
+           away_within: frozenset[int] | None) -> None:
+    """A worker's life: wait for a batch, advise the coming ones, write it, report; with
+    `away_within`, stay on those CPUs but off the ones where the parent's busy threads run."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the loader's process stops us
     with contextlib.suppress(OSError):  # below the inherited level needs privilege: keep it
         os.setpriority(os.PRIO_PROCESS, 0, niceness)
@@ -75,7 +78,10 @@ def _serve(index: int, num_workers: int, dataset: Any, layout: BatchLayout,
     offsets = np.arange(micro_batch_size, dtype=np.int64)
     batch, advised = index, index - num_workers
     located: dict[int, Any] = {}  # batches advised ahead, not yet written
+    avoidance = None if away_within is None else BusyCoreAvoidance(parent, away_within)
     while True:
+        if avoidance is not None:
+            avoidance.look()
         if not semaphore.acquire(timeout=PARENT_CHECK_S):
             if os.getppid() != parent:
                 return
@@ -124,7 +130,9 @@ class BatchWorkers:
         start_method: `multiprocessing` start method ("fork" starts in milliseconds;
             "spawn" and "forkserver" pickle the dataset, which reopens its files).
         niceness: the workers' nice level.
-        cpus: the CPUs the workers may run on (None: wherever the scheduler puts them).
+        cpus: the CPUs the workers may run on (None: wherever the scheduler puts them;
+            "away": this process's CPUs but those where its busy threads run, followed as
+            they move).
         on_progress: called on the loop after batches finished (or failed), once per
             wake-up.
 
@@ -134,7 +142,7 @@ class BatchWorkers:
     def __init__(self, dataset: Any, layout: BatchLayout, slabs: SharedSlabs, *,
                  num_workers: int, ring_size: int, micro_batch_size: int,
                  samples_per_step: int, budget: ByteBudget, read_bytes_per_batch: int,
-                 start_method: str, niceness: int, cpus: frozenset[int] | None,
+                 start_method: str, niceness: int, cpus: frozenset[int] | Literal["away"] | None,
                  on_progress: Callable[[], None]) -> None:
         self.num_workers = num_workers
         self._layout = layout
@@ -153,9 +161,11 @@ class BatchWorkers:
             target=_serve, name=f"asynctron-loader-{i}", daemon=True,
             args=(i, num_workers, dataset, layout, slabs.file, self._control_words,
                   self._semaphores[i], writer, niceness, os.getpid(), micro_batch_size,
-                  samples_per_step)) for i in range(num_workers)]
+                  samples_per_step,
+                  frozenset(os.sched_getaffinity(0)) if cpus == "away" else None))
+            for i in range(num_workers)]
         self._writer = writer
-        self._cpus = cpus
+        self._cpus = None if cpus == "away" else cpus
         self._waiting: dict[int, tuple[asyncio.Future[dict[str, torch.Tensor]], int]] = {}
         self._borrowed: set[int] = set()
         self._horizon = -1

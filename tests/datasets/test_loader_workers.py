@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from typing import Any
 
@@ -220,3 +221,42 @@ async def test_workers_run_on_the_cpus_they_are_given(gpt) -> None:
                                              r"this process's CPUs \[.*\], found \[100000\]$"):
             AsyncLoader(gpt, micro_batch_size=2, run_blocking=engine.run_blocking,
                         prefetch_budget=1 << 16, num_ready_batches=2, worker_cpus=[100_000])
+        with pytest.raises(ValueError, match=r"^worker_cpus: expected 'away', None or a set of "
+                                             r"CPUs, found 'idle'$"):
+            AsyncLoader(gpt, micro_batch_size=2, run_blocking=engine.run_blocking,
+                        prefetch_budget=1 << 16, num_ready_batches=2, worker_cpus="idle")
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+async def test_workers_keep_off_the_cpu_of_a_busy_thread_and_follow_it(gpt) -> None:
+    mine = sorted(os.sched_getaffinity(0))
+    where = {"cpu": mine[0]}
+    stop = threading.Event()
+
+    def busy() -> None:  # a trainer thread: a core's worth of work, wherever it is put
+        while not stop.is_set():
+            os.sched_setaffinity(0, {where["cpu"]})
+            sum(range(10_000))  # holds the GIL; the loop still gets it every switch interval
+
+    async def workers_avoid(cpu: int) -> None:
+        expected = set(mine) - {cpu}
+        deadline = time.monotonic() + 20
+        while any(os.sched_getaffinity(pid) != expected for pid in loader.worker_pids):
+            assert time.monotonic() < deadline, [os.sched_getaffinity(p)
+                                                 for p in loader.worker_pids]
+            await asyncio.sleep(0.1)
+
+    thread = threading.Thread(target=busy, daemon=True)
+    async with Engine(num_workers=1) as engine, AsyncLoader(
+            gpt, micro_batch_size=2, run_blocking=engine.run_blocking, prefetch_budget=1 << 16,
+            num_ready_batches=2) as loader:
+        thread.start()
+        try:
+            await workers_avoid(mine[0])
+            where["cpu"] = mine[-1]
+            await workers_avoid(mine[-1])
+        finally:
+            stop.set()
+            thread.join()
+        assert isinstance(await loader.__anext__(), dict)
+

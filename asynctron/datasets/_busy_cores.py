@@ -1,0 +1,84 @@
+"""Keeping the loader's worker processes off the cores where the trainer's busy threads run.
+
+A worker the loop wakes is placed by the scheduler, and on a small machine it lands, now and
+then, on the core a trainer thread is about to get back to (while that thread waits for the
+GIL the core looks idle). On a 2-core VM beside a thread spinning Python, that cost the thread
+20% of its work; binding the workers to the other core brought it back (`docs/datasets.md`).
+Which thread is the trainer's is not the loader's to know, so each worker looks: once a
+second it reads its parent's threads' CPU time (`/proc/<pid>/task/*/stat`, in the worker, so
+the trainer's process pays nothing) and keeps itself off the CPUs of the threads that used
+more than half a core since the last look. A thread that moves is followed at the next look.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+
+#: a thread that used more than this share of a core over the last look is busy
+BUSY_SHARE = 0.5
+#: seconds between looks
+LOOK_EVERY_S = 1.0
+
+_TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+# (utime + stime in clock ticks, the CPU it last ran on), per thread id
+ThreadTimes = dict[int, tuple[int, int]]
+
+
+def thread_times(pid: int) -> ThreadTimes:
+    """CPU time and last CPU of each thread of `pid` (threads that exit meanwhile are
+    skipped; a process that is gone has none)."""
+    times: ThreadTimes = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return times
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        # after the command's ")": state is field 3, utime 14, stime 15, processor 39
+        times[int(tid)] = (int(fields[11]) + int(fields[12]), int(fields[36]))
+    return times
+
+
+def busy_cpus(before: ThreadTimes, after: ThreadTimes, seconds: float) -> set[int]:
+    """The CPUs of the threads that used more than `BUSY_SHARE` of a core between the two
+    readings, `seconds` apart."""
+    budget = BUSY_SHARE * seconds * _TICKS_PER_S
+    return {cpu for tid, (ticks, cpu) in after.items()
+            if tid in before and ticks - before[tid][0] > budget}
+
+
+def cpus_away_from(busy: Iterable[int], allowed: frozenset[int]) -> frozenset[int]:
+    """`allowed` without the `busy` CPUs; all of `allowed` where that leaves none."""
+    free = allowed - set(busy)
+    return free or allowed
+
+
+class BusyCoreAvoidance:
+    """Called by a worker between batches: keeps this process off the CPUs where `parent`'s
+    busy threads run, within `allowed`, looking every `LOOK_EVERY_S`."""
+
+    def __init__(self, parent: int, allowed: frozenset[int]) -> None:
+        self.parent = parent
+        self.allowed = allowed
+        self._last = thread_times(parent)
+        self._last_at = time.monotonic()
+        self._cpus = allowed
+
+    def look(self) -> None:
+        """Re-bind this process if the busy threads moved (cheap when no look is due)."""
+        now = time.monotonic()
+        if now - self._last_at < LOOK_EVERY_S:
+            return
+        times = thread_times(self.parent)
+        cpus = cpus_away_from(busy_cpus(self._last, times, now - self._last_at), self.allowed)
+        self._last, self._last_at = times, now
+        if cpus != self._cpus:
+            os.sched_setaffinity(0, cpus)
+            self._cpus = cpus
