@@ -20,7 +20,8 @@ are counted from the end of that work.
 
 DataLoader gets megatron's settings (`pin_memory` where CUDA is, `persistent_workers=True`,
 `batch_sampler` in megatron's pretraining order); asynctron its defaults (2 workers at nice
-+10, kept off the cores of the process's busy threads). Methods take turns in a seeded shuffled order per round; medians of `--repeats`.
++10, kept off the cores of the process's busy threads). Methods take turns in a seeded shuffled
+order per round; medians of `--repeats`.
 
 Run: `asynctron bench train_data`; `--quick` for a smoke run.
 Results: printed, and written as JSON (`--out`; default ./asynctron-bench/).

@@ -83,8 +83,8 @@ class AsyncLoader:
         worker_nice_increment: workers run at this thread's nice level plus this, so a
             trainer keeps its cores.
         worker_cpus: the CPUs the workers may run on: "away" (default): this process's CPUs
-            but those where its busy threads run (more than half a core over the last
-            second), followed as they move, so a worker the loop wakes does not land on the
+            but those where its busy threads run (more than half a core, looked at four times
+            a second), followed as they move, so a worker the loop wakes does not land on the
             core a trainer thread is waiting to get back (`docs/datasets.md`); a collection of
             CPUs: those, fixed (e.g. the cores a node's binding leaves to the loader); None:
             wherever the scheduler puts them.
