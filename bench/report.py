@@ -453,8 +453,10 @@ def section_train_data(result: dict[str, Any], docs: str) -> list[str]:
              "so, works 10 ms after each (a trainer's step; asynctron only: the peers serve "
              "fewer batches than that even greedily). `python-bound`: the trainer thread bound "
              "to the first CPU and every loader's workers to the others (asynctron's "
-             "`worker_cpus`, DataLoader's `worker_init_fn`). Retained: the trainer thread's "
-             "rate while batches flow / alone. Targets: asynctron >= the best peer "
+             "`worker_cpus`, DataLoader's `worker_init_fn`); elsewhere asynctron runs with its "
+             "defaults (workers kept off the busy threads' cores, `worker_cpus=\"away\"`). "
+             "Retained: the trainer thread's rate while batches flow / its mean rate alone in a "
+             "second before and a second after. Targets: asynctron >= the best peer "
              "everywhere; with a Python trainer also p95 wait <= 100 ms and retained >= 90%.",
              ""]
     return [*lines, *_table(["page cache", "trainer", "method", "samples/s",
