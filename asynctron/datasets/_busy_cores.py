@@ -73,7 +73,8 @@ class BusyCoreAvoidance:
         self._cpus = allowed
 
     def look(self) -> None:
-        """Re-bind this process if the busy threads moved (cheap when no look is due)."""
+        """Re-bind this process if the busy threads moved (cheap when no look is due); a
+        binding the kernel refuses leaves the placement as it was."""
         now = time.monotonic()
         if now - self._last_at < LOOK_EVERY_S:
             return
@@ -81,5 +82,8 @@ class BusyCoreAvoidance:
         cpus = cpus_away_from(busy_cpus(self._last, times, now - self._last_at), self.allowed)
         self._last, self._last_at = times, now
         if cpus != self._cpus:
-            os.sched_setaffinity(0, cpus)
+            try:
+                os.sched_setaffinity(0, cpus)
+            except OSError:  # e.g. the cpuset shrank since the loader started: placement
+                return       # is an optimisation, never a reason to fail a batch
             self._cpus = cpus

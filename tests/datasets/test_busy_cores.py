@@ -55,3 +55,19 @@ def test_a_spinning_thread_is_seen_busy() -> None:
     after = _busy_cores.thread_times(os.getpid())
     thread.join()
     assert after[thread.native_id][1] in busy_cpus(before, after, 1.0)
+
+
+def test_a_refused_binding_leaves_the_placement_as_it_was(monkeypatch) -> None:
+    allowed = frozenset(os.sched_getaffinity(0))
+    avoidance = _busy_cores.BusyCoreAvoidance(os.getpid(), allowed)
+    me = threading.get_native_id()
+    monkeypatch.setattr(_busy_cores, "thread_times", lambda pid: {me: (10**9, min(allowed))})
+    avoidance._last = {me: (0, min(allowed))}
+    avoidance._last_at -= _busy_cores.LOOK_EVERY_S
+
+    def refuse(pid: int, cpus: object) -> None:
+        raise OSError(22, "Invalid argument")
+
+    monkeypatch.setattr(os, "sched_setaffinity", refuse)
+    avoidance.look()  # no error: the worker goes on writing batches
+    assert os.sched_getaffinity(0) == allowed
