@@ -157,15 +157,15 @@ class BatchWorkers:
         self._ring_size = ring_size
         self._semaphores = [context.Semaphore(0) for _ in range(num_workers)]
         self._reader, writer = context.Pipe(duplex=False)
+        # "away": each worker binds itself as it goes; a fixed set is bound once, at start
+        away_within = frozenset(os.sched_getaffinity(0)) if cpus == "away" else None
+        self._cpus = None if cpus == "away" else cpus
         self._processes = [context.Process(
             target=_serve, name=f"asynctron-loader-{i}", daemon=True,
             args=(i, num_workers, dataset, layout, slabs.file, self._control_words,
                   self._semaphores[i], writer, niceness, os.getpid(), micro_batch_size,
-                  samples_per_step,
-                  frozenset(os.sched_getaffinity(0)) if cpus == "away" else None))
-            for i in range(num_workers)]
+                  samples_per_step, away_within)) for i in range(num_workers)]
         self._writer = writer
-        self._cpus = None if cpus == "away" else cpus
         self._waiting: dict[int, tuple[asyncio.Future[dict[str, torch.Tensor]], int]] = {}
         self._borrowed: set[int] = set()
         self._horizon = -1

@@ -53,8 +53,6 @@ def test_willneed_reads_evicted_pages_in(tmp_path) -> None:
 
 def test_the_blocking_calls_release_the_gil() -> None:
     """ctypes foreign calls drop the GIL (a CDLL, not a PyDLL); mmap.madvise would not."""
-    import ctypes
-
     assert not isinstance(_pages._libc, ctypes.PyDLL)
     assert _pages._madvise.__class__.__name__ == "_FuncPtr"
     assert not (_pages._libc._func_flags_ & ctypes._FUNCFLAG_PYTHONAPI)
