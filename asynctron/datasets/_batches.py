@@ -64,12 +64,15 @@ class BatchLayout:
         return {f.key: np.frombuffer(buffer, f.dtype, int(np.prod(f.shape)), offset + f.offset)
                 .reshape(f.shape) for f in self.fields}
 
-    def tensors(self, slab: np.ndarray) -> dict[str, torch.Tensor]:
-        """The batch in `slab` (a uint8 array) as tensors sharing its memory, keyed as the
-        sample dict; each keeps `slab`'s buffer alive. Made through numpy views: a torch op
-        (`view`, `reshape`) gives up the GIL, which a busy trainer thread then holds for up to
-        a switch interval."""
-        out = {key: torch.from_numpy(array) for key, array in self.arrays(slab).items()}
+    def field_tensors(self, slab: np.ndarray) -> dict[str, torch.Tensor]:
+        """The fields of the batch in `slab` (a uint8 array) as tensors sharing its memory;
+        each keeps `slab`'s buffer alive. Made through numpy views: a torch op (`view`,
+        `reshape`) gives up the GIL, which a busy trainer thread then holds for up to a switch
+        interval."""
+        return {key: torch.from_numpy(array) for key, array in self.arrays(slab).items()}
+
+    def batch(self, fields: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The batch of `field_tensors`, keyed as the sample dict (the shared mask added)."""
         if self.shared_mask is not None:
-            out["attention_mask"] = self.shared_mask
-        return {key: out[key] for key in self.keys}
+            fields["attention_mask"] = self.shared_mask
+        return {key: fields[key] for key in self.keys}

@@ -4,7 +4,9 @@ For a `GPTDataset` or `BlendedDataset`, `num_workers` long-lived processes read 
 samples, cut and collate them into batch slabs in shared memory, and advise the kernel to read
 the pages of coming batches (as far ahead as the prefetch budget lends bytes). The loop's part
 of a batch is O(1) and never releases the GIL: a trainer thread busy in Python keeps it. A
-batch's tensors are views of its slab, which is reused only once they are all gone.
+batch's tensors are views of its slab, reused only once nothing refers to them or their
+memory; they come round again with their slab, so dropping a batch frees no tensor (freeing
+one gives up the GIL).
 
 Any other map-style dataset (or `num_workers=0`) is read in this process, `collate` of its
 samples, one batch per call on the engine's executor.
@@ -93,7 +95,7 @@ class AsyncLoader:
 
     Memory: the budget bounds the data pages asked for ahead; the loader holds at most
     `num_ready_batches` batches; batches the consumer keeps are its own (a slab is reused only
-    once every tensor of its batch is gone).
+    once nothing refers to its batch's tensors or their memory: views, numpy arrays, autograd).
     Concurrency: one consumer; a second `async for` at the same time is not supported.
     """
 
@@ -209,7 +211,8 @@ class AsyncLoader:
             layout = BatchLayout(self.dataset, self.micro_batch_size)
             self._workers = BatchWorkers(
                 self.dataset, layout,
-                SharedSlabs(layout.slab_bytes, pin_memory=options["pin_memory"]),
+                SharedSlabs(layout.slab_bytes, layout.field_tensors,
+                            pin_memory=options["pin_memory"]),
                 num_workers=options["num_workers"], ring_size=self.num_ready_batches + 1,
                 micro_batch_size=self.micro_batch_size, samples_per_step=self.samples_per_step,
                 budget=self.budget,

@@ -284,7 +284,7 @@ class BatchWorkers:
                 f"{int(self._control[_START])} + {batch} steps):\n{error}",
                 worker=worker, batch=batch))
         elif not future.done():
-            future.set_result(self._layout.tensors(self._slabs.lend(slab)))
+            future.set_result(self._layout.batch(self._slabs.lend(slab)))
         else:
             self._slabs.give_back(slab)
 
