@@ -55,10 +55,11 @@ def _rebuild_slab_file(dup: Any, nbytes: int) -> SlabFile:
 class SlabViews:
     """One slab's tensors, and whether anything outside the loader still refers to them.
 
-    Held means: a Python reference to a tensor (a batch dict, a numpy array made by
-    `.numpy()`), a C++ one (autograd keeping it for the backward pass, a DLPack capsule), or
-    another tensor on its memory (a view, a slice). A tensor changed in place in a way that
-    outlives its batch (`unsqueeze_`, `set_`, `requires_grad_`) is not handed out again.
+    Held means: a Python reference to a tensor (a batch dict, a torch `Future`), a C++ one
+    (autograd keeping it for the backward pass, a DLPack capsule), or anything else on its
+    memory (a view or slice, a numpy array made by `.numpy()`). A tensor changed in place in a
+    way that outlives its batch (`unsqueeze_`, `set_`, `requires_grad_`) is not handed out
+    again.
     """
 
     def __init__(self, tensors: Views) -> None:
