@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
+import time
 from collections.abc import Callable, Collection
 from typing import Any, Literal
 
@@ -284,6 +285,17 @@ class AsyncLoader:
         while not future.done():  # a cancelled wait leaves the batch coming
             if self._workers is None:
                 await asyncio.wait((future,))
+                continue
+            pacing = self._workers.pacing
+            if pacing.contended:
+                # another thread holds the GIL, and each wake-up makes it switch: wake once a
+                # switch interval, for every batch ready by then (`_wake_pacing`)
+                due = time.monotonic() + pacing.interval_s
+                await asyncio.sleep(pacing.interval_s)
+                pacing.woke(time.monotonic() - due)
+                if self._closed:
+                    raise ClosedError("loader: closed while waiting for a batch")
+                self._workers.poll()
                 continue
             # woken straight from the workers' records: one loop turn, not a future's two
             self._workers.watch()

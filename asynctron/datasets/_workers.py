@@ -26,6 +26,7 @@ import os
 import signal
 import struct
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, Literal
@@ -40,6 +41,7 @@ from asynctron.datasets import _pages
 from asynctron.datasets._batches import BatchLayout
 from asynctron.datasets._busy_cores import BusyCoreAvoidance
 from asynctron.datasets._shared_slabs import SharedSlabs, SlabFile
+from asynctron.datasets._wake_pacing import WakePacing
 from asynctron.errors import LoaderWorkerError, WouldBlock
 
 logger = logging.getLogger(__name__)
@@ -50,8 +52,9 @@ _START = 1  # the first sample of batch 0 (this rank's)
 _HORIZON = 2  # the last batch whose pages may be advised
 _RING = 3  # the slab of batch k is at _RING + k % ring_size
 
-#: a worker's report of one batch: batch, worker, bytes of error text that follow (0: done)
-RECORD = struct.Struct("<qiI")
+#: a worker's report of one batch: batch, worker, when it was written (`time.monotonic`),
+#: bytes of error text that follow (0: done)
+RECORD = struct.Struct("<qidI")
 #: error text kept (the end of the traceback), so a record is one atomic pipe write
 MAX_ERROR_BYTES = 4096 - RECORD.size
 #: how often an idle worker checks that the loader's process is alive
@@ -113,7 +116,7 @@ def _serve(index: int, num_workers: int, dataset: Any, layout: BatchLayout,
             error = b""
         except Exception:
             error = traceback.format_exc().encode()[-MAX_ERROR_BYTES:]
-        os.write(done_fd, RECORD.pack(batch, index, len(error)) + error)
+        os.write(done_fd, RECORD.pack(batch, index, time.monotonic(), len(error)) + error)
         batch += num_workers
 
 
@@ -172,6 +175,8 @@ class BatchWorkers:
         self._num_batches = 0
         self._unparsed = b""
         self._watching = False
+        #: whether the loop's wake-ups wait for another thread's GIL (from the records' age)
+        self.pacing = WakePacing()
         self._failure: LoaderWorkerError | None = None
         self._exited: list[asyncio.Future[None]] = []
         self._reaping: list[asyncio.Future[None]] = []
@@ -253,24 +258,32 @@ class BatchWorkers:
         assert self._loop is not None
         self._watching = False
         self._loop.remove_reader(self._reader.fileno())
-        self._take_records()
+        first_written_at = self._take_records()
+        if first_written_at is not None:
+            self.pacing.woke(time.monotonic() - first_written_at)
 
-    def _take_records(self) -> None:
+    def _take_records(self) -> float | None:
+        """Take in the records in the pipe; when the first of them was written (None:
+        none)."""
         data = _native.read_nowait(self._reader.fileno(), 1 << 16)
         if not data:
-            return  # None: every worker is gone (their exits report it)
+            return None  # None: every worker is gone (their exits report it)
         data = self._unparsed + data
         at = 0
+        first_written_at = None
         while len(data) - at >= RECORD.size:
-            batch, worker, error_bytes = RECORD.unpack_from(data, at)
+            batch, worker, written_at, error_bytes = RECORD.unpack_from(data, at)
             if len(data) - at < RECORD.size + error_bytes:
                 break
             error = data[at + RECORD.size:at + RECORD.size + error_bytes]
             at += RECORD.size + error_bytes
+            if first_written_at is None:
+                first_written_at = written_at
             self._finish(batch, worker, error.decode(errors="replace"))
         self._unparsed = data[at:]
         self._extend_horizon()
         self._on_progress()
+        return first_written_at
 
     def _finish(self, batch: int, worker: int, error: str) -> None:
         if batch in self._borrowed:

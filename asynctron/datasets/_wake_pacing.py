@@ -1,0 +1,33 @@
+"""Waking the consumer less often while another thread holds the GIL.
+
+A loop that wakes for a batch needs the GIL. Beside a thread running pure Python (a GPU
+trainer's dispatch thread between torch calls), it gets it only by waiting out the switch
+interval and making that thread drop it, and every such switch costs the thread: ~1 ms of its
+work on the 2-core VM, whatever the loop then does (`docs/datasets.md`). Such wake-ups come a
+switch interval late, which is how they are told apart; while they do, a consumer waiting for
+a batch wakes once a switch interval, for every batch ready by then, instead of at the first
+one.
+"""
+
+from __future__ import annotations
+
+import sys
+
+#: a wake-up this share of a switch interval late waited for another thread's GIL
+LATE_SHARE = 0.5
+
+
+class WakePacing:
+    """Whether the loop's wake-ups wait for the GIL, from how late the last one came."""
+
+    def __init__(self) -> None:
+        self.contended = False
+
+    def woke(self, late_s: float) -> None:
+        """A wake-up came `late_s` seconds after its cause (a record written, a timer due)."""
+        self.contended = late_s >= LATE_SHARE * sys.getswitchinterval()
+
+    @property
+    def interval_s(self) -> float:
+        """How long a waiting consumer sleeps while contended: one switch interval."""
+        return sys.getswitchinterval()
