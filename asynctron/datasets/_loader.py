@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-import time
 from collections.abc import Callable, Collection
 from typing import Any, Literal
 
@@ -292,9 +291,7 @@ class AsyncLoader:
             if pacing.contended:
                 # another thread holds the GIL, and each wake-up makes it switch: wake once a
                 # switch interval, for every batch ready by then (`_wake_pacing`)
-                due = time.monotonic() + pacing.interval_s
-                await asyncio.sleep(pacing.interval_s)
-                pacing.woke(time.monotonic() - due)
+                await pacing.sleep()
                 if self._closed:
                     raise ClosedError("loader: closed while waiting for a batch")
                 self._workers.poll()

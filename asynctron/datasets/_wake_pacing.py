@@ -11,7 +11,9 @@ one.
 
 from __future__ import annotations
 
+import asyncio
 import sys
+import time
 
 #: a wake-up this share of a switch interval late waited for another thread's GIL
 LATE_SHARE = 0.5
@@ -31,3 +33,11 @@ class WakePacing:
     def interval_s(self) -> float:
         """How long a waiting consumer sleeps while contended: one switch interval."""
         return sys.getswitchinterval()
+
+    async def sleep(self) -> None:
+        """Sleep one switch interval, noting how late the wake-up came (on time: the GIL is
+        free again)."""
+        interval = self.interval_s
+        due = time.monotonic() + interval
+        await asyncio.sleep(interval)
+        self.woke(time.monotonic() - due)
