@@ -7,8 +7,8 @@ of a batch is O(1) and never releases the GIL: a trainer thread busy in Python k
 batch's tensors are views of its slab, reused only once nothing refers to them or their
 memory; they come round again with their slab, so dropping a batch frees no tensor (freeing
 one gives up the GIL). While another thread holds the GIL (the loop's wake-ups come a switch
-interval late), a consumer waiting for a batch wakes once a switch interval, for every batch
-ready by then: each wake-up makes that thread switch (`_wake_pacing`).
+interval late), a consumer waiting for a batch wakes once every two switch intervals, for
+every batch ready by then: each wake-up makes that thread switch (`_wake_pacing`).
 
 Any other map-style dataset (or `num_workers=0`) is read in this process, `collate` of its
 samples, one batch per call on the engine's executor.
@@ -289,8 +289,8 @@ class AsyncLoader:
                 continue
             pacing = self._workers.pacing
             if pacing.contended:
-                # another thread holds the GIL, and each wake-up makes it switch: wake once a
-                # switch interval, for every batch ready by then (`_wake_pacing`)
+                # another thread holds the GIL, and each wake-up makes it switch: wake once
+                # every two switch intervals, for every batch ready by then (`_wake_pacing`)
                 await pacing.sleep()
                 if self._closed:
                     raise ClosedError("loader: closed while waiting for a batch")

@@ -1,6 +1,6 @@
-"""Paced wake-ups: while another thread holds the GIL, a waiting consumer wakes once a switch
-interval (for every batch ready by then) instead of at the first batch, and gets the same
-batches."""
+"""Paced wake-ups: while another thread holds the GIL, a waiting consumer wakes once every
+`PACE_INTERVALS` switch intervals (for every batch ready by then) instead of at the first batch,
+and gets the same batches."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from asynctron import Engine
 from asynctron.datasets import AsyncLoader, collate
-from asynctron.datasets._wake_pacing import LATE_SHARE, WakePacing
+from asynctron.datasets._wake_pacing import LATE_SHARE, PACE_INTERVALS, WakePacing
 
 
 def test_a_wake_up_a_switch_interval_late_says_the_gil_was_held() -> None:
@@ -24,7 +24,7 @@ def test_a_wake_up_a_switch_interval_late_says_the_gil_was_held() -> None:
         pacing.woke(interval)
         pacing.woke(late_share * interval)
         assert not pacing.contended
-    assert pacing.interval_s == interval
+    assert pacing.interval_s == PACE_INTERVALS * interval
 
 
 class _AlwaysContended(WakePacing):
