@@ -443,7 +443,7 @@ def section_train_data(result: dict[str, Any], docs: str) -> list[str]:
                 rows.append([cache, trainer, method, f"{row['samples_per_s']:,.0f}",
                              f"{row['wait_p50_s'] * 1e3:.2f} / {row['wait_p95_s'] * 1e3:.1f} / "
                              f"{row['wait_max_s'] * 1e3:.0f}", f"{row['first_batch_s']:.2f}",
-                             f"{row['retained']:.0%}" if "retained" in row else "",
+                             f"{row['retained']:.1%}" if "retained" in row else "",
                              target])
     meta = result["meta"]["args"]
     lines = [f"A {meta['corpus_mib']} MiB uint16 corpus, {meta['sequence_length']}-token "
