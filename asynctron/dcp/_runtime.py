@@ -2,9 +2,9 @@
 
 DCP calls its storage plugins synchronously, from the trainer's thread (`dcp.save`,
 `dcp.load`) or from DCP's own save thread (`dcp.async_save`). A runtime is an `Engine` bound to
-a uvloop loop on a daemon thread of its own, as `BackgroundEngine` is: plugin calls hand it
-coroutines and wait on (or return) their futures; the loop never blocks, and every file
-syscall, copy and CUDA wait runs on the engine's bounded executor.
+a uvloop loop on a daemon thread of its own (`LoopThread`, as `BackgroundEngine`'s): plugin
+calls hand it coroutines and wait on (or return) their futures; the loop never blocks, and
+every file syscall, copy and CUDA wait runs on the engine's bounded executor.
 
 Runtimes are process-wide and shared: every `StorageWriter`, `StorageReader` and `AsyncStager`
 built with the same options uses the same one (so the same budgets), made on first use and
@@ -14,7 +14,6 @@ on the default or given process group); a runtime's engine never joins a process
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import concurrent.futures
 import threading
@@ -22,9 +21,9 @@ from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 import torch
-import uvloop
 
 from asynctron._budget import ByteBudget
+from asynctron._loop_thread import LoopThread
 from asynctron.engine import Engine, EngineConfig
 from asynctron.engine._coordinator import SoloCollectives
 from asynctron.engine._slabs import SLAB_CACHE, SlabPool
@@ -78,10 +77,7 @@ class Runtime:
         self.file_io = file_io or LocalFileIO()
         self.pinned = torch.cuda.is_available() if config.pin_memory is None else (
             config.pin_memory)
-        self.loop = uvloop.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="asynctron-dcp",
-                                        daemon=True)
-        self._thread.start()
+        self._loop_thread = LoopThread("asynctron-dcp")
         self._in_flight: set[concurrent.futures.Future[Any]] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -110,7 +106,7 @@ class Runtime:
             if self._closed:
                 coroutine.close()
                 raise RuntimeError("asynctron.dcp runtime: closed (the interpreter is exiting)")
-            future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+            future = self._loop_thread.submit(coroutine)
             self._in_flight.add(future)
         future.add_done_callback(self._in_flight.discard)
         return future
@@ -124,7 +120,7 @@ class Runtime:
         if self._closed:
             return False
         try:
-            self.loop.call_soon_threadsafe(self._spawn, fn, args)
+            self._loop_thread.loop.call_soon_threadsafe(self._spawn, fn, args)
         except RuntimeError:  # the loop is closed
             return False
         return True
@@ -142,10 +138,7 @@ class Runtime:
         Raises:
             RuntimeError: called on the runtime's own loop thread (it would deadlock).
         """
-        if threading.current_thread() is self._thread:
-            coroutine.close()
-            raise RuntimeError("asynctron.dcp: a blocking plugin call was made on the "
-                               "runtime's loop thread, where it would deadlock")
+        self._loop_thread.refuse_own_thread(coroutine, "asynctron.dcp plugin")
         return self.start(coroutine).result()
 
     def close(self) -> None:
@@ -157,15 +150,12 @@ class Runtime:
             in_flight = list(self._in_flight)
         concurrent.futures.wait(in_flight)
         try:
-            asyncio.run_coroutine_threadsafe(self.engine.aclose(raise_unobserved=False),
-                                             self.loop).result()
+            self._loop_thread.submit(self.engine.aclose(raise_unobserved=False)).result()
         finally:
             self._stop_loop()
 
     def _stop_loop(self) -> None:
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
-        self.loop.close()
+        self._loop_thread.stop()
 
 
 _RUNTIMES: dict[tuple[EngineConfig, FileIO | None], Runtime] = {}

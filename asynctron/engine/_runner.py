@@ -1,25 +1,22 @@
 """`BackgroundEngine`: the same engine for synchronous trainers, on a loop in its own thread.
 
-One uvloop loop runs on a daemon thread; calls from the trainer's thread reach it through
-`asyncio.run_coroutine_threadsafe` and block that thread until they are done. `Engine`'s methods
+One uvloop loop runs on a daemon thread (`LoopThread`); calls from the trainer's thread hand
+it coroutines and block that thread until they are done. `Engine`'s methods
 are here with the same arguments, synchronous; `run`, `enter` and `iterate` drive the rest of
 asynctron (an `AsyncLoader`, a `BucketManager`) on the same loop.
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import os
-import threading
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Coroutine, Iterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Literal, TypeVar, Unpack
 
 import torch.distributed as dist
-import uvloop
 
+from asynctron._loop_thread import LoopThread
 from asynctron.engine._engine import Engine, EngineConfig, EngineOptions
 from asynctron.engine._task import SaveTask
 from asynctron.errors import ClosedError
@@ -53,10 +50,7 @@ class BackgroundEngine:
                  **options: Unpack[EngineOptions]) -> None:
         # built (and its config validated) here, on the caller
         self._engine = Engine(config, file_io=file_io, process_group=process_group, **options)
-        self._loop = uvloop.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever,
-                                        name="asynctron-loop", daemon=True)
-        self._thread.start()
+        self._loop_thread = LoopThread("asynctron-loop")
         self._closed = False
         try:
             self._call(self._engine.start())
@@ -87,17 +81,7 @@ class BackgroundEngine:
         if self._closed:
             coroutine.close()
             raise ClosedError("background engine: closed; create a new one")
-        if threading.current_thread() is self._thread:
-            coroutine.close()
-            raise RuntimeError("background engine: called on its own loop thread, where it "
-                               "would wait for itself; await the Engine (`.engine`) there")
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"background engine: coroutine not done within {timeout} s; "
-                               "it was cancelled") from None
+        return self._loop_thread.call(coroutine, "background engine", timeout)
 
     def run(self, coroutine: Coroutine[Any, Any, T], *, timeout: float | None = None) -> T:
         """Run `coroutine` on the engine's loop and return its result, blocking the calling
@@ -204,9 +188,7 @@ class BackgroundEngine:
 
     def _stop_loop(self) -> None:
         self._closed = True
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        self._loop_thread.stop()
 
     def __enter__(self) -> BackgroundEngine:
         return self
@@ -215,4 +197,4 @@ class BackgroundEngine:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<BackgroundEngine on thread {self._thread.name}: {self._engine!r}>"
+        return f"<BackgroundEngine on thread {self._loop_thread.name}: {self._engine!r}>"

@@ -133,6 +133,23 @@ def test_unknown_tensor_types_and_options_are_refused_by_name() -> None:
         AsyncStager(job="x")
 
 
+def test_a_blocking_call_on_the_runtimes_own_loop_thread_is_refused() -> None:
+    """A plugin call made from the runtime's loop would wait for itself: refused, not run."""
+    runtime = runtime_for(plugin_config("test", BUDGET))
+    ran = []
+
+    async def inner() -> None:
+        ran.append(True)
+
+    async def nested() -> None:
+        runtime.call(inner())
+
+    with pytest.raises(RuntimeError, match=r"^asynctron.dcp plugin: called on its own loop "
+                                           r"thread \(asynctron-dcp\)"):
+        runtime.call(nested())
+    assert not ran
+
+
 def test_async_save_with_the_stager_and_a_stock_writer(tmp_path: Any) -> None:
     expected = state(6)
     copy = {"model": {k: v.clone() for k, v in expected["model"].items()}}
