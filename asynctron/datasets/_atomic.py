@@ -9,7 +9,9 @@ through the page cache; the result and the guarantee are the same.
 
 After a crash, `path` is either its old file or the whole new one; a rename is made durable
 with the directory's `fsync`, which callers renaming several files may do once
-(`sync_directory`) for all of them.
+(`sync_directory`) for all of them. A temporary is named for its host and process
+(`<path>.tmp-<host>-<pid>-<random>`), so the next write of `path` on that host removes what a
+killed process left, and nobody else's.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import errno
 import fcntl
 import mmap
 import os
+import re
 import secrets
+import socket
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO
 
@@ -32,6 +36,8 @@ DIRECT_CHUNK_BYTES = 2 << 20
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none: plain writes
 
+_HOST = socket.gethostname()
+
 
 def sync_directory(directory: str) -> None:
     """Make the renames done in `directory` durable. Blocking call."""
@@ -42,12 +48,41 @@ def sync_directory(directory: str) -> None:
         os.close(fd)
 
 
+def remove_dead_temporaries(path: str) -> None:
+    """Remove the temporaries of `path` left by processes of this host that are gone (killed
+    while writing). Those of a live process, or of another host sharing the directory, stay."""
+    directory, name = os.path.split(os.path.abspath(path))
+    prefix = f"{name}.tmp-{_HOST}-"
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    for found in names:
+        # exactly `<pid>-<8 hex>` after the prefix: host "node" is not host "node-12"
+        ours = found.startswith(prefix) and re.fullmatch(r"(\d+)-[0-9a-f]{8}", found[len(prefix):])
+        if ours and not _alive(int(ours[1])):
+            with contextlib.suppress(FileNotFoundError):  # another process removed it first
+                os.remove(os.path.join(directory, found))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def _publishing(path: str, sync_dir: bool) -> Iterator[str]:
     """A temporary path beside `path`, renamed to `path` when the block succeeds (the directory
     then synced if `sync_dir`) and removed when it fails; an OSError without a file name is
-    raised again naming `path`."""
-    tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+    raised again naming `path`. Temporaries of `path` that dead processes of this host left
+    are removed first."""
+    remove_dead_temporaries(path)
+    tmp = f"{path}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         yield tmp
         os.replace(tmp, path)

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
+from asynctron.datasets import _atomic
 from asynctron.datasets._cache import CacheEntry, describe, load_or_build
 
 LAYOUT = {"a": ((np.int32,), 1, None), "b": ((np.int64,), 2, 2)}
@@ -202,8 +203,9 @@ KILLED_CHILD = textwrap.dedent("""
 @pytest.mark.parametrize("kill_at", [1, 2, 3, 4])
 def test_an_entry_killed_while_saving_is_rebuilt_not_loaded(tmp_path, kill_at) -> None:
     """Killed before the 1st or 2nd array's rename, before the description's (3rd) or, as a
-    control, never (4th): only the finished save loads; the others are rebuilt, and the
-    arrays the killed save left (other values than the build's) are replaced."""
+    control, never (4th): only the finished save loads; the others are rebuilt, the arrays
+    the killed save left (other values than the build's) are replaced, and so are its
+    temporaries."""
     entry = _entry(str(tmp_path / "cache"))
     child = subprocess.run([sys.executable, "-c", KILLED_CHILD, entry.directory,
                             entry.description_hash, entry.description, str(kill_at)],
@@ -211,14 +213,44 @@ def test_an_entry_killed_while_saving_is_rebuilt_not_loaded(tmp_path, kill_at) -
     finished = kill_at > len(LAYOUT) + 1
     assert child.returncode == (0 if finished else -signal.SIGKILL), child.stderr
     assert entry.complete() == finished
+    assert bool(_temporaries(entry.directory)) != finished
     built: list[int] = []
     arrays = load_or_build(entry, LAYOUT, _builds(built))
     assert built == ([] if finished else [1])
+    assert _temporaries(entry.directory) == []
     if not finished:
         expected = _arrays()
         for name in LAYOUT:
             assert np.array_equal(arrays[name], expected[name])
             assert np.array_equal(np.load(entry.path(f"{name}.npy")), expected[name])
+
+
+def _temporaries(directory: str) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if ".tmp-" in name)
+
+
+def test_only_dead_processes_temporaries_of_this_host_are_removed(tmp_path) -> None:
+    """A write of a path removes what a killed writer of it on this host left; a live
+    writer's temporary, another host's (its pids mean nothing here, even where its name
+    starts with ours) and another path's stay."""
+    dead = _a_dead_pid()
+    path = str(tmp_path / "x.npy")
+    host = _atomic._HOST
+    kept = [f"x.npy.tmp-{host}-{os.getpid()}-0000aaaa", f"x.npy.tmp-{host}x-{dead}-0000aaaa",
+            f"x.npy.tmp-{host}-12-{dead}-0000aaaa",  # host "<ours>-12"
+            f"x.npy.tmp-other-{dead}-0000aaaa", f"y.npy.tmp-{host}-{dead}-0000aaaa"]
+    for name in [*kept, f"x.npy.tmp-{host}-{dead}-0000aaaa"]:
+        (tmp_path / name).write_bytes(b"partial")
+    _atomic.write_atomically(path, lambda f: f.write(b"whole"))
+    assert _temporaries(str(tmp_path)) == sorted(kept)
+    with open(path, "rb") as f:
+        assert f.read() == b"whole"
+
+
+def _a_dead_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
 
 
 def test_a_failed_write_names_the_file_and_leaves_nothing(tmp_path, monkeypatch) -> None:
