@@ -7,8 +7,9 @@ ahead), for `--duration` seconds, with the page cache of every file it reads eit
 first (`cold`) or warm. Beside it a trainer thread works (`asynctron/bench/_trainers.py`): none
 (`idle`), pure Python holding the GIL (`python`), the same bound to the first CPU with every
 loader's worker processes bound to the others, as on a node where ranks are bound to cores
-(`python-bound`; asynctron's `worker_cpus`, DataLoader's `worker_init_fn`), or 1-thread torch
-matmuls (`torch`).
+(`python-bound`; asynctron's `worker_cpus`, DataLoader's `worker_init_fn`), Python with a tiny
+torch op every few microseconds, giving the GIL up at each as a GPU trainer's dispatch thread
+does when it launches kernels (`dispatch`), or 1-thread torch matmuls (`torch`).
 Measured: samples/s, the wait for each batch (p50/p95/max), the first batch's latency (from
 opening the dataset: imports, index maps, worker start), and the trainer's work retained
 while batches flow (its rate from the first batch asked for to the last one taken / its mean
@@ -52,7 +53,7 @@ from asynctron.datasets import GPTDataset, IndexedDataset, Split
 MiB = 1 << 20
 METHODS = ("asynctron AsyncLoader", "DataLoader (2 workers)", "DataLoader (4 workers)",
            "megatron ds[i]")
-TRAINERS = ("idle", "python", "python-bound", "torch")
+TRAINERS = ("idle", "python", "python-bound", "dispatch", "torch")
 CACHES = ("cold", "warm")
 
 
