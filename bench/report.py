@@ -35,6 +35,7 @@ COMMANDS = {
     "data": "asynctron bench data",
     "comm": "asynctron bench comm",
     "comm_busy": "asynctron bench comm --trainer python --models 10M --bucket-mb 25",
+    "comm_dispatch": "asynctron bench comm --trainer dispatch --models 10M --bucket-mb 25",
     "comm_torch": "asynctron bench comm --trainer torch --models 10M --bucket-mb 25",
     "write": "asynctron bench write --target $PWD/.benchtmp",
     "cuda": "asynctron bench cuda",
@@ -233,8 +234,13 @@ def section_data(result: dict[str, Any], docs: str) -> list[str]:
 
 
 #: what a comm run's `--trainer` runs in each rank beside the step
-COMM_TRAINERS = {"idle": "", "python": ", and each rank runs a thread spinning Python (holding "
-                 "the GIL)", "torch": ", and each rank runs a thread of 1-thread torch matmuls"}
+COMM_TRAINERS = {
+    "idle": "",
+    "python": ", and each rank runs a thread spinning Python (holding the GIL)",
+    "dispatch": ", and each rank runs a thread of Python with a tiny torch op every few µs "
+                "(giving the GIL up at each)",
+    "torch": ", and each rank runs a thread of 1-thread torch matmuls",
+}
 
 
 def section_comm(result: dict[str, Any], docs: str) -> list[str]:
@@ -516,6 +522,8 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any], str], list[str]]]] = {
     "comm": ("Gradient buckets against PyTorch DDP (issue 4)", section_comm),
     "comm_busy": ("Gradient buckets against DDP, a GIL-busy thread in each rank (issue 16)",
                   section_comm),
+    "comm_dispatch": ("Gradient buckets against DDP, a dispatch-like thread in each rank",
+                      section_comm),
     "comm_torch": ("Gradient buckets against DDP, a torch-busy thread in each rank (issue 16)",
                    section_comm),
     "write": ("Concurrent write sweep (issue 6)", section_write),

@@ -1,7 +1,7 @@
 """Every benchmark of the engine in one command: save (one process and across 2 and 4 ranks),
-datasets, comm (idle and beside a GIL-busy or a torch-busy thread), the write sweep, CUDA
-staging where there is a GPU, saves and data inside a busy trainer, many small tensors, hostile
-checkpoint metadata, and stock DCP through asynctron's plugin.
+datasets, comm (idle and beside a GIL-busy, a dispatch-like or a torch-busy thread), the
+write sweep, CUDA staging where there is a GPU, saves and data inside a busy trainer, many
+small tensors, hostile checkpoint metadata, and stock DCP through asynctron's plugin.
 Each scenario runs in its own process (fresh memory), writing JSON into one results directory
 (a source checkout's `bench/report.py` renders `docs/benchmarks.md` from it).
 
@@ -41,6 +41,9 @@ RUNS = {
     "comm_busy": Run("allreduce_overlap",
                      ("--trainer", "python", "--models", "10M", "--bucket-mb", "25"),
                      "comm_busy.json"),
+    "comm_dispatch": Run("allreduce_overlap",
+                         ("--trainer", "dispatch", "--models", "10M", "--bucket-mb", "25"),
+                         "comm_dispatch.json"),
     "comm_torch": Run("allreduce_overlap",
                       ("--trainer", "torch", "--models", "10M", "--bucket-mb", "25"),
                       "comm_torch.json"),

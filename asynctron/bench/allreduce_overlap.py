@@ -15,8 +15,11 @@ reported, with the ratio asynctron / DDP (target <= 1.05). Also measured: comput
 all-reduce of every gradient at once (the communication with nothing to hide it), the exposed
 communication (from the last gradient hook until the gradients are synchronized; DDP: until
 backward returns) and the loop's worst heartbeat delay during `synchronize()` (an extra
-untimed round). With `--trainer python`, each rank also runs a thread spinning Python (it holds
-the GIL, as a GPU trainer's dispatch thread does) through every measurement.
+untimed round). With `--trainer`, each rank also runs a busy thread through every measurement
+(`asynctron/bench/_trainers.py`): spinning Python (`python`: it holds the GIL, the worst case of
+a GPU trainer's dispatch thread), Python with a tiny torch op every few µs (`dispatch`: it gives
+the GIL up at each op, as a dispatch thread launching kernels does) or 1-thread torch matmuls
+(`torch`).
 
 Run: `asynctron bench comm`; `--quick` for a smoke run;
 `--device cuda --backend nccl` on a machine with one GPU per rank.
@@ -294,9 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--backend", choices=["gloo", "nccl"], default=None,
                         help="default: gloo on cpu, nccl on cuda")
-    parser.add_argument("--trainer", choices=["idle", "python", "torch"], default="idle",
-                        help="a busy thread in each rank: spinning Python (holds the GIL) or "
-                             "1-thread torch matmuls")
+    parser.add_argument("--trainer", choices=["idle", "python", "dispatch", "torch"],
+                        default="idle",
+                        help="a busy thread in each rank: spinning Python (holds the GIL), "
+                             "Python with a tiny torch op every few µs (gives it up at each) "
+                             "or 1-thread torch matmuls")
     parser.add_argument("--quick", action="store_true", help="tiny models, one repeat (smoke)")
     parser.add_argument("--out", default=None, help=_results.OUT_HELP)
     args = parser.parse_args(argv)
