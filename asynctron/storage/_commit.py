@@ -100,16 +100,21 @@ def is_committed(path: str) -> bool:
 
 
 def resolve_checkpoint(path: str) -> str:
-    """The committed checkpoint at `path`, or the one `path/latest` names.
+    """The committed checkpoint at `path`, or the one `path/latest` names. A pointer whose
+    checkpoint is gone is read again: a writer with `keep_last` moves it to the next commit
+    before pruning the one it named, so if it moved meanwhile, it names a committed one.
 
     Raises:
-        CheckpointNotFoundError: neither a checkpoint nor a `latest` pointer is at `path`.
+        CheckpointNotFoundError: neither a checkpoint nor a `latest` pointer naming one is at
+            `path`.
     """
     if is_committed(path):
         return path
-    latest = read_latest(path) if os.path.isdir(path) else None
-    if latest is not None and is_committed(latest):
-        return latest
+    named = None
+    while os.path.isdir(path) and (latest := read_latest(path)) not in (None, named):
+        if is_committed(latest):
+            return latest
+        named = latest
     raise CheckpointNotFoundError(
         f"checkpoint {path}: expected a committed checkpoint ({MANIFEST_NAME} or DCP's "
         f"{DCP_METADATA_NAME}) or a '{LATEST_NAME}' pointer, found none; the save may not "

@@ -19,6 +19,7 @@ import torch
 
 import asynctron
 from asynctron import Engine
+from asynctron.storage import _commit
 from asynctron.storage._commit import read_latest
 from asynctron.storage._retention import LEDGER_NAME, lease_checkpoint, read_ledger
 
@@ -208,6 +209,32 @@ def test_a_reader_of_latest_never_fails_while_a_writer_prunes(shm_path: str) -> 
     assert writer.returncode == 0, err
     # The last pruning may have been deferred by a load in progress: at most one left over.
     assert _checkpoints(shm_path) in (["s_39", "s_init"], ["s_38", "s_39", "s_init"])
+
+
+async def test_a_pointer_moved_and_pruned_between_its_read_and_the_check_is_read_again(
+        shm_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race the test above meets now and then, made to happen: a writer commits, moves
+    `latest` and prunes the checkpoint the reader had just read from the pointer."""
+    async with Engine(keep_last=1, job="run", **SMALL) as engine:
+        await engine.save({"step": 1}, f"{shm_path}/step_1")
+        real_read_latest, reads = _commit.read_latest, []
+
+        async def commit_step_2() -> None:
+            await engine.save({"step": 2}, f"{shm_path}/step_2")
+
+        def read_latest(root: str) -> str | None:
+            named = real_read_latest(root)
+            if not reads:  # the writer's next commit lands right after this first read
+                asyncio.run_coroutine_threadsafe(commit_step_2(), loop).result()
+            reads.append(named)
+            return named
+
+        loop = asyncio.get_running_loop()
+        monkeypatch.setattr(_commit, "read_latest", read_latest)
+        state = await asyncio.to_thread(asynctron.load, shm_path)
+    assert state["step"] == 2
+    assert reads == [f"{shm_path}/step_1", f"{shm_path}/step_2"]
+    assert _checkpoints(shm_path) == ["step_2"]
 
 
 @pytest.mark.slow
