@@ -115,6 +115,13 @@ def resolve_checkpoint(path: str) -> str:
         if is_committed(latest):
             return latest
         named = latest
+    if named is not None:
+        raise CheckpointNotFoundError(
+            f"checkpoint {path}: its '{LATEST_NAME}' pointer names {named}, which holds no "
+            f"committed checkpoint ({MANIFEST_NAME} or DCP's {DCP_METADATA_NAME}); it was "
+            "removed, or its save never committed",
+            path=named,
+        )
     raise CheckpointNotFoundError(
         f"checkpoint {path}: expected a committed checkpoint ({MANIFEST_NAME} or DCP's "
         f"{DCP_METADATA_NAME}) or a '{LATEST_NAME}' pointer, found none; the save may not "

@@ -175,6 +175,16 @@ async def test_keys_are_names_never_paths(shm_path: str) -> None:
     assert torch.equal(loaded["../../escape"], torch.ones(3))
 
 
+async def test_a_latest_pointer_naming_a_removed_checkpoint_says_so(shm_path: str) -> None:
+    await _save(shm_path)
+    with open(f"{shm_path}/latest", "w") as f:
+        f.write("step_gone\n")
+    with pytest.raises(CheckpointNotFoundError, match=rf"^checkpoint {shm_path}: its 'latest' "
+                                                      rf"pointer names {shm_path}/step_gone, "
+                                                      "which holds no committed checkpoint"):
+        await _load(shm_path)
+
+
 async def test_bad_latest_pointer(shm_path: str) -> None:
     await _save(shm_path)
     with open(f"{shm_path}/latest", "w") as f:
