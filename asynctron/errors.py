@@ -6,7 +6,8 @@
 - `CorruptCheckpointError`: the bytes on disk are not what was committed. Never retried.
 - `CorruptDatasetError`: a dataset file (`.idx`, `.bin`, cached `.npy` index) is not in the
   format it claims (magic, version, dtype code, sizes). Never retried.
-- `LoaderWorkerError`: a data loader's worker process failed on a batch, or died.
+- `LoaderWorkerError`: a data loader's worker process died, or an error it raised on a batch
+  could not reach the consumer as itself (an error that can does, as its own type).
 - `PeerError`: another rank failed or timed out (a collective could not complete);
   `PeerTimeoutError` when it timed out.
 - `CheckpointNotFoundError`: no committed checkpoint at the path (also a `FileNotFoundError`).
@@ -135,8 +136,11 @@ class CorruptDatasetError(AsynctronError):
 
 
 class LoaderWorkerError(AsynctronError):
-    """A data loader's worker process raised while writing a batch (the message holds its
-    traceback) or died (killed, out of memory).
+    """A data loader's worker process died (killed, out of memory), or raised an error on a
+    batch that cannot reach the consumer as itself (it does not pickle within a worker's
+    report, or unpickle in the loader's process): the message names its type, message and
+    why, and `__cause__` holds the worker's traceback text. An error that can reach the
+    consumer is raised as itself, not as this.
 
     Attributes:
         worker: the worker's index.

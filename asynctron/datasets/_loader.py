@@ -266,8 +266,15 @@ class AsyncLoader:
 
         Raises:
             StopAsyncIteration: the dataset has no further whole step.
-            LoaderWorkerError: a worker failed on this batch or died (later calls raise it
-                too).
+            Exception: the error the dataset raised on this batch, as itself (its type,
+                message and attributes: a `CorruptDatasetError` keeps its path), whether read
+                in this process or by a worker; from a worker, `__cause__` holds the worker's
+                traceback text and a note names the worker and the batch. Later calls raise it
+                too.
+            LoaderWorkerError: a worker died; or its error could not be raised as itself (it
+                does not pickle, its pickle is too large for a worker's report, it does not
+                unpickle here, or it is a StopIteration), and then names its type, message and
+                why, with the traceback in `__cause__`. Later calls raise it too.
             RuntimeError: called outside `async with` (the loader is not started).
             ClosedError: the loader is closed.
         Cancellation: no batch is lost; the next call returns the batch this one would have.

@@ -14,6 +14,12 @@ ahead as the loader's prefetch budget lets it (the loop moves that horizon).
 
 Worker `w` writes batches `w, w + n, w + 2n, ...` in order; batch `k` holds samples
 `start + k * samples_per_step + [0, micro_batch_size)`, `start` set when iteration begins.
+
+An error a worker raises on a batch travels as itself: pickled into the batch's record
+(`report_error`), raised to the consumer with its type, message and attributes, the worker's
+traceback text chained as `__cause__` (`raised_in_worker`). Pickle crosses only between the
+loader's process and the workers it started, which run its dataset's code anyway: the pipe is
+the loader's own, and nothing else writes to it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
 import struct
 import threading
@@ -53,10 +60,19 @@ _HORIZON = 2  # the last batch whose pages may be advised
 _RING = 3  # the slab of batch k is at _RING + k % ring_size
 
 #: a worker's report of one batch: batch, worker, when it was written (`time.monotonic`),
-#: bytes of error text that follow (0: done)
+#: bytes of the error report that follow (0: done)
 RECORD = struct.Struct("<qidI")
-#: error text kept (the end of the traceback), so a record is one atomic pipe write
+#: the most bytes of an error report, so a record is one atomic pipe write
 MAX_ERROR_BYTES = 4096 - RECORD.size
+#: an error report: bytes of the error's description ("module.Type: message"), of why it is
+#: not raised as itself (0: it is pickled), and of its pickle; then those, then the end of its
+#: traceback text
+ERROR_HEAD = struct.Struct("<HHH")
+#: the most bytes of an error's description, and of why it is not pickled
+MAX_DESCRIPTION_BYTES = 512
+MAX_REASON_BYTES = 256
+#: the least room a pickled error leaves for the traceback text (a larger pickle is not sent)
+MIN_TRACEBACK_BYTES = 1024
 #: how often an idle worker checks that the loader's process is alive
 PARENT_CHECK_S = 1.0
 #: how long `aclose` waits for workers to exit before killing them
@@ -114,8 +130,8 @@ def _serve(index: int, num_workers: int, dataset: Any, layout: BatchLayout,
             slab = int(control[_RING + batch % ring_size])
             dataset.write_samples(this, layout.arrays(memory, slab * slab_bytes))
             error = b""
-        except Exception:
-            error = traceback.format_exc().encode()[-MAX_ERROR_BYTES:]
+        except Exception as exc:
+            error = report_error(exc)
         os.write(done_fd, RECORD.pack(batch, index, time.monotonic(), len(error)) + error)
         batch += num_workers
 
@@ -279,23 +295,23 @@ class BatchWorkers:
             at += RECORD.size + error_bytes
             if first_written_at is None:
                 first_written_at = written_at
-            self._finish(batch, worker, error.decode(errors="replace"))
+            self._finish(batch, worker, error)
         self._unparsed = data[at:]
         self._extend_horizon()
         self._on_progress()
         return first_written_at
 
-    def _finish(self, batch: int, worker: int, error: str) -> None:
+    def _finish(self, batch: int, worker: int, error: bytes) -> None:
         if batch in self._borrowed:
             self._borrowed.discard(batch)
             self._budget.release(self._read_bytes)
         future, slab = self._waiting.pop(batch)
         if error:
             self._slabs.give_back(slab)
-            future.set_exception(LoaderWorkerError(
-                f"loader worker {worker} failed on batch {batch} (samples from "
-                f"{int(self._control[_START])} + {batch} steps):\n{error}",
-                worker=worker, batch=batch))
+            if not future.done():
+                future.set_exception(raised_in_worker(
+                    error, worker=worker, batch=batch,
+                    first_sample=int(self._control[_START])))
         elif not future.done():
             future.set_result(self._layout.batch(self._slabs.lend(slab)))
         else:
@@ -360,6 +376,102 @@ class BatchWorkers:
     @property
     def pids(self) -> list[int | None]:
         return [process.pid for process in self._processes]
+
+
+class _RemoteTraceback(Exception):
+    """A worker's traceback text, chained as `__cause__` of the error it raised (as
+    `concurrent.futures.ProcessPoolExecutor` does), so a printed error shows where in the
+    worker it began."""
+
+    def __str__(self) -> str:
+        return f'\n"""\n{self.args[0]}"""'
+
+
+def report_error(error: Exception) -> bytes:
+    """What a worker sends of `error`, at most `MAX_ERROR_BYTES` (`ERROR_HEAD`): its
+    description; the error pickled, when it pickles and leaves `MIN_TRACEBACK_BYTES` of room,
+    or else why not; and the end of its traceback text in the room left (its last line, the
+    error's message, cut as the description is)."""
+    description = _bounded(_describe(error), MAX_DESCRIPTION_BYTES)
+    room = MAX_ERROR_BYTES - ERROR_HEAD.size - len(description) - MIN_TRACEBACK_BYTES
+    reason = ""
+    try:
+        pickled = pickle.dumps(error, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        pickled = b""
+        reason = f"it does not pickle ({_describe(exc)}); make the exception picklable"
+    if len(pickled) > room:
+        reason = (f"its pickle is {len(pickled)} bytes, over the {room} a worker's report has "
+                  "room for; keep large values out of the exception")
+        pickled = b""
+    why = _bounded(reason, MAX_REASON_BYTES)
+    head = ERROR_HEAD.pack(len(description), len(why), len(pickled))
+    room = MAX_ERROR_BYTES - len(head) - len(description) - len(why) - len(pickled)
+    text = "".join(traceback.format_exception(error)).encode(errors="replace")
+    last = "".join(traceback.format_exception_only(error)).encode(errors="replace")
+    if len(last) > MAX_DESCRIPTION_BYTES and text.endswith(last):  # keep the frames above it
+        text = text[:-len(last)] + _bounded(last.decode(errors="replace"),
+                                            MAX_DESCRIPTION_BYTES) + b"\n"
+    if len(text) > room:
+        cut = b"[...]\n"
+        text = cut + text[len(text) - room + len(cut):]
+    return head + description + why + pickled + text
+
+
+def raised_in_worker(report: bytes, *, worker: int, batch: int, first_sample: int) -> Exception:
+    """The error for the consumer from a worker's `report_error`: the worker's own error,
+    unpickled, with a note naming the worker and the batch; or, where it cannot be raised as
+    itself (it does not pickle within the bound, or unpickle here, or is a StopIteration or
+    StopAsyncIteration, which would end the consumer's loop), a `LoaderWorkerError` naming its
+    type, message and why. Either way `__cause__` is a `_RemoteTraceback` holding the worker's
+    traceback text. Never raises."""
+    description_bytes, why_bytes, pickle_bytes = ERROR_HEAD.unpack_from(report)
+    at = ERROR_HEAD.size
+    description = report[at:at + description_bytes].decode(errors="replace")
+    at += description_bytes
+    reason = report[at:at + why_bytes].decode(errors="replace")
+    at += why_bytes
+    pickled = report[at:at + pickle_bytes]
+    remote = _RemoteTraceback(report[at + pickle_bytes:].decode(errors="replace"))
+    samples = f"samples from {first_sample} + {batch} steps"
+    where = f"loader worker {worker} failed on batch {batch} ({samples})"
+    if pickled:
+        try:
+            error = pickle.loads(pickled)
+        except Exception as exc:
+            reason = (f"it does not unpickle here ({_describe(exc)}); make the exception "
+                      "unpickle to itself (its args rebuild it, or give it a `__reduce__`)")
+        else:
+            if isinstance(error, StopIteration | StopAsyncIteration):
+                reason = "raised as itself it would end the consumer's `async for`"
+            elif not isinstance(error, Exception):
+                reason = f"it unpickles as {type(error).__qualname__}, not an exception"
+            else:
+                error.add_note(f"raised by loader worker {worker} on batch {batch} ({samples})")
+                error.__cause__ = remote
+                return error
+    failure = LoaderWorkerError(f"{where} with {description}; not raised as itself: {reason}",
+                                worker=worker, batch=batch)
+    failure.__cause__ = remote
+    return failure
+
+
+def _describe(error: BaseException) -> str:
+    """`module.Type: message` (a builtin's type without its module)."""
+    kind = type(error)
+    name = (kind.__qualname__ if kind.__module__ == "builtins"
+            else f"{kind.__module__}.{kind.__qualname__}")
+    try:
+        message = str(error)
+    except Exception:
+        message = "<str() failed>"
+    return f"{name}: {message}" if message else name
+
+
+def _bounded(text: str, max_bytes: int) -> bytes:
+    """`text` in UTF-8, cut to `max_bytes` (ending in "...") where longer."""
+    data = text.encode(errors="replace")
+    return data if len(data) <= max_bytes else data[:max_bytes - 3] + b"..."
 
 
 def _settle(future: asyncio.Future[None], error: BaseException | None) -> None:

@@ -1,11 +1,13 @@
 """AsyncLoader's worker processes: batches equal to `collate(ds[i] ...)` for every sample
-option, batches the consumer keeps stay intact, and a failing, killed or orphaned worker is
+option, batches the consumer keeps stay intact, a worker's error reaches the consumer as itself
+(or, where it cannot, as LoaderWorkerError naming it), and a killed or orphaned worker is
 reported or exits."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,10 +27,11 @@ from asynctron.datasets import (
     GPTDataset,
     GPTDatasetConfig,
     Split,
+    _workers,
     collate,
 )
 from asynctron.datasets._builder import write_indexed_dataset
-from asynctron.errors import LoaderWorkerError
+from asynctron.errors import CorruptDatasetError, LoaderWorkerError
 
 
 def _padded_corpus(path: str, pad: int) -> Any:
@@ -118,29 +121,140 @@ async def test_slabs_come_back_when_batches_are_dropped(gpt) -> None:
 
 
 class _FailsAtSample6(GPTDataset):
+    """Raises `error` (ValueError unless set) for the batch that holds sample 6."""
+
+    error: Exception = ValueError("sample 6 is unreadable")
+
     def locate_batch(self, ids: Any) -> Any:
         if 6 in list(ids):
-            raise ValueError("sample 6 is unreadable")
+            raise self.error
         return super().locate_batch(ids)
 
 
-async def test_a_worker_error_reaches_the_consumer_with_its_traceback(gpt) -> None:
+async def _fail_at_sample_6(gpt: GPTDataset, error: Exception | None = None) -> BaseException:
+    """What a loader with one worker raises at the batch that holds sample 6 (samples 0-5
+    arrive first), checked to stay raised."""
     failing = _FailsAtSample6(gpt.dataset, gpt.dataset_path, gpt.indices, gpt.num_samples,
                               gpt.index_split, gpt.config)
+    if error is not None:
+        failing.error = error
     async with Engine(num_workers=2) as engine, AsyncLoader(
             failing, micro_batch_size=2, run_blocking=engine.run_blocking,
             prefetch_budget=1 << 20, num_ready_batches=2, num_workers=1) as loader:
         seen = 0
-        with pytest.raises(LoaderWorkerError) as raised:
+        with pytest.raises(Exception) as raised:
             async for _ in loader:
                 seen += 1
         assert seen == 3  # samples 0-5; the next batch holds sample 6
-        assert raised.value.worker == 0 and raised.value.batch == 3
-        message = str(raised.value)
-        assert message.startswith("loader worker 0 failed on batch 3")
-        assert "ValueError: sample 6 is unreadable" in message
-        with pytest.raises(LoaderWorkerError):  # and stays failed
+        with pytest.raises(type(raised.value)) as again:  # and stays failed
             await loader.__anext__()
+        assert again.value is raised.value
+    return raised.value
+
+
+def _remote_traceback(error: BaseException) -> str:
+    cause = error.__cause__
+    assert type(cause).__name__ == "_RemoteTraceback", repr(cause)
+    return str(cause)
+
+
+async def test_a_worker_error_reaches_the_consumer_as_itself_with_its_traceback(gpt) -> None:
+    error = await _fail_at_sample_6(gpt)
+    assert type(error) is ValueError
+    assert str(error) == "sample 6 is unreadable"
+    assert error.__notes__ == ["raised by loader worker 0 on batch 3 (samples from 0 + 3 steps)"]
+    remote = _remote_traceback(error)
+    assert "in locate_batch" in remote
+    assert remote.endswith('ValueError: sample 6 is unreadable\n"""')
+
+
+async def test_a_corrupt_dataset_error_in_a_worker_keeps_its_type_message_and_path(gpt) -> None:
+    corrupt = CorruptDatasetError("corpus.bin: expected 4096 bytes, found 12; rebuild it",
+                                  path="/data/corpus.bin", offset=4096)
+    error = await _fail_at_sample_6(gpt, corrupt)
+    assert type(error) is CorruptDatasetError
+    assert str(error) == "corpus.bin: expected 4096 bytes, found 12; rebuild it"
+    assert (error.path, error.offset) == ("/data/corpus.bin", 4096)
+    assert "CorruptDatasetError: corpus.bin: expected 4096" in _remote_traceback(error)
+
+
+async def test_an_index_error_in_a_worker_arrives_as_index_error(gpt) -> None:
+    error = await _fail_at_sample_6(gpt, IndexError("sample 6 out of range"))
+    assert type(error) is IndexError and error.args == ("sample 6 out of range",)
+
+
+class _Unpicklable(Exception):
+    """Holds a lock: it does not pickle."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+class _NotUnpicklable(Exception):
+    """Pickles, but its one message arg does not rebuild it (two are required)."""
+
+    def __init__(self, sample: int, why: str) -> None:
+        super().__init__(f"sample {sample}: {why}")
+
+
+@pytest.mark.parametrize(("error", "described", "why"), [
+    (_Unpicklable("sample 6 is locked"), r"[\w.]*_Unpicklable: sample 6 is locked",
+     r"it does not pickle \(TypeError: cannot pickle '_thread.lock' object\); make the "
+     r"exception picklable"),
+    (_NotUnpicklable(6, "torn"), r"[\w.]*_NotUnpicklable: sample 6: torn",
+     r"it does not unpickle here \(TypeError: .*missing 1 required positional argument: "
+     r"'why'\); make the exception unpickle to itself \(its args rebuild it, or give it a "
+     r"`__reduce__`\)"),
+    (ValueError("x" * 5000), r"ValueError: x{470,}\.\.\.",
+     r"its pickle is \d+ bytes, over the \d+ a worker's report has room for; keep large "
+     r"values out of the exception"),
+    (StopIteration("no sample 6"), r"StopIteration: no sample 6",
+     r"raised as itself it would end the consumer's `async for`"),
+], ids=["unpicklable", "not-unpicklable", "too-large", "stop-iteration"])
+async def test_an_error_that_cannot_travel_arrives_as_loader_worker_error(
+        gpt, error, described, why) -> None:
+    failure = await _fail_at_sample_6(gpt, error)
+    assert type(failure) is LoaderWorkerError
+    assert (failure.worker, failure.batch) == (0, 3)
+    assert re.fullmatch(rf"loader worker 0 failed on batch 3 \(samples from 0 \+ 3 steps\) "
+                        rf"with {described}; not raised as itself: {why}", str(failure)), \
+        str(failure)
+    assert f"{type(error).__name__}: " in _remote_traceback(failure)
+
+
+def test_an_error_report_fits_one_pipe_record_and_keeps_the_traceback_end() -> None:
+    """However long the message, the pickle and the traceback, a report is at most
+    MAX_ERROR_BYTES (a record is one atomic pipe write) and keeps the traceback's last
+    lines."""
+
+    def deep() -> None:  # a long chained cause, a long message, a long attribute
+        try:
+            raise KeyError("k" * 5000)
+        except KeyError as exc:
+            raise CorruptDatasetError("m" * 3000, path="p" * 3000) from exc
+
+    for make in (deep, lambda: _raise(ValueError("short"))):
+        try:
+            make()
+        except Exception as exc:
+            report = _workers.report_error(exc)
+            error = exc
+        assert len(report) <= _workers.MAX_ERROR_BYTES
+        found = _workers.raised_in_worker(report, worker=1, batch=7, first_sample=8)
+        remote = str(found.__cause__)
+        assert f"{type(error).__name__}: " in remote and remote.endswith('"""')
+        if isinstance(error, ValueError):
+            assert type(found) is ValueError and not remote.startswith('\n"""\n[...]')
+        else:  # too large to pickle within the bound: described, cut
+            assert type(found) is LoaderWorkerError
+            assert remote.startswith('\n"""\n[...]\n')
+            assert "in deep\n" in remote  # the frames, not only the long message
+            assert len(str(found)) < 1000
+
+
+def _raise(error: Exception) -> None:
+    raise error
 
 
 async def test_a_killed_worker_is_reported_not_waited_for(gpt) -> None:
