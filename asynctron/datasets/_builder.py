@@ -1,16 +1,18 @@
 """`IndexedDatasetBuilder`: writes a megatron `.bin`/`.idx` pair in one pass, in bounded memory.
 
-Tokens go straight to the `.bin`. The per-sequence index (lengths, modes) and the document
+Tokens stream into the `.bin`, a new file of the storage backend (`open_new_file`), invisible
+until `finalize` publishes it. The per-sequence index (lengths, modes) and the document
 boundaries go to anonymous spill files in chunks of `_CHUNK` entries, so the builder holds
 O(chunk) memory however large the corpus (megatron-core keeps Python lists of every length until
-`finalize`). `finalize` streams the spill files into the `.idx`, computing the pointers as it goes,
-and renames it into place.
+`finalize`). The spill files are the builder's scratch memory, not the dataset's storage: local
+files beside the `.bin`. `finalize` publishes the `.bin`, then streams the spill files into the
+`.idx` (`publish_file`), computing the pointers as it goes: a published `.idx` means its `.bin`
+is whole, also after a crash.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import struct
 import tempfile
 from collections.abc import Sequence
@@ -18,7 +20,6 @@ from typing import IO, Any
 
 import numpy as np
 
-from asynctron.datasets._atomic import write_atomically
 from asynctron.datasets._indexed import (
     INDEX_MAGIC,
     INDEX_VERSION,
@@ -27,6 +28,7 @@ from asynctron.datasets._indexed import (
     dtype_code,
     idx_path,
 )
+from asynctron.storage.backends import backend_for
 
 _CHUNK = 1 << 16
 _COPY_BYTES = 16 << 20
@@ -81,15 +83,21 @@ class IndexedDatasetBuilder:
     """Writes sequences to `bin_path`; `finalize(idx_path)` writes the index megatron reads.
 
     Same calls as megatron-core's builder: `add_item` + `end_document`, `add_document`,
-    `add_index` (append a whole existing dataset) and `finalize`. Use it as a context manager to
-    remove the partial `.bin` if anything fails before `finalize`.
+    `add_index` (append a whole existing dataset) and `finalize`. Until `finalize` nothing is
+    published: an existing `.bin` stays as it was. Use it as a context manager: an error in the
+    block aborts (`abort`: nothing is left at `bin_path`); leaving it without `finalize`
+    discards what was written.
 
     Args:
-        bin_path: the `.bin` file to create (replaced if it exists).
+        bin_path: the `.bin` file to write (replaced when `finalize` publishes it).
         dtype: token dtype, one of megatron's codes (`optimal_dtype(vocab_size)` picks one).
         multimodal: also record a mode (int8) per sequence.
 
-    Memory: O(64 Ki entries) for the index, whatever the corpus size.
+    Raises:
+        ValueError: `bin_path` is a URL no storage backend serves, or a bad dtype.
+
+    Memory: O(64 Ki entries) for the index, whatever the corpus size, and the `.bin`'s write
+    buffer (16 MiB on a local filesystem).
     Concurrency: one thread at a time; every call blocks on file I/O.
     """
 
@@ -98,11 +106,16 @@ class IndexedDatasetBuilder:
         dtype_code(self.dtype)  # reject a dtype megatron cannot name, before creating files
         self.bin_path = os.fspath(bin_path)
         self.multimodal = multimodal
+        self._backend = backend_for(self.bin_path)
+        self._data = self._backend.open_new_file(self.bin_path)  # makes the directory
         directory = os.path.dirname(os.path.abspath(self.bin_path))
-        self._data = open(self.bin_path, "wb", buffering=_COPY_BYTES)  # noqa: SIM115
-        self._lengths = _Spill(np.int32, directory)
-        self._documents = _Spill(np.int64, directory)
-        self._modes = _Spill(np.int8, directory) if multimodal else None
+        try:
+            self._lengths = _Spill(np.int32, directory)
+            self._documents = _Spill(np.int64, directory)
+            self._modes = _Spill(np.int8, directory) if multimodal else None
+        except BaseException:
+            self._data.close()
+            raise
         self._documents.append(0)
         self._finalized = False
 
@@ -161,15 +174,18 @@ class IndexedDatasetBuilder:
         documents = other.document_indices
         for start in range(1, len(documents), _CHUNK * 16):
             self._documents.extend(documents[start:start + _CHUNK * 16] + offset)
-        self._data.flush()
-        with open(other.bin_path, "rb") as source:
-            shutil.copyfileobj(source, self._data, _COPY_BYTES)
+        with backend_for(other.bin_path).open_file(other.bin_path) as source:
+            offset = 0
+            while chunk := source.pread(_COPY_BYTES, offset):
+                self._data.write(chunk)
+                offset += len(chunk)
 
     def finalize(self, idx_path: str) -> None:
-        """Close the `.bin` and write the `.idx` (to a temporary name, then renamed)."""
-        self._data.close()
+        """Publish the `.bin`, then write and publish the `.idx`, each durably: a published
+        `.idx` means its `.bin` is whole."""
         try:
-            write_atomically(idx_path, self._write_index, _COPY_BYTES)
+            self._data.publish()
+            backend_for(idx_path).publish_file(idx_path, self._write_index)
         finally:
             self._close_spills()
         self._finalized = True
@@ -202,11 +218,11 @@ class IndexedDatasetBuilder:
                 spill.close()
 
     def abort(self) -> None:
-        """Close everything and remove the `.bin` (also after `finalize`)."""
+        """Close everything, discard the `.bin` being written and remove the one at
+        `bin_path` (also after `finalize`)."""
         self._data.close()
         self._close_spills()
-        if os.path.exists(self.bin_path):
-            os.remove(self.bin_path)
+        self._backend.remove_file(self.bin_path)
 
     def __enter__(self) -> IndexedDatasetBuilder:
         return self

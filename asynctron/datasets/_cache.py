@@ -1,12 +1,13 @@
 """The index cache: `.npy` files named by a hash of everything that changes the indices.
 
 A cache entry is `<hash>-<Class>-<split>-<name>.npy` for each index plus
-`<hash>-<Class>-<split>-description.txt`, the JSON the hash is taken of. The arrays are written
-at once, one thread each (with `O_DIRECT` where the filesystem takes it, see `_atomic`), each to
-a temporary name, made durable and renamed; the renames are made durable; only then is the
-description written the same way. So after a crash at any point an entry either has its
+`<hash>-<Class>-<split>-description.txt`, the JSON the hash is taken of. Every file goes
+through the storage backend of the cache directory (`backend_for`). The arrays are published
+at once, one thread each (`publish_buffers`: past the page cache where the storage allows, each
+made durable under a temporary name and renamed); the renames are made durable (`sync_dir`);
+only then is the description published. So after a crash at any point an entry either has its
 description and every array whole, or has no description and is rebuilt. Loads map the arrays
-(`np.load(mmap_mode="r")`) and check their dtype and shape, so a truncated or foreign file is
+(`map_file`) and check their `.npy` header, dtype and shape, so a truncated or foreign file is
 an error naming it.
 
 Nothing here is a collective: under torch.distributed, `BlendedMegatronDatasetBuilder` lets
@@ -23,21 +24,21 @@ import hashlib
 import io
 import json
 import logging
+import mmap
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from asynctron.datasets._atomic import (
-    sync_directory,
-    write_atomically,
-    write_buffers_atomically,
-)
 from asynctron.errors import CorruptDatasetError
+from asynctron.storage.backends import backend_for
+
+if TYPE_CHECKING:
+    from asynctron.storage.backends import Backend
 
 logger = logging.getLogger(__name__)
 
@@ -74,11 +75,13 @@ class CacheEntry:
         return os.path.join(self.directory, f"{self.stem}-{name}")
 
     def complete(self) -> bool:
+        """Whether the entry's description is published (so every array is) and is this one."""
         path = self.path("description.txt")
-        if not os.path.isfile(path):
+        try:
+            with backend_for(path).open_file(path) as f:
+                return f.pread(f.nbytes, 0) == self.description.encode()
+        except (FileNotFoundError, IsADirectoryError):
             return False
-        with open(path) as f:
-            return f.read() == self.description
 
     def load(self, layout: Layout) -> dict[str, np.ndarray]:
         """Map every array; check its dtype and shape against `layout`."""
@@ -86,7 +89,7 @@ class CacheEntry:
         for name, (dtypes, ndim, columns) in layout.items():
             path = self.path(f"{name}.npy")
             try:
-                array = np.load(path, mmap_mode="r", allow_pickle=False)
+                array = _map_npy(path)
             except (ValueError, OSError, EOFError) as exc:
                 raise CorruptDatasetError(
                     f"cached index {path}: expected a readable .npy, found {exc}; delete the "
@@ -97,33 +100,81 @@ class CacheEntry:
                     f"cached index {path}: expected dtype in {[np.dtype(d).name for d in dtypes]}"
                     f" with {ndim} dimensions, found {array.dtype.name} {array.shape}; delete "
                     "the file to rebuild it", path=path)
-            arrays[name] = np.asarray(array)  # a plain ndarray view: faster to index
+            arrays[name] = array
         return arrays
 
     def save(self, arrays: Mapping[str, np.ndarray]) -> None:
-        """Write every array as `.npy` (at once, a thread each) and make them and their
-        renames durable, then the description: a description in place means every array is.
-        Blocking call."""
-        os.makedirs(self.directory, exist_ok=True)
+        """Publish every array as `.npy` (at once, a thread each) and make their renames
+        durable, then the description: a description in place means every array is (the
+        backend creates the directory). Blocking call.
+
+        Raises:
+            OSError: a file could not be published (naming it); no description is.
+        """
+        backend = backend_for(self.directory)
         with ThreadPoolExecutor(max_workers=max(1, len(arrays)),
                                 thread_name_prefix="asynctron-cache-save") as pool:
-            writes = [pool.submit(_save_npy, self.path(f"{name}.npy"), array)
+            writes = [pool.submit(_save_npy, backend, self.path(f"{name}.npy"), array)
                       for name, array in arrays.items()]
         for write in writes:
             write.result()
-        sync_directory(self.directory)
-        write_atomically(self.path("description.txt"),
-                         lambda f: f.write(self.description.encode()))
+        if writes:  # else the description's publish makes the directory
+            backend.sync_dir(self.directory)
+        backend.publish_file(self.path("description.txt"),
+                             lambda f: f.write(self.description.encode()))
 
 
-def _save_npy(path: str, array: np.ndarray) -> None:
-    """`array` as the `.npy` file `path` (the bytes `np.save` writes), durably, by rename; the
-    directory is not synced."""
+def _save_npy(backend: Backend, path: str, array: np.ndarray) -> None:
+    """Publish `array` as the `.npy` file `path` (the bytes `np.save` writes); the directory
+    is not synced."""
     array = np.ascontiguousarray(array)
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(header, np.lib.format.header_data_from_array_1_0(array))
     data = memoryview(array.reshape(-1).view(np.uint8))
-    write_buffers_atomically(path, [header.getbuffer(), data], sync_dir=False)
+    backend.publish_buffers(path, [header.getbuffer(), data], sync_dir=False)
+
+
+def _map_npy(path: str) -> np.ndarray:
+    """The array of the `.npy` file `path`: a read-only view of the file's map (what
+    `np.load(path, mmap_mode="r")` gives, as a plain ndarray: faster to index).
+
+    Raises:
+        ValueError, EOFError: not a `.npy` file numpy reads without pickle, or truncated.
+        OSError: the file could not be mapped.
+    """
+    mapped = backend_for(path).map_file(path)
+    header = _Cursor(mapped)
+    version = np.lib.format.read_magic(header)
+    read_header = _HEADER_READERS.get(version)
+    if read_header is None:
+        raise ValueError(f".npy format version {version}: expected one of "
+                         f"{sorted(_HEADER_READERS)}")
+    shape, fortran_order, dtype = read_header(header)
+    if dtype.hasobject:
+        raise ValueError("an object array (it would need pickle)")
+    end = header.position + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if end > len(mapped):
+        raise EOFError(f"a file of {len(mapped)} bytes, where its header's {shape} "
+                       f"{dtype.name} array ends at byte {end}")
+    return np.ndarray(shape, dtype, buffer=mapped, offset=header.position,
+                      order="F" if fortran_order else "C")
+
+
+_HEADER_READERS = {(1, 0): np.lib.format.read_array_header_1_0,
+                   (2, 0): np.lib.format.read_array_header_2_0}
+
+
+class _Cursor:
+    """`read` through a buffer (a file's map), as numpy's `.npy` header readers need."""
+
+    def __init__(self, buffer: bytes | mmap.mmap) -> None:
+        self._view = memoryview(buffer)
+        self.position = 0
+
+    def read(self, nbytes: int) -> bytes:
+        data = self._view[self.position:self.position + nbytes].tobytes()
+        self.position += len(data)
+        return data
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,6 +214,7 @@ def load_or_build(entry: CacheEntry | None, layout: Layout,
 
     Raises:
         FileNotFoundError: `must_exist` and the entry is not complete; names its description.
+        ValueError: the entry's directory is a URL no storage backend serves.
     """
     if entry is None:
         return build()

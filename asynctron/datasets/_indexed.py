@@ -15,24 +15,28 @@ offset 0   magic            9 bytes  b"MMIDIDX\\x00\\x00"
            sequence_modes   int8[N]  only in multimodal files
 ```
 
-The `.bin` holds the tokens of every sequence back to back. Both files are mapped, and every
-array here is a view of a map; opening reads the whole index once to check it (`IndexedDataset`),
-the `.bin` only when touched.
+The `.bin` holds the tokens of every sequence back to back. Both files are read through the
+storage backend of their path (`backend_for`): mapped (`map_file`), every array here a view of a
+map, or the `.bin` read sequence by sequence (`open_file`, `pread`) with `mmap=False`; opening
+reads the whole index once to check it (`IndexedDataset`), the `.bin` only when touched.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from asynctron import _native
 from asynctron.errors import CorruptDatasetError
+from asynctron.storage.backends import backend_for
+
+if TYPE_CHECKING:
+    from asynctron.storage.backends._backend import ReadableFile
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -108,9 +112,9 @@ def read_index_header(path: str, *, multimodal: bool = False) -> IndexHeader:
         CorruptDatasetError: wrong magic, version or dtype code, or a size that does not
             match the header (truncated, or trailing bytes).
     """
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(INDEX_HEADER_BYTES)
+    with backend_for(path).open_file(path) as f:
+        size = f.nbytes
+        head = f.pread(INDEX_HEADER_BYTES, 0)
     if len(head) < INDEX_HEADER_BYTES:
         raise CorruptDatasetError(
             f"index {path}: expected at least {INDEX_HEADER_BYTES} header bytes, found {size}; "
@@ -157,14 +161,6 @@ def _first_fault(begin: int, end: int,
     return None
 
 
-def _map_file(path: str) -> mmap.mmap | bytes:
-    """A read-only map of the whole file (`b""` for an empty file, which cannot be mapped)."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return b""
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-
-
 class DatasetIndex:
     """The arrays of an `.idx` file, mapped: megatron-core's `_IndexReader` (what megatron's
     `IndexedDataset.index` is, and what its tools read).
@@ -203,7 +199,7 @@ class DatasetIndex:
         self.dtype_size = header.dtype.itemsize
         self.sequence_count = header.num_sequences
         self.document_count = header.num_documents
-        self._map = _map_file(idx_path)
+        self._map = backend_for(idx_path).map_file(idx_path)
         n, d = header.num_sequences, header.num_documents
         self.sequence_lengths = np.frombuffer(self._map, np.int32, n,
                                               header.sequence_lengths_offset)
@@ -235,8 +231,8 @@ class IndexedDataset:
         path_prefix: the files are `path_prefix + ".idx"` and `path_prefix + ".bin"`.
         multimodal: read the per-sequence modes (the `.idx` must have them).
         mmap: map the `.bin` (reads are views of the map); False reads each sequence with
-            `pread` (megatron's file reader: no page-table setup per touched page, faster for
-            cold random samples).
+            one `pread` of the backend's open file (megatron's file reader: no page-table setup
+            per touched page, faster for cold random samples).
         object_storage_config, s3_config: megatron's object storage; not supported (an error).
         fast_cache_load: megatron's flag; accepted (the files are opened and checked anyway).
         sequences_per_dataset, dtype_code: what the caller expects of the header; checked.
@@ -248,6 +244,7 @@ class IndexedDataset:
             `.bin` is not the size it names; the message names the file, the entry and its value.
             So every sequence an opened dataset serves lies inside the `.bin`.
         NotImplementedError: object storage.
+        ValueError: `path_prefix` is a URL no storage backend serves.
 
     Memory: maps and O(1) Python objects; the page cache holds what was touched. Opening
     reads the whole `.idx` once to check it (2.5 ms per million sequences from the page cache,
@@ -276,13 +273,23 @@ class IndexedDataset:
         self.mmap = use_mmap
         self.idx_path = idx_path(path_prefix)
         self.bin_path = bin_path(path_prefix)
-        for path in (self.idx_path, self.bin_path):
-            if not os.path.isfile(path):
-                raise FileNotFoundError(
-                    f"dataset {path_prefix}: expected {path}, found no such file; check the "
-                    "path prefix (without .bin/.idx)")
-        self.index = DatasetIndex(self.idx_path, multimodal, self.sequences_per_dataset,
-                                  self.dtype_code)
+        backend = backend_for(path_prefix)
+        try:
+            self.index = DatasetIndex(self.idx_path, multimodal, self.sequences_per_dataset,
+                                      self.dtype_code)
+        except (FileNotFoundError, IsADirectoryError) as exc:
+            raise self._missing(self.idx_path) from exc
+        try:
+            if use_mmap:
+                self._bin_map = backend.map_file(self.bin_path)
+                bin_bytes = len(self._bin_map)
+            else:
+                #: the `.bin` opened for `pread` (`mmap=False`), else None
+                self._bin_file: ReadableFile | None = backend.open_file(self.bin_path)
+                self._pread = self._bin_file.pread  # bound once: one call per read
+                bin_bytes = self._bin_file.nbytes
+        except (FileNotFoundError, IsADirectoryError) as exc:
+            raise self._missing(self.bin_path) from exc
         self.header = self.index.header
         self.dtype = self.index.dtype
         self.sequence_lengths = self.index.sequence_lengths
@@ -290,22 +297,23 @@ class IndexedDataset:
         self.document_indices = self.index.document_indices
         self.sequence_modes = self.index.sequence_modes
         self._check_document_indices()
-        self._check_sequences(os.path.getsize(self.bin_path))
+        self._check_sequences(bin_bytes)
         self._itemsize = self.dtype.itemsize
         if use_mmap:
-            self._bin_map = _map_file(self.bin_path)
             #: every token of the `.bin` as one read-only array (a view of the map); None
             #: when reading with pread (`mmap=False`)
             self.tokens: np.ndarray | None = np.frombuffer(self._bin_map, self.dtype)
-            self._bin_fd = -1
+            self._bin_file = None
         else:
             self.tokens = None
-            self._bin_fd = os.open(self.bin_path, os.O_RDONLY | os.O_CLOEXEC)
 
     def __del__(self) -> None:
-        if getattr(self, "_bin_fd", -1) >= 0:
-            os.close(self._bin_fd)
-            self._bin_fd = -1
+        if getattr(self, "_bin_file", None) is not None:
+            self._bin_file.close()
+
+    def _missing(self, path: str) -> FileNotFoundError:
+        return FileNotFoundError(f"dataset {self.path_prefix}: expected {path}, found no such "
+                                 "file; check the path prefix (without .bin/.idx)")
 
     def _corrupt(self, what: str, offset: int) -> CorruptDatasetError:
         return CorruptDatasetError(
@@ -402,7 +410,7 @@ class IndexedDataset:
     def _read(self, pointer: int, count: int) -> np.ndarray:
         if self.tokens is not None:
             return np.frombuffer(self._bin_map, self.dtype, count, pointer)
-        data = os.pread(self._bin_fd, count * self._itemsize, pointer)
+        data = self._pread(count * self._itemsize, pointer)
         return np.frombuffer(data, self.dtype, count)
 
     def gather(self, starts: np.ndarray, counts: np.ndarray, out: np.ndarray,
@@ -466,5 +474,10 @@ class IndexedDataset:
 
     @staticmethod
     def exists(path_prefix: str) -> bool:
-        """Whether both `path_prefix.idx` and `path_prefix.bin` exist."""
-        return os.path.isfile(idx_path(path_prefix)) and os.path.isfile(bin_path(path_prefix))
+        """Whether both `path_prefix.idx` and `path_prefix.bin` exist (as files that open)."""
+        for path in (idx_path(path_prefix), bin_path(path_prefix)):
+            try:
+                backend_for(path).open_file(path).close()
+            except (FileNotFoundError, IsADirectoryError):
+                return False
+        return True

@@ -3,6 +3,11 @@
 The loader's worker processes call these (blocking is theirs to do; never the loop thread's).
 They go through ctypes or `os.posix_fadvise`, which release the GIL while the kernel works.
 
+This is advice to this machine's page cache about mappings and local files, not storage I/O,
+so it stays here rather than in the storage backend: the bytes themselves were mapped through
+the backend (`map_file`), and a backend whose files are not mapped has no pages to advise.
+`evict` opens a local path itself (cold-cache benchmarks and tests).
+
 A *range* is `(address, nbytes)` in this process's address space, inside a read-only file
 mapping.
 """
@@ -127,8 +132,8 @@ def resident_bytes(ranges: Sequence[Range]) -> int:
 
 
 def evict(path: str) -> None:
-    """Drop `path`'s clean pages from the page cache (fadvise DONTNEED), for cold-cache runs.
-    Pages still mapped by a process may stay. Blocking call."""
+    """Drop the local file `path`'s clean pages from the page cache (fadvise DONTNEED), for
+    cold-cache runs. Pages still mapped by a process may stay. Blocking call."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

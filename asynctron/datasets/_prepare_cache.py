@@ -24,6 +24,7 @@ from typing import Any
 from asynctron.datasets._blend_builder import build_gpt_datasets
 from asynctron.datasets._cache import CacheUse, observing
 from asynctron.datasets._config import GPTDatasetConfig
+from asynctron.storage.backends import backend_for
 
 #: The array whose length is a cached dataset's number of samples, by array name: a GPT
 #: dataset's shuffle index, a blend's dataset index.
@@ -100,10 +101,11 @@ def read_prepare_config(path: str) -> tuple[GPTDatasetConfig, list[int | None]]:
 
     Raises:
         PrepareCacheConfigError: naming `path` and the field or value at fault.
+        ValueError: `path` is a URL no storage backend serves.
     """
     try:
-        with open(path) as f:
-            document = json.load(f)
+        with backend_for(path).open_file(path) as f:
+            document = json.loads(f.pread(f.nbytes, 0))
     except OSError as exc:
         raise PrepareCacheConfigError(f"{path}: expected a readable JSON file, found "
                                       f"{exc.strerror or exc}") from exc

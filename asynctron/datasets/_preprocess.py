@@ -5,24 +5,31 @@ Each line is a JSON object; for each `json_keys` key its text (or list of senten
 tokenized, sentence by sentence (empty ones dropped), optionally followed by the
 end-of-document id, and written as one document to `<output_prefix>_<key>_document.{bin,idx}`.
 Tokenizing runs in `num_workers` processes (lines handed out in order, in chunks); writing runs
-in the calling process, in input order.
+in the calling process, in input order. The input is read, and the outputs written, through the
+storage backend of their paths (`backend_for`).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import multiprocessing
-import os
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from asynctron.datasets._builder import IndexedDatasetBuilder
 from asynctron.datasets._indexed import bin_path, idx_path, optimal_dtype
 from asynctron.datasets._tokenizers import TextTokenizer, load_tokenizer
+from asynctron.storage.backends import backend_for
+
+if TYPE_CHECKING:
+    from asynctron.storage.backends._backend import ReadableFile
 
 _CHUNK_LINES = 32
+#: bytes of the input read per call
+_READ_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,9 +56,11 @@ class PreprocessConfig:
             raise ValueError(f"num_workers: expected an int >= 1, found {self.num_workers!r}")
         if not self.json_keys:
             raise ValueError("json_keys: expected at least one key, found none")
-        if not os.path.isfile(self.input):
+        try:
+            backend_for(self.input).open_file(self.input).close()
+        except (FileNotFoundError, IsADirectoryError) as exc:
             raise FileNotFoundError(f"input {self.input}: expected a JSON-lines file, found no "
-                                    "such file")
+                                    "such file") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,10 +118,29 @@ class _Encoder:
 
 
 def _numbered_lines(path: str) -> Iterator[tuple[int, str]]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    """The non-blank lines of the UTF-8 file `path` (universal newlines), numbered from 1."""
+    with backend_for(path).open_file(path) as file, io.TextIOWrapper(
+            io.BufferedReader(_Stream(file), _READ_BYTES), encoding="utf-8") as text:
+        for number, line in enumerate(text, start=1):
             if line.strip():
                 yield number, line
+
+
+class _Stream(io.RawIOBase):
+    """A backend's open file read from start to end, as `io.BufferedReader` reads a file."""
+
+    def __init__(self, file: ReadableFile) -> None:
+        self._file = file
+        self._position = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._file.pread(len(buffer), self._position)
+        buffer[:len(data)] = data
+        self._position += len(data)
+        return len(data)
 
 
 def output_prefix(config: PreprocessConfig, key: str) -> str:
@@ -137,10 +165,8 @@ def preprocess(config: PreprocessConfig) -> PreprocessResult:
     assert encoder.tokenizer is not None
     dtype = optimal_dtype(encoder.tokenizer.vocab_size)
     prefixes = {key: output_prefix(config, key) for key in config.json_keys}
-    directory = os.path.dirname(os.path.abspath(config.output_prefix))
-    os.makedirs(directory, exist_ok=True)
     builders = {key: IndexedDatasetBuilder(bin_path(prefix), dtype=dtype)
-                for key, prefix in prefixes.items()}
+                for key, prefix in prefixes.items()}  # each makes the directories it needs
     num_documents = num_tokens = 0
     pool: Any = None
     try:
@@ -161,8 +187,7 @@ def preprocess(config: PreprocessConfig) -> PreprocessResult:
     except BaseException:
         for key, builder in builders.items():
             builder.abort()
-            if os.path.exists(idx_path(prefixes[key])):
-                os.remove(idx_path(prefixes[key]))
+            backend_for(idx_path(prefixes[key])).remove_file(idx_path(prefixes[key]))
         raise
     finally:
         if pool is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import ClassVar
 
 import numpy as np
@@ -12,6 +12,7 @@ import pytest
 
 from asynctron.datasets import GPTDataset, GPTDatasetConfig, IndexedDataset, build_gpt_datasets
 from asynctron.datasets._builder import write_indexed_dataset
+from asynctron.storage.backends import Backend, LocalBackend, register_backend
 
 
 class Tok:
@@ -68,6 +69,14 @@ def random_documents(seed: int, num_documents: int, max_length: int = 300,
         tokens = rng.integers(2, 1000, size=int(rng.integers(1, max_length)))
         documents.append(np.append(tokens, eod) if eod is not None else tokens)
     return documents
+
+
+@pytest.fixture
+def serve_local_paths() -> Iterator[Callable[[Backend], None]]:
+    """`serve_local_paths(backend)`: `backend_for` gives `backend` for every local path (a
+    fault-injecting or recording one) until the test ends, then a fresh `LocalBackend`."""
+    yield lambda backend: register_backend("file", lambda: backend)
+    register_backend("file", LocalBackend)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tracemalloc
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 
 from asynctron.datasets import IndexedDataset, IndexedDatasetBuilder
 from asynctron.datasets._builder import write_indexed_dataset
+from asynctron.testing import FaultyBackend
 
 
 def test_add_index_merges_sequences_and_documents(tmp_path) -> None:
@@ -56,6 +58,44 @@ def test_context_manager_removes_the_partial_bin_on_error(tmp_path) -> None:
         raise RuntimeError("boom")
     assert not path.exists()
     assert [p.name for p in tmp_path.iterdir()] == []  # no spill files left either
+
+
+def test_finalize_publishes_the_bin_the_old_one_untouched_until_then(tmp_path) -> None:
+    path = tmp_path / "d.bin"
+    path.write_bytes(b"old")
+    builder = IndexedDatasetBuilder(str(path), dtype=np.int32)
+    builder.add_item([1, 2, 3])
+    builder.end_document()
+    assert path.read_bytes() == b"old"
+    builder.finalize(str(tmp_path / "d.idx"))
+    assert [x.tolist() for x in IndexedDataset(str(tmp_path / "d"))] == [[1, 2, 3]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.bin", "d.idx"]
+
+
+def test_leaving_the_block_without_finalize_publishes_nothing(tmp_path) -> None:
+    with IndexedDatasetBuilder(str(tmp_path / "new" / "z.bin")) as builder:
+        builder.add_item([1, 2, 3])
+    assert [p.name for p in (tmp_path / "new").iterdir()] == []  # the directory was made
+
+
+def test_a_failed_finalize_names_the_file_and_leaves_nothing(tmp_path,
+                                                              serve_local_paths) -> None:
+    serve_local_paths(FaultyBackend(fail_fsync=True))
+    path = str(tmp_path / "z.bin")
+    with pytest.raises(OSError, match=rf"injected by FaultyBackend: '{re.escape(path)}'$"), (
+            IndexedDatasetBuilder(path)) as builder:
+        builder.add_item([1, 2, 3])
+        builder.end_document()
+        builder.finalize(str(tmp_path / "z.idx"))
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
+def test_a_url_no_backend_serves_is_refused(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"found the scheme 's3'; a URL is never taken for a "
+                                         r"local path$"):
+        IndexedDatasetBuilder("s3://bucket/corpus.bin")
+    assert [p.name for p in tmp_path.iterdir()] == []
 
 
 def test_memory_does_not_grow_with_the_corpus(tmp_path) -> None:

@@ -1,9 +1,8 @@
-"""The index cache: entries load only when complete, `must_exist` loads with no collective."""
+"""The index cache: entries load only when complete, `must_exist` loads with no collective;
+saves publish through the storage backend, the description last; loads map and check."""
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import io
 import os
 import re
@@ -12,13 +11,17 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Callable, Sequence
+from typing import IO
 
 import numpy as np
 import pytest
 import torch.distributed as dist
 
-from asynctron.datasets import _atomic
 from asynctron.datasets._cache import CacheEntry, describe, load_or_build
+from asynctron.errors import CorruptDatasetError
+from asynctron.storage.backends import LocalBackend
+from asynctron.testing import FaultyBackend
 
 LAYOUT = {"a": ((np.int32,), 1, None), "b": ((np.int64,), 2, 2)}
 
@@ -93,7 +96,7 @@ def test_must_exist_refuses_an_incomplete_entry_naming_its_description(
     assert len(built) == (damage != "missing")  # never built by must_exist
 
 
-# saving: the bytes np.save writes, O_DIRECT or not, description last ---------------------------
+# saving: the bytes np.save writes, through the backend, description last ------------------------
 
 @pytest.mark.parametrize("array", [
     np.arange(1000, dtype=np.int32),
@@ -114,66 +117,118 @@ def test_saved_files_are_the_bytes_np_save_writes(tmp_path, array) -> None:
                                             for n in ("description.txt", "x.npy")]
 
 
-@pytest.mark.parametrize("refused", ["open", "write"])
-def test_a_filesystem_refusing_o_direct_gets_the_same_files(tmp_path, monkeypatch,
-                                                            refused) -> None:
-    real_open, real_pwrite, refusals = os.open, os.pwrite, []
-
-    def open_(path, flags, *args):
-        if refused == "open" and flags & os.O_DIRECT:
-            refusals.append(path)
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    def pwrite(fd, data, offset):
-        if refused == "write" and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            refusals.append(fd)
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_pwrite(fd, data, offset)
-
-    monkeypatch.setattr(os, "open", open_)
-    monkeypatch.setattr(os, "pwrite", pwrite)
-    entry = _entry(str(tmp_path))
-    arrays = _arrays()
-    entry.save(arrays)
-    assert len(refusals) == len(arrays)
-    for name, array in arrays.items():
-        assert np.array_equal(np.load(entry.path(f"{name}.npy")), array)
+def test_the_cache_directory_is_made(tmp_path) -> None:
+    entry = _entry(str(tmp_path / "a" / "cache"))
+    load_or_build(entry, LAYOUT, _builds([]))
+    assert entry.complete()
 
 
-def test_the_description_is_published_after_every_array_is_durable(tmp_path,
-                                                                    monkeypatch) -> None:
-    """The order a power loss could expose: each array fsynced before its rename, the renames
-    made durable (directory fsync) before the description's rename, and that one synced too."""
-    events: list[tuple[str, str]] = []
-    real_fsync, real_replace, lock = os.fsync, os.replace, threading.Lock()
+class _Recording(LocalBackend):
+    """The local backend, recording each publish (with its `sync_dir`) and directory sync as
+    it returns."""
 
-    def fsync(fd: int) -> None:
-        real_fsync(fd)
-        with lock:
-            events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, str, bool | None]] = []
+        self._lock = threading.Lock()
 
-    def replace(src: str, dst: str) -> None:
-        real_replace(src, dst)
-        with lock:
-            events.append(("rename", os.path.basename(dst)))
+    def _record(self, event: str, path: str, sync_dir: bool | None = None) -> None:
+        with self._lock:
+            self.events.append((event, os.path.basename(path), sync_dir))
 
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
+    def publish_buffers(self, path: str, buffers: Sequence[bytes | memoryview], *,
+                        sync_dir: bool = True) -> None:
+        super().publish_buffers(path, buffers, sync_dir=sync_dir)
+        self._record("published", path, sync_dir)
+
+    def publish_file(self, path: str, write: Callable[[IO[bytes]], object], *,
+                     sync_dir: bool = True) -> None:
+        super().publish_file(path, write, sync_dir=sync_dir)
+        self._record("published", path, sync_dir)
+
+    def sync_dir(self, path: str) -> None:
+        super().sync_dir(path)
+        self._record("synced", path)
+
+
+def test_the_description_is_published_after_every_array_is_durable(
+        tmp_path, serve_local_paths) -> None:
+    """The order a power loss could expose: every array published (each durable before its
+    rename: `tests/storage/test_files.py`), their renames made durable by one directory sync,
+    then the description published and its rename synced."""
+    backend = _Recording()
+    serve_local_paths(backend)
     entry = _entry(str(tmp_path / "cache"))
     entry.save(_arrays())
-    names = [os.path.basename(entry.path(f"{n}.npy")) for n in LAYOUT]
+    arrays = sorted(os.path.basename(entry.path(f"{n}.npy")) for n in LAYOUT)
     description = os.path.basename(entry.path("description.txt"))
-    renames = [name for kind, name in events if kind == "rename"]
-    assert sorted(renames[:-1]) == sorted(names) and renames[-1] == description
-    for name in names:
-        synced = next(i for i, (kind, n) in enumerate(events)
-                      if kind == "fsync" and n.startswith(name + ".tmp-"))
-        assert synced < events.index(("rename", name))
-    directory_synced = events.index(("fsync", "cache"))
-    assert max(events.index(("rename", n)) for n in names) < directory_synced
-    assert directory_synced < events.index(("rename", description))
-    assert events[-1] == ("fsync", "cache")
+    events = backend.events
+    assert sorted(events[:2]) == [("published", name, False) for name in arrays]
+    assert events[2] == ("synced", "cache", None)
+    assert events[-1] == ("published", description, True)
+
+
+def test_a_failed_write_names_the_file_and_leaves_nothing(tmp_path, serve_local_paths) -> None:
+    serve_local_paths(FaultyBackend(enospc_after_bytes=0))
+    entry = _entry(str(tmp_path))
+    path = entry.path("a.npy")
+    with pytest.raises(OSError, match=rf"injected by FaultyBackend: '{re.escape(path)}'$"):
+        entry.save(_arrays())
+    assert os.listdir(tmp_path) == [] and not entry.complete()
+
+
+def test_a_url_no_backend_serves_is_refused_not_taken_for_a_local_path(tmp_path,
+                                                                       monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    entry = _entry("s3://bucket/cache")
+    with pytest.raises(ValueError, match=r"found the scheme 's3'; a URL is never taken for a "
+                                         r"local path$"):
+        load_or_build(entry, LAYOUT, _builds([]))
+    assert os.listdir(tmp_path) == []
+
+
+# loading: a map of each array, checked ---------------------------------------------------------
+
+@pytest.mark.parametrize("array", [
+    np.arange(1000, dtype=np.int32),
+    np.asfortranarray(np.arange(600, dtype=np.int64).reshape(300, 2)),
+    np.empty((0, 2), np.int64),
+])
+@pytest.mark.parametrize("version", [(1, 0), (2, 0)])
+def test_loaded_arrays_are_read_only_maps_equal_to_np_load(tmp_path, array, version) -> None:
+    entry = _entry(str(tmp_path))
+    layout = {"x": ((array.dtype,), array.ndim, None)}
+    with open(entry.path("x.npy"), "wb") as f:
+        np.lib.format.write_array(f, array, version=version)
+    loaded = entry.load(layout)["x"]
+    assert type(loaded) is np.ndarray and not loaded.flags.writeable
+    expected = np.load(entry.path("x.npy"))
+    assert loaded.dtype == expected.dtype and np.array_equal(loaded, expected)
+    assert loaded.flags.f_contiguous == expected.flags.f_contiguous
+
+
+@pytest.mark.parametrize(("content", "found"), [
+    (b"", r"EOF: reading magic string, expected 8 bytes got 0"),
+    (b"not a .npy file", r"the magic string is not correct; expected b'\\x93NUMPY', got "),
+    ("truncated", r"a file of 228 bytes, where its header's \(1000,\) int32 array ends at "
+                  r"byte 4128"),
+    ("objects", r"an object array \(it would need pickle\)"),
+])
+def test_a_cached_file_that_is_no_npy_is_named(tmp_path, content, found) -> None:
+    entry = _entry(str(tmp_path))
+    path = entry.path("a.npy")
+    if content == "truncated":
+        np.save(path, np.arange(1000, dtype=np.int32))
+        os.truncate(path, 228)
+    elif content == "objects":
+        np.save(path, np.array([1, None], dtype=object), allow_pickle=True)
+    else:
+        with open(path, "wb") as f:
+            f.write(content)
+    with pytest.raises(CorruptDatasetError, match=(
+            rf"^cached index {re.escape(path)}: expected a readable \.npy, found {found}.*; "
+            r"delete the file to rebuild it$")):
+        entry.load({"a": LAYOUT["a"]})
 
 
 # SIGKILL in the middle of a save ---------------------------------------------------------------
@@ -182,17 +237,21 @@ KILLED_CHILD = textwrap.dedent("""
     import os, signal, sys
     import numpy as np
     from asynctron.datasets._cache import CacheEntry
+    from asynctron.storage.backends import LocalBackend, register_backend
+    from asynctron.storage.backends.local._sysio import LocalFileIO
 
     directory, digest, description, kill_at = sys.argv[1:5]
-    real_replace, renames = os.replace, []
 
-    def replace(src, dst):  # SIGKILL before the rename number `kill_at` (1-based)
-        renames.append(dst)
-        if len(renames) == int(kill_at):
-            os.kill(os.getpid(), signal.SIGKILL)
-        real_replace(src, dst)
+    class KilledAtAnFsync(LocalFileIO):  # SIGKILL after data fsync number `kill_at` (1-based)
+        fsyncs = 0
 
-    os.replace = replace
+        def fsync(self, fd):
+            super().fsync(fd)
+            KilledAtAnFsync.fsyncs += 1
+            if KilledAtAnFsync.fsyncs == int(kill_at):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    register_backend("file", lambda: LocalBackend(KilledAtAnFsync()))
     rng = np.random.default_rng(int(kill_at))
     CacheEntry(directory, digest, "Test", "train", description).save(
         {"a": rng.integers(0, 100, 1000, dtype=np.int32),
@@ -202,10 +261,10 @@ KILLED_CHILD = textwrap.dedent("""
 
 @pytest.mark.parametrize("kill_at", [1, 2, 3, 4])
 def test_an_entry_killed_while_saving_is_rebuilt_not_loaded(tmp_path, kill_at) -> None:
-    """Killed before the 1st or 2nd array's rename, before the description's (3rd) or, as a
-    control, never (4th): only the finished save loads; the others are rebuilt, the arrays
-    the killed save left (other values than the build's) are replaced, and so are its
-    temporaries."""
+    """Killed once the 1st or 2nd array, or the description (3rd), is durable under its
+    temporary name but not yet renamed, or, as a control, never (4th): only the finished save
+    loads; the others are rebuilt, the arrays the killed save left (other values than the
+    build's) are replaced, and so are its temporaries."""
     entry = _entry(str(tmp_path / "cache"))
     child = subprocess.run([sys.executable, "-c", KILLED_CHILD, entry.directory,
                             entry.description_hash, entry.description, str(kill_at)],
@@ -227,39 +286,3 @@ def test_an_entry_killed_while_saving_is_rebuilt_not_loaded(tmp_path, kill_at) -
 
 def _temporaries(directory: str) -> list[str]:
     return sorted(name for name in os.listdir(directory) if ".tmp-" in name)
-
-
-def test_only_dead_processes_temporaries_of_this_host_are_removed(tmp_path) -> None:
-    """A write of a path removes what a killed writer of it on this host left; a live
-    writer's temporary, another host's (its pids mean nothing here, even where its name
-    starts with ours) and another path's stay."""
-    dead = _a_dead_pid()
-    path = str(tmp_path / "x.npy")
-    host = _atomic._HOST
-    kept = [f"x.npy.tmp-{host}-{os.getpid()}-0000aaaa", f"x.npy.tmp-{host}x-{dead}-0000aaaa",
-            f"x.npy.tmp-{host}-12-{dead}-0000aaaa",  # host "<ours>-12"
-            f"x.npy.tmp-other-{dead}-0000aaaa", f"y.npy.tmp-{host}-{dead}-0000aaaa"]
-    for name in [*kept, f"x.npy.tmp-{host}-{dead}-0000aaaa"]:
-        (tmp_path / name).write_bytes(b"partial")
-    _atomic.write_atomically(path, lambda f: f.write(b"whole"))
-    assert _temporaries(str(tmp_path)) == sorted(kept)
-    with open(path, "rb") as f:
-        assert f.read() == b"whole"
-
-
-def _a_dead_pid() -> int:
-    child = subprocess.Popen(["true"])
-    child.wait()
-    return child.pid
-
-
-def test_a_failed_write_names_the_file_and_leaves_nothing(tmp_path, monkeypatch) -> None:
-    def full(fd, data, offset):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(os, "pwrite", full)
-    entry = _entry(str(tmp_path))
-    path = entry.path("a.npy")
-    with pytest.raises(OSError, match=rf"No space left on device: '{re.escape(path)}'"):
-        entry.save(_arrays())
-    assert os.listdir(tmp_path) == [] and not entry.complete()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import re
 import struct
@@ -120,6 +121,24 @@ def test_missing_files_name_the_path(tmp_path) -> None:
     with pytest.raises(FileNotFoundError, match=r"dataset .*nowhere: expected .*nowhere\.idx, "
                                                 r"found no such file; check the path prefix"):
         IndexedDataset(str(tmp_path / "nowhere"))
+    assert not IndexedDataset.exists(str(tmp_path / "nowhere"))
+
+
+@pytest.mark.parametrize("use_mmap", [True, False])
+def test_a_missing_bin_names_the_path(good: str, use_mmap: bool) -> None:
+    os.remove(good + ".bin")
+    with pytest.raises(FileNotFoundError, match=rf"^dataset {re.escape(good)}: expected "
+                                                rf"{re.escape(good)}\.bin, found no such file; "
+                                                r"check the path prefix \(without \.bin/\.idx\)$"):
+        IndexedDataset(good, mmap=use_mmap)
+    assert not IndexedDataset.exists(good)
+
+
+def test_a_url_no_backend_serves_is_refused_not_taken_for_a_local_path() -> None:
+    for call in (IndexedDataset, IndexedDataset.exists):
+        with pytest.raises(ValueError, match=r"found the scheme 's3'; a URL is never taken for "
+                                             r"a local path$"):
+            call("s3://bucket/corpus_text_document")
 
 
 def test_wrong_magic(good: str) -> None:

@@ -52,6 +52,19 @@ def test_worker_processes_write_the_same_files(jsonl: str, tmp_path) -> None:
             assert a.read() == b.read()
 
 
+def test_crlf_lines_give_the_same_files(jsonl: str, tmp_path) -> None:
+    crlf = tmp_path / "crlf.jsonl"
+    with open(jsonl, "rb") as f:
+        crlf.write_bytes(f.read().replace(b"\n", b"\r\n"))
+    one = preprocess(PreprocessConfig(input=jsonl, output_prefix=str(tmp_path / "lf")))
+    two = preprocess(PreprocessConfig(input=str(crlf), output_prefix=str(tmp_path / "crlf")))
+    assert one.num_documents == two.num_documents == 4
+    for suffix in (".bin", ".idx"):
+        with open(one.output_prefixes["text"] + suffix, "rb") as a, open(
+                two.output_prefixes["text"] + suffix, "rb") as b:
+            assert a.read() == b.read()
+
+
 def test_a_bad_line_is_named_and_nothing_is_left(tmp_path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"text": "ok"}\n{"text": \n')
