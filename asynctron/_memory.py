@@ -4,8 +4,12 @@ and the readers work on, for the Python code beside them."""
 from __future__ import annotations
 
 import ctypes
+import mmap
 
 import torch
+
+#: The size of a memory page.
+PAGE_BYTES = mmap.PAGESIZE
 
 
 def memory_at(address: int, nbytes: int) -> memoryview:
@@ -17,3 +21,9 @@ def memory_at(address: int, nbytes: int) -> memoryview:
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, writable."""
     return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def anonymous_pages(nbytes: int) -> mmap.mmap:
+    """`nbytes` of fresh, page-aligned memory backed by no file (an anonymous map); its pages
+    are not touched yet. Unmapped once nothing refers to it."""
+    return mmap.mmap(-1, nbytes)

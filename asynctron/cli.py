@@ -52,10 +52,9 @@ from asynctron.errors import (
     CorruptDatasetError,
     StorageError,
 )
-from asynctron.storage import LocalFileIO, Manifest, read_manifest, resolve_checkpoint
+from asynctron.storage import CheckpointReader, Manifest, ReadJob, backend_for
 from asynctron.storage._dcp import decode_blob, tensor_of
 from asynctron.storage._manifest import ItemRecord
-from asynctron.storage._reader import CheckpointReader, ReadJob
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,8 +155,7 @@ def format_nbytes(nbytes: int) -> str:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    path = resolve_checkpoint(args.path)
-    manifest = read_manifest(path)
+    path, manifest = uvloop.run(_read_manifest(args.path))
     if args.json:
         lines = [json.dumps(dataclasses.asdict(item)) for item in manifest.items]
         print("[\n  " + ",\n  ".join(lines) + "\n]" if lines else "[]")
@@ -177,6 +175,22 @@ def _inspect(args: argparse.Namespace) -> int:
     print(f"{len(manifest.items)} items, {format_nbytes(manifest.nbytes)} ({manifest.nbytes} "
           f"bytes) in {len(manifest.files)} files, created {created.isoformat(timespec='seconds')}")
     return 0
+
+
+async def _read_manifest(path: str) -> tuple[str, Manifest]:
+    """The checkpoint at `path` (or the one `path/latest` names) and its validated manifest."""
+    async with Engine(num_workers=1) as engine:
+        reader = await _open_reader(engine, path)
+        try:
+            return reader.path, await reader.open()
+        finally:
+            await reader.aclose()
+
+
+async def _open_reader(engine: Engine, path: str) -> CheckpointReader:
+    backend = backend_for(path)
+    return await backend.open_reader(engine.run_blocking, backend.locate(path),
+                                     max_files_at_once=engine.config.num_workers)
 
 
 # verify ----------------------------------------------------------------------------------------
@@ -215,8 +229,7 @@ async def verify_checkpoint(path: str) -> tuple[str, Manifest, list[CorruptCheck
     `torch.save` blobs read and decoded about `slab_bytes` at a time (a larger blob alone).
     """
     async with Engine(num_workers=2) as engine:
-        reader = CheckpointReader(LocalFileIO(), path, engine.run_blocking,
-                                  max_files_at_once=engine.config.num_workers)
+        reader = await _open_reader(engine, path)
         try:
             manifest = await reader.open()
             blobs = [record for record in manifest.items if record.encoding == "torch_save"]

@@ -1,9 +1,10 @@
 """Tools for testing code that uses asynctron: storage that fails on demand, a loop-lag watchdog.
 
-`FaultyFileIO` is a real `LocalFileIO` that injects ENOSPC/EIO after a byte count, short
-writes, and slow or failing fsyncs, so crash and cancellation tests need no monkeypatching.
-`LoopWatchdog` measures how late the event loop runs a periodic heartbeat: the worst delay
-is the longest the loop was blocked.
+`FaultyBackend` is a real `LocalBackend` that injects ENOSPC/EIO after a byte count, short
+writes, and slow or failing fsyncs, and holds an operation at an exact point until the test
+releases it (`hold`), so crash and cancellation tests need neither monkeypatching nor sleeps
+timed against injected delays. `LoopWatchdog` measures how late the event loop runs a
+periodic heartbeat: the worst delay is the longest the loop was blocked.
 """
 
 from __future__ import annotations
@@ -14,23 +15,92 @@ import fcntl
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-from asynctron.storage._sysio import LocalFileIO
+from asynctron._concurrency import RunBlocking
+from asynctron.storage import Committed, LocalBackend, LocalFileIO, Retention, SaveArea
 
-__all__ = ["FaultyFileIO", "LoopWatchdog", "LoopWatchdogReport"]
+__all__ = ["FaultyBackend", "Gate", "LoopWatchdog", "LoopWatchdogReport"]
+
+HoldPoint = Literal["open", "write", "fsync", "read", "start_save", "commit"]
+"""Where `FaultyBackend.hold` stops an operation: a data file's creation (`open`), a write,
+an fsync or a read of file bytes (on an executor thread); a save's area being made, or its
+commit (on the loop)."""
 
 
-class FaultyFileIO(LocalFileIO):
-    """The local filesystem, failing as configured (thread-safe counters).
+class Gate:
+    """The next operation at one point of a `FaultyBackend`, held at its start until
+    `release()`. Not constructed directly; returned by `FaultyBackend.hold`. Thread-safe: a
+    test on any loop, or on a plain thread, may wait for it and release it."""
+
+    def __init__(self, point: HoldPoint) -> None:
+        self.point = point
+        self._lock = threading.Lock()
+        self._reached = _Signal(self._lock)
+        self._released = _Signal(self._lock)
+
+    async def reached(self) -> None:
+        """Wait until an operation is held here."""
+        await self._reached.wait()
+
+    def wait_reached(self, timeout_s: float) -> bool:
+        """Block until an operation is held here (or `timeout_s` passes: returns False)."""
+        return self._reached.wait_blocking(timeout_s)
+
+    def release(self) -> None:
+        """Let the held operation (or the next one to arrive) go on."""
+        self._released.set()
+
+    def _pass_blocking(self) -> None:
+        """On an executor thread: say so, then wait for `release`."""
+        self._reached.set()
+        self._released.wait_blocking(None)
+
+    async def _pass(self) -> None:
+        """On a loop: say so, then wait for `release`."""
+        self._reached.set()
+        await self._released.wait()
+
+
+class _Signal:
+    """A flag set once, awaited from any loop or waited for on any thread."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self._event = threading.Event()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    def set(self) -> None:
+        with self._lock:
+            self._event.set()
+            waiters, self._waiters = self._waiters, []
+        for loop, event in waiters:
+            loop.call_soon_threadsafe(event.set)
+
+    async def wait(self) -> None:
+        event = asyncio.Event()
+        with self._lock:
+            if self._event.is_set():
+                return
+            self._waiters.append((asyncio.get_running_loop(), event))
+        await event.wait()
+
+    def wait_blocking(self, timeout_s: float | None) -> bool:
+        return self._event.wait(timeout_s)
+
+
+class FaultyBackend(LocalBackend):
+    """The local filesystem, failing as configured (thread-safe counters), and holding
+    operations where asked.
 
     Args:
         enospc_after_bytes: writes beyond this many bytes (all files together) fail ENOSPC.
         eio_after_bytes: writes beyond this many bytes fail EIO.
         max_write_bytes: every pwritev writes at most this many bytes (short writes).
-        fsync_delay_s: each fsync sleeps this long first.
-        open_delay_s: each open sleeps this long first.
+        fsync_delay_s: each fsync sleeps this long first (a slow disk, for benchmarks of
+            overlap; to stop at an fsync, `hold("fsync")`).
         fail_fsync: every fsync fails EIO.
         eio_on_read: every preadv fails EIO.
     """
@@ -38,57 +108,127 @@ class FaultyFileIO(LocalFileIO):
     def __init__(self, *, enospc_after_bytes: int | None = None,
                  eio_after_bytes: int | None = None, max_write_bytes: int | None = None,
                  fsync_delay_s: float = 0.0, fail_fsync: bool = False,
-                 eio_on_read: bool = False, open_delay_s: float = 0.0) -> None:
+                 eio_on_read: bool = False) -> None:
+        super().__init__(_FaultyFileIO(self))
         self.enospc_after_bytes = enospc_after_bytes
         self.eio_after_bytes = eio_after_bytes
         self.max_write_bytes = max_write_bytes
         self.fsync_delay_s = fsync_delay_s
         self.fail_fsync = fail_fsync
         self.eio_on_read = eio_on_read
-        self.open_delay_s = open_delay_s
         self.bytes_written = 0
         self.bytes_read = 0
         self.num_short_writes = 0
         self._lock = threading.Lock()
+        self._gates: list[tuple[HoldPoint, str, Gate]] = []
+        self._paths: dict[int, str] = {}
+        """Each data file open for writing, by descriptor."""
+
+    def hold(self, point: HoldPoint, *, where: str = "") -> Gate:
+        """Hold the next operation at `point` on a path containing `where` (a file's for file
+        operations, the checkpoint's for `start_save` and `commit`) at its start, until the
+        returned gate is released: `gate = backend.hold("fsync"); ...; await gate.reached();
+        ...; gate.release()`."""
+        gate = Gate(point)
+        with self._lock:
+            self._gates.append((point, where, gate))
+        return gate
+
+    def _gate(self, point: HoldPoint, path: str) -> Gate | None:
+        with self._lock:
+            for held in self._gates:
+                if held[0] == point and held[1] in path:
+                    self._gates.remove(held)
+                    return held[2]
+        return None
+
+    def _pass_blocking(self, point: HoldPoint, path: str) -> None:
+        gate = self._gate(point, path)
+        if gate is not None:
+            gate._pass_blocking()
+
+    async def start_save(self, run_blocking: RunBlocking, area: SaveArea) -> None:
+        gate = self._gate("start_save", area.final_path)
+        if gate is not None:
+            await gate._pass()
+        await super().start_save(run_blocking, area)
+
+    async def commit(self, run_blocking: RunBlocking, area: SaveArea,
+                     files: Callable[[], Mapping[str, bytes]], *, retention: Retention | None,
+                     seq: int, move_latest: bool) -> Committed:
+        gate = self._gate("commit", area.final_path)
+        if gate is not None:
+            await gate._pass()
+        return await super().commit(run_blocking, area, files, retention=retention, seq=seq,
+                                    move_latest=move_latest)
+
+
+class _FaultyFileIO(LocalFileIO):
+    """The data path of a `FaultyBackend`, failing as the backend's settings say."""
+
+    def __init__(self, backend: FaultyBackend) -> None:
+        self._backend = backend
 
     def open_new(self, path: str, direct: bool) -> int:
-        time.sleep(self.open_delay_s)
-        return super().open_new(path, direct)
+        backend = self._backend
+        backend._pass_blocking("open", path)
+        fd = super().open_new(path, direct)
+        with backend._lock:
+            backend._paths[fd] = path
+        return fd
 
     def open_read(self, path: str) -> int:
-        time.sleep(self.open_delay_s)
-        return super().open_read(path)
+        fd = super().open_read(path)
+        with self._backend._lock:
+            self._backend._paths[fd] = path
+        return fd
+
+    def close(self, fd: int) -> None:
+        with self._backend._lock:
+            self._backend._paths.pop(fd, None)
+        super().close(fd)
+
+    def _path(self, fd: int) -> str:
+        with self._backend._lock:
+            return self._backend._paths.get(fd, "")
 
     def pwritev(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        backend = self._backend
+        backend._pass_blocking("write", self._path(fd))
         wanted = sum(b.nbytes for b in buffers)
-        allowed = wanted if self.max_write_bytes is None else min(wanted, self.max_write_bytes)
+        allowed = (wanted if backend.max_write_bytes is None
+                   else min(wanted, backend.max_write_bytes))
         if allowed < wanted and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
             allowed = max(4096, allowed // 4096 * 4096)  # O_DIRECT writes whole blocks
-        with self._lock:
-            for limit, code in ((self.enospc_after_bytes, errno.ENOSPC),
-                                (self.eio_after_bytes, errno.EIO)):
-                if limit is not None and self.bytes_written + allowed > limit:
-                    raise OSError(code, "injected by FaultyFileIO")
-            self.bytes_written += allowed
+        with backend._lock:
+            for limit, code in ((backend.enospc_after_bytes, errno.ENOSPC),
+                                (backend.eio_after_bytes, errno.EIO)):
+                if limit is not None and backend.bytes_written + allowed > limit:
+                    raise OSError(code, "injected by FaultyBackend")
+            backend.bytes_written += allowed
             if allowed < wanted:
-                self.num_short_writes += 1
+                backend.num_short_writes += 1
         if allowed < wanted:
             return super().pwritev(fd, _first_bytes(buffers, allowed), offset)
         return super().pwritev(fd, buffers, offset)
 
     def preadv(self, fd: int, buffers: Sequence[memoryview], offset: int) -> int:
-        if self.eio_on_read:
-            raise OSError(errno.EIO, "injected by FaultyFileIO")
+        backend = self._backend
+        backend._pass_blocking("read", self._path(fd))
+        if backend.eio_on_read:
+            raise OSError(errno.EIO, "injected by FaultyBackend")
         got = super().preadv(fd, buffers, offset)
-        with self._lock:
-            self.bytes_read += got
+        with backend._lock:
+            backend.bytes_read += got
         return got
 
     def fsync(self, fd: int) -> None:
-        if self.fsync_delay_s:
-            time.sleep(self.fsync_delay_s)
-        if self.fail_fsync:
-            raise OSError(errno.EIO, "injected by FaultyFileIO")
+        backend = self._backend
+        backend._pass_blocking("fsync", self._path(fd))
+        if backend.fsync_delay_s:
+            time.sleep(backend.fsync_delay_s)
+        if backend.fail_fsync:
+            raise OSError(errno.EIO, "injected by FaultyBackend")
         super().fsync(fd)
 
 

@@ -30,8 +30,9 @@ def test_subpackages() -> None:
         "load", "load_into", "save", "staging_statistics",
     }
     assert set(asynctron.storage.__all__) == {
-        "FileIO", "ItemRecord", "LocalFileIO", "Manifest", "read_manifest",
-        "resolve_checkpoint", "split_by_size_and_type",
+        "Backend", "Committed", "FileIO", "FileWriter", "ItemRecord", "LocalBackend",
+        "LocalFileIO", "Manifest", "Retention", "SaveArea", "backend_for", "read_manifest",
+        "register_backend", "resolve_checkpoint", "split_by_size_and_type",
     }
     assert set(asynctron.comm.__all__) == {
         "AllReduceTask", "Bucket", "BucketConfig", "BucketManager", "CollectiveGroup",
@@ -51,7 +52,7 @@ def test_subpackages() -> None:
         "build_exhaustive_blending_indices", "build_gpt_datasets", "build_sample_index",
         "build_shuffle_index", "collate", "load_tokenizer", "optimal_dtype", "preprocess",
     }
-    assert set(asynctron.testing.__all__) == {"FaultyFileIO", "LoopWatchdog",
+    assert set(asynctron.testing.__all__) == {"FaultyBackend", "Gate", "LoopWatchdog",
                                               "LoopWatchdogReport"}
     assert set(asynctron.dcp.__all__) == {"AsyncStager", "StorageReader", "StorageWriter"}
 
@@ -123,3 +124,40 @@ def test_nothing_below_datasets_imports_it() -> None:
         if {"datasets", "_demo", "bench"} & set(source.parts) or source.name == "cli.py":
             continue
         assert "asynctron.datasets" not in source.read_text(), source
+
+
+def _sources(*packages: str) -> list[tuple[str, str]]:
+    import pathlib
+
+    root = pathlib.Path(asynctron.__file__).parent
+    return [(str(source), source.read_text()) for package in packages
+            for source in sorted((root / package).rglob("*.py"))]
+
+
+def test_the_dcp_plugins_build_on_seams_not_internals() -> None:
+    """asynctron.dcp reaches the engine and storage only through their packages' seams: no
+    private module of theirs, no underscore name, no subclass of an engine class."""
+    import ast
+
+    for path, text in _sources("dcp"):
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
+                    ("asynctron.engine", "asynctron.storage")):
+                assert not any(part.startswith("_") for part in node.module.split(".")), path
+                assert not any(alias.name.startswith("_") for alias in node.names), path
+            if isinstance(node, ast.ClassDef):
+                assert "Engine" not in [getattr(base, "id", getattr(base, "attr", None))
+                                        for base in node.bases], (path, node.name)
+
+
+def test_only_the_storage_backends_touch_files() -> None:
+    """The engine and the DCP plugins make no filesystem call of their own: every byte they
+    read or write goes through a storage backend (`asynctron.storage.backends`)."""
+    import re
+
+    file_call = re.compile(r"\bos\.(open|pwritev?|preadv?|fsync|rename|replace|stat|lstat|"
+                           r"fstat|makedirs|mkdir|remove|unlink|listdir|scandir|ftruncate|"
+                           r"path)\b|\bmmap\.mmap\(|(?<![\w.])open\(|\bshutil\.")
+    for path, text in _sources("engine", "dcp"):
+        code = re.sub(r'"""[\s\S]*?"""', "", text)  # docstrings may name the calls
+        assert not file_call.search(code), (path, file_call.search(code))

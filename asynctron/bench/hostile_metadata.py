@@ -61,7 +61,7 @@ _FILE = "__0_0.distcp"
 #: resident set is reset after the imports (Linux's clear_refs), so it is the read's own
 CHILD = """
 import re, sys, time
-from asynctron.storage._reader import read_manifest
+from asynctron.storage.backends.local._reader import read_manifest
 def peak_bytes():
     with open("/proc/self/status") as f:
         return int(re.search(r"VmHWM:\\s+(\\d+) kB", f.read()).group(1)) << 10

@@ -2,29 +2,28 @@
 at all.
 
 Stages (the coordinator, in `StorageWriter.finish`, once DCP has gathered every rank's write
-results; each rank's data files are already fsynced by then):
+results; each rank's data files are already durable by then):
 1. `checkpoint_files`: DCP's global metadata, completed with where every item is (and each
    tensor's chunks as written), pickled as `.metadata`, which stock `FileSystemReader` reads;
    and asynctron's `manifest.json` (every item's raw bytes and digest, the nesting from the
    planner's data), which asynctron's readers verify against;
-2. `publish` (blocks): both written and fsynced into the tmp dir, the tmp dir fsynced, renamed
-   to the checkpoint path (never over an existing one), the parent fsynced, then the debris of
-   dead saves in the parent removed (as asynctron's own commit does). No `latest` pointer is
-   written: DCP checkpoints are found by path.
-A crash before the rename leaves only the tmp dir (`.<name>.tmp-dcp`), which no reader takes
-for a checkpoint and the next commit in that directory (or the next save to that path) removes.
+2. storage's `commit_checkpoint` (the engine's commit too): both written into the save's area
+   last, the area published as the checkpoint (never over an existing one), then the debris
+   of dead saves beside it removed. No `latest` pointer is written: DCP checkpoints are found
+   by path.
+A crash before the publish leaves only the area, which no reader takes for a checkpoint and
+the next commit beside it (or the next save to that path) removes.
 
-The tmp dir's name is derived from the checkpoint path alone (`tmp_dir_of`), which is unique
-per save: every rank finds it without being told, so no plan carries per-save state (DCP's
-plan caching hands a later save the plans of the first).
+The area is named after the checkpoint path alone (`area_of`), which is unique per save:
+every rank finds it without being told, so no plan carries per-save state (DCP's plan caching
+hands a later save the plans of the first).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import pickle
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -38,34 +37,22 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from asynctron.dcp._write_job import ItemWritten
-from asynctron.engine._coordinator import prepare_tmp_dir as engine_prepare_tmp_dir
-from asynctron.errors import AsynctronError
-from asynctron.storage import _commit, _retention
-from asynctron.storage._dcp import METADATA_NAME, _structure
-from asynctron.storage._locks import DirLock
-from asynctron.storage._manifest import MANIFEST_NAME, encode_manifest
+from asynctron.storage import (
+    MANIFEST_NAME,
+    METADATA_NAME,
+    Backend,
+    SaveArea,
+    dcp_structure,
+    encode_manifest,
+)
 
-#: What ends the name of a DCP save's tmp dir, `.<name>.tmp-dcp` (`_commit.TMP_MARK` inside, so
-#: asynctron's cleaners know it for a tmp dir).
-TMP_SUFFIX = _commit.TMP_MARK + "dcp"
-
-
-def tmp_dir_of(final_path: str) -> str:
-    """The tmp dir of the save to `final_path`, beside it: the same on every rank."""
-    parent, name = os.path.split(os.path.abspath(final_path))
-    return os.path.join(parent, f".{name}{TMP_SUFFIX}")
+#: The name of a DCP save's area: on a filesystem the tmp dir `.<name>.tmp-dcp`.
+AREA_NAME = "dcp"
 
 
-def prepare_tmp_dir(final_path: str) -> DirLock:
-    """Blocks (coordinator): refuse an existing `final_path`, then create its tmp dir fresh
-    (`tmp_dir_of`), replacing one a dead save left, as the engine's own saves do; returns the
-    lock that marks it live (release it once committed or removed).
-
-    Raises:
-        FileExistsError: `final_path` exists, or another live save to it holds its tmp dir.
-        StorageError: the tmp dir could not be created or the stale one removed.
-    """
-    return engine_prepare_tmp_dir(final_path, tmp_dir_of(final_path))
+def area_of(backend: Backend, final_path: str) -> SaveArea:
+    """The area of the save to `final_path`: the same on every rank."""
+    return backend.area_of(final_path, AREA_NAME)
 
 
 def checkpoint_files(metadata: Metadata, results: Sequence[Sequence[WriteResult]], *,
@@ -114,7 +101,7 @@ def checkpoint_files(metadata: Metadata, results: Sequence[Sequence[WriteResult]
     metadata.version = CURRENT_DCP_VERSION
     metadata.storage_meta = storage_meta
     stored = {item.record.key for item in written}
-    structure = _structure(metadata.planner_data,
+    structure = dcp_structure(metadata.planner_data,
                            [key for key in metadata.state_dict_metadata if key in stored])
     files = {item.record.file: item.file_bytes for item in written}
     manifest = encode_manifest(structure=json.dumps(structure, separators=(",", ":")),
@@ -122,27 +109,3 @@ def checkpoint_files(metadata: Metadata, results: Sequence[Sequence[WriteResult]
                                files=files, created_unix_s=created_unix_s, checksum=checksum)
     return {METADATA_NAME: pickle.dumps(metadata, protocol=pickle.HIGHEST_PROTOCOL),
             MANIFEST_NAME: manifest}
-
-
-def publish(tmp_dir: str, final_path: str, files: Mapping[str, bytes]) -> list[str]:
-    """Blocks: seal `tmp_dir` with `files` and rename it to `final_path` (the commit), under
-    the parent's exclusive lock; then remove the debris of dead saves there. Returns the
-    problems after the commit that did not undo it (the caller logs them).
-
-    Raises:
-        FileExistsError: `final_path` appeared meanwhile; nothing is committed.
-        StorageError: a write, fsync or the rename failed; nothing is committed.
-    """
-    warnings = []
-    removal = _retention.Removal()
-    root = os.path.realpath(os.path.dirname(final_path))
-    with DirLock.take(root, exclusive=True) as root_lock:
-        _commit.seal_dir(tmp_dir, files)
-        _commit.publish_dir(tmp_dir, final_path)
-        try:
-            removal = _retention.retire(root_lock, None)
-        except AsynctronError as error:
-            warnings.append(f"checkpoint {final_path} is committed, but removing the debris of "
-                            f"dead saves beside it failed: {error}")
-    warnings.extend(removal.run())
-    return warnings

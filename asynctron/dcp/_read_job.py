@@ -28,8 +28,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,10 +37,15 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from asynctron._memory import tensor_bytes
 from asynctron.dcp._runtime import Runtime
 from asynctron.errors import CorruptCheckpointError
-from asynctron.storage._dcp import decode_blob, tensor_of
-from asynctron.storage._dtypes import TORCH_DTYPES
-from asynctron.storage._manifest import ItemRecord, Manifest
-from asynctron.storage._reader import CheckpointReader, ReadJob
+from asynctron.storage import (
+    TORCH_DTYPES,
+    CheckpointReader,
+    ItemRecord,
+    Manifest,
+    ReadJob,
+    decode_blob,
+    tensor_of,
+)
 
 RecordKey = tuple[str, tuple[int, ...] | None]
 """A stored item: its key and, for a tensor chunk, its offsets in the global tensor."""
@@ -49,17 +53,21 @@ RecordKey = tuple[str, tuple[int, ...] | None]
 
 @dataclass(frozen=True, slots=True)
 class OpenCheckpoint:
-    """A checkpoint ready to read: its directory, its validated manifest, its items by
-    (key, chunk offsets)."""
+    """A checkpoint ready to read: its reader (leased, until `read` closes it), its validated
+    manifest, its items by (key, chunk offsets)."""
 
-    path: str
+    reader: CheckpointReader
     manifest: Manifest
     records: Mapping[RecordKey, ItemRecord]
 
+    @property
+    def path(self) -> str:
+        return self.reader.path
+
     @classmethod
-    def of(cls, path: str, manifest: Manifest) -> OpenCheckpoint:
-        return cls(path, manifest, {(record.key, record.chunk_offsets): record
-                                    for record in manifest.items})
+    def of(cls, reader: CheckpointReader, manifest: Manifest) -> OpenCheckpoint:
+        return cls(reader, manifest, {(record.key, record.chunk_offsets): record
+                                      for record in manifest.items})
 
 
 #: The most temporary bytes (blobs, chunks read apart) one wave holds, below
@@ -90,7 +98,8 @@ class _Read:
 
 async def read(runtime: Runtime, checkpoint: OpenCheckpoint, plan: LoadPlan,
                planner: LoadPlanner, *, verify: bool) -> None:
-    """Read every item of this rank's load plan into the planner's targets.
+    """Read every item of this rank's load plan into the planner's targets; then close the
+    checkpoint's reader.
 
     Raises:
         CorruptCheckpointError: an item missing, truncated, not matching its digest or its
@@ -103,13 +112,11 @@ async def read(runtime: Runtime, checkpoint: OpenCheckpoint, plan: LoadPlan,
     Cancellation: reads in flight finish; targets may be partly filled.
     """
     run_blocking = runtime.run_blocking
-    reads = await run_blocking(_plan, checkpoint, plan, planner)
-    budget = runtime.pool.budget  # shared with the writers' slabs
-    limit = min(budget.total_bytes, _WAVE_BYTES)
-    reader = CheckpointReader(runtime.file_io, checkpoint.path, run_blocking,
-                              max_files_at_once=runtime.config.num_workers)
-    reader.manifest = checkpoint.manifest  # already read and validated by read_metadata
+    reader = checkpoint.reader
     try:
+        reads = await run_blocking(_plan, checkpoint, plan, planner)
+        budget = runtime.pool.budget  # shared with the writers' slabs
+        limit = min(budget.total_bytes, _WAVE_BYTES)
         for wave, nbytes in _waves(reads, limit):
             await budget.acquire(nbytes)  # a read larger than the budget: alone
             try:
@@ -121,7 +128,7 @@ async def read(runtime: Runtime, checkpoint: OpenCheckpoint, plan: LoadPlan,
                 del jobs
                 if errors:
                     raise errors[0]
-                await run_blocking(_finish, wave, planner, checkpoint.path)
+                await run_blocking(_finish, wave, planner, reader.file_path)
             finally:
                 for read_ in wave:
                     read_.buffer = None
@@ -234,13 +241,14 @@ def _region(tensor: torch.Tensor, starts: Sequence[int], lengths: Sequence[int]
     return tensor
 
 
-def _finish(reads: Sequence[_Read], planner: LoadPlanner, path: str) -> None:
+def _finish(reads: Sequence[_Read], planner: LoadPlanner,
+            file_path: Callable[[ItemRecord], str]) -> None:
     """Blocks: decode blobs, place chunks read apart, hand every item to the planner."""
     for read in reads:
         record, item = read.record, read.item
         if read.blob:
             assert read.buffer is not None
-            file = os.path.join(path, record.file)
+            file = file_path(record)
             data = tensor_bytes(read.buffer)
             value = decode_blob(data, key=record.key, path=file)
             if item.type == LoadItemType.BYTE_IO:

@@ -11,6 +11,7 @@ written by `asynctron.dcp.StorageWriter` or `Engine.save(format="dcp")`).
 
 from __future__ import annotations
 
+import errno
 import os
 import uuid
 from typing import Any
@@ -22,11 +23,15 @@ from torch.futures import Future
 
 from asynctron.dcp._read_job import OpenCheckpoint, read
 from asynctron.dcp._runtime import Runtime, plugin_config, runtime_for
-from asynctron.dcp._writer import checkpoint_path, is_local_path
-from asynctron.errors import CorruptCheckpointError
-from asynctron.storage import FileIO, _sysio, read_manifest, resolve_checkpoint
-from asynctron.storage._dcp import MAX_METADATA_BYTES, METADATA_NAME, MetadataUnpickler
-from asynctron.storage._manifest import paused_gc
+from asynctron.dcp._writer import is_served, locate
+from asynctron.errors import CorruptCheckpointError, StorageError
+from asynctron.storage import (
+    MAX_METADATA_BYTES,
+    METADATA_NAME,
+    Backend,
+    MetadataUnpickler,
+    paused_gc,
+)
 
 
 class StorageReader(dcp_storage.StorageReader):
@@ -42,7 +47,8 @@ class StorageReader(dcp_storage.StorageReader):
         path: the checkpoint directory (or a directory whose `latest` names one);
             `dcp.load(checkpoint_id=...)` replaces it.
         verify: check every whole item's digest (where the checkpoint has digests).
-        file_io: replaces the local filesystem's data path (fault-injecting fakes in tests).
+        backend: holds the checkpoint (a fault-injecting fake of `asynctron.testing` in
+            tests); by default the path's own (`asynctron.storage.backend_for`).
         **engine_options: `EngineConfig` fields: `num_workers` (threads, and files read at
             once), `slab_bytes` (the largest read call).
 
@@ -51,19 +57,19 @@ class StorageReader(dcp_storage.StorageReader):
     """
 
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = True,
-                 file_io: FileIO | None = None, **engine_options: Any) -> None:
+                 backend: Backend | None = None, **engine_options: Any) -> None:
         super().__init__()
-        self.path = checkpoint_path("StorageReader", path)
+        self._given_backend = backend
+        self._backend, self.path = locate("StorageReader", path, backend)
         self.verify = verify
         self._config = plugin_config("StorageReader", engine_options)
-        self._file_io = file_io
         self._runtime: Runtime | None = None
         self._checkpoint: OpenCheckpoint | None = None
         self.load_id = uuid.uuid4().hex
 
     def _started(self) -> Runtime:
         if self._runtime is None:
-            self._runtime = runtime_for(self._config, self._file_io)
+            self._runtime = runtime_for(self._config, self._given_backend)
         return self._runtime
 
     @property
@@ -73,13 +79,14 @@ class StorageReader(dcp_storage.StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether `checkpoint_id` is a local path (what this reader loads from)."""
-        return is_local_path(checkpoint_id)
+        """Whether a storage backend serves `checkpoint_id` (what this reader loads from)."""
+        return is_served(checkpoint_id)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        self._checkpoint = None
+        self._close_checkpoint()
         if checkpoint_id:
-            self.path = checkpoint_path("StorageReader", checkpoint_id)
+            self._backend, self.path = locate("StorageReader", checkpoint_id,
+                                              self._given_backend)
         self.load_id = uuid.uuid4().hex
 
     # Not named `**kwargs`: DCP then never asks for rank-local metadata (`__<rank>.metadata`,
@@ -94,7 +101,8 @@ class StorageReader(dcp_storage.StorageReader):
             ValueError: the checkpoint is in asynctron's format, without DCP's metadata.
         """
         runtime = self._started()
-        checkpoint, metadata = runtime.call(runtime.run_blocking(_open, self.path))
+        self._close_checkpoint()
+        checkpoint, metadata = runtime.call(_open(runtime, self._backend, self.path))
         self._checkpoint = checkpoint
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
@@ -119,9 +127,9 @@ class StorageReader(dcp_storage.StorageReader):
         runtime = self._started()
         if self._checkpoint is None:
             self.read_metadata()
-        assert self._checkpoint is not None
-        started = runtime.start(read(runtime, self._checkpoint, plan, planner,
-                                     verify=self.verify))
+        checkpoint, self._checkpoint = self._checkpoint, None
+        assert checkpoint is not None
+        started = runtime.start(read(runtime, checkpoint, plan, planner, verify=self.verify))
         future: Future[None] = Future()
 
         def settle(done: Any) -> None:
@@ -135,22 +143,43 @@ class StorageReader(dcp_storage.StorageReader):
         started.add_done_callback(settle)
         return future
 
+    def _close_checkpoint(self) -> None:
+        """End the lease of a checkpoint opened by `read_metadata` but never read."""
+        checkpoint, self._checkpoint = self._checkpoint, None
+        if checkpoint is not None and self._runtime is not None:
+            self._runtime.call(checkpoint.reader.aclose())
+
     def __repr__(self) -> str:
         return f"<asynctron.dcp.StorageReader {self.path!r}>"
 
 
-def _open(path: str) -> tuple[OpenCheckpoint, Metadata]:
-    """Blocks: find the checkpoint, validate it whole (`read_manifest`: its `manifest.json`,
-    or a stock checkpoint's `.metadata`, checked against its files), and unpickle DCP's
-    metadata (only DCP's types admitted)."""
-    checkpoint = resolve_checkpoint(path)
-    metadata_path = os.path.join(checkpoint, METADATA_NAME)
-    if not _sysio.is_file(metadata_path):
-        raise ValueError(f"checkpoint {checkpoint}: expected DCP's {METADATA_NAME}, found an "
-                         "asynctron checkpoint without one; load it with asynctron.load, or "
-                         "save with format='dcp'")
-    manifest = read_manifest(checkpoint)
-    raw = _sysio.read_small_file(metadata_path, MAX_METADATA_BYTES)
+async def _open(runtime: Runtime, backend: Backend, path: str
+                ) -> tuple[OpenCheckpoint, Metadata]:
+    """Find the checkpoint (leased until its reader closes), validate it whole (its
+    `manifest.json`, or a stock checkpoint's `.metadata`, checked against its files), and
+    unpickle DCP's metadata (only DCP's types admitted)."""
+    run_blocking = runtime.run_blocking
+    reader = await backend.open_reader(run_blocking, path,
+                                       max_files_at_once=runtime.config.num_workers)
+    try:
+        manifest = await reader.open()
+        try:
+            raw = await reader.read_file(METADATA_NAME, MAX_METADATA_BYTES)
+        except StorageError as error:
+            if error.errno != errno.ENOENT:
+                raise
+            raise ValueError(f"checkpoint {reader.path}: expected DCP's {METADATA_NAME}, "
+                             "found an asynctron checkpoint without one; load it with "
+                             "asynctron.load, or save with format='dcp'") from None
+        metadata = await run_blocking(_unpickle, raw, reader.path_of(METADATA_NAME))
+    except BaseException:
+        await reader.aclose()
+        raise
+    return OpenCheckpoint.of(reader, manifest), metadata
+
+
+def _unpickle(raw: bytes, metadata_path: str) -> Metadata:
+    """Blocks: DCP's metadata from its pickle, admitting only DCP's types."""
     with paused_gc():
         try:
             metadata = MetadataUnpickler(raw, metadata_path).load()
@@ -166,4 +195,4 @@ def _open(path: str) -> tuple[OpenCheckpoint, Metadata]:
             f"metadata {metadata_path}: expected a pickled Metadata, found "
             f"{type(metadata).__name__}; the checkpoint is damaged or not a "
             "torch.distributed.checkpoint checkpoint", path=metadata_path)
-    return OpenCheckpoint.of(checkpoint, manifest), metadata
+    return metadata

@@ -1,34 +1,32 @@
-"""`Runtime`: the asynctron engine the DCP plugins run on, one per option set in the process.
+"""`Runtime`: the save resources the DCP plugins run on, one per option set in the process.
 
 DCP calls its storage plugins synchronously, from the trainer's thread (`dcp.save`,
-`dcp.load`) or from DCP's own save thread (`dcp.async_save`). A runtime is an `Engine` bound to
-a uvloop loop on a daemon thread of its own (`LoopThread`, as `BackgroundEngine`'s): plugin
-calls hand it coroutines and wait on (or return) their futures; the loop never blocks, and
-every file syscall, copy and CUDA wait runs on the engine's bounded executor.
+`dcp.load`) or from DCP's own save thread (`dcp.async_save`). A runtime is the engine's
+`SaveResources` (executor, budget, staging pool, copy streams, backend) bound to a uvloop loop
+on a daemon thread of its own (`LoopThread`, as `BackgroundEngine`'s): plugin calls hand it
+coroutines and wait on (or return) their futures; the loop never blocks, and every file
+syscall, copy and CUDA wait runs on the bounded executor.
 
 Runtimes are process-wide and shared: every `StorageWriter`, `StorageReader` and `AsyncStager`
 built with the same options uses the same one (so the same budgets), made on first use and
 closed when the interpreter exits. Across ranks, DCP does the coordination (its own collectives
-on the default or given process group); a runtime's engine never joins a process group.
+on the default or given process group): a runtime has no save protocol of its own, and joins
+no process group.
 """
 
 from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
-import torch
-
 from asynctron._budget import ByteBudget
 from asynctron._loop_thread import LoopThread
-from asynctron.engine import Engine, EngineConfig
-from asynctron.engine._coordinator import SoloCollectives
-from asynctron.engine._slabs import SLAB_CACHE, SlabPool
-from asynctron.engine._staging import CopyStreams
-from asynctron.storage import FileIO, LocalFileIO
+from asynctron.engine import SLAB_CACHE, EngineConfig, SaveResources
+from asynctron.storage import Backend
 
 T = TypeVar("T")
 
@@ -52,16 +50,8 @@ def plugin_config(owner: str, options: Mapping[str, Any]) -> EngineConfig:
     return EngineConfig(**options)
 
 
-class _LocalEngine(Engine):
-    """An `Engine` whose own save protocol never leaves the process: under DCP, DCP's
-    collectives coordinate the ranks, so starting it joins no process group."""
-
-    async def _collectives(self) -> tuple[SoloCollectives, SoloCollectives]:
-        return SoloCollectives(), SoloCollectives()
-
-
 class Runtime:
-    """An engine on a loop thread of its own, with the pools the plugins use.
+    """Save resources on a loop thread of its own, with the pools the plugins use.
 
     Not constructed directly; `runtime_for` returns the process's runtime for an option set.
 
@@ -72,27 +62,24 @@ class Runtime:
     at once is staged outside it, with a warning).
     """
 
-    def __init__(self, config: EngineConfig, file_io: FileIO | None) -> None:
+    def __init__(self, config: EngineConfig, backend: Backend | None) -> None:
         self.config = config
-        self.file_io = file_io or LocalFileIO()
-        self.pinned = torch.cuda.is_available() if config.pin_memory is None else (
-            config.pin_memory)
         self._loop_thread = LoopThread("asynctron-dcp")
         self._in_flight: set[concurrent.futures.Future[Any]] = set()
         self._lock = threading.Lock()
         self._closed = False
-        self.engine = _LocalEngine(config, file_io=self.file_io)
+        self.resources = SaveResources(config, backend)
         try:
-            self.call(self.engine.start())
+            self.call(_start(self.resources))
         except BaseException:
             self._stop_loop()
             raise
-        self.run_blocking = self.engine.run_blocking
-        self.pool = SlabPool(self.engine.budget, config.slab_bytes, self.pinned,
-                             self.run_blocking)
+        self.run_blocking = self.resources.run_blocking
+        self.pinned = self.resources.pinned
+        self.pool = self.resources.pool
+        self.copy_streams = self.resources.copy_streams
         self.staging_budget = ByteBudget(config.memory_budget_bytes)
         SLAB_CACHE.admit(config.memory_budget_bytes)
-        self.copy_streams = CopyStreams()
 
     @property
     def closed(self) -> bool:
@@ -111,26 +98,25 @@ class Runtime:
         future.add_done_callback(self._in_flight.discard)
         return future
 
-    def run_soon(self, fn: Callable[..., object], /, *args: Any) -> bool:
-        """Run blocking `fn(*args)` on the engine's executor, later; returns at once, whether
-        it was scheduled (False once the loop is gone: the caller runs it itself). Takes no
-        lock, so a finalizer may call it from a garbage collection on any thread, even one in
-        `start`. The runtime owns the call, as `start`'s; once closing, the loop's thread
-        runs it."""
+    def start_soon(self, coroutine_fn: Callable[..., Coroutine[Any, Any, object]], /,
+                   *args: Any) -> bool:
+        """Run `coroutine_fn(*args)` on the runtime's loop, later; returns at once, whether it
+        was scheduled (False once the runtime is closing). Takes no lock, so a finalizer may
+        call it from a garbage collection on any thread, even one in `start`. The runtime owns
+        the coroutine, as `start`'s."""
         if self._closed:
             return False
         try:
-            self._loop_thread.loop.call_soon_threadsafe(self._spawn, fn, args)
+            self._loop_thread.loop.call_soon_threadsafe(self._spawn, coroutine_fn, args)
         except RuntimeError:  # the loop is closed
             return False
         return True
 
-    def _spawn(self, fn: Callable[..., object], args: tuple[Any, ...]) -> None:
-        """On the loop: `run_soon`'s call, on the executor (or here, once closing)."""
-        try:
-            self.start(self.run_blocking(fn, *args))
-        except RuntimeError:  # closed: no more work is waited for; do it now
-            fn(*args)
+    def _spawn(self, coroutine_fn: Callable[..., Coroutine[Any, Any, object]],
+               args: tuple[Any, ...]) -> None:
+        """On the loop: `start_soon`'s coroutine (dropped if the runtime closed meanwhile)."""
+        with contextlib.suppress(RuntimeError):  # closed: no more work is waited for
+            self.start(coroutine_fn(*args))
 
     def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run `coroutine` on the runtime's loop and block the calling thread for its result.
@@ -142,7 +128,7 @@ class Runtime:
         return self.start(coroutine).result()
 
     def close(self) -> None:
-        """Wait for the work in flight, close the engine and stop the loop thread."""
+        """Wait for the work in flight, stop the executor and the loop thread."""
         with self._lock:
             if self._closed:
                 return
@@ -150,7 +136,7 @@ class Runtime:
             in_flight = list(self._in_flight)
         concurrent.futures.wait(in_flight)
         try:
-            self._loop_thread.submit(self.engine.aclose(raise_unobserved=False)).result()
+            self.resources.shutdown()
         finally:
             self._stop_loop()
 
@@ -158,19 +144,23 @@ class Runtime:
         self._loop_thread.stop()
 
 
-_RUNTIMES: dict[tuple[EngineConfig, FileIO | None], Runtime] = {}
+_RUNTIMES: dict[tuple[EngineConfig, Backend | None], Runtime] = {}
 _RUNTIMES_LOCK = threading.Lock()
 
 
-def runtime_for(config: EngineConfig, file_io: FileIO | None = None) -> Runtime:
-    """The process's runtime for `config` (and `file_io`, a fault-injecting fake in tests),
-    started on first use."""
-    key = (config, file_io)
+def runtime_for(config: EngineConfig, backend: Backend | None = None) -> Runtime:
+    """The process's runtime for `config` (and `backend`, a fault-injecting fake in tests;
+    None: each path's own), started on first use."""
+    key = (config, backend)
     with _RUNTIMES_LOCK:
         runtime = _RUNTIMES.get(key)
         if runtime is None:
-            runtime = _RUNTIMES[key] = Runtime(config, file_io)
+            runtime = _RUNTIMES[key] = Runtime(config, backend)
         return runtime
+
+
+async def _start(resources: SaveResources) -> None:
+    resources.start()
 
 
 @atexit.register

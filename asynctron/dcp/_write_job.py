@@ -29,18 +29,23 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from asynctron.dcp._runtime import Runtime
-from asynctron.engine._pipeline import stage_and_write
-from asynctron.engine._save_plan import SaveRequest, build_request, dcp_items, file_plan
-from asynctron.storage._dcp import check_object_blob
-from asynctron.storage._manifest import ItemRecord
-from asynctron.storage._plan import FlatStateDict, ItemKind, SavePlan
+from asynctron.engine import SaveRequest, build_request, dcp_items, file_plan, stage_and_write
+from asynctron.storage import (
+    Backend,
+    FlatStateDict,
+    ItemKind,
+    ItemRecord,
+    SaveArea,
+    SavePlan,
+    check_object_blob,
+)
 
 
 @dataclass(frozen=True, slots=True)
 class SaveTarget:
     """Which files a rank writes, as the coordinator's global plan tells it (`storage_data` of
     each rank's final `SavePlan`). The same for every save: DCP's plan caching hands later saves
-    the first one's plans, so nothing per save (such as the tmp dir) may be carried here."""
+    the first one's plans, so nothing per save (such as its area) may be carried here."""
 
     rank: int
     """The rank's index in DCP's plan: its files are `__<rank>_<bin>.distcp`."""
@@ -58,17 +63,18 @@ class ItemWritten:
     """The size of the item's data file."""
 
 
-async def write(runtime: Runtime, plan: DcpSavePlan, planner: SavePlanner, tmp_dir: str,
-                ready: Mapping[torch.device, torch.cuda.Event]) -> list[WriteResult]:
-    """Write this rank's share of a DCP save into the save's tmp dir `tmp_dir` (the coordinator
-    made it), every file fsynced.
+async def write(runtime: Runtime, plan: DcpSavePlan, planner: SavePlanner, backend: Backend,
+                area: SaveArea, ready: Mapping[torch.device, torch.cuda.Event]
+                ) -> list[WriteResult]:
+    """Write this rank's share of a DCP save into the save's area (the coordinator made it),
+    every file durable.
 
     Raises:
         TypeError: a dtype asynctron cannot store (naming the key).
         StorageError: a write, fsync or close failed (naming the file).
 
-    Cancellation: copies and writes in flight finish; the files left in the tmp dir are
-    removed with it by the coordinator.
+    Cancellation: copies and writes in flight finish; the files left in the area are removed
+    with it by the coordinator.
     """
     target = plan.storage_data
     assert isinstance(target, SaveTarget)
@@ -76,17 +82,14 @@ async def write(runtime: Runtime, plan: DcpSavePlan, planner: SavePlanner, tmp_d
     # Handed over in a box emptied here: the executor's futures sit in reference cycles, which
     # would keep the request (and the tensors it points at, e.g. a staged copy) until the
     # next garbage collection.
-    request = (await run_blocking(_request, plan, planner, tmp_dir, target.rank,
-                                  config.num_bins, config.slab_bytes,
-                                  config.checksum is not None)).pop()
-    await stage_and_write(request, tmp_dir, snapshot=False, direct_io=config.direct_io,
-                          ready=ready, pool=runtime.pool, copy_streams=runtime.copy_streams,
-                          fio=runtime.file_io, run_blocking=run_blocking,
-                          on_staged=lambda: None)
+    request = (await run_blocking(_request, plan, planner, target.rank, config.num_bins,
+                                  config.slab_bytes, config.checksum is not None)).pop()
+    await stage_and_write(request, backend, area, runtime.resources, snapshot=False,
+                          direct_io=config.direct_io, ready=ready, on_staged=lambda: None)
     return await run_blocking(_results, request, target.rank)
 
 
-def _request(plan: DcpSavePlan, planner: SavePlanner, tmp_dir: str, rank: int, num_bins: int,
+def _request(plan: DcpSavePlan, planner: SavePlanner, rank: int, num_bins: int,
              slab_bytes: int, checksum: bool) -> list[SaveRequest]:
     """Blocks (CPU-bound): DCP's final plan as asynctron's request (in a one-item list):
     pickled values resolved now (DCP's planner `torch.save`s them) and refused if the reader
@@ -111,7 +114,7 @@ def _request(plan: DcpSavePlan, planner: SavePlanner, tmp_dir: str, rank: int, n
     layout, sources = file_plan(flat, dcp_items(save_plan), num_bins=num_bins,
                                 rank=rank, slab_bytes=slab_bytes,
                                 torch_save_frames=True)
-    return [build_request(flat, tmp_dir, layout,
+    return [build_request(flat, layout,
                           (save_plan, [save_plan.items[source] for source in sources]),
                           checksum=checksum)]
 

@@ -3,17 +3,19 @@
 DCP drives a save in steps (`dcp.save`): every rank sets the writer up and plans locally; the
 coordinator plans globally; every rank writes (`write_data`); the coordinator, given every
 rank's results, finishes. This writer maps them onto asynctron's save:
-- `prepare_global_plan` (coordinator): creates the tmp dir beside the checkpoint path, named
-  after the path (`_commit.tmp_dir_of`), so every rank finds it without a plan saying so (DCP's
-  plan caching reuses the first save's plans); a plan says only which rank's files to write;
+- `prepare_global_plan` (coordinator): makes the save's area (a tmp dir beside the checkpoint
+  path), named after the path (`_commit.area_of`), so every rank finds it without a plan saying
+  so (DCP's plan caching reuses the first save's plans); a plan says only which rank's files to
+  write;
 - `write_data` (every rank): asynctron's per-bin writers on the runtime's loop (`_write_job`);
   returns a future at once;
-- `finish` (coordinator): `.metadata` and `manifest.json` sealed into the tmp dir, renamed to the
-  path (`_commit`); the commit, or the tmp dir's removal where it fails, is one job on the
-  runtime's loop, which an interrupt of the waiting thread (Ctrl-C) does not split: the path is
-  then the whole checkpoint, or nothing.
+- `finish` (coordinator): `.metadata` and `manifest.json` written into the area last, the area
+  published at the path (storage's `commit_checkpoint`, as the engine's saves); the commit, or
+  the area's removal where it fails, is one job on the runtime's loop, which an interrupt of
+  the waiting thread (Ctrl-C) does not split: the path is then the whole checkpoint, or
+  nothing.
 A save that fails anywhere (any rank's write, DCP's collectives, the commit) never reaches the
-rename: the path is never a half checkpoint. Its tmp dir is removed when the coordinator's
+publish: the path is never a half checkpoint. Its area is removed when the coordinator's
 writer is reset for the next save, garbage collected, by the next commit in that directory, or
 by the next save to the same path.
 """
@@ -23,7 +25,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import logging
 import os
 import time
 import uuid
@@ -41,89 +42,76 @@ from asynctron.dcp import _commit as _dcp_commit
 from asynctron.dcp._runtime import Runtime, plugin_config, runtime_for
 from asynctron.dcp._stager import stage_state_dict
 from asynctron.dcp._write_job import SaveTarget, write
-from asynctron.engine._staging import mark_ready
-from asynctron.storage import FileIO, _sysio
-from asynctron.storage._locks import DirLock
-
-logger = logging.getLogger(__name__)
+from asynctron.engine import mark_ready
+from asynctron.storage import Backend, SaveArea, backend_for, commit_checkpoint
 
 
-def checkpoint_path(owner: str, path: str | os.PathLike[str]) -> str:
-    """`path` as an absolute path, checked to be a path.
+def locate(owner: str, path: str | os.PathLike[str], backend: Backend | None
+           ) -> tuple[Backend, str]:
+    """`path`'s backend (`backend`, else the one its URL names) and its name there.
 
     Raises:
         TypeError: `path` is not a str or os.PathLike (naming the owner).
-        ValueError: an empty path.
+        ValueError: an empty path, or a URL no backend serves.
     """
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"{owner} path: expected a str or os.PathLike, found "
                         f"{type(path).__name__}")
     text = os.fspath(path)
     if not isinstance(text, str) or not text:
-        raise ValueError(f"{owner} path: expected a non-empty local path, found {path!r}")
-    return os.path.abspath(text)
+        raise ValueError(f"{owner} path: expected a non-empty path, found {path!r}")
+    served = backend or backend_for(text)
+    return served, served.locate(text)
 
 
-def is_local_path(checkpoint_id: object) -> bool:
-    """Whether `checkpoint_id` names a local path (what the plugins save to and load from), not
-    a URL such as fsspec's."""
-    return isinstance(checkpoint_id, str | os.PathLike) and "://" not in os.fspath(checkpoint_id)
+def is_served(checkpoint_id: object) -> bool:
+    """Whether a storage backend serves `checkpoint_id` (a local path, or a URL of a
+    registered backend): what the plugins save to and load from."""
+    try:
+        locate("checkpoint_id", checkpoint_id, None)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 class _PendingSave:
-    """The coordinator's tmp dir of a save that has not committed, and the lock marking it
-    live (so no other commit in the directory takes it for debris). Shared with the writer's
-    finalizer, so it must not refer to the writer."""
+    """The coordinator's area of a save that has not committed, and its backend. Shared with
+    the writer's finalizer, so it must not refer to the writer."""
 
     def __init__(self) -> None:
-        self.tmp_dir: str | None = None
-        self.lock: DirLock | None = None
+        self.held: tuple[Backend, SaveArea] | None = None
 
-    def take(self) -> tuple[str, DirLock] | None:
-        if self.tmp_dir is None or self.lock is None:
-            return None
-        held, self.tmp_dir, self.lock = (self.tmp_dir, self.lock), None, None
+    def take(self) -> tuple[Backend, SaveArea] | None:
+        held, self.held = self.held, None
         return held
 
 
-def _abandon(tmp_dir: str, lock: DirLock) -> None:
-    """Blocks: remove a save's tmp dir that never committed (if `tmp_dir` still names the
-    locked one), then drop its lock."""
-    try:
-        if lock.names(tmp_dir):
-            _sysio.remove_tree(tmp_dir)
-    except Exception as error:  # debris never looks committed; the next commit retries
-        logger.warning("could not remove the tmp dir of a save that did not commit: %s", error)
-    finally:
-        lock.release()
+async def _abandon(runtime: Runtime, backend: Backend, area: SaveArea) -> None:
+    """Remove the area of a save that never committed (if it is still the live one)."""
+    await backend.discard(runtime.run_blocking, area)
 
 
 def _abandon_pending(runtime: Runtime | None, pending: _PendingSave) -> None:
-    """The writer's finalizer: hand its uncommitted tmp dir, if any, to the runtime to remove
+    """The writer's finalizer: hand its uncommitted area, if any, to the runtime to remove
     (never on the thread that happens to free the writer: it may be the loop's, or one inside
-    a runtime call, so this only schedules, taking no lock); at exit, once the runtime is
-    closed, on this thread."""
+    a runtime call, so this only schedules, taking no lock). At exit, once the runtime is
+    closed, the area stays: its save's process is ending, and the next commit beside it
+    removes what a dead save left."""
     held = pending.take()
-    if held is None:
-        return
-    if runtime is None or not runtime.run_soon(_abandon, *held):  # exiting: no loop left
-        _abandon(*held)
+    if held is not None and runtime is not None:
+        runtime.start_soon(_abandon, runtime, *held)
 
 
-async def _commit_or_abandon(runtime: Runtime, tmp_dir: str, lock: DirLock, path: str,
-                             files: functools.partial[dict[str, bytes]]) -> list[str]:
-    """On the loop: build the commit's files, publish `tmp_dir` at `path`; if either fails,
-    remove `tmp_dir`, only once the publish has stopped (`run_blocking` waits for its thread
-    even when cancelled), so a rename never moves a half-removed tmp dir. Returns the
-    publish's warnings."""
+async def _commit_or_abandon(runtime: Runtime, backend: Backend, area: SaveArea,
+                             files: functools.partial[dict[str, bytes]]) -> None:
+    """On the loop: publish `area` with `files()` written last; if that fails, discard the
+    area, only once the publish has stopped (`run_blocking` waits for its thread even when
+    cancelled), so a publish never moves a half-removed area."""
     try:
-        warnings = await runtime.run_blocking(_dcp_commit.publish, tmp_dir, path,
-                                              await runtime.run_blocking(files))
+        await commit_checkpoint(backend, runtime.run_blocking, area, files)
     except BaseException:
-        await runtime.run_blocking(_abandon, tmp_dir, lock)
+        await backend.discard(runtime.run_blocking, area)
         raise
-    lock.release()
-    return warnings
 
 
 class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
@@ -142,7 +130,8 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
     Args:
         path: the checkpoint directory to create (`dcp.save(checkpoint_id=...)` replaces it);
             it must not exist: a checkpoint is never overwritten.
-        file_io: replaces the local filesystem's data path (fault-injecting fakes in tests).
+        backend: stores the checkpoint (a fault-injecting fake of `asynctron.testing` in
+            tests); by default the path's own (`asynctron.storage.backend_for`).
         **engine_options: `EngineConfig` fields for the writers and staging: `num_bins`,
             `num_workers`, `memory_budget_bytes`, `slab_bytes`, `direct_io`, `checksum`,
             `pin_memory`, `worker_nice_increment`.
@@ -156,16 +145,16 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
 
     _synchronize_after_execute: bool = False  # `stage` returns once the copy is made
 
-    def __init__(self, path: str | os.PathLike[str], *, file_io: FileIO | None = None,
+    def __init__(self, path: str | os.PathLike[str], *, backend: Backend | None = None,
                  **engine_options: Any) -> None:
         super().__init__()
-        self.path = checkpoint_path("StorageWriter", path)
+        self._given_backend = backend
+        self._backend, self.path = locate("StorageWriter", path, backend)
         self._config = plugin_config("StorageWriter", engine_options)
-        self._file_io = file_io
         self._runtime: Runtime | None = None
         self._pending = _PendingSave()
         self._finalizer = weakref.finalize(self, _abandon_pending, None, self._pending)
-        # the last commit or removal of a tmp dir started (the waiting thread may have been
+        # the last commit or removal of an area started (the waiting thread may have been
         # interrupted): the next save waits for it
         self._settling: concurrent.futures.Future[Any] | None = None
         self.save_id = uuid.uuid4().hex
@@ -174,7 +163,7 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
 
     def _started(self) -> Runtime:
         if self._runtime is None:
-            self._runtime = runtime_for(self._config, self._file_io)
+            self._runtime = runtime_for(self._config, self._given_backend)
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _abandon_pending, self._runtime,
                                                self._pending)
@@ -187,15 +176,16 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether `checkpoint_id` is a local path (what this writer saves to)."""
-        return is_local_path(checkpoint_id)
+        """Whether a storage backend serves `checkpoint_id` (what this writer saves to)."""
+        return is_served(checkpoint_id)
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        """Start a new save (to `checkpoint_id`, if given). The tmp dir of an earlier save
+        """Start a new save (to `checkpoint_id`, if given). The area of an earlier save
         through this writer that never committed is removed now."""
         self._remove_pending()
         if checkpoint_id:
-            self.path = checkpoint_path("StorageWriter", checkpoint_id)
+            self._backend, self.path = locate("StorageWriter", checkpoint_id,
+                                              self._given_backend)
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -217,23 +207,23 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator: create the save's tmp dir beside the path; every rank's plan says to
-        write there.
+        """Coordinator: make the save's area (a tmp dir beside the path); every rank writes
+        there.
 
         Raises:
             FileExistsError: the path exists (a checkpoint is never overwritten).
-            StorageError: the tmp dir could not be created (e.g. the parent is a file).
+            StorageError: the area could not be made (e.g. the parent is a file).
         """
         runtime = self._started()
         self._remove_pending()
-        self._pending.lock = runtime.call(runtime.run_blocking(_dcp_commit.prepare_tmp_dir,
-                                                               self.path))
-        self._pending.tmp_dir = _dcp_commit.tmp_dir_of(self.path)
+        area = _dcp_commit.area_of(self._backend, self.path)
+        runtime.call(self._backend.start_save(runtime.run_blocking, area))
+        self._pending.held = (self._backend, area)
         return [dataclasses.replace(plan, storage_data=SaveTarget(rank))
                 for rank, plan in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Start writing this rank's items (the plan's) into the save's tmp dir, on
+        """Start writing this rank's items (the plan's) into the save's area, on
         asynctron's pipeline; returns at once. The future's result: one `WriteResult` per
         stored item, once every file of this rank is written and fsynced.
 
@@ -249,7 +239,8 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
                              f"{type(plan.storage_data).__name__}; save with "
                              "asynctron.dcp.StorageWriter on every rank")
         runtime = self._started()
-        started = runtime.start(write(runtime, plan, planner, _dcp_commit.tmp_dir_of(self.path),
+        started = runtime.start(write(runtime, plan, planner, self._backend,
+                                      _dcp_commit.area_of(self._backend, self.path),
                                       mark_ready()))
         future: Future[list[WriteResult]] = Future()
 
@@ -266,18 +257,18 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Coordinator: commit. Writes DCP's `.metadata` (completed as stock writers do) and
-        asynctron's `manifest.json` into the tmp dir, fsyncs them and the directory, renames
-        it to the path and fsyncs the parent. Every rank's data files were fsynced before DCP
-        called this.
+        asynctron's `manifest.json` into the save's area last and publishes it at the path
+        (on a filesystem: fsyncs, the rename, the parent's fsync). Every rank's data files
+        were durable before DCP called this.
 
         Raises:
             FileExistsError: the path appeared meanwhile; nothing is committed.
-            StorageError: a write, fsync or the rename failed; nothing is committed (the tmp
-                dir is removed).
+            StorageError: a write, fsync or the publish failed; nothing is committed (the area
+                is removed).
 
         Interrupted (KeyboardInterrupt, SystemExit) while it waits, it raises at once; the
         commit goes on on the runtime's loop: the path becomes the whole checkpoint, or, if the
-        commit fails, nothing (the tmp dir is removed). The next save through this writer, and
+        commit fails, nothing (the area is removed). The next save through this writer, and
         interpreter exit, wait for it.
         """
         runtime = self._started()
@@ -289,9 +280,8 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
                                   storage_meta=self.storage_meta(),
                                   checksum=self._config.checksum,
                                   created_unix_s=self._requested_unix_s)
-        self._settling = runtime.start(_commit_or_abandon(runtime, *held, self.path, files))
-        for warning in self._settling.result():
-            logger.warning("%s", warning)
+        self._settling = runtime.start(_commit_or_abandon(runtime, *held, files))
+        self._settling.result()
 
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
         """`dcp.async_save`'s staging, as `AsyncStager.stage`: a copy in asynctron's
@@ -302,17 +292,17 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
         """Nothing to wait for: `stage` returns once the copy is made."""
 
     def close(self) -> None:
-        """Remove the tmp dir of a save through this writer that never committed (a failed
+        """Remove the area of a save through this writer that never committed (a failed
         save leaves it until then, or until the writer is freed)."""
         self._remove_pending()
 
     def _remove_pending(self) -> None:
-        """Remove the uncommitted tmp dir, if any, as one job on the runtime's loop, and wait
+        """Remove the uncommitted area, if any, as one job on the runtime's loop, and wait
         for it (and for an earlier commit or removal whose waiting thread was interrupted)."""
         held = self._pending.take()
         if held is not None:
             runtime = self._started()
-            self._settling = runtime.start(runtime.run_blocking(_abandon, *held))
+            self._settling = runtime.start(_abandon(runtime, *held))
         if self._settling is not None:
             concurrent.futures.wait([self._settling])  # its error, if any, was raised then
             self._settling = None

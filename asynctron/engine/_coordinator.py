@@ -25,66 +25,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import logging
-import os
-from collections.abc import AsyncIterator, Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
 from asynctron._concurrency import RunBlocking
-from asynctron.errors import AsynctronError, PeerError, StorageError
-from asynctron.storage import _commit, _retention, _sysio
-from asynctron.storage._checksum import digest
-from asynctron.storage._locks import DirLock
-from asynctron.storage._manifest import ItemRecord
-from asynctron.storage._retention import Retention
-
-logger = logging.getLogger(__name__)
-
-
-class Collectives(Protocol):
-    """The object collectives the protocol needs: `asynctron.comm.CollectiveGroup`, or one
-    process's `SoloCollectives`. Every rank calls the same ones in the same order."""
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def num_calls(self) -> int: ...
-
-    async def all_gather_object(self, obj: Any) -> list[Any]: ...
-
-    async def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None: ...
-
-    async def scatter_object(self, objs: Sequence[Any] | None, *, src: int = 0) -> Any: ...
-
-    async def broadcast_object(self, obj: Any = None, *, src: int = 0) -> Any: ...
-
-
-class SoloCollectives:
-    """The collectives of a world of one process: each returns at once, nothing is sent."""
-
-    rank = 0
-    world_size = 1
-    num_calls = 0
-
-    async def all_gather_object(self, obj: Any) -> list[Any]:
-        return [obj]
-
-    async def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
-        return [obj]
-
-    async def scatter_object(self, objs: Sequence[Any] | None, *, src: int = 0) -> Any:
-        assert objs is not None and len(objs) == 1
-        return objs[0]
-
-    async def broadcast_object(self, obj: Any = None, *, src: int = 0) -> Any:
-        return obj
+from asynctron.engine._collectives import Collectives
+from asynctron.engine._report import WriteReport
+from asynctron.errors import PeerError
+from asynctron.storage import Committed, Committer, SaveArea, digest
+from asynctron.storage.backends import Backend
 
 
 class _Turns:
@@ -118,8 +70,8 @@ class _Turns:
 class Start:
     """What every rank knows once a save has started."""
 
-    tmp_dir: str
-    """The directory every rank writes its files into (created by the coordinator)."""
+    area: SaveArea
+    """Where every rank writes its files (made by the coordinator)."""
     plan_key: Hashable | None
     """The global structure (every rank's digest, hashed); None when it cannot be cached."""
     cached: bool
@@ -127,24 +79,6 @@ class Start:
     plain: bool
     """Every rank's items are plain (no DTensor, no pickled value): planned without DCP's
     planner."""
-
-
-@dataclass(frozen=True, slots=True)
-class WriteReport:
-    """One rank's result: its files, its items and their checksums, and its state dict's
-    structure; or, when it failed, what went wrong."""
-
-    rank: int
-    records: tuple[ItemRecord, ...] = ()
-    """The items' records (their checksums in `checksums`)."""
-    checksums: tuple[str, ...] | None = None
-    """Per record, its digest; None when saved without checksums."""
-    files: dict[str, int] = field(default_factory=dict)
-    structure: str | None = None
-    """The structure, as JSON text."""
-    error: str | None = None
-    frames: tuple[tuple[int, int] | None, ...] = ()
-    """Per record, in DCP's format, the lengths of the `torch.save` frame around its bytes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,85 +92,6 @@ class _Failure:
 Publish = Callable[[Sequence[WriteReport], Metadata | None], Any]
 """Turns every rank's report (and DCP's global metadata) into the files the coordinator
 commits: `{name: bytes}` (`manifest.json`, or DCP's `.metadata`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Committed:
-    """What followed a commit: the checkpoints pruned, and the problems that did not undo
-    it (`latest` not moved, pruning failed)."""
-
-    pruned: tuple[str, ...] = ()
-    warnings: tuple[str, ...] = ()
-
-
-class Committer:
-    """Publishes checkpoints: one commit per root at a time; `latest` only ever moves forward.
-    Used on the coordinator."""
-
-    def __init__(self, run_blocking: RunBlocking, retention: Retention | None) -> None:
-        self._run_blocking = run_blocking
-        self._retention = retention
-        self._locks: dict[str, asyncio.Lock] = {}
-        self._newest: dict[str, int] = {}
-
-    async def commit(self, tmp_dir: str, final_path: str,
-                     files: Callable[[], Mapping[str, bytes]], seq: int) -> Committed:
-        """Write `files()` (the checkpoint's metadata) into `tmp_dir` and publish it as
-        `final_path`: the rename is the commit. Then point `latest` at it unless a newer save
-        (higher `seq`) already committed, prune this job's checkpoints beyond `keep_last`, and
-        remove the debris of dead saves. All in one executor call (a loop turn is a step of an
-        async trainer that holds the loop).
-
-        Returns:
-            what was pruned, and the problems after the commit (logged, not raised: the
-            checkpoint is committed).
-
-        Raises:
-            FileExistsError: `final_path` exists (the tmp dir is left for the caller).
-            StorageError: a write, fsync or the rename failed: nothing is committed.
-        """
-        root = os.path.dirname(final_path)
-        lock = self._locks.setdefault(root, asyncio.Lock())
-        async with lock:
-            moved, committed = await self._run_blocking(
-                _publish, tmp_dir, final_path, files, seq > self._newest.get(root, -1),
-                self._retention, seq)
-            if moved:
-                self._newest[root] = seq
-        for warning in committed.warnings:
-            logger.warning("%s", warning)
-        return committed
-
-
-def _publish(tmp_dir: str, final_path: str, files: Callable[[], Mapping[str, bytes]],
-             move_latest: bool, retention: Retention | None, seq: int
-             ) -> tuple[bool, Committed]:
-    """Blocks: under the root's exclusive lock, commit, move `latest`, prune and find the
-    debris; then delete what was pruned and the debris. Returns whether `latest` moved, and
-    what followed the commit."""
-    warnings = []
-    moved = False
-    removal = _retention.Removal()
-    with DirLock.take(os.path.realpath(os.path.dirname(final_path)), exclusive=True) as root:
-        _commit.seal_dir(tmp_dir, files())
-        if retention is not None:
-            _retention.record_commit(root.path, tmp_dir, os.path.basename(final_path),
-                                     retention, seq)
-        _commit.publish_dir(tmp_dir, final_path)
-        if move_latest:
-            try:
-                _commit.point_latest(final_path)
-                moved = True
-            except AsynctronError as error:
-                warnings.append(f"checkpoint {final_path} is committed, but `latest` was not "
-                                f"moved to it: {error}")
-        try:
-            removal = _retention.retire(root, retention)
-        except AsynctronError as error:
-            warnings.append(f"checkpoint {final_path} is committed, but pruning older ones "
-                            f"and removing debris failed: {error}")
-    warnings.extend(removal.run())
-    return moved, Committed(tuple(removal.pruned), tuple(warnings))
 
 
 class Coordinator:
@@ -255,8 +110,6 @@ class Coordinator:
         self._committer = committer
         self._planning_turns = _Turns()
         self._finishing_turns = _Turns()
-        self._tmp_dirs: dict[str, DirLock] = {}
-        """The tmp dirs this coordinator made, locked until committed or removed."""
 
     @property
     def rank(self) -> int:
@@ -287,24 +140,23 @@ class Coordinator:
         """Save `seq` never reached `finish` (its start failed, on every rank)."""
         await self._finishing_turns.skip(seq)
 
-    async def start(self, path: str, digest: str | None, cached_keys: Sequence[Hashable], *,
-                    plain: bool) -> Start:
-        """Create the tmp dir (coordinator), agree on the plan key and on whether every rank's
-        items are plain.
+    async def start(self, backend: Backend, path: str, digest: str | None,
+                    cached_keys: Sequence[Hashable], *, plain: bool) -> Start:
+        """Make the save's area (coordinator), agree on the plan key and on whether every
+        rank's items are plain.
 
         Raises:
             FileExistsError: the target exists (on every rank).
-            StorageError: the coordinator could not create the tmp dir (there); `PeerError`
+            StorageError: the coordinator could not make the area (there); `PeerError`
                 naming rank 0 elsewhere.
         """
         entry: dict[str, Any] = {"digest": digest, "cached": list(cached_keys), "plain": plain}
         coordinator_error: Exception | None = None
         if self.is_coordinator:
-            tmp_dir = _commit.tmp_dir_for(path)
+            area = backend.area_of(path)
             try:
-                self._tmp_dirs[tmp_dir] = await self._run_blocking(prepare_tmp_dir, path,
-                                                                   tmp_dir)
-                entry["tmp_dir"] = tmp_dir
+                await backend.start_save(self._run_blocking, area)
+                entry["area"] = area
             except Exception as error:  # every rank must reach the all-gather
                 coordinator_error = error
                 entry["error"] = (type(error).__name__, str(error))
@@ -321,7 +173,7 @@ class Coordinator:
         digests = [e["digest"] for e in entries]
         plan_key = None if None in digests else _global_key(digests)
         cached = plan_key is not None and all(plan_key in e["cached"] for e in entries)
-        return Start(tmp_dir=head["tmp_dir"], plan_key=plan_key, cached=cached,
+        return Start(area=head["area"], plan_key=plan_key, cached=cached,
                      plain=all(e["plain"] for e in entries))
 
     async def exchange_plans(self, local: Any, global_step: Callable[[list[Any]], tuple[
@@ -362,10 +214,10 @@ class Coordinator:
                             f"failing: {share.what}; fix it and save again", rank=share.rank)
         return share, metadata
 
-    async def finish(self, report: WriteReport, *, path: str, tmp_dir: str, seq: int,
+    async def finish(self, report: WriteReport, *, backend: Backend, area: SaveArea, seq: int,
                      publish: Publish, metadata: Metadata | None) -> Committed:
-        """Gather every rank's report; the coordinator commits if all succeeded (else removes
-        the tmp dir); every rank learns the outcome.
+        """Gather every rank's report; the coordinator commits if all succeeded (else discards
+        the area); every rank learns the outcome.
 
         Returns:
             what was pruned after the commit, and the problems that did not undo it (moving
@@ -384,6 +236,7 @@ class Coordinator:
         if self.is_coordinator:
             assert reports is not None
             failed = [r for r in reports if r.error is not None]
+            committed_here = False
             try:
                 if failed:
                     outcome = _Outcome(_Failure(failed[0].rank, failed[0].error or ""),
@@ -391,23 +244,23 @@ class Coordinator:
                 else:
                     try:
                         committed = await self._committer.commit(
-                            tmp_dir, path, functools.partial(publish, reports, metadata), seq)
+                            backend, area, functools.partial(publish, reports, metadata), seq)
                         outcome = _Outcome(None, committed)
+                        committed_here = True
                     except Exception as error:  # every rank must reach the broadcast
                         commit_error = error
                         outcome = _Outcome(_Failure(0, describe(error)), Committed())
-                if outcome.failure is not None:
-                    await self._run_blocking(_remove_quietly, tmp_dir)
             finally:
-                self._tmp_dirs.pop(tmp_dir).release()
+                if not committed_here:
+                    await backend.discard(self._run_blocking, area)
         outcome = await self.finishing.broadcast_object(outcome, src=0)
         if commit_error is not None:
             raise commit_error
         failure = outcome.failure
         if failure is not None and failure.rank != self.rank:
-            raise PeerError(f"checkpoint {path}: expected every rank to write its share, found "
-                            f"rank {failure.rank} failing: {failure.what}; nothing was "
-                            "committed", rank=failure.rank)
+            raise PeerError(f"checkpoint {area.final_path}: expected every rank to write its "
+                            f"share, found rank {failure.rank} failing: {failure.what}; "
+                            "nothing was committed", rank=failure.rank)
         return outcome.committed
 
 
@@ -419,15 +272,6 @@ class _Outcome:
     committed: Committed
 
 
-def _remove_quietly(path: str) -> None:
-    """Blocks: remove a failed save's tmp dir; a failure here is logged, not raised (the save's
-    own error is the one that matters, and debris never looks committed)."""
-    try:
-        _sysio.remove_tree(path)
-    except StorageError as error:
-        logger.warning("could not remove the failed save's tmp dir: %s", error)
-
-
 def describe(error: BaseException | None) -> str:
     """A failure as one line for the other ranks: its type and message."""
     if isinstance(error, asyncio.CancelledError):
@@ -437,12 +281,3 @@ def describe(error: BaseException | None) -> str:
 
 def _global_key(digests: Sequence[str]) -> str:
     return digest(memoryview("|".join(digests).encode())) + f"/{len(digests)}"
-
-
-def prepare_tmp_dir(final_path: str, tmp_dir: str) -> DirLock:
-    """Blocks: refuse an existing target, then create the tmp dir beside it (and its parents);
-    returns the lock that marks the tmp dir live (release it once committed or removed)."""
-    root = os.path.dirname(final_path)
-    with _sysio.translate_os_errors("creating directory", root):
-        os.makedirs(root, exist_ok=True)
-    return _retention.make_tmp_dir(os.path.realpath(root), final_path, tmp_dir)

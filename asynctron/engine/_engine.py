@@ -1,45 +1,40 @@
 """`Engine`: the checkpoint engine bound to one running event loop.
 
-It owns the bounded executor (the only door for blocking calls), the staging pool under the
-memory budget, the CUDA copy streams, and every save task it started.
+It owns its `SaveResources` (the bounded executor, the only door for blocking calls; the
+staging pool under the memory budget; the CUDA copy streams; the storage backend), the save
+protocol's coordinator, and every save task it started.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import logging
 import os
 import secrets
-import sys
-import threading
 import warnings
 from collections.abc import Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict, TypeVar, Unpack
 
-import torch
 import torch.distributed as dist
 
 from asynctron._budget import ByteBudget
 from asynctron._concurrency import uncancellable
 from asynctron._config import resolve_config
 from asynctron.comm import CollectiveGroup, new_gloo_group
-from asynctron.engine._coordinator import Collectives, Committer, Coordinator, SoloCollectives
+from asynctron.engine._collectives import Collectives, SoloCollectives
+from asynctron.engine._coordinator import Coordinator
 from asynctron.engine._load import Loader
 from asynctron.engine._plan_cache import PlanCache
+from asynctron.engine._resources import SaveResources
 from asynctron.engine._save import SaveJob, SaveOptions
-from asynctron.engine._slabs import SlabPool
-from asynctron.engine._staging import CopyStreams, mark_ready
+from asynctron.engine._staging import mark_ready
 from asynctron.engine._task import SaveResult, SaveTask
 from asynctron.errors import BusyError, ClosedError, PeerTimeoutError
+from asynctron.storage import Backend, Committer, Retention
 from asynctron.storage._checksum import ALGORITHMS, XXH3_64
 from asynctron.storage._layout import ALIGN_BYTES
-from asynctron.storage._reader import CheckpointReader
-from asynctron.storage._retention import Retention, lease_checkpoint
-from asynctron.storage._sysio import FileIO, LocalFileIO
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -140,8 +135,9 @@ class Engine:
     """The asynctron checkpoint engine. Use as `async with Engine(...) as engine:`.
 
     Binds to the running loop on entry. Configured by `config` (an `EngineConfig`) or by its
-    fields as keywords (`Engine(num_workers=2)`), not both; `file_io` replaces the local
-    filesystem's data path (fault-injecting fakes in tests).
+    fields as keywords (`Engine(num_workers=2)`), not both. `backend` stores every checkpoint
+    (a fault-injecting fake of `asynctron.testing` in tests); by default each path's own
+    (`asynctron.storage.backend_for`: the local filesystem for a plain path).
 
     Across ranks: when torch.distributed is initialized with several ranks, every rank saves
     its share of the same checkpoint (its own files, replicated tensors written once) and the
@@ -153,7 +149,7 @@ class Engine:
     BusyError.
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, file_io: FileIO | None = None,
+    def __init__(self, config: EngineConfig | None = None, *, backend: Backend | None = None,
                  process_group: dist.ProcessGroup | None = None,
                  **options: Unpack[EngineOptions]) -> None:
         self.config = resolve_config("Engine", EngineConfig, config, options)
@@ -162,9 +158,8 @@ class Engine:
                              f"{dist.get_backend(process_group)!r}; create one with "
                              "asynctron.comm.new_gloo_group")
         self._process_group = process_group
-        self._fio = file_io or LocalFileIO()
+        self._resources = SaveResources(self.config, backend)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._executor: ThreadPoolExecutor | None = None
         self._saves: dict[str, asyncio.Task[SaveResult]] = {}
         self._cancelling_saves = False
         """Whether the engine itself cancelled its saves (leaving on an error, or a cancelled
@@ -175,11 +170,7 @@ class Engine:
         self._loads_done.set()
         self._seq = 0
         self._closed = False
-        pin = self.config.pin_memory
-        self._pin = torch.cuda.is_available() if pin is None else pin
-        self.budget = ByteBudget(self.config.memory_budget_bytes)
-        self._pool = SlabPool(self.budget, self.config.slab_bytes, self._pin, self.run_blocking)
-        self._copy_streams = CopyStreams()
+        self.budget: ByteBudget = self._resources.budget
         self._coordinator: Coordinator | None = None
         self.plan_cache = PlanCache(max_entries=8)
 
@@ -211,14 +202,12 @@ class Engine:
         if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._executor = ThreadPoolExecutor(
-            self.config.num_workers, thread_name_prefix="asynctron-io",
-            initializer=_lower_thread_priority, initargs=(self.config.worker_nice_increment,))
+        self._resources.start()
         try:
             planning, finishing = await self._collectives()
         except BaseException:  # e.g. a rank never joined: leave nothing running
-            executor, self._executor, self._loop = self._executor, None, None
-            executor.shutdown(wait=False)
+            self._loop = None
+            self._resources.shutdown(unbind=True)
             raise
         self._coordinator = Coordinator(planning, finishing, self.run_blocking,
                                         Committer(self.run_blocking, self._retention()))
@@ -300,11 +289,7 @@ class Engine:
                 raise unobserved[0].failure()
         finally:
             loads.cancel()
-            if self._executor is not None:
-                # Every run_blocking caller waits for its thread, so none is busy for long;
-                # waiting here would block the loop.
-                self._executor.shutdown(wait=False)
-                self._executor = None
+            self._resources.shutdown()
 
     async def prefault_staging(self, nbytes: int | None = None) -> int:
         """Allocate and touch staging slabs for `nbytes` (default and at most:
@@ -321,7 +306,8 @@ class Engine:
         if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int)
                                    or nbytes < 0):
             raise ValueError(f"nbytes: expected None or an int >= 0, found {nbytes!r}")
-        return await self._pool.prefault(budget if nbytes is None else min(nbytes, budget))
+        pool = self._resources.pool
+        return await pool.prefault(budget if nbytes is None else min(nbytes, budget))
 
     def _check_open(self) -> asyncio.AbstractEventLoop:
         if self._closed:
@@ -339,22 +325,7 @@ class Engine:
         Cancellation: the thread cannot be interrupted; the call finishes, then the
         cancellation is raised (so no buffer is reused while a thread still touches it).
         """
-        loop = self._loop
-        if loop is None:
-            raise RuntimeError("engine: not started; use `async with Engine() as engine`")
-        if self._executor is None:
-            raise ClosedError("engine: closed; create a new Engine")
-        done: asyncio.Future[T] = loop.create_future()
-        call = self._executor.submit(fn, *args)
-        call.add_done_callback(lambda _: loop.call_soon_threadsafe(_settle, done, call))
-        try:
-            return await done
-        except asyncio.CancelledError:
-            finished = asyncio.wrap_future(call, loop=loop)
-            await uncancellable(finished)
-            if not finished.cancelled():
-                finished.exception()  # the cancellation wins; mark the thread's error as seen
-            raise
+        return await self._resources.run_blocking(fn, *args)
 
     def save(self, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
              snapshot: bool = True, format: Literal["asynctron", "dcp"] = "asynctron"
@@ -394,7 +365,7 @@ class Engine:
         Memory: staging holds at most `memory_budget_bytes` (shared by all saves).
         """
         loop = self._check_open()
-        target = os.path.abspath(os.fspath(path))
+        backend, target = self._resources.locate(path)
         if target in self._saves:
             raise BusyError(f"checkpoint {target}: a save to this path is already in flight; "
                             "await it first or save to another path")
@@ -415,9 +386,9 @@ class Engine:
                 staged.set_result(None)
 
         job = SaveJob(state_dict, target, seq=self._seq, options=options, ready=mark_ready(),
-                      pool=self._pool, copy_streams=self._copy_streams, fio=self._fio,
-                      run_blocking=self.run_blocking, coordinator=self._started(),
-                      plan_cache=self.plan_cache, on_staged=on_staged)
+                      backend=backend, resources=self._resources,
+                      coordinator=self._started(), plan_cache=self.plan_cache,
+                      on_staged=on_staged)
         task = loop.create_task(self._run_save(job, staged), name=f"asynctron-save:{target}")
         self._saves[target] = task
         handle = SaveTask(task, staged, loop, target)
@@ -522,15 +493,15 @@ class Engine:
         """Lease the checkpoint, open its reader, `read` it; close and release on every path."""
         self._num_loads += 1
         self._loads_done.clear()
-        lease = None
         reader = None
         try:
-            checkpoint, lease = await self.run_blocking(lease_checkpoint, os.fspath(path))
-            reader = CheckpointReader(self._fio, checkpoint, self.run_blocking,
-                                      max_files_at_once=self.config.num_workers)
+            backend, checkpoint = self._resources.locate(path)
+            reader = await backend.open_reader(self.run_blocking, checkpoint,
+                                               max_files_at_once=self.config.num_workers)
             manifest = await reader.open()
-            return await read(Loader(reader, manifest, pool=self._pool,
-                                     copy_streams=self._copy_streams,
+            resources = self._resources
+            return await read(Loader(reader, manifest, pool=resources.pool,
+                                     copy_streams=resources.copy_streams,
                                      run_blocking=self.run_blocking,
                                      slab_bytes=self.config.slab_bytes, verify=verify))
         finally:
@@ -538,8 +509,6 @@ class Engine:
                 if reader is not None:
                     await reader.aclose()
             finally:
-                if lease is not None:
-                    lease.release()
                 self._num_loads -= 1
                 if not self._num_loads:
                     self._loads_done.set()
@@ -547,23 +516,3 @@ class Engine:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("running" if self._loop else "not started")
         return f"<Engine {state}, {len(self._saves)} saves in flight, {self.budget!r}>"
-
-
-def _settle(future: asyncio.Future[T], call: concurrent.futures.Future[T]) -> None:
-    """On the loop: pass the executor call's outcome to `future` (unless its awaiter left)."""
-    if future.cancelled():
-        return
-    error = call.exception()
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(call.result())
-
-
-def _lower_thread_priority(increment: int) -> None:
-    """Raise the calling thread's nice value by `increment` (Linux, where it is per thread;
-    elsewhere it would be the whole process's, so nothing is done)."""
-    if increment and sys.platform == "linux":
-        thread = threading.get_native_id()
-        nice = os.getpriority(os.PRIO_PROCESS, thread)
-        os.setpriority(os.PRIO_PROCESS, thread, min(19, nice + increment))

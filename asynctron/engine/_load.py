@@ -31,7 +31,7 @@ from asynctron.storage._dcp import decode_blob, tensor_of
 from asynctron.storage._dtypes import NUMPY_DTYPES, TORCH_DTYPES
 from asynctron.storage._manifest import ItemRecord, Manifest
 from asynctron.storage._plan import Structure, flatten, unflatten
-from asynctron.storage._reader import MAX_GAP_BYTES, CheckpointReader, ReadJob
+from asynctron.storage.backends.local._reader import MAX_GAP_BYTES, CheckpointReader, ReadJob
 
 #: (destination, source): bytes read apart, copied into their place once read.
 _Placement = tuple[torch.Tensor, torch.Tensor]

@@ -20,7 +20,7 @@ from asynctron._loop_thread import LoopThread
 from asynctron.engine._engine import Engine, EngineConfig, EngineOptions
 from asynctron.engine._task import SaveTask
 from asynctron.errors import ClosedError
-from asynctron.storage._sysio import FileIO
+from asynctron.storage import Backend
 
 T = TypeVar("T")
 
@@ -28,7 +28,7 @@ T = TypeVar("T")
 class BackgroundEngine:
     """An `Engine` on a background thread; use as `with BackgroundEngine(...) as engine:`.
 
-    Takes `Engine`'s arguments (`config` or its fields as keywords, `file_io`,
+    Takes `Engine`'s arguments (`config` or its fields as keywords, `backend`,
     `process_group`) and starts the engine before returning. Methods are called from any
     thread except the background loop's own (they raise RuntimeError there).
 
@@ -45,11 +45,11 @@ class BackgroundEngine:
                     bg.run(model.step(optimizer))
     """
 
-    def __init__(self, config: EngineConfig | None = None, *, file_io: FileIO | None = None,
+    def __init__(self, config: EngineConfig | None = None, *, backend: Backend | None = None,
                  process_group: dist.ProcessGroup | None = None,
                  **options: Unpack[EngineOptions]) -> None:
         # built (and its config validated) here, on the caller
-        self._engine = Engine(config, file_io=file_io, process_group=process_group, **options)
+        self._engine = Engine(config, backend=backend, process_group=process_group, **options)
         self._loop_thread = LoopThread("asynctron-loop")
         self._closed = False
         try:

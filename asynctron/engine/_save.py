@@ -3,14 +3,14 @@
 
 Phases:
 1. plan: `flatten` turns the state dict into items (on the executor: a state dict of 100k
-   tensors never stalls the loop); `Coordinator.start` has the coordinator create the tmp
-   dir and all ranks agree whether the plan of this global structure is cached; then this
+   tensors never stalls the loop); `Coordinator.start` has the coordinator make the save's
+   area and all ranks agree whether the plan of this global structure is cached; then this
    rank's request is built from the cached file plan, or planned afresh (`_save_plan`, with
    the plan exchange across ranks);
 2. stage+write (`_pipeline`): slabs filled wave by wave, one writer per bin file, fsynced;
 3. finish: `Coordinator.finish` has the coordinator commit the manifest of every rank's items
    (fsyncs, rename, `latest` never moved backwards, pruning) only if every rank succeeded.
-A failure or cancellation anywhere, on any rank, removes the tmp dir and commits nothing; the
+A failure or cancellation anywhere, on any rank, discards the area and commits nothing; the
 previous checkpoint is untouched.
 
 Cancellation has one owner, the job's `Abort`: it stops this rank's own work (phases 1-2) at
@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
-import os
 import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,10 +32,12 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItem
 
-from asynctron._concurrency import RunBlocking, uncancellable
-from asynctron.engine._coordinator import Committed, Coordinator, Start, WriteReport, describe
+from asynctron._concurrency import uncancellable
+from asynctron.engine._coordinator import Coordinator, Start, describe
 from asynctron.engine._pipeline import stage_and_write
 from asynctron.engine._plan_cache import FilePlan, PlanCache
+from asynctron.engine._report import WriteReport
+from asynctron.engine._resources import SaveResources
 from asynctron.engine._save_plan import (
     SaveRequest,
     build_request,
@@ -45,9 +46,8 @@ from asynctron.engine._save_plan import (
     plain_items,
     structure_digest,
 )
-from asynctron.engine._slabs import SlabPool
-from asynctron.engine._staging import CopyStreams
 from asynctron.engine._task import SaveResult
+from asynctron.storage import Backend, Committed
 from asynctron.storage._chunking import PlannedItem
 from asynctron.storage._dcp import METADATA_NAME as DCP_METADATA_NAME
 from asynctron.storage._dcp import metadata_bytes
@@ -65,7 +65,6 @@ from asynctron.storage._plan import (
     plan_local,
     plan_plain_global,
 )
-from asynctron.storage._sysio import FileIO
 
 T = TypeVar("T")
 
@@ -135,18 +134,16 @@ class SaveJob:
 
     def __init__(self, state_dict: Mapping[str, Any], path: str, *, seq: int,
                  options: SaveOptions, ready: Mapping[torch.device, torch.cuda.Event],
-                 pool: SlabPool, copy_streams: CopyStreams, fio: FileIO,
-                 run_blocking: RunBlocking, coordinator: Coordinator, plan_cache: PlanCache,
-                 on_staged: Callable[[], None]) -> None:
-        self.path = os.path.abspath(path)
+                 backend: Backend, resources: SaveResources, coordinator: Coordinator,
+                 plan_cache: PlanCache, on_staged: Callable[[], None]) -> None:
+        self.path = path
         self.seq = seq
         self._state_dict = state_dict
         self._options = options
         self._ready = ready
-        self._pool = pool
-        self._copy_streams = copy_streams
-        self._fio = fio
-        self._run_blocking = run_blocking
+        self._backend = backend
+        self._resources = resources
+        self._run_blocking = resources.run_blocking
         self._coordinator = coordinator
         self._plan_cache = plan_cache
         self._on_staged = on_staged
@@ -166,7 +163,7 @@ class SaveJob:
 
         Cancellation: this rank's work stops, but the save still takes part in the protocol's
         collectives, reporting itself failed (the other ranks wait for them), then the
-        cancellation is raised; the tmp dir is removed and nothing commits. A cancellation
+        cancellation is raised; the area is discarded and nothing commits. A cancellation
         that arrives once every rank has written may find the checkpoint committed.
         """
         protocol = asyncio.ensure_future(self._protocol())
@@ -221,8 +218,8 @@ class SaveJob:
                 held = self._plan_cache.snapshot()  # the plans announced are the plans used
                 plain = (not isinstance(flat, BaseException) and self._options.format != "dcp"
                          and is_plain(flat))
-                planned.start = await coordinator.start(self.path, digest, list(held),
-                                                        plain=plain)
+                planned.start = await coordinator.start(self._backend, self.path, digest,
+                                                        list(held), plain=plain)
                 try:
                     planned.request, planned.metadata = await self._plan(flat, planned.start,
                                                                          held)
@@ -255,7 +252,7 @@ class SaveJob:
         self._plan_cache.record_use(start.plan_key, hit=cached is not None)
         if cached is not None:
             assert not isinstance(flat, BaseException)
-            return await abort.run(self._run_blocking(_request, flat, self.path, cached, None,
+            return await abort.run(self._run_blocking(_request, flat, cached, None,
                                                       options)), None
         local: Any
         if isinstance(flat, BaseException):
@@ -291,7 +288,7 @@ class SaveJob:
             self._plan_cache.store(start.plan_key, plan)
         dcp = None if save_plan is None else (save_plan, [save_plan.items[source]
                                                           for source in sources])
-        return await self._abort.run(self._run_blocking(_request, flat, self.path, plan, dcp,
+        return await self._abort.run(self._run_blocking(_request, flat, plan, dcp,
                                                         options))
 
     # phase 2 ------------------------------------------------------------------------------
@@ -303,10 +300,9 @@ class SaveJob:
             assert request is not None and planned.start is not None
             try:
                 await self._abort.run(stage_and_write(
-                    request, planned.start.tmp_dir, snapshot=options.snapshot,
-                    direct_io=options.direct_io, ready=self._ready, pool=self._pool,
-                    copy_streams=self._copy_streams, fio=self._fio,
-                    run_blocking=self._run_blocking, on_staged=self._mark_staged))
+                    request, self._backend, planned.start.area, self._resources,
+                    snapshot=options.snapshot, direct_io=options.direct_io, ready=self._ready,
+                    on_staged=self._mark_staged))
                 return await self._abort.run(self._run_blocking(request.report, rank))
             except BaseException as error:  # reported to the others, then raised at finish
                 planned.error = error
@@ -321,7 +317,7 @@ class SaveJob:
         async with self._coordinator.finishing_turn(self.seq):
             try:
                 committed = await self._coordinator.finish(
-                    report, path=self.path, tmp_dir=planned.start.tmp_dir, seq=self.seq,
+                    report, backend=self._backend, area=planned.start.area, seq=self.seq,
                     publish=self._publish, metadata=planned.metadata)
             except BaseException:
                 if planned.error is None:
@@ -352,10 +348,10 @@ class SaveJob:
         return published
 
 
-def _request(flat: FlatStateDict, path: str, plan: FilePlan,
+def _request(flat: FlatStateDict, plan: FilePlan,
              dcp: tuple[SavePlan, Sequence[WriteItem]] | None,
              options: SaveOptions) -> SaveRequest:
-    return build_request(flat, path, plan, dcp, checksum=options.checksum is not None)
+    return build_request(flat, plan, dcp, checksum=options.checksum is not None)
 
 
 def _plain_global(plans: list[PlainPlan]) -> tuple[list[list[bool]], None]:

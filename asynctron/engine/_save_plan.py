@@ -15,7 +15,6 @@ item's bytes are (their addresses, vectorised per bin) and fresh checksums.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -23,8 +22,8 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from asynctron.engine._coordinator import WriteReport
 from asynctron.engine._plan_cache import FilePlan, structure_signature
+from asynctron.engine._report import WriteReport
 from asynctron.engine._staging import BinSources, Sources, piece_addresses
 from asynctron.storage._checksum import Checksums, digest
 from asynctron.storage._chunking import PlannedItem, chunk_large_items
@@ -40,7 +39,6 @@ from asynctron.storage._split import split_by_size_and_type
 class SaveRequest:
     """A planned save on this rank. Not constructed directly; `build_request` makes one."""
 
-    path: str
     structure: str
     """The state dict's nesting and JSON values, as JSON text (the manifest's)."""
     plan: FilePlan
@@ -138,7 +136,7 @@ def _frame(item: PlannedItem) -> tuple[bytes, bytes] | None:
     return torch_save_frame(item.chunk()[0], item.dtype)
 
 
-def build_request(flat: FlatStateDict, path: str, plan: FilePlan,
+def build_request(flat: FlatStateDict, plan: FilePlan,
                   dcp: tuple[SavePlan, Sequence[WriteItem]] | None, *,
                   checksum: bool) -> SaveRequest:
     """Blocks: the per-save part of a request: where each item's bytes come from (a plan made
@@ -156,8 +154,8 @@ def build_request(flat: FlatStateDict, path: str, plan: FilePlan,
                  for layout, batches, frames in zip(plan.layouts, plan.batches,
                                                     plan.frame_addresses, strict=True))
     checksums = Checksums(len(plan.records)) if checksum else None
-    return SaveRequest(path=os.path.abspath(path), structure=flat.structure_json, plan=plan,
-                       bins=bins, checksums=checksums)
+    return SaveRequest(structure=flat.structure_json, plan=plan, bins=bins,
+                       checksums=checksums)
 
 
 def _rows(payload: torch.Tensor | bytes, rows: tuple[int, int] | None) -> torch.Tensor | bytes:

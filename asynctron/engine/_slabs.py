@@ -14,7 +14,6 @@ released slab is freed. `free_idle_staging()` frees every idle slab now.
 from __future__ import annotations
 
 import asyncio
-import mmap
 import threading
 from dataclasses import dataclass
 
@@ -22,9 +21,8 @@ import torch
 
 from asynctron._budget import ByteBudget
 from asynctron._concurrency import RunBlocking
+from asynctron._memory import PAGE_BYTES, anonymous_pages
 from asynctron.errors import WouldBlock
-
-_PAGE_BYTES = mmap.PAGESIZE
 
 
 class Slab:
@@ -41,7 +39,7 @@ class Slab:
             self._mapping = None
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         else:
-            self._mapping = mmap.mmap(-1, nbytes)
+            self._mapping = anonymous_pages(nbytes)
             self.tensor = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self.array = self.tensor.numpy()
         self.view = memoryview(self.array)
@@ -49,7 +47,7 @@ class Slab:
 
     def prefault(self) -> None:
         """Blocks: touch every page (one numpy call; the GIL is released)."""
-        self.array[::_PAGE_BYTES] = 0
+        self.array[::PAGE_BYTES] = 0
 
 
 @dataclass(frozen=True, slots=True)

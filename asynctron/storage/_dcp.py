@@ -51,7 +51,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from asynctron.errors import CorruptCheckpointError, RefusedObjectError
-from asynctron.storage import _pickle_costs, _sysio
+from asynctron.storage import _pickle_costs
 from asynctron.storage._dtypes import TORCH_DTYPE_NAMES, TORCH_DTYPES
 from asynctron.storage._manifest import (
     MAX_DIMS,
@@ -64,6 +64,7 @@ from asynctron.storage._manifest import (
     paused_gc,
 )
 from asynctron.storage._plan import Structure
+from asynctron.storage.backends.local import _sysio
 
 METADATA_NAME = ".metadata"
 #: A `.metadata` larger than this is refused before unpickling. A stock DCP checkpoint takes
@@ -251,7 +252,7 @@ def _manifest_of(metadata: Any, checkpoint: str, created_unix_s: float, max_chun
                             _ChunkTables(max_chunks, fail), fail)
     check_chunks(items, fail)
     stored = {item.key for item in items}
-    structure = _structure(getattr(metadata, "planner_data", None),
+    structure = dcp_structure(getattr(metadata, "planner_data", None),
                            [key for key in state_dict_metadata if key in stored])
     return Manifest(structure=structure, items=tuple(items), files=files,
                     created_unix_s=created_unix_s, checksum=None)
@@ -407,7 +408,7 @@ def _shape_text(value: Any) -> str:
     return f"[{', '.join(map(brief, value))}]"
 
 
-def _structure(planner_data: Any, keys: Sequence[str]) -> Structure:
+def dcp_structure(planner_data: Any, keys: Sequence[str]) -> Structure:
     """The nesting DCP flattened (its planner data maps each key to its path), as a structure;
     a flat dict of keys where the mapping is missing or inconsistent (a path longer than its
     key, or a key's place taken by another)."""

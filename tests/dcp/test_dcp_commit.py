@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from asynctron.dcp import StorageReader, StorageWriter
-from asynctron.dcp import _commit as dcp_commit
+from asynctron.testing import FaultyBackend
 from tests.conftest import assert_same
 
 
@@ -59,34 +59,35 @@ def test_plan_caching_saves_every_time(tmp_path: Any) -> None:
     assert sorted(os.listdir(tmp_path)) == ["step0", "step1", "step2"]
 
 
-def test_an_interrupt_in_finish_never_splits_the_commit(tmp_path: Any,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_interrupt_in_finish_never_splits_the_commit(tmp_path: Any) -> None:
     """Ctrl-C reaches the coordinator while it waits for the commit (the rename not yet made):
     the tmp dir is never removed under the commit, so once the runtime is idle the path is
     the whole checkpoint (the commit went on) and no tmp dir is left. Before, the interrupt
     removed the tmp dir while the rename was still to come."""
-    real_publish = dcp_commit.publish
-    proceed, main = threading.Event(), threading.main_thread().ident
+    main = threading.main_thread().ident
     assert main is not None and threading.current_thread().ident == main
+    backend = FaultyBackend()
+    held = backend.hold("commit")
 
-    def publish(tmp_dir: str, final_path: str, files: Any) -> list[str]:
-        signal.pthread_kill(main, signal.SIGUSR1)  # the waiting thread is interrupted now
-        proceed.wait(timeout=120)  # a guard, never reached: the test sets it
-        return real_publish(tmp_dir, final_path, files)
+    def interrupt_the_wait() -> None:
+        if held.wait_reached(timeout_s=120):  # a guard, not a timing: the save gets there
+            signal.pthread_kill(main, signal.SIGUSR1)  # the waiting thread is interrupted now
 
     def interrupt(*_: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(dcp_commit, "publish", publish)
+    interrupter = threading.Thread(target=interrupt_the_wait, daemon=True)
+    interrupter.start()
     previous = signal.signal(signal.SIGUSR1, interrupt)
     state = {"w": torch.randn(1000, 100), "v": torch.randn(5000)}
-    writer = StorageWriter(f"{tmp_path}/ck", num_workers=4)
+    writer = StorageWriter(f"{tmp_path}/ck", backend=backend, num_workers=4)
     try:
         with pytest.raises((KeyboardInterrupt, CheckpointException)):
             dcp.save(state, storage_writer=writer)
     finally:
         signal.signal(signal.SIGUSR1, previous)
-        proceed.set()
+        held.release()
+        interrupter.join()
     runtime = writer._started()
     concurrent.futures.wait(list(runtime._in_flight))
     assert leftovers(tmp_path) == [] and os.listdir(tmp_path) == ["ck"]

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from asynctron._launch import run_local_ranks
 from asynctron.dcp import AsyncStager, StorageReader, StorageWriter
-from asynctron.testing import FaultyFileIO
+from asynctron.testing import FaultyBackend
 
 pytestmark = pytest.mark.slow
 
@@ -81,8 +81,8 @@ def four_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     dcp.async_save(state, storage_writer=StorageWriter(f"{root}/four_async")).result()
     out["async"] = _load(dcp.FileSystemReader(f"{root}/four_async"), mesh, Shard(0), Shard(1))
     # Rank 1 runs out of space: every rank raises, nothing appears at the path.
-    faulty = FaultyFileIO(enospc_after_bytes=0) if rank == 1 else None
-    writer = StorageWriter(f"{root}/four_fail", file_io=faulty)
+    faulty = FaultyBackend(enospc_after_bytes=0) if rank == 1 else None
+    writer = StorageWriter(f"{root}/four_fail", backend=faulty)
     try:
         dcp.save(state, storage_writer=writer)
         out["failed"] = None

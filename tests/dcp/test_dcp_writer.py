@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import asynctron
 from asynctron.dcp import StorageReader, StorageWriter
-from asynctron.testing import FaultyFileIO
+from asynctron.testing import FaultyBackend
 from tests.conftest import assert_same
 
 SMALL = {"slab_bytes": 64 << 10, "memory_budget_bytes": 256 << 10}
@@ -142,7 +142,7 @@ def test_failed_save_leaves_no_checkpoint_and_keeps_the_previous(
     checkpoint still loads bit-exactly; the tmp dir goes once the writer is reset or closed."""
     good = state(2)
     dcp.save(good, storage_writer=StorageWriter(f"{tmp_path}/step_1", **SMALL))
-    writer = StorageWriter(f"{tmp_path}/step_2", file_io=FaultyFileIO(**fault), **SMALL)
+    writer = StorageWriter(f"{tmp_path}/step_2", backend=FaultyBackend(**fault), **SMALL)
     with pytest.raises(CheckpointException) as raised:
         dcp.save(state(3), storage_writer=writer)
     ((failure, _),) = raised.value.failures.values()  # DCP keeps (error, traceback)
@@ -156,8 +156,8 @@ def test_failed_save_leaves_no_checkpoint_and_keeps_the_previous(
 
 
 def test_reset_removes_the_failed_saves_tmp_dir(tmp_path: Any) -> None:
-    faulty = FaultyFileIO(enospc_after_bytes=0)
-    writer = StorageWriter(f"{tmp_path}/a", file_io=faulty)
+    faulty = FaultyBackend(enospc_after_bytes=0)
+    writer = StorageWriter(f"{tmp_path}/a", backend=faulty)
     with pytest.raises(CheckpointException):
         dcp.save({"w": torch.randn(1000)}, storage_writer=writer)
     faulty.enospc_after_bytes = None

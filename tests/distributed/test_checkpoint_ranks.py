@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 import asynctron
 from asynctron import Engine, PeerError, StorageError
 from asynctron._launch import run_local_ranks
-from asynctron.testing import FaultyFileIO
+from asynctron.testing import FaultyBackend
 
 pytestmark = pytest.mark.slow
 
@@ -99,8 +99,8 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
                 torch.equal(four["shared"][k], v) for k, v in _shared().items())
         # Each rank reads only the bytes its own shard needs: half of each tensor, saved as
         # row chunks and wanted as row or column shards.
-        counting = FaultyFileIO()
-        async with Engine(file_io=counting, coordination_timeout_s=30) as engine:
+        counting = FaultyBackend()
+        async with Engine(backend=counting, coordination_timeout_s=30) as engine:
             halves = {"dt": distribute_tensor(torch.zeros(ROWS, COLS), mesh, [Shard(0)]),
                       "wide": distribute_tensor(torch.zeros(WIDE), mesh, [Shard(1)])}
             await engine.load_into(halves, f"{root}/four")
@@ -137,8 +137,8 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
 
         # Several saves in flight while the ranks run at different speeds (rank 1's fsyncs are
         # slow): each rank issues the protocol's collectives in the same order; all commit.
-        slow = FaultyFileIO(fsync_delay_s=0.2 if rank == 1 else 0.0)
-        async with Engine(file_io=slow, coordination_timeout_s=60) as engine:
+        slow = FaultyBackend(fsync_delay_s=0.2 if rank == 1 else 0.0)
+        async with Engine(backend=slow, coordination_timeout_s=60) as engine:
             tasks = [engine.save({f"w{rank}": torch.full((1000,), float(step)), "step": step},
                                  f"{root}/overlap/step_{step}") for step in range(1, 5)]
             out["overlap"] = [(await task).path.rsplit("/", 1)[1] for task in tasks]
@@ -166,8 +166,8 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
             await engine.save({"w": torch.ones(3)}, f"{root}/after_failures")
 
         # A rank that fails mid-write: nothing is committed, every rank raises.
-        faulty = FaultyFileIO(enospc_after_bytes=4096) if rank == 1 else None
-        async with Engine(file_io=faulty, slab_bytes=1 << 16,
+        faulty = FaultyBackend(enospc_after_bytes=4096) if rank == 1 else None
+        async with Engine(backend=faulty, slab_bytes=1 << 16,
                           memory_budget_bytes=1 << 20) as engine:
             try:
                 await engine.save({"shared": _shared()}, f"{root}/failed")
@@ -272,8 +272,8 @@ def test_a_rank_failing_mid_write_commits_nothing_and_every_rank_raises(
 
 def killed_mid_save(rank: int, world: int, root: str) -> dict[str, Any]:
     async def run() -> dict[str, Any]:
-        slow = FaultyFileIO() if rank == 1 else None
-        async with Engine(file_io=slow, coordination_timeout_s=60) as engine:
+        slow = FaultyBackend() if rank == 1 else None
+        async with Engine(backend=slow, coordination_timeout_s=60) as engine:
             await engine.save({f"w{rank}": torch.arange(1000.0), "step": 1}, f"{root}/step_1")
             if slow is not None:
                 slow.fsync_delay_s = 60  # rank 1's next write stalls, then the rank dies

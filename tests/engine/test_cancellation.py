@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asynctron import Engine
-from asynctron.testing import FaultyFileIO
+from asynctron.testing import FaultyBackend
 
 SMALL = {"slab_bytes": 64 << 10, "memory_budget_bytes": 256 << 10}
 
@@ -24,41 +24,62 @@ def _open_fds() -> int:
                          ["request", "first_yield", "during_open", "staged", "during_fsync"])
 async def test_cancel_leaves_no_trace(shm_path: str, cancel_after: str) -> None:
     """Invariant: after a cancelled save, the previous checkpoint is `latest` and loads, no tmp
-    dir remains, no file stays open, and the whole memory budget is free."""
-    file_io = FaultyFileIO(fsync_delay_s=0.2)
-    async with Engine(file_io=file_io, **SMALL) as engine:
+    dir remains, no file stays open, and the whole memory budget is free. Each cancellation
+    lands at its exact point: the fake backend holds the operation there until the save is
+    cancelled."""
+    backend = FaultyBackend()
+    async with Engine(backend=backend, **SMALL) as engine:
         await engine.save({"step": 1}, f"{shm_path}/step_1")
         fds_before = _open_fds()
-        file_io.open_delay_s = 0.2 if cancel_after == "during_open" else 0.0
+        point = {"during_open": "open", "during_fsync": "fsync"}.get(cancel_after)
+        gate = backend.hold(point) if point is not None else None  # type: ignore[arg-type]
         task = engine.save({"w": torch.ones(400_000), "step": 2}, f"{shm_path}/step_2")
         if cancel_after == "first_yield":
             await asyncio.sleep(0)
-        elif cancel_after == "during_open":
-            await asyncio.sleep(0.1)
         elif cancel_after == "staged":
             await task.staged
-        elif cancel_after == "during_fsync":
-            await task.staged
-            await asyncio.sleep(0.1)
+        elif gate is not None:
+            await gate.reached()
         assert task.cancel()
+        if gate is not None:
+            gate.release()
         with pytest.raises(asyncio.CancelledError):
             await task
         assert engine.budget.borrowed_bytes == 0
         assert _open_fds() == fds_before
-        file_io.open_delay_s = 0.0
         assert (await engine.load(shm_path))["step"] == 1
     assert sorted(os.listdir(shm_path)) == ["latest", "step_1"]
 
 
+async def test_a_cancellation_at_the_commit_finds_the_checkpoint_whole(shm_path: str) -> None:
+    """Invariant: once every rank has written, the commit runs to its end (the other ranks
+    wait in its collectives): a cancellation that arrives then leaves the whole checkpoint,
+    named by `latest`, and nothing else, and is raised to the caller."""
+    backend = FaultyBackend()
+    async with Engine(backend=backend, **SMALL) as engine:
+        await engine.save({"step": 1}, f"{shm_path}/step_1")
+        gate = backend.hold("commit")
+        task = engine.save({"w": torch.ones(400_000), "step": 2}, f"{shm_path}/step_2")
+        await gate.reached()
+        assert task.cancel()
+        gate.release()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert engine.budget.borrowed_bytes == 0
+        assert (await engine.load(shm_path))["step"] == 2
+    assert sorted(os.listdir(shm_path)) == ["latest", "step_1", "step_2"]
+
+
 async def test_cancelling_a_load_while_it_opens_files_leaves_none_open(shm_path: str) -> None:
-    file_io = FaultyFileIO()
-    async with Engine(file_io=file_io, **SMALL) as engine:
+    backend = FaultyBackend()
+    async with Engine(backend=backend, **SMALL) as engine:
         await engine.save({"w": torch.ones(400_000)}, f"{shm_path}/step_1")
         fds_before = _open_fds()
-        file_io.open_delay_s = 0.2
+        gate = backend.hold("read")
         load = asyncio.create_task(engine.load(f"{shm_path}/step_1"))
-        await asyncio.sleep(0.1)
+        await gate.reached()
         load.cancel()
+        gate.release()
         with pytest.raises(asyncio.CancelledError):
             await load
         assert _open_fds() == fds_before

@@ -19,7 +19,7 @@ from asynctron.storage import resolve_checkpoint
 CHILD = textwrap.dedent("""
     import asyncio, sys, torch, uvloop
     from asynctron import Engine
-    from asynctron.testing import FaultyFileIO
+    from asynctron.testing import FaultyBackend
 
     def state(seed):
         g = torch.Generator().manual_seed(seed)
@@ -27,7 +27,7 @@ CHILD = textwrap.dedent("""
 
     async def main(root, phase):
         async with Engine(slab_bytes=1 << 20, memory_budget_bytes=8 << 20,
-                          file_io=FaultyFileIO(fsync_delay_s=30)) as engine:
+                          backend=FaultyBackend(fsync_delay_s=30)) as engine:
             task = engine.save(state(2), f"{root}/step_2")
             if phase == "staging":
                 await asyncio.sleep(0.01)

@@ -9,7 +9,6 @@ import json
 import os
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -18,7 +17,6 @@ import torch
 import asynctron
 from asynctron import BusyError, ClosedError, Engine, EngineConfig
 from asynctron.engine._engine import EngineOptions
-from asynctron.storage import LocalFileIO
 from asynctron.storage._dtypes import TORCH_DTYPES
 from tests.conftest import assert_same
 
@@ -340,32 +338,14 @@ async def test_planning_runs_off_the_loop_thread(shm_path: str,
     assert len(threads) == 1 and threads[0].startswith("asynctron-io")
 
 
-class _SlowFor(LocalFileIO):
-    """Delays the fsync of files whose path contains `marker` (one save commits late)."""
-
-    def __init__(self, marker: str, delay_s: float) -> None:
-        self.marker, self.delay_s, self.slow_fds = marker, delay_s, set()
-
-    def open_new(self, path: str, direct: bool) -> int:
-        fd = super().open_new(path, direct)
-        if self.marker in path:
-            self.slow_fds.add(fd)
-        return fd
-
-    def fsync(self, fd: int) -> None:
-        if fd in self.slow_fds:
-            time.sleep(self.delay_s)
-        super().fsync(fd)
-
-
 async def test_a_failed_save_nobody_awaited_is_raised_by_aclose(
         shm_path: str, caplog: pytest.LogCaptureFixture) -> None:
     """A trainer that only awaits `staged` still learns that a checkpoint failed: the failure
     is logged when it happens, and leaving the engine raises it."""
-    from asynctron.testing import FaultyFileIO
+    from asynctron.testing import FaultyBackend
 
     with pytest.raises(asynctron.StorageError, match=r"failed: ENOSPC"):
-        async with Engine(file_io=FaultyFileIO(enospc_after_bytes=0), **SMALL) as engine:
+        async with Engine(backend=FaultyBackend(enospc_after_bytes=0), **SMALL) as engine:
             task = engine.save({"w": torch.ones(100_000)}, f"{shm_path}/s")
             with contextlib.suppress(asynctron.StorageError):
                 await task.staged

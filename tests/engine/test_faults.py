@@ -10,7 +10,7 @@ import torch
 
 import asynctron
 from asynctron import Engine, StorageError
-from asynctron.testing import FaultyFileIO
+from asynctron.testing import FaultyBackend
 from tests.conftest import assert_same
 
 SMALL = {"slab_bytes": 64 << 10, "memory_budget_bytes": 256 << 10}
@@ -37,8 +37,8 @@ async def test_failed_save_keeps_the_previous_checkpoint(
     good = _state(1.0)
     async with Engine(**SMALL) as engine:
         await engine.save(good, f"{shm_path}/step_1")
-    faulty = FaultyFileIO(**fault)
-    async with Engine(file_io=faulty, **SMALL) as engine:
+    faulty = FaultyBackend(**fault)
+    async with Engine(backend=faulty, **SMALL) as engine:
         task = engine.save(_state(2.0), f"{shm_path}/step_2")
         with pytest.raises(StorageError, match=r"failed: E[A-Z]+ \(.*\); check the storage") as e:
             await task
@@ -59,9 +59,9 @@ async def test_failed_save_keeps_the_previous_checkpoint(
 
 
 async def test_short_writes_are_completed(shm_path: str) -> None:
-    faulty = FaultyFileIO(max_write_bytes=10_000)
+    faulty = FaultyBackend(max_write_bytes=10_000)
     state = _state(5.0)
-    async with Engine(file_io=faulty, **SMALL) as engine:
+    async with Engine(backend=faulty, **SMALL) as engine:
         await engine.save(state, f"{shm_path}/s")
         assert_same(state, await engine.load(f"{shm_path}/s"))
     assert faulty.num_short_writes > 100
@@ -70,7 +70,7 @@ async def test_short_writes_are_completed(shm_path: str) -> None:
 async def test_read_errors_are_storage_errors(shm_path: str) -> None:
     async with Engine(**SMALL) as engine:
         await engine.save(_state(1.0), f"{shm_path}/s")
-    async with Engine(file_io=FaultyFileIO(eio_on_read=True), **SMALL) as engine:
+    async with Engine(backend=FaultyBackend(eio_on_read=True), **SMALL) as engine:
         with pytest.raises(StorageError, match=r"^reading '.*__0_\d\.distcp' failed: EIO"):
             await engine.load(f"{shm_path}/s")
 
@@ -81,8 +81,8 @@ async def test_round_trip_on_disk_with_o_direct(tmp_path: object, max_write_byte
     """On a real filesystem, whole slabs go O_DIRECT and unaligned tails buffered; short
     writes under O_DIRECT are completed too."""
     state = {"a": torch.randn(300_001), "b": torch.arange(7, dtype=torch.int8), "c": b"x" * 5000}
-    faulty = FaultyFileIO(max_write_bytes=max_write_bytes)
-    async with Engine(file_io=faulty, **SMALL) as engine:
+    faulty = FaultyBackend(max_write_bytes=max_write_bytes)
+    async with Engine(backend=faulty, **SMALL) as engine:
         await engine.save(state, f"{tmp_path}/ckpt")
         assert_same(state, await engine.load(f"{tmp_path}/ckpt"))
     if max_write_bytes is not None:

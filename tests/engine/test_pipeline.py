@@ -12,7 +12,7 @@ import torch
 
 from asynctron import Engine
 from asynctron.engine import _pipeline, _save
-from asynctron.storage import _writer
+from asynctron.storage.backends.local import _writer
 from asynctron.testing import LoopWatchdog
 from tests.conftest import assert_same
 

@@ -19,9 +19,10 @@ import torch
 
 import asynctron
 from asynctron import Engine
-from asynctron.storage import _commit
-from asynctron.storage._commit import read_latest
-from asynctron.storage._retention import LEDGER_NAME, lease_checkpoint, read_ledger
+from asynctron.storage.backends.local import _publish as _commit
+from asynctron.storage.backends.local._publish import read_latest
+from asynctron.storage.backends.local._retention import LEDGER_NAME, lease_checkpoint, read_ledger
+from asynctron.testing import FaultyBackend
 
 SMALL = {"slab_bytes": 64 << 10, "memory_budget_bytes": 256 << 10}
 
@@ -79,10 +80,15 @@ async def test_a_replaced_checkpoint_is_forgotten_not_deleted(shm_path: str) -> 
 async def test_a_slow_older_save_neither_survives_nor_evicts_newer_ones(
         shm_path: str, keep_last: int) -> None:
     """Within one engine, order is request order, even when an older save commits last."""
-    from tests.engine.test_engine import _SlowFor
-
-    async with Engine(keep_last=keep_last, file_io=_SlowFor("step_2", 0.3), **SMALL) as engine:
-        tasks = [engine.save({"s": s}, f"{shm_path}/step_{s}") for s in (2, 4, 6)]
+    backend = FaultyBackend()
+    async with Engine(keep_last=keep_last, backend=backend, **SMALL) as engine:
+        gates = [backend.hold("fsync", where=f"step_{s}") for s in (2, 4, 6)]
+        tasks = [engine.save({"s": torch.full((10,), s)}, f"{shm_path}/step_{s}")
+                 for s in (2, 4, 6)]
+        for gate in gates:
+            await gate.reached()
+        for gate in gates:  # the oldest save's files are the last to be durable
+            gate.release()
         await asyncio.gather(*tasks)
     assert _checkpoints(shm_path) == ["step_4", "step_6"][-keep_last:]
     assert read_latest(shm_path) == f"{shm_path}/step_6"
@@ -125,18 +131,18 @@ async def test_hostile_ledger_lines_are_ignored_never_followed(
 
 async def test_a_commit_removes_dead_saves_debris_never_a_live_saves_tmp_dir(
         shm_path: str) -> None:
-    from tests.engine.test_engine import _SlowFor
-
     os.makedirs(f"{shm_path}/.step_0.tmp-host-1-dead")  # a killed save's: nobody holds it
     with open(f"{shm_path}/latest.tmp-1-dead", "w"):
         pass
-    async with Engine(file_io=_SlowFor("slow", 0.5), **SMALL) as slow, Engine(**SMALL) as fast:
+    backend = FaultyBackend()
+    async with Engine(backend=backend, **SMALL) as slow, Engine(**SMALL) as fast:
+        held = backend.hold("fsync", where="slow")
         in_flight = slow.save({"w": torch.ones(10)}, f"{shm_path}/slow")
-        while not any(".slow.tmp-" in name for name in os.listdir(shm_path)):
-            await asyncio.sleep(0.01)
+        await held.reached()  # its tmp dir is live, its file being made durable
         await fast.save({"w": torch.ones(10)}, f"{shm_path}/fast")
         hidden = [name for name in os.listdir(shm_path) if name.startswith(".")]
         assert len(hidden) == 1 and hidden[0].startswith(".slow.tmp-")  # the live one stays
+        held.release()
         await in_flight
     assert sorted(os.listdir(shm_path)) == ["fast", "latest", "slow"]
 

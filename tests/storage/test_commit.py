@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from asynctron.storage import _commit, _sysio
+from asynctron.storage.backends.local import _publish as _commit
+from asynctron.storage.backends.local import _sysio
 
 
 @pytest.mark.parametrize("occupant", ["empty_dir", "file", "dangling_link"])

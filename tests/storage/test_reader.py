@@ -11,8 +11,13 @@ import torch
 
 from asynctron import Engine
 from asynctron.storage._manifest import ItemRecord
-from asynctron.storage._reader import MAX_GAP_BYTES, CheckpointReader, ReadJob, plan_reads
-from asynctron.storage._sysio import LocalFileIO
+from asynctron.storage.backends.local._reader import (
+    MAX_GAP_BYTES,
+    CheckpointReader,
+    ReadJob,
+    plan_reads,
+)
+from asynctron.storage.backends.local._sysio import LocalFileIO
 
 
 def _record(key: str, offset: int, nbytes: int) -> ItemRecord:

@@ -22,9 +22,7 @@ from dataclasses import dataclass
 
 from asynctron._concurrency import RunBlocking, first_error
 from asynctron.errors import CorruptCheckpointError
-from asynctron.storage import _sysio
 from asynctron.storage._checksum import ItemHasher, check_digest, digest
-from asynctron.storage._commit import resolve_checkpoint
 from asynctron.storage._dcp import METADATA_NAME, is_dcp_checkpoint, read_dcp_manifest
 from asynctron.storage._manifest import (
     MANIFEST_NAME,
@@ -33,7 +31,10 @@ from asynctron.storage._manifest import (
     Manifest,
     parse_manifest,
 )
-from asynctron.storage._sysio import FileIO
+from asynctron.storage.backends.local import _sysio
+from asynctron.storage.backends.local._locks import DirLock
+from asynctron.storage.backends.local._publish import resolve_checkpoint
+from asynctron.storage.backends.local._sysio import FileIO
 
 #: Items closer than this in a file are read in one call (the gap is read and dropped).
 MAX_GAP_BYTES = 64 << 10
@@ -187,8 +188,9 @@ class CheckpointReader:
     """
 
     def __init__(self, fio: FileIO, path: str, run_blocking: RunBlocking, *,
-                 max_files_at_once: int) -> None:
+                 max_files_at_once: int, lease: DirLock | None = None) -> None:
         self._fio = fio
+        self._lease = lease
         self._run_blocking = run_blocking
         self._file_slots = asyncio.Semaphore(max_files_at_once)
         self.requested_path = path
@@ -214,8 +216,12 @@ class CheckpointReader:
         assert self.manifest is not None, "open() first"
         return self.manifest.checksum is not None
 
+    def path_of(self, name: str) -> str:
+        """The full name of the checkpoint's file `name` (for messages)."""
+        return os.path.join(self.path, name)
+
     def file_path(self, record: ItemRecord) -> str:
-        return os.path.join(self.path, record.file)
+        return self.path_of(record.file)
 
     async def fd(self, name: str) -> int:
         """The open descriptor of data file `name` (opened on first use, closed by `aclose`)."""
@@ -318,11 +324,26 @@ class CheckpointReader:
         if error is not None:
             raise error
 
+    async def read_file(self, name: str, max_bytes: int) -> bytes:
+        """The whole small file `name` of the checkpoint (DCP's `.metadata`).
+
+        Raises:
+            CorruptCheckpointError: it is larger than `max_bytes`, a link, or not a file.
+            StorageError: no such file, or the read failed.
+        """
+        return await self._run_blocking(_sysio.read_small_file, os.path.join(self.path, name),
+                                         max_bytes)
+
     async def aclose(self) -> None:
-        """Close every file. Maps stay valid for as long as tensors use them."""
+        """Close every file and end the lease. Maps stay valid for as long as tensors use
+        them."""
         fds, self._fds = self._fds, {}
-        for name, fd in fds.items():
-            await self._run_blocking(_sysio.close, self._fio, fd, name)
+        try:
+            for name, fd in fds.items():
+                await self._run_blocking(_sysio.close, self._fio, fd, name)
+        finally:
+            if self._lease is not None:
+                self._lease.release()
 
 
 def _map_file(fd: int, path: str) -> mmap.mmap:

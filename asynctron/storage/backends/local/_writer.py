@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from asynctron._concurrency import RunBlocking
-from asynctron.storage import _sysio
 from asynctron.storage._checksum import BodySegments, Checksums
-from asynctron.storage._sysio import FileIO
+from asynctron.storage.backends.local import _sysio
+from asynctron.storage.backends.local._sysio import FileIO
 
 
 class WriteBatch(Protocol):

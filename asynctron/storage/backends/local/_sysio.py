@@ -233,9 +233,17 @@ class DirectIO:
         self._fd = fd
         self._path = path
         self.enabled = True
+        self._refused = False
 
     def prepare(self, buffers: Sequence[memoryview], offset: int) -> None:
-        wanted = is_direct_io_aligned(buffers, offset)
+        self._switch(not self._refused and is_direct_io_aligned(buffers, offset))
+
+    def disable(self) -> None:
+        """Turn O_DIRECT off for good (the device refused an aligned write: EINVAL)."""
+        self._refused = True
+        self._switch(False)
+
+    def _switch(self, wanted: bool) -> None:
         if wanted != self.enabled:
             with translate_os_errors("changing O_DIRECT on", self._path):
                 flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)

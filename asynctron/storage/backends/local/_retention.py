@@ -33,8 +33,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from asynctron.errors import CheckpointNotFoundError, StorageError
-from asynctron.storage import _sysio
-from asynctron.storage._commit import (
+from asynctron.storage._manifest import MANIFEST_NAME
+from asynctron.storage.backends._backend import Retention
+from asynctron.storage.backends.local import _sysio
+from asynctron.storage.backends.local._locks import DirLock
+from asynctron.storage.backends.local._publish import (
     LATEST_NAME,
     TMP_MARK,
     is_committed,
@@ -44,8 +47,6 @@ from asynctron.storage._commit import (
     staging_path,
     tmp_dir_for,
 )
-from asynctron.storage._locks import DirLock
-from asynctron.storage._manifest import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -55,16 +56,6 @@ MAX_LEDGER_BYTES = 16 << 20
 #: Files staged only under the root's exclusive lock: any found while holding it are dead.
 _STAGED_FILE_PREFIXES = (LATEST_NAME + TMP_MARK, LEDGER_NAME + TMP_MARK)
 _MAX_LEASE_ATTEMPTS = 8
-
-
-@dataclass(frozen=True, slots=True)
-class Retention:
-    """An engine's `keep_last`: keep the `keep_last` newest checkpoints of `job`, which
-    `engine` (a token unique to the engine) commits with its save numbers."""
-
-    job: str
-    engine: str
-    keep_last: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,68 @@
+"""Where bytes live: the `Backend` seam and its implementations, one module (or folder) each.
+
+    backend_for("ckpt/step_100")        # LocalBackend: a path on this machine
+    backend_for("s3://bucket/run")      # the backend registered for "s3", if any
+
+A new backend implements `Backend` in its own module and registers a factory for its URL
+scheme with `register_backend`; nothing above `storage` changes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+
+from asynctron.storage.backends._backend import (
+    Backend,
+    Committed,
+    FileWriter,
+    Retention,
+    SaveArea,
+)
+from asynctron.storage.backends.local import LocalBackend
+
+__all__ = ["Backend", "Committed", "FileWriter", "LocalBackend", "Retention", "SaveArea",
+           "backend_for",
+           "register_backend"]
+
+_FACTORIES: dict[str, Callable[[], Backend]] = {}
+_SHARED: dict[str, Backend] = {}
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def register_backend(scheme: str, factory: Callable[[], Backend]) -> None:
+    """Make `backend_for` serve URLs `<scheme>://...` with one `factory()` per process."""
+    _FACTORIES[scheme.lower()] = factory
+    _SHARED.pop(scheme.lower(), None)
+
+
+def backend_for(path: str | os.PathLike[str]) -> Backend:
+    """The process's backend for `path`: the one registered for its URL scheme, or the local
+    filesystem for a plain path.
+
+    Raises:
+        TypeError: `path` is not a str or os.PathLike.
+        ValueError: a URL whose scheme no backend serves (never taken for a local path).
+    """
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"path: expected a str or os.PathLike, found {type(path).__name__}")
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        raise TypeError(f"path: expected a str path, found {type(text).__name__}")
+    match = _SCHEME.match(text)
+    scheme = match[1].lower() if match else "file"
+    backend = _SHARED.get(scheme)
+    if backend is None:
+        factory = _FACTORIES.get(scheme)
+        if factory is None:
+            served = ", ".join(f"{known}://" for known in sorted(_FACTORIES))
+            raise ValueError(
+                f"path {text!r}: expected a local path or a URL a storage backend serves "
+                f"({served}), found the scheme {scheme!r}; a URL is never taken for a local "
+                "path")
+        backend = _SHARED[scheme] = factory()
+    return backend
+
+
+register_backend("file", LocalBackend)

@@ -1,0 +1,279 @@
+"""The storage seam: the operations checkpoints and datasets need of wherever their bytes live.
+
+Everything above `storage` (the engine, the DCP plugins, datasets, the CLI) reaches bytes only
+through a `Backend`. The seam is shaped by the commit protocol and the readers, not by a file
+API: a save gets a private *area*, writes each file of known size into it, and `commit`
+publishes the area as the checkpoint all at once (a rename on a filesystem; "manifest last" on
+an object store); a load leases a committed checkpoint and reads ranges of its files into
+given buffers. Datasets publish whole files and read (or map) them.
+
+Checkpoint operations are coroutines awaited on the caller's loop: a backend whose work
+blocks (the local filesystem) runs it through the `RunBlocking` door it is handed, in as few
+calls as it can (a commit is one call); one whose client is asyncio-native awaits it.
+Dataset operations block: datasets call them from worker processes and from index builders,
+never on a loop thread.
+
+Adding a backend touches only its own module plus one `register_backend` call for its URL
+scheme (`backends/__init__.py`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING, Protocol, runtime_checkable
+
+from asynctron._concurrency import RunBlocking
+
+if TYPE_CHECKING:
+    import mmap
+
+    from asynctron.storage._checksum import Checksums
+    from asynctron.storage.backends.local._reader import CheckpointReader
+    from asynctron.storage.backends.local._writer import WriteBatch
+
+
+@dataclass(frozen=True, slots=True)
+class SaveArea:
+    """Where a save's files go until it commits: private to that save, invisible to readers.
+
+    Plain data, so the coordinator can send it to every rank; the backend that made it keeps
+    whatever marks it live (a lock) until `commit` or `discard`.
+    """
+
+    final_path: str
+    """The checkpoint the save publishes."""
+    location: str
+    """The area itself (a tmp dir beside `final_path` on a filesystem)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Retention:
+    """An engine's `keep_last`: keep the `keep_last` newest checkpoints of `job`, which
+    `engine` (a token unique to the engine) commits with its save numbers."""
+
+    job: str
+    engine: str
+    keep_last: int
+
+
+@dataclass(frozen=True, slots=True)
+class Committed:
+    """What followed a commit: whether `latest` now names it, the checkpoints pruned, and the
+    problems that did not undo it (`latest` not moved, pruning failed)."""
+
+    moved_latest: bool = False
+    pruned: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+
+class FileWriter(Protocol):
+    """Writes one file of a save's area in order, batch by batch; owned by one task."""
+
+    async def open(self) -> None:
+        """Create the file. Even if cancelled, what was opened is closed by `aclose`."""
+        ...
+
+    @property
+    def done(self) -> bool:
+        """Whether the file is complete and durable."""
+        ...
+
+    async def write(self, batches: Sequence[WriteBatch],
+                    on_written: Callable[[WriteBatch], None]) -> None:
+        """Write `batches` (consecutive, continuing the file), digesting their items first;
+        `on_written(batch)` after each, from the thread that wrote it. The call that
+        completes the file makes it durable.
+
+        Raises:
+            StorageError: the write failed (naming the file).
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Release the file if still open (after a failure); never raises StorageError."""
+        ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """Where a checkpoint's and a dataset's bytes live.
+
+    Durability: a committed checkpoint and a published file survive a crash of the machine.
+    Atomicity: `commit` and `publish_file` make their result visible whole or not at all; a
+    crash or failure at any point leaves the previous checkpoint (file) as it was.
+    """
+
+    def locate(self, path: str | os.PathLike[str]) -> str:
+        """The canonical name of `path` on this backend (a local path made absolute; a URL as
+        it is); every other method takes names made by this one."""
+        ...
+
+    def area_of(self, final_path: str, name: str | None = None) -> SaveArea:
+        """The area of a save to `final_path`, named: every rank of a save that must find it
+        without being told (DCP's) gets the same one for the same `name`. None names a fresh,
+        unique one. Makes nothing (see `start_save`)."""
+        ...
+
+    async def start_save(self, run_blocking: RunBlocking, area: SaveArea) -> None:
+        """Refuse an existing checkpoint at `area.final_path`, then make `area` (replacing one
+        of that name a dead save left), live until `commit` or `discard`.
+
+        Raises:
+            FileExistsError: the checkpoint exists, or a live save holds the area.
+            StorageError: the area could not be made.
+        """
+        ...
+
+    def open_writer(self, run_blocking: RunBlocking, area: SaveArea, name: str, nbytes: int, *,
+                    direct_io: bool, checksums: Checksums | None) -> FileWriter:
+        """A writer of the file `name` (exactly `nbytes`) in `area`, written in order batch by
+        batch; durable once its last batch is written. Any rank may open one in an area the
+        coordinator made."""
+        ...
+
+    async def is_in_memory(self, run_blocking: RunBlocking, area: SaveArea) -> bool:
+        """Whether `area`'s bytes live only in memory (tmpfs): a write from the caller's
+        memory is then as fast as any, so staging copies buy nothing."""
+        ...
+
+    async def commit(self, run_blocking: RunBlocking, area: SaveArea,
+                     files: Callable[[], Mapping[str, bytes]], *, retention: Retention | None,
+                     seq: int, move_latest: bool) -> Committed:
+        """Publish `area`, whose data files are all durable, as its checkpoint: `files()` (the
+        manifest, made on the executor) written into it last, then the checkpoint made visible
+        at once. Then, with `move_latest`, point `latest` at it; with `retention`, prune the
+        job's checkpoints beyond `keep_last` (`seq`, the save's number in its engine, orders
+        them); and remove what dead saves left. The area is no longer live afterwards,
+        committed or not (the caller `discard`s a failed one).
+
+        Raises:
+            FileExistsError: the checkpoint appeared meanwhile; nothing is committed.
+            StorageError: writing or publishing failed; nothing is committed.
+        """
+        ...
+
+    async def discard(self, run_blocking: RunBlocking, area: SaveArea) -> None:
+        """Remove the area of a save that will not commit, and what it holds, if it is still
+        the live area this backend made; never raises (a failure is logged: an area is never
+        taken for a checkpoint, and the next commit beside it removes what is left)."""
+        ...
+
+    async def open_reader(self, run_blocking: RunBlocking, path: str, *,
+                          max_files_at_once: int) -> CheckpointReader:
+        """A reader of the committed checkpoint at `path`, or of the one `path/latest` names,
+        leased: no pruning removes it until `reader.aclose()`.
+
+        Raises:
+            CheckpointNotFoundError: nothing committed there.
+        """
+        ...
+
+    def publish_file(self, path: str, write: Callable[[IO[bytes]], object], *,
+                     sync_dir: bool = True) -> None:
+        """Blocks: call `write(f)` on a new file and publish it as `path`: afterwards `path` is
+        either its old file or the whole new one, durably (the directory synced too unless
+        `sync_dir` is False: see `sync_dir`). On error `path` is untouched."""
+        ...
+
+    def publish_buffers(self, path: str, buffers: Sequence[bytes | memoryview], *,
+                        sync_dir: bool = True) -> None:
+        """Blocks: publish the bytes of `buffers`, one after another, as the file `path`, with
+        the guarantees of `publish_file` (written past the page cache where the storage
+        allows)."""
+        ...
+
+    def sync_dir(self, path: str) -> None:
+        """Blocks: make the files published into the directory `path` with `sync_dir=False`
+        durable at once."""
+        ...
+
+    def map_file(self, path: str) -> mmap.mmap | bytes:
+        """Blocks: the whole file `path`, read-only, mapped where the backend can (empty
+        files as `b""`).
+
+        Raises:
+            StorageError: the backend cannot map files (use ranged reads), or the map failed.
+        """
+        ...
+
+    def open_file(self, path: str) -> ReadableFile:
+        """Blocks: open the existing file `path` for reads at given offsets (`pread`), until
+        `close()`; its `nbytes` is its size when opened. For reads on a hot path (a
+        dataset's samples with `mmap=False`): each is one call to the storage, nothing more.
+
+        Raises:
+            FileNotFoundError: no file at `path`.
+            IsADirectoryError: `path` is a directory.
+            OSError: the open failed (naming `path`).
+        """
+        ...
+
+    def open_new_file(self, path: str) -> NewFile:
+        """Blocks: start the file `path`, written piece by piece (`write`) over any length of
+        time and published whole by `publish`, with the guarantees of `publish_file`; until
+        then `path` is untouched, and `close()` without `publish` discards what was written.
+        Like every publish, creates the missing directories of `path`.
+
+        Raises:
+            OSError: the file could not be started (naming `path`).
+        """
+        ...
+
+    def remove_file(self, path: str) -> None:
+        """Blocks: remove the file `path` (a published one: never a temporary); nothing there
+        is not an error. Durable once the directory is synced (`sync_dir`).
+
+        Raises:
+            OSError: the removal failed (naming `path`).
+        """
+        ...
+
+
+class ReadableFile(Protocol):
+    """An open file of a backend, read at given offsets (`Backend.open_file`). Reads from
+    several threads at once are safe."""
+
+    nbytes: int
+    """The file's size when it was opened."""
+
+    def pread(self, nbytes: int, offset: int) -> bytes:
+        """Blocks: up to `nbytes` bytes from `offset`; fewer only at the end of the file or
+        beyond what the storage returns in one call (2 GiB - 4 KiB on Linux)."""
+        ...
+
+    def close(self) -> None:
+        """Release the file; closing again does nothing."""
+        ...
+
+    def __enter__(self) -> ReadableFile: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
+
+
+class NewFile(Protocol):
+    """A file being written, invisible until published (`Backend.open_new_file`). One thread
+    at a time."""
+
+    def write(self, data: bytes | memoryview) -> int:
+        """Blocks: append all of `data`; returns its size in bytes.
+
+        Raises:
+            OSError: the write failed (naming the file); `close()` discards what was written.
+        """
+        ...
+
+    def publish(self, *, sync_dir: bool = True) -> None:
+        """Blocks: publish what was written as the file, as `Backend.publish_file` does (the
+        directory synced unless `sync_dir` is False); on error the path is untouched and what
+        was written is discarded. Either way the file is closed afterwards."""
+        ...
+
+    def close(self) -> None:
+        """Blocks: discard what was written unless published; closing again does nothing."""
+        ...
+
+    def __enter__(self) -> NewFile: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...

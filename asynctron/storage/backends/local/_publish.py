@@ -1,0 +1,131 @@
+"""The commit protocol: a checkpoint becomes visible all at once, or not at all.
+
+Stages (all blocking; run on the engine's executor):
+1. the writers fsync every data file in the tmp dir `.<name>.tmp-<host>-<pid>-<token>`;
+2. `seal_dir`: write + fsync `manifest.json`, fsync the tmp dir; `publish_dir`: rename it
+   to `<name>` (never over an existing path), fsync the parent;
+3. `point_latest`: replace `<parent>/latest` atomically with the new name.
+A crash before the rename leaves only a tmp dir, which no reader takes for a checkpoint (and
+the next commit removes, see `_retention`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import socket
+from collections.abc import Mapping
+
+from asynctron.errors import CheckpointNotFoundError, StorageError
+from asynctron.storage._dcp import METADATA_NAME as DCP_METADATA_NAME
+from asynctron.storage._dcp import is_dcp_checkpoint
+from asynctron.storage._manifest import MANIFEST_NAME
+from asynctron.storage.backends.local import _sysio
+
+LATEST_NAME = "latest"
+TMP_MARK = ".tmp-"
+
+
+def tmp_dir_for(final_path: str) -> str:
+    """A fresh tmp dir name beside `final_path`, unique per host, process and call."""
+    parent, name = os.path.split(os.path.abspath(final_path))
+    host = socket.gethostname().replace("-", "_")
+    return os.path.join(parent, f".{name}{TMP_MARK}{host}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def is_tmp_dir_name(name: str) -> bool:
+    return name.startswith(".") and TMP_MARK in name
+
+
+def staging_path(path: str) -> str:
+    """A fresh name beside the small file `path` to write it under before replacing it."""
+    return f"{path}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def seal_dir(tmp_dir: str, files: Mapping[str, bytes]) -> None:
+    """Write `files` (the manifest) into `tmp_dir`, whose data files are already fsynced, and
+    make its entries durable: ready for `publish_dir`."""
+    for name, data in files.items():
+        _sysio.write_small_file(os.path.join(tmp_dir, name), data)
+    _sysio.fsync_dir(tmp_dir)
+
+
+def publish_dir(tmp_dir: str, final_path: str) -> None:
+    """Rename the sealed `tmp_dir` to `final_path`: the commit.
+
+    Raises:
+        FileExistsError: `final_path` appeared meanwhile; the tmp dir is left for the caller.
+        StorageError: the rename failed, or the directory fsync after it (then the rename is
+            undone): `tmp_dir` still holds the save, uncommitted.
+    """
+    _sysio.rename_no_replace(tmp_dir, final_path)
+    try:
+        _sysio.fsync_dir(os.path.dirname(os.path.abspath(final_path)))
+    except StorageError:
+        # The rename may not survive a crash: un-publish, so failure means "not committed".
+        with contextlib.suppress(OSError):
+            os.rename(final_path, tmp_dir)
+        raise
+
+
+def point_latest(final_path: str) -> None:
+    """Atomically make `<parent>/latest` name the checkpoint at `final_path`."""
+    parent, name = os.path.split(os.path.abspath(final_path))
+    pointer = os.path.join(parent, LATEST_NAME)
+    staging = staging_path(pointer)
+    _sysio.write_small_file(staging, (name + "\n").encode())
+    _sysio.replace_file(staging, pointer)
+    _sysio.fsync_dir(parent)
+
+
+def read_latest(root: str) -> str | None:
+    """The checkpoint path `<root>/latest` names, or None if there is no pointer."""
+    pointer = os.path.join(root, LATEST_NAME)
+    if not _sysio.is_file(pointer):
+        return None
+    name = _sysio.read_small_file(pointer, 4096).decode(errors="replace").strip()
+    if not name or "/" in name or name in (".", "..") or "\x00" in name:
+        raise CheckpointNotFoundError(
+            f"pointer {pointer}: expected a checkpoint name, found {name!r}; rewrite or remove it",
+            path=pointer,
+        )
+    return os.path.join(root, name)
+
+
+def is_committed(path: str) -> bool:
+    """Whether `path` holds a committed checkpoint: asynctron's (`manifest.json`) or a stock
+    torch.distributed.checkpoint one (`.metadata`)."""
+    return _sysio.is_file(os.path.join(path, MANIFEST_NAME)) or is_dcp_checkpoint(path)
+
+
+def resolve_checkpoint(path: str) -> str:
+    """The committed checkpoint at `path`, or the one `path/latest` names. A pointer whose
+    checkpoint is gone is read again: a writer with `keep_last` moves it to the next commit
+    before pruning the one it named, so if it moved meanwhile, it names a committed one.
+
+    Raises:
+        CheckpointNotFoundError: neither a checkpoint nor a `latest` pointer naming one is at
+            `path`.
+    """
+    if is_committed(path):
+        return path
+    named = None
+    while os.path.isdir(path) and (latest := read_latest(path)) not in (None, named):
+        if is_committed(latest):
+            return latest
+        named = latest
+    if named is not None:
+        raise CheckpointNotFoundError(
+            f"checkpoint {path}: its '{LATEST_NAME}' pointer names {named}, which holds no "
+            f"committed checkpoint ({MANIFEST_NAME} or DCP's {DCP_METADATA_NAME}); it was "
+            "removed, or its save never committed",
+            path=named,
+        )
+    raise CheckpointNotFoundError(
+        f"checkpoint {path}: expected a committed checkpoint ({MANIFEST_NAME} or DCP's "
+        f"{DCP_METADATA_NAME}) or a '{LATEST_NAME}' pointer, found none; the save may not "
+        "have committed",
+        path=path,
+    )
+
