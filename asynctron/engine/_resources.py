@@ -112,6 +112,11 @@ def _settle(future: asyncio.Future[T], call: concurrent.futures.Future[T]) -> No
     if future.cancelled():
         return
     error = call.exception()
+    if isinstance(error, StopIteration):  # a future refuses it: its awaiter would never wake
+        wrapped = RuntimeError("a blocking call raised StopIteration, which cannot cross into "
+                               "asyncio; it is this error's __cause__")
+        wrapped.__cause__ = error
+        error = wrapped
     if error is not None:
         future.set_exception(error)
     else:

@@ -363,3 +363,12 @@ async def test_moving_latest_failing_after_the_commit_is_a_warning(shm_path: str
         result = await engine.save({"w": torch.ones(3)}, f"{shm_path}/step_1")
         assert result.warnings and "`latest` was not moved" in result.warnings[0]
         assert_same({"w": torch.ones(3)}, await engine.load(f"{shm_path}/step_1"))
+
+
+async def test_a_blocking_call_raising_stop_iteration_raises_instead_of_hanging() -> None:
+    """asyncio refuses StopIteration on a future: the awaiter got a RuntimeError instead, and
+    without it would wait for ever (a dataset's `__getitem__` raising it, for one)."""
+    async with Engine(**SMALL) as engine:
+        with pytest.raises(RuntimeError, match="raised StopIteration") as caught:
+            await engine.run_blocking(next, iter(()))
+    assert isinstance(caught.value.__cause__, StopIteration)

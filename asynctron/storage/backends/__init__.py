@@ -29,17 +29,21 @@ __all__ = ["Backend", "Committed", "FileWriter", "LocalBackend", "Retention", "S
 _FACTORIES: dict[str, Callable[[], Backend]] = {}
 _SHARED: dict[str, Backend] = {}
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_LOCAL = "file"
+"""The key of plain paths (no URL scheme): the local filesystem. A `file://` URL is refused
+(pass the path itself), so that no backend ever sees one."""
 
 
 def register_backend(scheme: str, factory: Callable[[], Backend]) -> None:
-    """Make `backend_for` serve URLs `<scheme>://...` with one `factory()` per process."""
+    """Make `backend_for` serve URLs `<scheme>://...` with one `factory()` per process
+    (`"file"`: plain paths, the local filesystem)."""
     _FACTORIES[scheme.lower()] = factory
     _SHARED.pop(scheme.lower(), None)
 
 
 def backend_for(path: str | os.PathLike[str]) -> Backend:
-    """The process's backend for `path`: the one registered for its URL scheme, or the local
-    filesystem for a plain path.
+    """The process's backend for `path`: the local filesystem's for a plain path, else the
+    one registered for its URL scheme.
 
     Raises:
         TypeError: `path` is not a str or os.PathLike.
@@ -51,18 +55,17 @@ def backend_for(path: str | os.PathLike[str]) -> Backend:
     if not isinstance(text, str):
         raise TypeError(f"path: expected a str path, found {type(text).__name__}")
     match = _SCHEME.match(text)
-    scheme = match[1].lower() if match else "file"
+    scheme = match[1].lower() if match else _LOCAL
+    if match and (scheme == _LOCAL or scheme not in _FACTORIES):
+        served = ", ".join(f"{known}://" for known in sorted(_FACTORIES) if known != _LOCAL)
+        raise ValueError(
+            f"path {text!r}: expected a local path or a URL a storage backend serves "
+            f"({served or 'none registered'}), found the scheme {scheme!r}; a URL is never "
+            "taken for a local path")
     backend = _SHARED.get(scheme)
     if backend is None:
-        factory = _FACTORIES.get(scheme)
-        if factory is None:
-            served = ", ".join(f"{known}://" for known in sorted(_FACTORIES))
-            raise ValueError(
-                f"path {text!r}: expected a local path or a URL a storage backend serves "
-                f"({served}), found the scheme {scheme!r}; a URL is never taken for a local "
-                "path")
-        backend = _SHARED[scheme] = factory()
+        backend = _SHARED[scheme] = _FACTORIES[scheme]()
     return backend
 
 
-register_backend("file", LocalBackend)
+_FACTORIES[_LOCAL] = LocalBackend

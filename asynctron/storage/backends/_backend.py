@@ -96,13 +96,14 @@ class FileWriter(Protocol):
         ...
 
 
-@runtime_checkable
-class Backend(Protocol):
-    """Where a checkpoint's and a dataset's bytes live.
+class CheckpointStorage(Protocol):
+    """The checkpoint half of a `Backend`: a save's private area, its files, its commit; a
+    leased reader of a committed checkpoint. Its I/O operations are coroutines, awaited on the
+    caller's loop.
 
-    Durability: a committed checkpoint and a published file survive a crash of the machine.
-    Atomicity: `commit` and `publish_file` make their result visible whole or not at all; a
-    crash or failure at any point leaves the previous checkpoint (file) as it was.
+    Durability: a committed checkpoint survives a crash of the machine.
+    Atomicity: `commit` makes a checkpoint visible whole or not at all; a crash or failure at
+    any point leaves the previous checkpoints as they were.
     """
 
     def locate(self, path: str | os.PathLike[str]) -> str:
@@ -169,6 +170,17 @@ class Backend(Protocol):
             CheckpointNotFoundError: nothing committed there.
         """
         ...
+
+
+
+class FileStorage(Protocol):
+    """The dataset half of a `Backend`: whole files published atomically, read at offsets or
+    mapped. Every call blocks (datasets make them from worker processes and index builders,
+    never on a loop thread).
+
+    Durability: a published file survives a crash of the machine (its directory synced).
+    Atomicity: a published file's path names its old file or the whole new one, never a part.
+    """
 
     def publish_file(self, path: str, write: Callable[[IO[bytes]], object], *,
                      sync_dir: bool = True) -> None:
@@ -277,3 +289,11 @@ class NewFile(Protocol):
     def __enter__(self) -> NewFile: ...
 
     def __exit__(self, *exc_info: object) -> None: ...
+
+
+@runtime_checkable
+class Backend(CheckpointStorage, FileStorage, Protocol):
+    """Where a checkpoint's and a dataset's bytes live: both halves, one object per storage
+    (`backend_for` picks it by URL scheme). Two halves because their callers differ: the
+    engine awaits the checkpoint half on its loop, datasets call the file half from worker
+    processes."""

@@ -43,8 +43,7 @@ class LocalBackend(LocalFiles):
         """The areas this backend made and holds, by location, until committed or discarded."""
 
     def locate(self, path: str | os.PathLike[str]) -> str:
-        text = os.fspath(path)
-        return os.path.abspath(text.removeprefix("file://"))
+        return os.path.abspath(os.fspath(path))
 
     def area_of(self, final_path: str, name: str | None = None) -> SaveArea:
         if name is None:

@@ -1,0 +1,96 @@
+"""The storage seam: backends by URL scheme, the local backend's save areas and commits."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import asynctron
+from asynctron.storage import Backend, LocalBackend, SaveArea, backend_for, register_backend
+from asynctron.testing import FaultyBackend
+
+
+def test_the_backends_conform_to_the_protocol() -> None:
+    assert isinstance(LocalBackend(), Backend)
+    assert isinstance(FaultyBackend(), Backend)
+
+
+def test_a_plain_path_is_served_by_the_one_local_backend() -> None:
+    assert isinstance(backend_for("ckpt/step_1"), LocalBackend)
+    assert backend_for("/abs/ckpt") is backend_for("rel")
+    assert backend_for("ckpt").locate("ckpt/step_1") == os.path.abspath("ckpt/step_1")
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run/step_1", "gs://b/k", "file:///tmp/x"])
+def test_a_url_no_backend_serves_is_refused_never_a_local_path(url: str) -> None:
+    with pytest.raises(ValueError, match=rf"^path {url!r}: expected a local path or a URL a "
+                                         r"storage backend serves .*never taken for a local"):
+        backend_for(url)
+
+
+async def test_a_save_to_a_url_no_backend_serves_writes_nothing(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before the seam, `save(sd, "s3://bucket/x")` wrote `./s3:/bucket/x` and succeeded."""
+    monkeypatch.chdir(tmp_path)  # type: ignore[arg-type]
+    async with asynctron.Engine() as engine:
+        with pytest.raises(ValueError, match="scheme 's3'"):
+            engine.save({"w": 1}, "s3://bucket/run/step_1")
+        with pytest.raises(ValueError, match="scheme 's3'"):
+            await engine.load("s3://bucket/run")
+    assert os.listdir(".") == []
+
+
+def test_a_one_call_save_to_a_url_no_backend_serves_writes_nothing(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="scheme 's3'"):
+        asynctron.save({"w": 1}, "s3://bucket/run/step_1")
+    assert os.listdir(".") == []
+
+
+def test_a_registered_scheme_is_served_by_its_factory() -> None:
+    made: list[Backend] = []
+
+    def factory() -> Backend:
+        made.append(LocalBackend())
+        return made[-1]
+
+    register_backend("memtest", factory)
+    assert backend_for("memtest://a") is backend_for("MEMTEST://b") is made[0]
+    assert len(made) == 1
+
+
+def test_a_named_area_is_the_same_on_every_rank_a_fresh_one_unique() -> None:
+    backend = LocalBackend()
+    named = backend.area_of("/r/step_1", "dcp")
+    assert named == LocalBackend().area_of("/r/step_1", "dcp")
+    assert named.location == "/r/.step_1.tmp-dcp"
+    fresh = {backend.area_of("/r/step_1").location for _ in range(3)}
+    assert len(fresh) == 3 and all(f.startswith("/r/.step_1.tmp-") for f in fresh)
+
+
+async def test_a_discarded_area_is_removed_and_an_unknown_one_left(tmp_path: object) -> None:
+    """`discard` removes only an area this backend made and still holds: never a directory
+    it did not make (another process's live save)."""
+    backend = LocalBackend()
+    async with asynctron.Engine() as engine:
+        mine = backend.area_of(f"{tmp_path}/mine")
+        await backend.start_save(engine.run_blocking, mine)
+        assert os.path.isdir(mine.location)
+        await backend.discard(engine.run_blocking, mine)
+        assert not os.path.exists(mine.location)
+        theirs = SaveArea(f"{tmp_path}/theirs", f"{tmp_path}/.theirs.tmp-other")
+        os.mkdir(theirs.location)
+        await backend.discard(engine.run_blocking, theirs)
+        assert os.path.isdir(theirs.location)
+
+
+async def test_a_save_refuses_an_existing_checkpoint_before_making_an_area(
+        tmp_path: object) -> None:
+    backend = LocalBackend()
+    os.mkdir(f"{tmp_path}/step_1")
+    async with asynctron.Engine() as engine:
+        with pytest.raises(FileExistsError, match="expected a new path"):
+            await backend.start_save(engine.run_blocking, backend.area_of(f"{tmp_path}/step_1"))
+    assert os.listdir(tmp_path) == ["step_1"]  # type: ignore[arg-type]
