@@ -108,14 +108,7 @@ def test_a_failed_publish_names_the_file_and_leaves_the_old_one(tmp_path, how, f
     files = (FaultyBackend(enospc_after_bytes=0) if fault == "enospc"
              else FaultyBackend(fail_fsync=True))
     with pytest.raises(OSError, match=rf"injected by FaultyBackend: '{re.escape(path)}'$"):
-        if how == "buffers":
-            files.publish_buffers(path, [b"new"])
-        elif how == "file":
-            files.publish_file(path, lambda f: f.write(b"new"))
-        else:
-            with files.open_new_file(path) as new:
-                new.write(b"new")
-                new.publish()
+        _publish(files, path, how, b"new")
     assert _read(path) == b"old" and _temporaries(str(tmp_path)) == []
 
 
@@ -182,14 +175,7 @@ def test_the_file_is_durable_before_its_rename_and_the_rename_then(tmp_path, how
 def test_missing_directories_are_made(tmp_path, how) -> None:
     path = str(tmp_path / "a" / "b" / "f")
     files = LocalFiles()
-    if how == "buffers":
-        files.publish_buffers(path, [b"new"])
-    elif how == "file":
-        files.publish_file(path, lambda f: f.write(b"new"))
-    else:
-        with files.open_new_file(path) as new:
-            new.write(b"new")
-            new.publish()
+    _publish(files, path, how, b"new")
     assert _read(path) == b"new"
 
 
@@ -291,3 +277,15 @@ def test_remove_file_takes_a_missing_file(tmp_path) -> None:
     files.remove_file(str(tmp_path / "f"))
     files.remove_file(str(tmp_path / "f"))
     assert os.listdir(tmp_path) == []
+
+
+def _publish(files: LocalFiles, path: str, how: str, data: bytes) -> None:
+    """Publish `data` as `path` one of the three ways: buffers, a write callback, a new file."""
+    if how == "buffers":
+        files.publish_buffers(path, [data])
+    elif how == "file":
+        files.publish_file(path, lambda f: f.write(data))
+    else:
+        with files.open_new_file(path) as new:
+            new.write(data)
+            new.publish()
