@@ -49,7 +49,6 @@ NEW_FILE_BUFFER_BYTES = 16 << 20
 WRITEBACK_BYTES = 64 << 20
 
 _HOST = socket.gethostname()
-_O_DIRECT = getattr(os, "O_DIRECT", 0)  # 0 where the platform has none: plain writes
 
 
 class LocalFiles:
@@ -87,7 +86,7 @@ class LocalFiles:
                 self.file_io.close(fd)
 
     def sync_dir(self, path: str) -> None:
-        _fsync_dir(path)
+        _sysio.fsync_dir_raw(path)
 
     def map_file(self, path: str) -> mmap.mmap | bytes:
         with open(path, "rb") as f:
@@ -123,14 +122,7 @@ class LocalFiles:
     def _open_new(self, tmp: str) -> tuple[int, bool]:
         """Create `tmp`; returns (fd, whether O_DIRECT is on): off where the filesystem
         refuses it (EINVAL)."""
-        if _O_DIRECT:
-            try:
-                return self.file_io.open_new(tmp, True), True
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                _remove_quietly(tmp)
-        return self.file_io.open_new(tmp, False), False
+        return _sysio.open_new_raw(self.file_io, tmp, True)
 
 
 class LocalReadableFile:
@@ -327,19 +319,11 @@ def _make_directories(directory: str) -> None:
     for made in reversed(missing):
         with contextlib.suppress(FileExistsError):  # made meanwhile by another process
             os.mkdir(made)
-        _fsync_dir(os.path.dirname(made))
+        _sysio.fsync_dir_raw(os.path.dirname(made))
 
 
 def _directory_of(path: str) -> str:
     return os.path.dirname(os.path.abspath(path))
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _remove_quietly(path: str) -> None:

@@ -183,15 +183,20 @@ def open_new(fio: FileIO, path: str, direct: bool) -> tuple[int, bool]:
     """Create `path`; returns (fd, whether O_DIRECT is on). Falls back to buffered I/O where
     the filesystem refuses O_DIRECT (tmpfs)."""
     with translate_os_errors("creating", path):
-        if direct and hasattr(os, "O_DIRECT"):
-            try:
-                return fio.open_new(path, True), True
-            except OSError as exc:
-                if exc.errno != errno_codes.EINVAL:
-                    raise
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
-        return fio.open_new(path, False), False
+        return open_new_raw(fio, path, direct)
+
+
+def open_new_raw(fio: FileIO, path: str, direct: bool) -> tuple[int, bool]:
+    """`open_new`, raising the `OSError` itself (for callers that report it as such)."""
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return fio.open_new(path, True), True
+        except OSError as exc:
+            if exc.errno != errno_codes.EINVAL:
+                raise
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(path)
+    return fio.open_new(path, False), False
 
 
 #: Filesystems whose files live in memory: a buffered write is the storage's only copy.
@@ -329,11 +334,16 @@ def make_dir(path: str) -> None:
 def fsync_dir(path: str) -> None:
     """Make a directory's entries (creations, renames) durable."""
     with translate_os_errors("fsyncing directory", path):
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir_raw(path)
+
+
+def fsync_dir_raw(path: str) -> None:
+    """`fsync_dir`, raising the `OSError` itself (for callers that report it as such)."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 _RENAME_NOREPLACE = 1
