@@ -25,13 +25,13 @@ from asynctron._memory import tensor_bytes
 from asynctron.engine._slabs import SlabPool
 from asynctron.engine._staging import CopyStreams, copy_into_flat_range
 from asynctron.errors import CorruptCheckpointError
+from asynctron.storage import MAX_GAP_BYTES, CheckpointReader, ReadJob
 from asynctron.storage._checksum import ItemHasher
 from asynctron.storage._chunk_index import ChunkIndex, Overlap
 from asynctron.storage._dcp import decode_blob, tensor_of
 from asynctron.storage._dtypes import NUMPY_DTYPES, TORCH_DTYPES
 from asynctron.storage._manifest import ItemRecord, Manifest
 from asynctron.storage._plan import Structure, flatten, unflatten
-from asynctron.storage.backends.local._reader import MAX_GAP_BYTES, CheckpointReader, ReadJob
 
 #: (destination, source): bytes read apart, copied into their place once read.
 _Placement = tuple[torch.Tensor, torch.Tensor]

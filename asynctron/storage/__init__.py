@@ -62,6 +62,7 @@ from asynctron.storage._manifest import paused_gc as paused_gc
 from asynctron.storage._plan import FlatStateDict as FlatStateDict
 from asynctron.storage._plan import ItemKind as ItemKind
 from asynctron.storage._plan import SavePlan as SavePlan
-from asynctron.storage.backends.local._reader import CheckpointReader as CheckpointReader
-from asynctron.storage.backends.local._reader import ReadJob as ReadJob
+from asynctron.storage._read_plan import MAX_GAP_BYTES as MAX_GAP_BYTES
+from asynctron.storage._read_plan import ReadJob as ReadJob
+from asynctron.storage.backends._backend import CheckpointReader as CheckpointReader
 from asynctron.storage.backends.local._writer import WriteBatch as WriteBatch

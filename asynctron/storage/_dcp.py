@@ -215,14 +215,23 @@ def read_dcp_manifest(checkpoint: str) -> Manifest:
             file) at fault.
     """
     path = os.path.join(checkpoint, METADATA_NAME)
+    return parse_dcp_manifest(
+        _sysio.read_small_file(path, MAX_METADATA_BYTES), checkpoint, os.path.getmtime(path),
+        lambda name: (_sysio.data_file_size(os.path.join(checkpoint, name))
+                      if _sysio.exists(os.path.join(checkpoint, name)) else None))
+
+
+def parse_dcp_manifest(raw: bytes, checkpoint: str, created_unix_s: float,
+                       sizes: Callable[[str], int | None]) -> Manifest:
+    """`read_dcp_manifest` of `.metadata` bytes `raw` of the checkpoint `checkpoint` (a path
+    or URL), whose data files are `sizes(name)` bytes (None: missing)."""
+    path = f"{checkpoint.rstrip('/')}/{METADATA_NAME}"
 
     def fail(what: str, key: str | None = None) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"metadata {path}: {what}; the checkpoint is damaged or "
                                       "not a torch.distributed.checkpoint checkpoint",
                                       path=path, key=key)
 
-    raw = _sysio.read_small_file(path, MAX_METADATA_BYTES)
-    created_unix_s = os.path.getmtime(path)
     with paused_gc():
         try:
             metadata = MetadataUnpickler(raw, path).load()
@@ -231,13 +240,14 @@ def read_dcp_manifest(checkpoint: str) -> Manifest:
         except Exception as exc:
             raise fail(f"expected a pickled Metadata, found {_exception_text(exc)}") from exc
         manifest = _manifest_of(metadata, checkpoint, created_unix_s,
-                                len(raw) // METADATA_BYTES_PER_CHUNK, fail)
+                                len(raw) // METADATA_BYTES_PER_CHUNK, fail, sizes)
         del metadata  # freed now, by reference counts: the collector never walks it
     return manifest
 
 
 def _manifest_of(metadata: Any, checkpoint: str, created_unix_s: float, max_chunks: int,
-                 fail: Callable[..., CorruptCheckpointError]) -> Manifest:
+                 fail: Callable[..., CorruptCheckpointError],
+                 sizes: Callable[[str], int | None]) -> Manifest:
     """The manifest of an unpickled `.metadata`. Its objects were made by NEWOBJ and BUILD,
     which may have left any attribute out: each is read with a default."""
     if not isinstance(metadata, Metadata):
@@ -248,7 +258,7 @@ def _manifest_of(metadata: Any, checkpoint: str, created_unix_s: float, max_chun
                          ("storage_data", storage_data)):
         if not isinstance(value, Mapping):
             raise fail(f"field {field!r}: expected a mapping, found {brief(value)}")
-    items, files = _records(state_dict_metadata, storage_data, checkpoint,
+    items, files = _records(state_dict_metadata, storage_data, checkpoint, sizes,
                             _ChunkTables(max_chunks, fail), fail)
     check_chunks(items, fail)
     stored = {item.key for item in items}
@@ -267,7 +277,8 @@ def _exception_text(exc: Exception) -> str:
 
 
 def _records(state_dict_metadata: Mapping[Any, Any], storage_data: Mapping[Any, Any],
-             checkpoint: str, tables: _ChunkTables, fail: Callable[..., CorruptCheckpointError]
+             checkpoint: str, file_sizes: Callable[[str], int | None], tables: _ChunkTables,
+             fail: Callable[..., CorruptCheckpointError]
              ) -> tuple[list[ItemRecord], dict[str, int]]:
     """One record per stored item, each checked against its data file; the files' sizes."""
     sizes: dict[str, int] = {}
@@ -287,12 +298,13 @@ def _records(state_dict_metadata: Mapping[Any, Any], storage_data: Mapping[Any, 
             raise fail(f"item {key!r}: expected no stream transforms, found {brief(transforms)}",
                        key)
         if name not in sizes:
-            file_path = os.path.join(checkpoint, name)
-            if not _sysio.exists(file_path):
+            size = file_sizes(name)
+            if size is None:
+                file_path = f"{checkpoint.rstrip('/')}/{name}"
                 raise CorruptCheckpointError(
                     f"file {file_path}: expected a data file, found none; the checkpoint lost "
                     "a file", path=file_path, key=key)
-            sizes[name] = _sysio.data_file_size(file_path)
+            sizes[name] = size
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         if not (is_count(offset) and is_count(length)) or offset + length > sizes[name]:
             raise fail(f"item {key!r} bytes [{brief(offset)}, +{brief(length)}): expected "

@@ -11,12 +11,8 @@ import torch
 
 from asynctron import Engine
 from asynctron.storage._manifest import ItemRecord
-from asynctron.storage.backends.local._reader import (
-    MAX_GAP_BYTES,
-    CheckpointReader,
-    ReadJob,
-    plan_reads,
-)
+from asynctron.storage._read_plan import MAX_GAP_BYTES, ReadJob, plan_reads
+from asynctron.storage.backends.local._reader import LocalCheckpointReader
 from asynctron.storage.backends.local._sysio import LocalFileIO
 
 
@@ -74,7 +70,7 @@ async def test_verifying_reads_at_most_max_files_at_once(shm_path: str) -> None:
     async with Engine(num_workers=4, num_bins=6, slab_bytes=64 << 10) as engine:
         await engine.save(state, f"{shm_path}/ckpt")
         file_io = _ConcurrentFiles()
-        reader = CheckpointReader(file_io, f"{shm_path}/ckpt", engine.run_blocking,
+        reader = LocalCheckpointReader(file_io, f"{shm_path}/ckpt", engine.run_blocking,
                                   max_files_at_once=2)
         try:
             manifest = await reader.open()

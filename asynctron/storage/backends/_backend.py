@@ -29,8 +29,10 @@ from asynctron._concurrency import RunBlocking
 if TYPE_CHECKING:
     import mmap
 
-    from asynctron.storage._checksum import Checksums
-    from asynctron.storage.backends.local._reader import CheckpointReader
+    from asynctron.errors import CorruptCheckpointError
+    from asynctron.storage._checksum import Checksums, ItemHasher
+    from asynctron.storage._manifest import ItemRecord, Manifest
+    from asynctron.storage._read_plan import ReadJob
     from asynctron.storage.backends.local._writer import WriteBatch
 
 
@@ -93,6 +95,88 @@ class FileWriter(Protocol):
 
     async def aclose(self) -> None:
         """Release the file if still open (after a failure); never raises StorageError."""
+        ...
+
+
+class CheckpointReader(Protocol):
+    """Reads items of one committed checkpoint (`CheckpointStorage.open_reader`); `aclose`
+    when done. Several `read` calls may run at once."""
+
+    requested_path: str
+    path: str
+    """The checkpoint read (after `open`: the one `latest` named, if it was followed)."""
+    manifest: Manifest | None
+
+    async def open(self) -> Manifest:
+        """Find the checkpoint (following `latest`), read and validate its manifest against
+        its files (each present, with its recorded size).
+
+        Raises:
+            CheckpointNotFoundError: nothing committed at the path.
+            CorruptCheckpointError: a bad manifest, or a file missing or of the wrong size.
+        """
+        ...
+
+    @property
+    def verifiable(self) -> bool:
+        """Whether the checkpoint carries checksums to verify."""
+        ...
+
+    def path_of(self, name: str) -> str:
+        """The full name of the checkpoint's file `name` (for messages)."""
+        ...
+
+    def file_path(self, record: ItemRecord) -> str: ...
+
+    async def read(self, jobs: Sequence[ReadJob], *, verify: bool, slab_bytes: int,
+                   progress: Callable[[int], None] | None = None
+                   ) -> list[CorruptCheckpointError]:
+        """Read every job into its destination (or only hash it), in calls of at most
+        `slab_bytes`; `progress(nbytes)` as bytes land.
+
+        Returns:
+            with `verify` (and checksums in the checkpoint), one error per item whose digest
+            differs, naming file, key and offset; else an empty list.
+
+        Raises:
+            CorruptCheckpointError: a file ends early (names the file and item).
+            StorageError: a read failed.
+        """
+        ...
+
+    def digest_error(self, record: ItemRecord, found: str) -> CorruptCheckpointError | None:
+        """The error for `record` if `found` is not its digest, else None."""
+        ...
+
+    async def read_range(self, record: ItemRecord, start: int, destination: memoryview,
+                         hasher: ItemHasher | None) -> None:
+        """Read `record`'s bytes [start, +destination.nbytes) into `destination`, continuing
+        `hasher` over them."""
+        ...
+
+    async def map(self, record: ItemRecord) -> memoryview:
+        """A copy-on-write map of the item's bytes, read when touched.
+
+        Raises:
+            StorageError: the backend cannot map (an object store), saying what to do.
+        """
+        ...
+
+    async def check_mapped(self, record: ItemRecord, view: memoryview) -> None:
+        """Hash a mapped item and raise `CorruptCheckpointError` if it differs."""
+        ...
+
+    async def read_file(self, name: str, max_bytes: int) -> bytes:
+        """The whole small file `name` of the checkpoint (DCP's `.metadata`).
+
+        Raises:
+            CorruptCheckpointError: larger than `max_bytes`, or not a plain file.
+            StorageError: no such file, or the read failed.
+        """
+        ...
+
+    async def aclose(self) -> None:
+        """Release the reader and its lease (maps stay valid while tensors use them)."""
         ...
 
 

@@ -22,7 +22,7 @@ from asynctron.storage.backends._backend import Committed, Retention, SaveArea
 from asynctron.storage.backends.local import _publish, _retention, _sysio
 from asynctron.storage.backends.local._files import LocalFiles
 from asynctron.storage.backends.local._locks import DirLock
-from asynctron.storage.backends.local._reader import CheckpointReader
+from asynctron.storage.backends.local._reader import LocalCheckpointReader
 from asynctron.storage.backends.local._sysio import FileIO
 from asynctron.storage.backends.local._writer import BinWriter
 
@@ -83,9 +83,9 @@ class LocalBackend(LocalFiles):
             await run_blocking(_remove_area, area.location, lock)
 
     async def open_reader(self, run_blocking: RunBlocking, path: str, *,
-                          max_files_at_once: int) -> CheckpointReader:
+                          max_files_at_once: int) -> LocalCheckpointReader:
         checkpoint, lease = await run_blocking(_retention.lease_checkpoint, path)
-        return CheckpointReader(self.file_io, checkpoint, run_blocking,
+        return LocalCheckpointReader(self.file_io, checkpoint, run_blocking,
                                 max_files_at_once=max_files_at_once, lease=lease)
 
     def __repr__(self) -> str:

@@ -14,15 +14,13 @@ item streams in calls of `slab_bytes`.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import mmap
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from asynctron._concurrency import RunBlocking, first_error
 from asynctron.errors import CorruptCheckpointError
-from asynctron.storage._checksum import ItemHasher, check_digest, digest
+from asynctron.storage._checksum import ItemHasher
 from asynctron.storage._dcp import METADATA_NAME, is_dcp_checkpoint, read_dcp_manifest
 from asynctron.storage._manifest import (
     MANIFEST_NAME,
@@ -31,14 +29,18 @@ from asynctron.storage._manifest import (
     Manifest,
     parse_manifest,
 )
+from asynctron.storage._read_plan import (
+    CheckpointReaderBase,
+    ReadBatch,
+    ReadJob,
+    check_files,
+    check_no_overlap,
+    plan_reads,
+)
 from asynctron.storage.backends.local import _sysio
 from asynctron.storage.backends.local._locks import DirLock
 from asynctron.storage.backends.local._publish import resolve_checkpoint
 from asynctron.storage.backends.local._sysio import FileIO
-
-#: Items closer than this in a file are read in one call (the gap is read and dropped).
-MAX_GAP_BYTES = 64 << 10
-_SINK = memoryview(bytearray(MAX_GAP_BYTES))
 
 
 def read_manifest(checkpoint: str) -> Manifest:
@@ -48,128 +50,33 @@ def read_manifest(checkpoint: str) -> Manifest:
     manifest_path = os.path.join(checkpoint, MANIFEST_NAME)
     if not _sysio.is_file(manifest_path) and is_dcp_checkpoint(checkpoint):
         manifest = read_dcp_manifest(checkpoint)
-        _check_no_overlap(manifest, os.path.join(checkpoint, METADATA_NAME))
+        check_no_overlap(manifest, os.path.join(checkpoint, METADATA_NAME))
         return manifest
     manifest = parse_manifest(_sysio.read_small_file(manifest_path, MAX_MANIFEST_BYTES),
                               manifest_path)
-    for name, expected in manifest.files.items():
-        path = os.path.join(checkpoint, name)
-        if not _sysio.exists(path):
-            raise CorruptCheckpointError(
-                f"file {path}: expected {expected} bytes, found no file; the checkpoint lost "
-                "a file after commit", path=path)
-        found = _sysio.data_file_size(path)
-        if found != expected:
-            cut = [i.key for i in manifest.items if i.file == name and i.offset + i.nbytes > found]
-            raise CorruptCheckpointError(
-                f"file {path}: expected {expected} bytes, found {found}; items "
-                f"{cut[:3]} are cut (the file was truncated or changed after commit)",
-                path=path, key=cut[0] if cut else None, offset=found)
-    _check_no_overlap(manifest, manifest_path)
+    check_files(manifest, lambda name: _file_size(os.path.join(checkpoint, name)),
+                lambda name: os.path.join(checkpoint, name))
+    check_no_overlap(manifest, manifest_path)
     return manifest
 
 
-def _check_no_overlap(manifest: Manifest, manifest_path: str) -> None:
-    by_file: dict[str, list[ItemRecord]] = {}
-    for record in manifest.items:
-        if record.nbytes:
-            by_file.setdefault(record.file, []).append(record)
-    for name, records in by_file.items():
-        records.sort(key=lambda r: r.offset)
-        for before, after in itertools.pairwise(records):
-            if before.offset + before.nbytes > after.offset:
-                raise CorruptCheckpointError(
-                    f"manifest {manifest_path}: items {before.key!r} and {after.key!r} overlap "
-                    f"in {name} at offset {after.offset}; the checkpoint is damaged or not an "
-                    "asynctron checkpoint", path=manifest_path, key=after.key,
-                    offset=after.offset)
-
-
-@dataclass(frozen=True, slots=True)
-class ReadSegment:
-    """Bytes [item_offset, +nbytes) of job `item_index` land at [batch_offset, +nbytes) of
-    its read batch."""
-
-    item_index: int
-    item_offset: int
-    batch_offset: int
-    nbytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReadBatch:
-    """File bytes [file_offset, +nbytes), read by one preadv; bytes no segment covers are
-    read into a scratch sink."""
-
-    file_offset: int
-    nbytes: int
-    segments: tuple[ReadSegment, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ReadJob:
-    """Read `record`'s bytes into `destination` (exactly `record.nbytes`), or, with
-    `destination` None, only hash them (verification)."""
-
-    record: ItemRecord
-    destination: memoryview | None
-
-
-def plan_reads(records: Sequence[ItemRecord], slab_bytes: int) -> list[ReadBatch]:
-    """Read batches for `records` (all of one file, sorted by offset, not overlapping); a
-    segment's `item_index` is its record's index in `records`."""
-    batches: list[ReadBatch] = []
-    start = end = 0
-    segments: list[ReadSegment] = []
-
-    def flush() -> None:
-        if segments:
-            batches.append(ReadBatch(start, end - start, tuple(segments)))
-            segments.clear()
-
-    for index, record in enumerate(records):
-        done = 0
-        while done < record.nbytes:
-            at = record.offset + done
-            if not segments or at - end > MAX_GAP_BYTES or at - start >= slab_bytes:
-                flush()
-                start = end = at
-            nbytes = min(record.nbytes - done, start + slab_bytes - at)
-            segments.append(ReadSegment(index, done, at - start, nbytes))
-            done += nbytes
-            end = at + nbytes
-    flush()
-    return batches
+def _file_size(path: str) -> int | None:
+    return _sysio.data_file_size(path) if _sysio.exists(path) else None
 
 
 def read_batch(fio: FileIO, fd: int, path: str, batch: ReadBatch, jobs: Sequence[ReadJob],
                hashers: Sequence[ItemHasher] | None, scratch: memoryview | None) -> None:
     """Blocks: one preadv for the whole batch into the jobs' destinations (or `scratch`, which
     holds `batch.nbytes`, for jobs without one), then continue each segment's digest."""
-    buffers: list[memoryview] = []
-    views: list[memoryview] = []
-    cursor = 0
-    for segment in batch.segments:
-        gap = segment.batch_offset - cursor
-        if gap:
-            buffers.append(_SINK[:gap])
-        job = jobs[segment.item_index]
-        if job.destination is not None:
-            view = job.destination[segment.item_offset:segment.item_offset + segment.nbytes]
-        else:
-            assert scratch is not None
-            view = scratch[segment.batch_offset:segment.batch_offset + segment.nbytes]
-        buffers.append(view)
-        views.append(view)
-        cursor = segment.batch_offset + segment.nbytes
+    buffers, views = batch.targets(jobs, scratch)
+
     def key_at(file_offset: int) -> str:
         cut = [s for s in batch.segments if batch.file_offset + s.batch_offset <= file_offset]
         return jobs[(cut or batch.segments)[-1].item_index].record.key
 
     _sysio.read_fully(fio, fd, buffers, batch.file_offset, path, key_at)
     if hashers is not None:
-        for segment, view in zip(batch.segments, views, strict=True):
-            hashers[segment.item_index].update(view)
+        batch.hash(views, hashers)
 
 
 def read_range(fio: FileIO, fd: int, path: str, key: str, offset: int, destination: memoryview,
@@ -180,7 +87,7 @@ def read_range(fio: FileIO, fd: int, path: str, key: str, offset: int, destinati
         hasher.update(destination)
 
 
-class CheckpointReader:
+class LocalCheckpointReader(CheckpointReaderBase):
     """Reads items of one committed checkpoint; call `aclose` when done.
 
     Concurrency: several `read` calls may run at once; together they read at most
@@ -189,13 +96,10 @@ class CheckpointReader:
 
     def __init__(self, fio: FileIO, path: str, run_blocking: RunBlocking, *,
                  max_files_at_once: int, lease: DirLock | None = None) -> None:
+        super().__init__(path, run_blocking)
         self._fio = fio
         self._lease = lease
-        self._run_blocking = run_blocking
         self._file_slots = asyncio.Semaphore(max_files_at_once)
-        self.requested_path = path
-        self.path = path
-        self.manifest: Manifest | None = None
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap] = {}
 
@@ -209,19 +113,6 @@ class CheckpointReader:
         self.path = await self._run_blocking(resolve_checkpoint, self.requested_path)
         self.manifest = await self._run_blocking(read_manifest, self.path)
         return self.manifest
-
-    @property
-    def verifiable(self) -> bool:
-        """Whether the checkpoint carries checksums to verify."""
-        assert self.manifest is not None, "open() first"
-        return self.manifest.checksum is not None
-
-    def path_of(self, name: str) -> str:
-        """The full name of the checkpoint's file `name` (for messages)."""
-        return os.path.join(self.path, name)
-
-    def file_path(self, record: ItemRecord) -> str:
-        return self.path_of(record.file)
 
     async def fd(self, name: str) -> int:
         """The open descriptor of data file `name` (opened on first use, closed by `aclose`)."""
@@ -290,16 +181,6 @@ class CheckpointReader:
         return [error for i in sorted(found) if jobs[i].record.checksum is not None
                 and (error := self.digest_error(jobs[i].record, found[i])) is not None]
 
-    def digest_error(self, record: ItemRecord, found: str) -> CorruptCheckpointError | None:
-        """The error for `record` if `found` is not its digest, else None."""
-        assert record.checksum is not None
-        try:
-            check_digest(key=record.key, path=self.file_path(record), offset=record.offset,
-                         expected=record.checksum, found=found)
-        except CorruptCheckpointError as error:
-            return error
-        return None
-
     async def read_range(self, record: ItemRecord, start: int, destination: memoryview,
                          hasher: ItemHasher | None) -> None:
         """Read `record`'s bytes [start, +destination.nbytes) into `destination` (one executor
@@ -315,14 +196,6 @@ class CheckpointReader:
             self._maps[record.file] = await self._run_blocking(_map_file, fd,
                                                                self.file_path(record))
         return memoryview(self._maps[record.file])[record.offset:record.offset + record.nbytes]
-
-    async def check_mapped(self, record: ItemRecord, view: memoryview) -> None:
-        """Hash a mapped item (reading every page of it) and raise if it differs."""
-        if record.checksum is None:
-            return
-        error = self.digest_error(record, await self._run_blocking(digest, view))
-        if error is not None:
-            raise error
 
     async def read_file(self, name: str, max_bytes: int) -> bytes:
         """The whole small file `name` of the checkpoint (DCP's `.metadata`).
