@@ -1,7 +1,7 @@
 """Where bytes live: the `Backend` seam and its implementations, one module (or folder) each.
 
     backend_for("ckpt/step_100")        # LocalBackend: a path on this machine
-    backend_for("s3://bucket/run")      # the backend registered for "s3", if any
+    backend_for("s3://bucket/run")      # S3Backend: an S3-compatible store (the AWS chain's)
 
 A new backend implements `Backend` in its own module and registers a factory for its URL
 scheme with `register_backend`; nothing above `storage` changes.
@@ -23,8 +23,7 @@ from asynctron.storage.backends._backend import (
 from asynctron.storage.backends.local import LocalBackend
 
 __all__ = ["Backend", "Committed", "FileWriter", "LocalBackend", "Retention", "SaveArea",
-           "backend_for",
-           "register_backend"]
+           "backend_for", "register_backend", "shared_backends"]
 
 _FACTORIES: dict[str, Callable[[], Backend]] = {}
 _SHARED: dict[str, Backend] = {}
@@ -39,6 +38,11 @@ def register_backend(scheme: str, factory: Callable[[], Backend]) -> None:
     (`"file"`: plain paths, the local filesystem)."""
     _FACTORIES[scheme.lower()] = factory
     _SHARED.pop(scheme.lower(), None)
+
+
+def shared_backends() -> list[Backend]:
+    """The backends `backend_for` made so far in this process."""
+    return list(_SHARED.values())
 
 
 def backend_for(path: str | os.PathLike[str]) -> Backend:
@@ -69,3 +73,12 @@ def backend_for(path: str | os.PathLike[str]) -> Backend:
 
 
 _FACTORIES[_LOCAL] = LocalBackend
+
+
+def _s3_backend() -> Backend:
+    from asynctron.storage.backends.s3 import S3Backend  # its client costs ~1 s to import
+
+    return S3Backend()
+
+
+_FACTORIES["s3"] = _s3_backend

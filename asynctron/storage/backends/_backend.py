@@ -248,11 +248,16 @@ class CheckpointStorage(Protocol):
     async def open_reader(self, run_blocking: RunBlocking, path: str, *,
                           max_files_at_once: int) -> CheckpointReader:
         """A reader of the committed checkpoint at `path`, or of the one `path/latest` names,
-        leased: no pruning removes it until `reader.aclose()`.
+        leased where the backend can: no pruning removes it until `reader.aclose()`.
 
         Raises:
             CheckpointNotFoundError: nothing committed there.
         """
+        ...
+
+    async def aclose(self) -> None:
+        """Release what the backend holds for the running loop (an object store's
+        connections); it stays usable: a later call opens them again. Never raises."""
         ...
 
 

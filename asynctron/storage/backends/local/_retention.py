@@ -25,16 +25,23 @@ the lock is released, from tmp names that nobody reads.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from asynctron.errors import CheckpointNotFoundError, StorageError
 from asynctron.storage._manifest import MANIFEST_NAME
 from asynctron.storage.backends._backend import Retention
+from asynctron.storage.backends._ledger import (
+    LEDGER_NAME,
+    MAX_LEDGER_BYTES,
+    LedgerEntry,
+    beyond_keep_last,
+    encode_ledger,
+    parse_ledger,
+)
 from asynctron.storage.backends.local import _sysio
 from asynctron.storage.backends.local._locks import DirLock
 from asynctron.storage.backends.local._publish import (
@@ -50,29 +57,9 @@ from asynctron.storage.backends.local._publish import (
 
 logger = logging.getLogger(__name__)
 
-LEDGER_NAME = ".asynctron-ledger"
-#: A ledger larger than this is ignored (it holds a line per live checkpoint: ~150 bytes).
-MAX_LEDGER_BYTES = 16 << 20
 #: Files staged only under the root's exclusive lock: any found while holding it are dead.
 _STAGED_FILE_PREFIXES = (LATEST_NAME + TMP_MARK, LEDGER_NAME + TMP_MARK)
 _MAX_LEASE_ATTEMPTS = 8
-
-
-@dataclass(frozen=True, slots=True)
-class LedgerEntry:
-    """One committed checkpoint of a job, as the ledger records it."""
-
-    job: str
-    name: str
-    engine: str
-    seq: int
-    manifest: tuple[int, int]
-    """(inode, mtime in ns) of the checkpoint's manifest when it was committed."""
-
-    def to_json(self) -> str:
-        return json.dumps({"job": self.job, "name": self.name, "engine": self.engine,
-                           "seq": self.seq, "manifest": list(self.manifest)},
-                          separators=(",", ":"))
 
 
 @dataclass(slots=True)
@@ -166,9 +153,8 @@ def _prune(root: str, retention: Retention, removal: Removal) -> None:
                if _manifest_identity(os.path.join(root, entry.name)) == entry.manifest]
     latest = read_latest(root)
     keep = os.path.basename(latest) if latest is not None else None
-    mine = _in_commit_order(e for e in entries if e.job == retention.job)
     doomed = []
-    for entry in mine[:-retention.keep_last]:
+    for entry in beyond_keep_last(entries, retention):
         path = os.path.join(root, entry.name)
         if entry.name == keep:
             continue
@@ -188,15 +174,6 @@ def _prune(root: str, retention: Retention, removal: Removal) -> None:
     for path in removal.pruned:
         logger.info("checkpoint %s: pruned (job %r keeps its %d newest)", path, retention.job,
                     retention.keep_last)
-
-
-def _in_commit_order(entries: Iterator[LedgerEntry]) -> list[LedgerEntry]:
-    """Engines in the order of their first entry; one engine's entries by save number."""
-    first: dict[str, int] = {}
-    ordered = list(entries)
-    for position, entry in enumerate(ordered):
-        first.setdefault(entry.engine, position)
-    return sorted(ordered, key=lambda entry: (first[entry.engine], entry.seq))
 
 
 def _claim_debris(root: str, removal: Removal) -> None:
@@ -225,44 +202,19 @@ def _claim_debris(root: str, removal: Removal) -> None:
 
 
 def read_ledger(root: str) -> list[LedgerEntry]:
-    """Blocks: the ledger's entries, in file order. Lines that are not entries are skipped,
-    with a warning (their checkpoints are then never pruned)."""
+    """Blocks: the ledger's entries, in file order (see `parse_ledger`)."""
     path = os.path.join(root, LEDGER_NAME)
     if not _sysio.is_file(path):
         return []
-    data = _sysio.read_small_file(path, MAX_LEDGER_BYTES)
-    entries = []
-    for number, line in enumerate(data.splitlines(), 1):
-        entry = _parse_entry(line)
-        if entry is None:
-            logger.warning("ledger %s line %d: expected a checkpoint entry, found %r; "
-                           "ignored (that checkpoint is never pruned)", path, number, line[:80])
-        else:
-            entries.append(entry)
-    return entries
-
-
-def _parse_entry(line: bytes) -> LedgerEntry | None:
-    try:
-        raw = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(raw, dict):
-        return None
-    job, name, engine = raw.get("job"), raw.get("name"), raw.get("engine")
-    seq, manifest = raw.get("seq"), raw.get("manifest")
-    if not (isinstance(job, str) and isinstance(engine, str) and isinstance(name, str)
-            and _is_checkpoint_name(name) and _is_int(seq) and isinstance(manifest, list)
-            and len(manifest) == 2 and all(map(_is_int, manifest))):
-        return None
-    return LedgerEntry(job, name, engine, seq, (manifest[0], manifest[1]))
+    return parse_ledger(_sysio.read_small_file(path, MAX_LEDGER_BYTES), path,
+                        _is_checkpoint_name)
 
 
 def _write_ledger(root: str, entries: Sequence[LedgerEntry]) -> None:
     """Replace the ledger atomically (a crash leaves the old one or the new one)."""
     path = os.path.join(root, LEDGER_NAME)
     staging = staging_path(path)
-    _sysio.write_small_file(staging, "".join(f"{e.to_json()}\n" for e in entries).encode())
+    _sysio.write_small_file(staging, encode_ledger(entries))
     _sysio.replace_file(staging, path)
     _sysio.fsync_dir(root)
 
@@ -310,7 +262,3 @@ def _is_real_dir(path: str) -> bool:
 def _is_checkpoint_name(name: str) -> bool:
     return bool(name) and "/" not in name and "\x00" not in name and name not in (
         ".", "..", LATEST_NAME, LEDGER_NAME) and not is_tmp_dir_name(name)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -1,0 +1,264 @@
+"""`S3Client`: S3 requests on the caller's event loop, bounded, retried inside a deadline, their
+failures as errors that name the endpoint, the object and what to set.
+
+One aiobotocore client per event loop (its connections belong to that loop), made on first
+use and closed by `aclose` on that loop. Every request holds one slot of the loop's request
+budget (`S3Config.max_requests`) while in flight. Connection resets, timeouts, 5xx and
+SlowDown are retried with exponential backoff and jitter until the operation's deadline
+(`S3Config.deadline_s`); everything else fails at once. botocore's own retries are off, so the
+deadline is the only clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import aiohttp
+import botocore.exceptions
+from aiobotocore.config import AioConfig
+from aiobotocore.session import AioSession
+
+from asynctron.errors import AsynctronError, CorruptCheckpointError, StorageError
+from asynctron.storage.backends.s3._config import S3Config
+from asynctron.storage.backends.s3._layout import ObjectUrl
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_RETRIED_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+    "InternalError", "ServiceUnavailable", "503", "500", "502", "504"})
+_CREDENTIAL_CODES = frozenset({
+    "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
+    "ExpiredToken", "403"})
+_TRANSPORT_ERRORS = (
+    botocore.exceptions.HTTPClientError,  # connection closed or reset, timeouts, proxies
+    botocore.exceptions.ConnectionError,  # connection refused, DNS
+    botocore.exceptions.ResponseStreamingError,
+    aiohttp.ClientError,
+    asyncio.TimeoutError,
+    ConnectionError,
+)
+_FIRST_BACKOFF_S = 0.05
+_MAX_BACKOFF_S = 2.0
+_SET_CREDENTIALS = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass "
+                    "S3Config(access_key_id=..., secret_access_key=...)")
+
+
+class NoSuchObjectError(StorageError):
+    """The object (or its bucket) does not exist."""
+
+
+class PreconditionFailedError(StorageError):
+    """A conditional write found the object not as required (it exists, or changed)."""
+
+
+class _LoopClient:
+    """An aiobotocore client and the request budget of one event loop."""
+
+    def __init__(self, client: Any, max_requests: int) -> None:
+        self.client = client
+        self.budget = asyncio.Semaphore(max_requests)
+        self.in_flight = 0
+        self.most_in_flight = 0
+
+
+class S3Client:
+    """Requests to one store, from any number of event loops (a client per loop).
+
+    Concurrency: any number of tasks on a loop share its client and its request budget.
+    """
+
+    def __init__(self, config: S3Config) -> None:
+        self.config = config
+        self.endpoint = config.resolved_endpoint() or "AWS S3"
+        self._session = AioSession(profile=config.profile)
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopClient] = (
+            weakref.WeakKeyDictionary())
+        self._opening: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+            weakref.WeakKeyDictionary())
+
+    def _region(self) -> str:
+        return (self.config.region or os.environ.get("AWS_REGION")
+                or self._session.get_config_variable("region") or "us-east-1")
+
+    async def _loop_client(self) -> _LoopClient:
+        loop = asyncio.get_running_loop()
+        found = self._clients.get(loop)
+        if found is not None:
+            return found
+        lock = self._opening.setdefault(loop, asyncio.Lock())
+        async with lock:
+            found = self._clients.get(loop)
+            if found is None:
+                found = self._clients[loop] = _LoopClient(await self._open_client(),
+                                                          self.config.max_requests)
+        return found
+
+    async def _open_client(self) -> Any:
+        config = self.config
+        checksums = "when_supported" if config.store_checksums else "when_required"
+        client_config = AioConfig(
+            s3={"addressing_style": config.resolved_addressing_style(),
+                "payload_signing_enabled": config.sign_payload},
+            request_checksum_calculation=checksums, response_checksum_validation=checksums,
+            retries={"total_max_attempts": 1}, max_pool_connections=config.max_requests,
+            connect_timeout=config.connect_timeout_s, read_timeout=config.read_timeout_s,
+            tcp_keepalive=True, parameter_validation=False)
+        creator = self._session.create_client(
+            "s3", region_name=self._region(), endpoint_url=config.endpoint_url,
+            aws_access_key_id=config.access_key_id,
+            aws_secret_access_key=config.secret_access_key,
+            aws_session_token=config.session_token, config=client_config)
+        return await creator.__aenter__()
+
+    @property
+    def most_in_flight(self) -> int:
+        """The most requests this loop's client had in flight at once (0 before any)."""
+        try:
+            found = self._clients.get(asyncio.get_running_loop())
+        except RuntimeError:
+            found = None
+        return 0 if found is None else found.most_in_flight
+
+    async def call(self, operation: str, url: ObjectUrl | str, /, **params: Any) -> Any:
+        """`operation` (a client method: `put_object`, `upload_part`, ...) with `params`,
+        retried inside the deadline; `url` names the object in errors.
+
+        Raises:
+            NoSuchObjectError: the object or bucket does not exist (404).
+            PreconditionFailedError: a conditional write's condition failed (412).
+            StorageError: any other failure, naming endpoint, object and what to set.
+        """
+        async def attempt(client: Any) -> Any:
+            return await getattr(client, operation)(**params)
+
+        return await self.retried(operation, url, attempt)
+
+    async def get_into(self, url: ObjectUrl, offset: int, buffers: Sequence[memoryview],
+                       *, key: str | None = None) -> None:
+        """Fill `buffers`, one after another, with the object's bytes from `offset` (one
+        ranged GET, retried whole inside the deadline).
+
+        Raises:
+            CorruptCheckpointError: the object ends before the buffers are full (names `key`,
+                the item being read, when given).
+            NoSuchObjectError, StorageError: as `call`.
+        """
+        nbytes = sum(buffer.nbytes for buffer in buffers)
+        if not nbytes:
+            return
+
+        async def attempt(client: Any) -> None:
+            response = await client.get_object(Bucket=url.bucket, Key=url.key,
+                                               Range=f"bytes={offset}-{offset + nbytes - 1}")
+            async with response["Body"] as body:
+                done = 0
+                for buffer in buffers:
+                    view = buffer.cast("B") if buffer.format != "B" else buffer
+                    filled = 0
+                    while filled < view.nbytes:
+                        got = await body.readinto(view[filled:])
+                        if not got:
+                            raise CorruptCheckpointError(
+                                f"object {url}: expected {nbytes} bytes from offset {offset}, "
+                                f"found {done + filled}; the object is shorter than its "
+                                "manifest says (truncated or replaced after commit)",
+                                path=str(url), key=key, offset=offset + done + filled)
+                        filled += got
+                    done += filled
+
+        await self.retried("get_object", url, attempt)
+
+    async def retried(self, operation: str, url: ObjectUrl | str,
+                      attempt: Callable[[Any], Awaitable[T]]) -> T:
+        """`attempt(client)` holding a request slot, retried on transient failures until the
+        deadline; failures translated as `call` says."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.deadline_s
+        tries = 0
+        while True:
+            tries += 1
+            loop_client = await self._loop_client()
+            try:
+                async with loop_client.budget:
+                    loop_client.in_flight += 1
+                    loop_client.most_in_flight = max(loop_client.most_in_flight,
+                                                     loop_client.in_flight)
+                    try:
+                        return await attempt(loop_client.client)
+                    finally:
+                        loop_client.in_flight -= 1
+            except AsynctronError:
+                raise  # ours (an object shorter than its manifest says): final
+            except Exception as error:
+                if not _is_transient(error):
+                    raise self._translate(operation, url, error, tries) from error
+                backoff = min(_MAX_BACKOFF_S, _FIRST_BACKOFF_S * 2 ** (tries - 1))
+                backoff *= random.uniform(0.5, 1.0)
+                if loop.time() + backoff > deadline:
+                    raise self._translate(operation, url, error, tries) from error
+                logger.debug("%s %s: %s; retrying in %.2f s", operation, url, error, backoff)
+                await asyncio.sleep(backoff)
+
+    def _translate(self, operation: str, url: ObjectUrl | str, error: Exception,
+                   tries: int) -> StorageError:
+        where = f"{operation} {url} at {self.endpoint}"
+        if isinstance(error, botocore.exceptions.NoCredentialsError | (
+                botocore.exceptions.PartialCredentialsError)):
+            return StorageError(f"{where}: no credentials found ({error}); {_SET_CREDENTIALS}",
+                                path=str(url), errno=None)
+        if isinstance(error, botocore.exceptions.ClientError):
+            info = error.response.get("Error", {})
+            code = str(info.get("Code", ""))
+            status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            message = info.get("Message") or code
+            if code == "NoSuchBucket":
+                bucket = url.bucket if isinstance(url, ObjectUrl) else url
+                return NoSuchObjectError(
+                    f"{where}: the bucket {bucket!r} does not exist; create it, or fix the "
+                    "URL's bucket (and AWS_ENDPOINT_URL if this is the wrong store)",
+                    path=str(url), errno=None)
+            if code in ("NoSuchKey", "NoSuchUpload", "404") or status == 404:
+                return NoSuchObjectError(f"{where}: no such object ({code})", path=str(url),
+                                         errno=None)
+            if code == "PreconditionFailed" or status == 412:
+                return PreconditionFailedError(f"{where}: the condition failed ({message})",
+                                               path=str(url), errno=None)
+            if code in _CREDENTIAL_CODES:
+                return StorageError(f"{where}: the store refused our credentials ({code}: "
+                                    f"{message}); {_SET_CREDENTIALS}", path=str(url),
+                                    errno=None)
+            if code in _RETRIED_CODES or (status or 0) >= 500:
+                return StorageError(
+                    f"{where}: the store kept failing ({code}: {message}) for "
+                    f"{self.config.deadline_s:g} s ({tries} tries); raise "
+                    "S3Config.deadline_s to wait longer", path=str(url), errno=None)
+            return StorageError(f"{where}: {code}: {message}", path=str(url), errno=None)
+        if _is_transient(error):
+            return StorageError(
+                f"{where}: no answer for {self.config.deadline_s:g} s ({tries} tries; last: "
+                f"{type(error).__name__}: {error}); is the store up and AWS_ENDPOINT_URL (or "
+                "S3Config.endpoint_url) right?", path=str(url), errno=None)
+        return StorageError(f"{where}: {type(error).__name__}: {error}", path=str(url),
+                            errno=None)
+
+    async def aclose(self) -> None:
+        """Close the running loop's client (its connections); a later call opens another."""
+        found = self._clients.pop(asyncio.get_running_loop(), None)
+        if found is not None:
+            await found.client.__aexit__(None, None, None)
+
+
+def _is_transient(error: Exception) -> bool:
+    if isinstance(error, botocore.exceptions.ClientError):
+        info = error.response.get("Error", {})
+        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
+        return str(info.get("Code", "")) in _RETRIED_CODES or status >= 500
+    return isinstance(error, _TRANSPORT_ERRORS)

@@ -1,0 +1,90 @@
+"""`S3Config`: where the store is, who we are, and how hard to push it.
+
+Everything left None comes from the standard AWS chain, as boto3 users expect: the endpoint
+from `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL` or the profile's `endpoint_url`; credentials
+from `AWS_ACCESS_KEY_ID` / `AWS_SECRET_ACCESS_KEY` (/ `AWS_SESSION_TOKEN`), `AWS_PROFILE` and
+the config and credentials files, or an instance role; the region from `AWS_REGION` /
+`AWS_DEFAULT_REGION` or the profile.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+MiB = 1 << 20
+#: S3's own bounds on a multipart upload's parts (every part but the last at least the min).
+MIN_PART_BYTES = 5 * MiB
+MAX_PARTS = 10_000
+
+
+@dataclass(frozen=True, slots=True)
+class S3Config:
+    """How asynctron reaches an S3-compatible store. Validated at construction.
+
+    By default payloads go unsigned (`UNSIGNED-PAYLOAD` in SigV4) and without the store's
+    extra checksums: every item's xxh3 digest is in the manifest and verified on load, so
+    hashing each byte twice more buys nothing. Over plain http a byte changed in flight is
+    then caught by that digest at load, not by the store at upload.
+    """
+
+    endpoint_url: str | None = None
+    """The store's URL (`http://127.0.0.1:9000`); None: the AWS chain's, else AWS's own."""
+    region: str | None = None
+    profile: str | None = None
+    """A profile of the AWS config files; None: `AWS_PROFILE`, else `default`."""
+    access_key_id: str | None = None
+    secret_access_key: str | None = None
+    session_token: str | None = None
+    addressing_style: Literal["path", "virtual", "auto"] | None = None
+    """None: `path` when an endpoint is set (most compatible stores need it), else `auto`."""
+    sign_payload: bool = False
+    """SHA-256 every payload into its signature (the loop thread hashes it: ~0.4 s per GiB)."""
+    store_checksums: bool = False
+    """Have the client send, and the store check, a CRC of every request body."""
+    max_requests: int = 64
+    """Most requests in flight at once per event loop (the request budget)."""
+    single_put_bytes: int = 8 * MiB
+    """Files up to this size go as one PUT, larger ones as a multipart upload."""
+    deadline_s: float = 60.0
+    """How long one operation retries resets, 5xx and SlowDown (with backoff) before failing."""
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+    abandoned_after_s: float = 3600.0
+    """A save on another host whose claim is older than this is taken for dead: the next
+    commit under its root deletes its objects and aborts its uploads. A dead save on this host
+    is found at once (its process is gone)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_requests", "single_put_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"S3Config.{name}: expected a positive int, found {value!r}")
+        for name in ("deadline_s", "connect_timeout_s", "read_timeout_s", "abandoned_after_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (
+                    math.isfinite(value) and value >= 0):
+                raise ValueError(f"S3Config.{name}: expected seconds >= 0, found {value!r}")
+        if self.addressing_style not in (None, "path", "virtual", "auto"):
+            raise ValueError("S3Config.addressing_style: expected 'path', 'virtual', 'auto' "
+                             f"or None, found {self.addressing_style!r}")
+
+    def resolved_endpoint(self) -> str | None:
+        """The endpoint requests go to: this config's, else the environment's (None: the one
+        botocore derives from the profile, or AWS's for the region)."""
+        return (self.endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3")
+                or os.environ.get("AWS_ENDPOINT_URL") or None)
+
+    def resolved_addressing_style(self) -> str:
+        if self.addressing_style is not None:
+            return self.addressing_style
+        return "path" if self.resolved_endpoint() else "auto"
+
+
+
+def min_part_bytes(nbytes: int) -> int:
+    """The least size of a part (but the last) of a `nbytes` upload: S3's 5 MiB, grown to
+    stay within its 10,000 parts. A staging slab at least this big is a part by itself."""
+    return max(MIN_PART_BYTES, -(-nbytes // MAX_PARTS))

@@ -1,0 +1,214 @@
+"""`ObjectReader`: a committed checkpoint on a store, read by parallel ranged GETs straight into
+the destinations.
+
+`open` lists the checkpoint's objects once (their sizes), reads its manifest (asynctron's, or a
+stock DCP `.metadata`) with the bounds of a local one, and checks every file's size before any
+item is read. `read` plans the same read batches as a local read, cut to at most
+`range_bytes`, and sends every GET at once (the client's request budget bounds them); digests
+are continued in file order on the executor as ranges land.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+
+from asynctron._concurrency import RunBlocking, first_error
+from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from asynctron.storage._checksum import ItemHasher
+from asynctron.storage._dcp import MAX_METADATA_BYTES, METADATA_NAME, parse_dcp_manifest
+from asynctron.storage._manifest import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    ItemRecord,
+    Manifest,
+    parse_manifest,
+)
+from asynctron.storage._read_plan import (
+    CheckpointReaderBase,
+    ReadJob,
+    check_files,
+    check_no_overlap,
+    plan_reads,
+)
+from asynctron.storage.backends.s3._client import NoSuchObjectError, S3Client
+from asynctron.storage.backends.s3._layout import LATEST_NAME, ObjectUrl, list_objects, parse_url
+
+#: The most bytes one ranged GET asks for: enough GETs in flight to fill the link.
+RANGE_BYTES = 16 << 20
+
+
+class ObjectReader(CheckpointReaderBase):
+    """Reads items of one committed checkpoint on a store; `aclose` when done.
+
+    No lease: a checkpoint pruned by another process while it is read fails the read with a
+    clear error (a missing object), never with wrong bytes (digests are verified).
+    """
+
+    def __init__(self, client: S3Client, url: str, run_blocking: RunBlocking) -> None:
+        super().__init__(url, run_blocking)
+        self._client = client
+        self._sizes: dict[str, int] = {}
+
+    async def open(self) -> Manifest:
+        """Find the checkpoint (following `latest`), read and check its manifest.
+
+        Raises:
+            CheckpointNotFoundError: nothing committed at the URL.
+            CorruptCheckpointError: a bad manifest, or an object missing or of another size.
+        """
+        url = parse_url(self.requested_path)
+        sizes = await list_objects(self._client, url)
+        if MANIFEST_NAME not in sizes and METADATA_NAME not in sizes:
+            url = await self._follow_latest(url, sizes)
+            sizes = await list_objects(self._client, url)
+            if MANIFEST_NAME not in sizes and METADATA_NAME not in sizes:
+                raise CheckpointNotFoundError(
+                    f"checkpoint {self.requested_path}: its '{LATEST_NAME}' names {url}, which "
+                    f"holds no committed checkpoint ({MANIFEST_NAME} or DCP's "
+                    f"{METADATA_NAME}); it was pruned, or its save never committed",
+                    path=str(url))
+        self.path = str(url)
+        self._sizes = sizes
+        if MANIFEST_NAME in sizes:
+            manifest_path = self.path_of(MANIFEST_NAME)
+            raw = await self._get_small(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+            manifest = await self._run_blocking(parse_manifest, raw, manifest_path)
+            check_files(manifest, sizes.get, self.path_of)
+        else:
+            manifest_path = self.path_of(METADATA_NAME)
+            raw = await self._get_small(METADATA_NAME, MAX_METADATA_BYTES)
+            manifest = await self._run_blocking(parse_dcp_manifest, raw, self.path, 0.0,
+                                                sizes.get)
+        await self._run_blocking(check_no_overlap, manifest, manifest_path)
+        self.manifest = manifest
+        return manifest
+
+    async def _follow_latest(self, url: ObjectUrl, sizes: dict[str, int]) -> ObjectUrl:
+        if LATEST_NAME not in sizes:
+            raise CheckpointNotFoundError(
+                f"checkpoint {url}: expected a committed checkpoint ({MANIFEST_NAME} or DCP's "
+                f"{METADATA_NAME}) or a '{LATEST_NAME}' object, found neither; the save may not "
+                "have committed, or the URL is wrong", path=str(url))
+        name = (await self._get(url.child(LATEST_NAME), 4096)).decode(errors="replace").strip()
+        if not name or "/" in name or name in (".", ".."):
+            raise CorruptCheckpointError(
+                f"object {url.child(LATEST_NAME)}: expected the name of a checkpoint beside it, "
+                f"found {name[:80]!r}", path=str(url.child(LATEST_NAME)))
+        return url.child(name)
+
+    async def _get_small(self, name: str, max_bytes: int) -> bytes:
+        size = self._sizes.get(name)
+        url = parse_url(self.path_of(name))
+        if size is None:
+            raise StorageError(f"object {url}: expected it in the checkpoint, found none",
+                               path=str(url), errno=None)
+        if size > max_bytes:
+            raise CorruptCheckpointError(
+                f"object {url}: expected at most {max_bytes} bytes, found {size}; refused "
+                "unread (the checkpoint is damaged or not an asynctron checkpoint)",
+                path=str(url))
+        return await self._get(url, size)
+
+    async def _get(self, url: ObjectUrl, nbytes: int) -> bytes:
+        """The object's first `nbytes` bytes (all of a smaller one)."""
+        if not nbytes:
+            return b""
+        response = await self._client.call("get_object", url, Bucket=url.bucket, Key=url.key,
+                                           Range=f"bytes=0-{nbytes - 1}")
+        async with response["Body"] as body:
+            return await body.read()
+
+    async def read(self, jobs: Sequence[ReadJob], *, verify: bool, slab_bytes: int,
+                   progress: Callable[[int], None] | None = None
+                   ) -> list[CorruptCheckpointError]:
+        """Read every job: every range in flight at once (the request budget bounds them),
+        digests continued in file order. Returns digest mismatches as the local reader does.
+
+        Memory: jobs without a destination (verification) get a scratch buffer per range in
+        flight.
+        Cancellation: the GETs in flight are cancelled; destinations are partly filled.
+        """
+        check = verify and self.verifiable
+        by_file: dict[str, list[int]] = {}
+        for index, job in enumerate(jobs):
+            by_file.setdefault(job.record.file, []).append(index)
+        found: dict[int, str] = {}
+
+        async def read_file(name: str, indices: list[int]) -> None:
+            indices.sort(key=lambda i: jobs[i].record.offset)
+            file_jobs = [jobs[i] for i in indices]
+            hashers = [ItemHasher() for _ in file_jobs] if check else None
+            url = parse_url(self.path_of(name))
+            batches = plan_reads([job.record for job in file_jobs],
+                                 min(slab_bytes, RANGE_BYTES))
+            turns = [asyncio.Event() for _ in batches]
+
+            async def read_batch(number: int) -> None:
+                batch = batches[number]
+                scratch = (memoryview(bytearray(batch.nbytes))
+                           if any(file_jobs[s.item_index].destination is None
+                                  for s in batch.segments) else None)
+                buffers, views = batch.targets(file_jobs, scratch)
+                first = file_jobs[batch.segments[0].item_index].record.key
+                await self._client.get_into(url, batch.file_offset, buffers, key=first)
+                if progress is not None:
+                    progress(sum(segment.nbytes for segment in batch.segments))
+                if hashers is not None:
+                    if number:
+                        await turns[number - 1].wait()
+                    await self._run_blocking(batch.hash, views, hashers)
+                turns[number].set()
+
+            async with asyncio.TaskGroup() as group:
+                for number in range(len(batches)):
+                    group.create_task(read_batch(number))
+            if hashers is not None:
+                for i, hasher in zip(indices, hashers, strict=True):
+                    found[i] = hasher.hexdigest()
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                for name, indices in by_file.items():
+                    group.create_task(read_file(name, indices))
+        except BaseExceptionGroup as error:
+            raise first_error(error)  # noqa: B904 (the group stays as __context__)
+        return [error for i in sorted(found) if jobs[i].record.checksum is not None
+                and (error := self.digest_error(jobs[i].record, found[i])) is not None]
+
+    async def read_range(self, record: ItemRecord, start: int, destination: memoryview,
+                         hasher: ItemHasher | None) -> None:
+        """Read `record`'s bytes [start, +destination.nbytes) into `destination` (one ranged
+        GET), continuing `hasher` over them."""
+        await self._client.get_into(parse_url(self.file_path(record)), record.offset + start,
+                                    [destination], key=record.key)
+        if hasher is not None:
+            await self._run_blocking(hasher.update, destination)
+
+    async def map(self, record: ItemRecord) -> memoryview:
+        """Refused: an object store has no file to map.
+
+        Raises:
+            StorageError: always, saying what to do instead.
+        """
+        raise StorageError(
+            f"checkpoint {self.path}: mmap=True maps local files, and this checkpoint is on "
+            "object storage; load with mmap=False (parallel ranged reads), or copy the "
+            "checkpoint to a local path to map it", path=self.path, errno=None)
+
+    async def read_file(self, name: str, max_bytes: int) -> bytes:
+        """The whole small object `name` of the checkpoint (DCP's `.metadata`).
+
+        Raises:
+            CorruptCheckpointError: larger than `max_bytes`.
+            StorageError: no such object, or the read failed.
+        """
+        try:
+            return await self._get_small(name, max_bytes)
+        except NoSuchObjectError as error:
+            raise StorageError(f"object {self.path_of(name)}: expected it in the checkpoint, "
+                               f"found none ({error})", path=self.path_of(name),
+                               errno=None) from error
+
+    async def aclose(self) -> None:
+        """Nothing is held between reads."""
