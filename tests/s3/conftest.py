@@ -1,0 +1,80 @@
+"""A real S3-compatible server for the object-storage tests: SeaweedFS (`weed mini`) on
+127.0.0.1, started once per session; each test gets its own prefix in the one bucket, and the
+standard AWS variables pointing at the server. Nothing patches the client."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("aiobotocore", reason="the s3 extra (aiobotocore) is not installed")
+
+from asynctron.testing.seaweedfs import SeaweedFS, weed_binary
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
+    try:
+        weed_binary()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    with SeaweedFS.start(str(tmp_path_factory.mktemp("seaweedfs"))) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_env(s3_server: SeaweedFS, monkeypatch: pytest.MonkeyPatch) -> SeaweedFS:
+    """The AWS chain pointed at the test server (and nothing else of the user's)."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    for name, value in s3_server.environment().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    return s3_server
+
+
+@pytest.fixture
+def s3_root(s3_env: SeaweedFS, request: pytest.FixtureRequest) -> str:
+    """`s3://bucket/<this test's own prefix>`."""
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", request.node.name)[:60]
+    return f"s3://{s3_env.bucket}/{name}-{secrets.token_hex(3)}"
+
+
+@pytest.fixture
+def s3_objects(s3_env: SeaweedFS) -> Any:
+    """A plain botocore client of the test server, to look at the bucket as a user would."""
+    import botocore.session
+    from botocore.config import Config
+
+    return botocore.session.get_session().create_client(
+        "s3", endpoint_url=s3_env.endpoint, region_name="us-east-1",
+        aws_access_key_id=s3_env.environment()["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=s3_env.environment()["AWS_SECRET_ACCESS_KEY"],
+        config=Config(s3={"addressing_style": "path"}))
+
+
+def keys_under(client: Any, root: str) -> list[str]:
+    """Every object key under the URL `root` (relative to it), sorted."""
+    bucket, _, prefix = root[5:].partition("/")
+    keys, token = [], None
+    while True:
+        page = client.list_objects_v2(Bucket=bucket, Prefix=prefix + "/",
+                                      **({"ContinuationToken": token} if token else {}))
+        keys += [entry["Key"][len(prefix) + 1:] for entry in page.get("Contents", ())]
+        token = page.get("NextContinuationToken")
+        if not token:
+            return sorted(keys)
+
+
+def uploads_under(client: Any, root: str) -> list[str]:
+    """The keys of the multipart uploads still open under the URL `root`."""
+    bucket, _, prefix = root[5:].partition("/")
+    page = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix + "/")
+    return sorted(upload["Key"] for upload in page.get("Uploads", ()))
