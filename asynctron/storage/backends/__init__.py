@@ -76,8 +76,11 @@ _FACTORIES[_LOCAL] = LocalBackend
 
 
 def _s3_backend() -> Backend:
-    from asynctron.storage.backends.s3 import S3Backend  # its client costs ~1 s to import
-
+    try:  # its client costs ~1 s to import: only when an s3:// URL is used
+        from asynctron.storage.backends.s3 import S3Backend
+    except ImportError as error:
+        raise ValueError(f"s3:// URLs need aiobotocore ({error}); install "
+                         "`pip install 'asynctron[s3]'`") from error
     return S3Backend()
 
 

@@ -286,8 +286,8 @@ class S3Backend:
             if await self._claim_is_live(claim, listing):
                 live.add(checkpoint)
                 continue
-            if not any(point in (await list_folder(self.client, root.child(checkpoint))).sizes
-                       for point in _COMMIT_POINTS):
+            inside = (await list_folder(self.client, root.child(checkpoint))).sizes
+            if not any(point in inside for point in _COMMIT_POINTS):
                 logger.info("removing %s, left by a save that died", root.child(checkpoint))
                 await self._remove_debris(root.child(checkpoint))
             await self._delete([claim])
