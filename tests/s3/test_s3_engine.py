@@ -133,3 +133,12 @@ def test_flipped_and_truncated_objects_are_caught_on_load(s3_root: str,
         s3_objects.put_object(Bucket=bucket, Key=key, Body=change(data))
         with pytest.raises(CorruptCheckpointError, match=f"{name}/__0_0.distcp"):
             asynctron.load(f"{s3_root}/{name}")
+
+
+@pytest.mark.parametrize("options", [{"sign_payload": True}, {"store_checksums": True}])
+async def test_signed_payloads_and_store_checksums_are_options_that_work(
+        s3_root: str, options: dict[str, bool]) -> None:
+    backend = S3Backend(S3Config(**options))
+    async with Engine(backend=backend, slab_bytes=8 << 20) as engine:
+        await engine.save(_state(), f"{s3_root}/step_1")
+        assert_same(_state(), await engine.load(f"{s3_root}/step_1"))

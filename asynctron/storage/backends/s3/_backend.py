@@ -44,7 +44,6 @@ from asynctron.storage.backends.s3._client import (
     NoSuchObjectError,
     PreconditionFailedError,
     S3Client,
-    request_body,
 )
 from asynctron.storage.backends.s3._config import S3Config
 from asynctron.storage.backends.s3._layout import (
@@ -348,7 +347,7 @@ class S3Backend:
 
     async def _put(self, url: ObjectUrl, body: bytes, **conditions: object) -> None:
         await self.client.call("put_object", url, Bucket=url.bucket, Key=url.key,
-                               **request_body(body), **conditions)
+                               **self.client.body(body), **conditions)
 
     async def _read_small(self, url: ObjectUrl, max_bytes: int = 1 << 16) -> bytes | None:
         """The small object `url`, or None if there is none (a larger one is cut)."""

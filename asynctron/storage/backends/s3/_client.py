@@ -12,6 +12,7 @@ deadline is the only clock.
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import os
 import random
@@ -60,12 +61,6 @@ class _BufferPayload(aiohttp.payload.BytesPayload):
     def __init__(self, value: memoryview | bytes) -> None:
         aiohttp.payload.Payload.__init__(self, value, content_type="application/octet-stream")
         self._size = memoryview(value).nbytes
-
-
-def request_body(buffer: memoryview | bytes) -> dict[str, Any]:
-    """The `Body` and `ContentLength` parameters that send `buffer` as it lies."""
-    view = memoryview(buffer)
-    return {"Body": _BufferPayload(view), "ContentLength": view.nbytes}
 
 
 class NoSuchObjectError(StorageError):
@@ -134,6 +129,15 @@ class S3Client:
             aws_secret_access_key=config.secret_access_key,
             aws_session_token=config.session_token, config=client_config)
         return await creator.__aenter__()
+
+    def body(self, buffer: memoryview | bytes) -> dict[str, Any]:
+        """The `Body` and `ContentLength` parameters that send `buffer`: as it lies, unless
+        the config hashes payloads (`sign_payload`, `store_checksums`): then a copy botocore
+        can read, hashed on the loop thread (the cost those options carry)."""
+        view = memoryview(buffer).cast("B")
+        if self.config.sign_payload or self.config.store_checksums:
+            return {"Body": io.BytesIO(view), "ContentLength": view.nbytes}
+        return {"Body": _BufferPayload(view), "ContentLength": view.nbytes}
 
     @property
     def most_in_flight(self) -> int:

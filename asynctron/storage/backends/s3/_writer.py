@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from asynctron._concurrency import RunBlocking, first_error
 from asynctron.storage._checksum import Checksums
 from asynctron.storage.backends.local._writer import WriteBatch
-from asynctron.storage.backends.s3._client import S3Client, request_body
+from asynctron.storage.backends.s3._client import S3Client
 from asynctron.storage.backends.s3._config import min_part_bytes
 from asynctron.storage.backends.s3._layout import ObjectUrl
 
@@ -82,7 +82,7 @@ class ObjectWriter:
                 self._client.config.single_put_bytes, 0):
             body = await self._run_blocking(_digest_and_join, self._checksums, batches, pending)
             await self._client.call("put_object", self.url, Bucket=self.url.bucket,
-                                    Key=self.url.key, **request_body(body))
+                                    Key=self.url.key, **self._client.body(body))
             self._finish(batches, on_written)
             return
         parts, tail = _split_into_parts(pending, self._min_part, complete)
@@ -114,7 +114,7 @@ class ObjectWriter:
         sent = await self._client.call(
             "upload_part", f"{self.url} part {number}", Bucket=self.url.bucket,
             Key=self.url.key, UploadId=self._upload_id, PartNumber=number,
-            **request_body(body))
+            **self._client.body(body))
         self._parts[number - 1] = {"ETag": sent["ETag"], "PartNumber": number}
 
     def _finish(self, batches: Sequence[WriteBatch], on_written: Callable[[WriteBatch], None],
