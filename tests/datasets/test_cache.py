@@ -180,8 +180,8 @@ def test_a_failed_write_names_the_file_and_leaves_nothing(tmp_path, serve_local_
 def test_a_url_no_backend_serves_is_refused_not_taken_for_a_local_path(tmp_path,
                                                                        monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    entry = _entry("s3://bucket/cache")
-    with pytest.raises(ValueError, match=r"found the scheme 's3'; a URL is never taken for a "
+    entry = _entry("gs://bucket/cache")
+    with pytest.raises(ValueError, match=r"found the scheme 'gs'; a URL is never taken for a "
                                          r"local path$"):
         load_or_build(entry, LAYOUT, _builds([]))
     assert os.listdir(tmp_path) == []

@@ -136,9 +136,9 @@ def test_a_missing_bin_names_the_path(good: str, use_mmap: bool) -> None:
 
 def test_a_url_no_backend_serves_is_refused_not_taken_for_a_local_path() -> None:
     for call in (IndexedDataset, IndexedDataset.exists):
-        with pytest.raises(ValueError, match=r"found the scheme 's3'; a URL is never taken for "
+        with pytest.raises(ValueError, match=r"found the scheme 'gs'; a URL is never taken for "
                                              r"a local path$"):
-            call("s3://bucket/corpus_text_document")
+            call("gs://bucket/corpus_text_document")
 
 
 def test_wrong_magic(good: str) -> None:

@@ -22,7 +22,7 @@ def test_a_plain_path_is_served_by_the_one_local_backend() -> None:
     assert backend_for("ckpt").locate("ckpt/step_1") == os.path.abspath("ckpt/step_1")
 
 
-@pytest.mark.parametrize("url", ["s3://bucket/run/step_1", "gs://b/k", "file:///tmp/x"])
+@pytest.mark.parametrize("url", ["gs://bucket/run/step_1", "az://b/k", "file:///tmp/x"])
 def test_a_url_no_backend_serves_is_refused_never_a_local_path(url: str) -> None:
     with pytest.raises(ValueError, match=rf"^path {url!r}: expected a local path or a URL a "
                                          r"storage backend serves .*never taken for a local"):
@@ -34,18 +34,18 @@ async def test_a_save_to_a_url_no_backend_serves_writes_nothing(
     """Before the seam, `save(sd, "s3://bucket/x")` wrote `./s3:/bucket/x` and succeeded."""
     monkeypatch.chdir(tmp_path)  # type: ignore[arg-type]
     async with asynctron.Engine() as engine:
-        with pytest.raises(ValueError, match="scheme 's3'"):
-            engine.save({"w": 1}, "s3://bucket/run/step_1")
-        with pytest.raises(ValueError, match="scheme 's3'"):
-            await engine.load("s3://bucket/run")
+        with pytest.raises(ValueError, match="scheme 'gs'"):
+            engine.save({"w": 1}, "gs://bucket/run/step_1")
+        with pytest.raises(ValueError, match="scheme 'gs'"):
+            await engine.load("gs://bucket/run")
     assert os.listdir(".") == []
 
 
 def test_a_one_call_save_to_a_url_no_backend_serves_writes_nothing(
         tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="scheme 's3'"):
-        asynctron.save({"w": 1}, "s3://bucket/run/step_1")
+    with pytest.raises(ValueError, match="scheme 'gs'"):
+        asynctron.save({"w": 1}, "gs://bucket/run/step_1")
     assert os.listdir(".") == []
 
 

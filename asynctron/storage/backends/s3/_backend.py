@@ -75,7 +75,8 @@ class S3Backend:
     """Checkpoints on an S3-compatible store, through one `S3Client` (a client per event loop,
     a request budget, retries inside a deadline).
 
-    Datasets cannot live here yet: the file half of `Backend` refuses with a clear error.
+    Datasets cannot live here yet: the file half of `Backend` refuses every call with a
+    ValueError saying so.
     Concurrency: one backend serves any number of saves and loads at once, on any loops.
     """
 
@@ -392,9 +393,9 @@ class S3Backend:
     # -- the file half: datasets ---------------------------------------------------------------
 
     def _no_files(self, path: str) -> NoReturn:
-        raise StorageError(
-            f"{path}: datasets on object storage are not supported yet; copy the dataset's "
-            "files to a local path (checkpoints on s3:// are)", path=path, errno=None)
+        raise ValueError(
+            f"path {path!r}: datasets on object storage are not served yet; copy the "
+            "dataset's files to a local path (checkpoints on s3:// are served)")
 
     def publish_file(self, path: str, write: Callable[[IO[bytes]], object], *,
                      sync_dir: bool = True) -> None:
