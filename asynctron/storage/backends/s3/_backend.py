@@ -199,7 +199,8 @@ class S3Backend:
 
     async def open_reader(self, run_blocking: RunBlocking, path: str, *,
                           max_files_at_once: int) -> ObjectReader:
-        return ObjectReader(self.client, path, run_blocking)
+        return ObjectReader(self.client, path, run_blocking,
+                            max_files_at_once=max_files_at_once)
 
     async def aclose(self) -> None:
         """Close the running loop's connections (a later call opens new ones)."""

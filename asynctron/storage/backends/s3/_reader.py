@@ -45,10 +45,14 @@ class ObjectReader(CheckpointReaderBase):
     clear error (a missing object), never with wrong bytes (digests are verified).
     """
 
-    def __init__(self, client: S3Client, url: str, run_blocking: RunBlocking) -> None:
+    def __init__(self, client: S3Client, url: str, run_blocking: RunBlocking, *,
+                 max_files_at_once: int) -> None:
         super().__init__(url, run_blocking)
         self._client = client
         self._sizes: dict[str, int] = {}
+        self._scratch_slots = asyncio.Semaphore(2 * max_files_at_once)
+        """Ranges read only to be hashed (verification) in flight at once: each holds a
+        scratch buffer of up to `RANGE_BYTES`."""
 
     async def open(self) -> Manifest:
         """Find the checkpoint (following `latest`), read and check its manifest.
@@ -126,7 +130,7 @@ class ObjectReader(CheckpointReaderBase):
         digests continued in file order. Returns digest mismatches as the local reader does.
 
         Memory: jobs without a destination (verification) get a scratch buffer per range in
-        flight.
+        flight, at most `2 * max_files_at_once` of them.
         Cancellation: the GETs in flight are cancelled; destinations are partly filled.
         """
         check = verify and self.verifiable
@@ -146,9 +150,14 @@ class ObjectReader(CheckpointReaderBase):
 
             async def read_batch(number: int) -> None:
                 batch = batches[number]
-                scratch = (memoryview(bytearray(batch.nbytes))
-                           if any(file_jobs[s.item_index].destination is None
-                                  for s in batch.segments) else None)
+                if any(file_jobs[s.item_index].destination is None for s in batch.segments):
+                    async with self._scratch_slots:
+                        await read_into(number, memoryview(bytearray(batch.nbytes)))
+                else:
+                    await read_into(number, None)
+
+            async def read_into(number: int, scratch: memoryview | None) -> None:
+                batch = batches[number]
                 buffers, views = batch.targets(file_jobs, scratch)
                 first = file_jobs[batch.segments[0].item_index].record.key
                 await self._client.get_into(url, batch.file_offset, buffers, key=first)
