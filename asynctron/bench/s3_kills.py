@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_final_save(root))
         left = _what_is_left(server, "kills")
         elapsed_s = time.perf_counter() - began
-    checkpoints = sorted({key.split("/")[0] for key in left["objects"]}
-                         - {"latest", ".asynctron-ledger"})
+    checkpoints = sorted(key.split("/")[0] for key in left["objects"]
+                         if key.endswith("/manifest.json"))
     stray = [key for key in left["objects"]
              if key.split("/")[0] not in checkpoints
              and key not in ("latest", ".asynctron-ledger")]

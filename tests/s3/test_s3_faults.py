@@ -118,3 +118,23 @@ def test_saving_processes_killed_at_random_leave_only_retained_checkpoints(
         assert f"{name}/manifest.json" in keys
     assert not [key for key in keys if key.startswith(".") and key != ".asynctron-ledger"]
     assert uploads_under(s3_objects, s3_root) == []
+
+
+async def test_a_pruner_killed_midway_leaves_the_rest_to_the_next_commit(
+        s3_root: str, s3_objects: Any) -> None:
+    bucket, _, prefix = s3_root[5:].partition("/")
+    async with Engine(keep_last=2, job="run") as engine:
+        await engine.save(_state(0), f"{s3_root}/step_0")
+        await engine.save(_state(1), f"{s3_root}/step_1")
+    # What a pruner of step_0 leaves when killed after marking it and deleting its manifest:
+    ledger = s3_objects.get_object(Bucket=bucket, Key=f"{prefix}/.asynctron-ledger")
+    lines = ledger["Body"].read().decode().splitlines()
+    marked = [line.replace("}", ',"pruning":true}') if '"step_0"' in line else line
+              for line in lines]
+    s3_objects.put_object(Bucket=bucket, Key=f"{prefix}/.asynctron-ledger",
+                          Body="".join(f"{line}\n" for line in marked).encode())
+    s3_objects.delete_object(Bucket=bucket, Key=f"{prefix}/step_0/manifest.json")
+    async with Engine(keep_last=2, job="run") as engine:
+        await engine.save(_state(2), f"{s3_root}/step_2")
+    names = {key.split("/")[0] for key in keys_under(s3_objects, s3_root)}
+    assert names == {".asynctron-ledger", "latest", "step_1", "step_2"}

@@ -34,12 +34,18 @@ class LedgerEntry:
     engine: str
     seq: int
     manifest: ManifestIdentity
-    """Its manifest when committed: (inode, mtime in ns) of a file, or an object's ETag."""
+    """Its manifest when committed: (inode, mtime in ns) of a file, or a save's token."""
+    pruning: bool = False
+    """Being deleted: a backend that cannot delete a checkpoint at once (an object store)
+    marks it first, so a pruner that dies midway leaves the rest to the next one."""
 
     def to_json(self) -> str:
         manifest = self.manifest if isinstance(self.manifest, str) else list(self.manifest)
-        return json.dumps({"job": self.job, "name": self.name, "engine": self.engine,
-                           "seq": self.seq, "manifest": manifest}, separators=(",", ":"))
+        fields = {"job": self.job, "name": self.name, "engine": self.engine, "seq": self.seq,
+                  "manifest": manifest}
+        if self.pruning:
+            fields["pruning"] = True
+        return json.dumps(fields, separators=(",", ":"))
 
 
 def parse_ledger(data: bytes, where: str, is_checkpoint_name: Callable[[str], bool]
@@ -63,7 +69,7 @@ def encode_ledger(entries: Iterable[LedgerEntry]) -> bytes:
 
 def beyond_keep_last(entries: Sequence[LedgerEntry], retention: Retention) -> list[LedgerEntry]:
     """`retention.job`'s entries older than its `keep_last` newest, oldest first."""
-    mine = [entry for entry in entries if entry.job == retention.job]
+    mine = [entry for entry in entries if entry.job == retention.job and not entry.pruning]
     first: dict[str, int] = {}
     for position, entry in enumerate(mine):
         first.setdefault(entry.engine, position)
@@ -79,14 +85,14 @@ def _parse_entry(line: bytes, is_checkpoint_name: Callable[[str], bool]) -> Ledg
     if not isinstance(raw, dict):
         return None
     job, name, engine = raw.get("job"), raw.get("name"), raw.get("engine")
-    seq, manifest = raw.get("seq"), raw.get("manifest")
+    seq, manifest, pruning = raw.get("seq"), raw.get("manifest"), raw.get("pruning", False)
     if not (isinstance(job, str) and isinstance(engine, str) and isinstance(name, str)
-            and is_checkpoint_name(name) and _is_int(seq)):
+            and is_checkpoint_name(name) and _is_int(seq) and isinstance(pruning, bool)):
         return None
     if isinstance(manifest, str) and manifest:
-        return LedgerEntry(job, name, engine, seq, manifest)
+        return LedgerEntry(job, name, engine, seq, manifest, pruning)
     if isinstance(manifest, list) and len(manifest) == 2 and all(map(_is_int, manifest)):
-        return LedgerEntry(job, name, engine, seq, (manifest[0], manifest[1]))
+        return LedgerEntry(job, name, engine, seq, (manifest[0], manifest[1]), pruning)
     return None
 
 

@@ -18,6 +18,7 @@ names. Retention deletes only what the ledger says its job committed, as locally
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -241,10 +242,16 @@ class S3Backend:
 
     async def _prune(self, root: ObjectUrl, retention: Retention) -> list[str]:
         """Delete this job's checkpoints beyond `keep_last` (never what `latest` names, never
-        one whose manifest is not the one recorded); returns their URLs."""
+        one whose manifest is not the one recorded), and finish prunings that died midway;
+        returns the URLs pruned.
+
+        Crash-safe: the doomed are marked `pruning` in the ledger first (while their manifests
+        are known to be ours), then lose their manifests, then the rest; a pruner killed
+        anywhere leaves marked entries, which the next one finishes."""
         entries, _ = await self._read_ledger(root.child(LEDGER_NAME))
         latest = await self._read_small(root.child(LATEST_NAME))
         keep = latest.decode(errors="replace").strip() if latest is not None else None
+        unfinished = [entry for entry in entries if entry.pruning]
         doomed, dropped = [], []
         for entry in beyond_keep_last(entries, retention):
             if entry.name == keep:
@@ -253,16 +260,22 @@ class S3Backend:
                 dropped.append(entry)  # gone, or replaced by a save not ours: never deleted
                 continue
             doomed.append(entry)
-        for entry in doomed:
+        if doomed or dropped:
+            marked = {_identity(entry) for entry in doomed}
+            gone = {_identity(entry) for entry in dropped}
+            await self._update_ledger(root, lambda now: [
+                dataclasses.replace(entry, pruning=True) if _identity(entry) in marked
+                else entry for entry in now if _identity(entry) not in gone])
+        for entry in [*unfinished, *doomed]:
             checkpoint = root.child(entry.name)
             await self._delete([checkpoint.child(name) for name in _COMMIT_POINTS])
             await self._remove_debris(checkpoint)
             logger.info("checkpoint %s: pruned (job %r keeps its %d newest)", checkpoint,
-                        retention.job, retention.keep_last)
-        if doomed or dropped:
-            gone = {(entry.name, entry.manifest) for entry in [*doomed, *dropped]}
+                        entry.job, retention.keep_last)
+        if unfinished or doomed:
+            done = {_identity(entry) for entry in [*unfinished, *doomed]}
             await self._update_ledger(root, lambda now: [
-                entry for entry in now if (entry.name, entry.manifest) not in gone])
+                entry for entry in now if _identity(entry) not in done])
         return [str(root.child(entry.name)) for entry in doomed]
 
     async def _manifest_token(self, checkpoint: ObjectUrl) -> str | None:
@@ -422,6 +435,11 @@ class S3Backend:
 
     def __repr__(self) -> str:
         return f"<S3Backend {self.client.endpoint}>"
+
+
+def _identity(entry: LedgerEntry) -> tuple[str, str, str]:
+    """What names one commit in the ledger, whatever its pruning mark."""
+    return entry.name, entry.engine, str(entry.manifest)
 
 
 def _checkpoint_url(path: str) -> ObjectUrl:
