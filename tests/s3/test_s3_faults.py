@@ -138,3 +138,17 @@ async def test_a_pruner_killed_midway_leaves_the_rest_to_the_next_commit(
         await engine.save(_state(2), f"{s3_root}/step_2")
     names = {key.split("/")[0] for key in keys_under(s3_objects, s3_root)}
     assert names == {".asynctron-ledger", "latest", "step_1", "step_2"}
+
+
+async def test_a_stalled_store_fails_a_load_within_the_deadline_naming_the_object(
+        s3_root: str, s3_env: SeaweedFS, proxy: TcpFaultProxy) -> None:
+    backend = _through(proxy, s3_env, deadline_s=3)
+    async with Engine(backend=backend) as engine:
+        await engine.save(_state(4), f"{s3_root}/step_4")
+        proxy.stall()
+        started = time.monotonic()
+        with pytest.raises(StorageError, match=r"step_4.*no answer for 3 s"):
+            await engine.load(f"{s3_root}/step_4")
+        assert time.monotonic() - started < 20
+        proxy.pass_through()
+        assert_same(_state(4), await engine.load(f"{s3_root}/step_4"))
