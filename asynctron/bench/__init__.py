@@ -18,6 +18,7 @@ SCENARIOS = {
     "train_data": "train_data",
     "hostile": "hostile_metadata",
     "dcp": "dcp_plugin",
+    "s3": "s3",
     "all": "all",
 }
 

@@ -54,6 +54,7 @@ RUNS = {
     "train_data": Run("train_data", ("--dir", "{disk}"), "train_data.json"),
     "hostile": Run("hostile_metadata", ("--dir", "{disk}"), "hostile.json"),
     "dcp": Run("dcp_plugin", ("--target", "/dev/shm", "--target", "{disk}"), "dcp.json"),
+    "s3": Run("s3", ("--size-gib", "0.25", "--repeats", "2", "--dir", "{disk}"), "s3.json"),
 }
 
 

