@@ -21,8 +21,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import aiohttp
+import aiohttp.abc
 import aiohttp.payload
 import botocore.exceptions
+import numpy as np
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 
@@ -47,6 +49,8 @@ _TRANSPORT_ERRORS = (
     asyncio.TimeoutError,
     ConnectionError,
 )
+_SEND_SLICE_BYTES = 256 << 10
+_PAGE_BYTES = 4096
 _FIRST_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 2.0
 _SET_CREDENTIALS = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass "
@@ -54,13 +58,23 @@ _SET_CREDENTIALS = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PRO
 
 
 class _BufferPayload(aiohttp.payload.BytesPayload):
-    """A request body sent from the buffer where it lies: no copy. (aiohttp warns of bodies
-    over 1 MiB given as bytes, fearing a long write on the loop; the transport writes what the
-    socket takes and keeps the rest by reference, so the loop never waits on it.)"""
+    """A request body sent from the buffer where it lies, in slices of `_SEND_SLICE_BYTES`,
+    each handed to the transport once it has taken the one before (aiohttp drains between
+    writes). So the loop copies nothing and never waits long: given a whole part at once, the
+    transport would copy what the socket did not take, tens of MiB, on the loop thread."""
 
-    def __init__(self, value: memoryview | bytes) -> None:
+    def __init__(self, value: memoryview) -> None:
         aiohttp.payload.Payload.__init__(self, value, content_type="application/octet-stream")
-        self._size = memoryview(value).nbytes
+        self._size = value.nbytes
+
+    async def write(self, writer: aiohttp.abc.AbstractStreamWriter) -> None:
+        await self.write_with_length(writer, None)
+
+    async def write_with_length(self, writer: aiohttp.abc.AbstractStreamWriter,
+                                content_length: int | None) -> None:
+        view = self._value if content_length is None else self._value[:content_length]
+        for start in range(0, view.nbytes, _SEND_SLICE_BYTES):
+            await writer.write(view[start:start + _SEND_SLICE_BYTES])
 
 
 class NoSuchObjectError(StorageError):
@@ -180,20 +194,18 @@ class S3Client:
             response = await client.get_object(Bucket=url.bucket, Key=url.key,
                                                Range=f"bytes={offset}-{offset + nbytes - 1}")
             async with response["Body"] as body:
-                done = 0
-                for buffer in buffers:
-                    view = buffer.cast("B") if buffer.format != "B" else buffer
-                    filled = 0
-                    while filled < view.nbytes:
-                        got = await body.readinto(view[filled:])
-                        if not got:
-                            raise CorruptCheckpointError(
-                                f"object {url}: expected {nbytes} bytes from offset {offset}, "
-                                f"found {done + filled}; the object is shorter than its "
-                                "manifest says (truncated or replaced after commit)",
-                                path=str(url), key=key, offset=offset + done + filled)
-                        filled += got
-                    done += filled
+                found = response.get("ContentLength")
+                if found is not None and found > nbytes:
+                    raise StorageError(
+                        f"get_object {url} at {self.endpoint}: asked for bytes [{offset}, "
+                        f"+{nbytes}), sent {found}: the store ignored the range",
+                        path=str(url), errno=None)
+                done = await _fill(body.raw_stream.content, buffers)
+            if done < nbytes:
+                raise CorruptCheckpointError(
+                    f"object {url}: expected {nbytes} bytes from offset {offset}, found "
+                    f"{done}; the object is shorter than its manifest says (truncated or "
+                    "replaced after commit)", path=str(url), key=key, offset=offset + done)
 
         await self.retried("get_object", url, attempt)
 
@@ -275,6 +287,40 @@ class S3Client:
         found = self._clients.pop(asyncio.get_running_loop(), None)
         if found is not None:
             await found.client.__aexit__(None, None, None)
+
+
+async def _fill(stream: aiohttp.StreamReader, buffers: Sequence[memoryview]) -> int:
+    """Copy the response body `stream` into `buffers`, one after another, each chunk as it
+    arrived (one copy per byte on the loop; the buffers' pages should already be touched, see
+    `touch_pages`); returns the bytes copied (fewer: the body ended early)."""
+    views = [buffer.cast("B") if buffer.format != "B" else buffer for buffer in buffers]
+    index, at, done = 0, 0, 0
+    while index < len(views):
+        data, _ = await stream.readchunk()
+        if not data:
+            break
+        chunk = memoryview(data)
+        taken = 0
+        while taken < len(chunk) and index < len(views):
+            view = views[index]
+            n = min(len(chunk) - taken, view.nbytes - at)
+            view[at:at + n] = chunk[taken:taken + n]
+            taken += n
+            at += n
+            if at == view.nbytes:
+                index, at = index + 1, 0
+        done += taken
+    return done
+
+
+def touch_pages(buffers: Sequence[memoryview]) -> None:
+    """Blocks: write one byte per page of each buffer, so the first touch of fresh pages (8x
+    a warm write on a VM) happens here, on the executor, not in the loop's copies."""
+    for buffer in buffers:
+        if buffer.nbytes >= _PAGE_BYTES and not buffer.readonly:
+            array = np.frombuffer(buffer.cast("B") if buffer.format != "B" else buffer,
+                                  dtype=np.uint8)
+            array[::_PAGE_BYTES] = array[::_PAGE_BYTES]
 
 
 def _is_transient(error: Exception) -> bool:

@@ -31,7 +31,7 @@ from asynctron.storage._read_plan import (
     check_no_overlap,
     plan_reads,
 )
-from asynctron.storage.backends.s3._client import NoSuchObjectError, S3Client
+from asynctron.storage.backends.s3._client import NoSuchObjectError, S3Client, touch_pages
 from asynctron.storage.backends.s3._layout import LATEST_NAME, ObjectUrl, list_objects, parse_url
 
 #: The most bytes one ranged GET asks for: enough GETs in flight to fill the link.
@@ -160,6 +160,7 @@ class ObjectReader(CheckpointReaderBase):
                 batch = batches[number]
                 buffers, views = batch.targets(file_jobs, scratch)
                 first = file_jobs[batch.segments[0].item_index].record.key
+                await self._run_blocking(touch_pages, views)
                 await self._client.get_into(url, batch.file_offset, buffers, key=first)
                 if progress is not None:
                     progress(sum(segment.nbytes for segment in batch.segments))
@@ -189,6 +190,7 @@ class ObjectReader(CheckpointReaderBase):
                          hasher: ItemHasher | None) -> None:
         """Read `record`'s bytes [start, +destination.nbytes) into `destination` (one ranged
         GET), continuing `hasher` over them."""
+        await self._run_blocking(touch_pages, [destination])
         await self._client.get_into(parse_url(self.file_path(record)), record.offset + start,
                                     [destination], key=record.key)
         if hasher is not None:
