@@ -224,11 +224,13 @@ class RawS3:
                 response = await self._client.get_object(Bucket=bucket, Key=key,
                                                           Range=f"bytes={offset}-{end - 1}")
                 async with response["Body"] as body:
+                    stream = body.raw_stream.content  # each chunk as it arrived: one copy
                     while offset < end:
-                        got = await body.readinto(view[offset:end])
-                        if not got:
+                        chunk, _ = await stream.readchunk()
+                        if not chunk:
                             raise OSError(f"object {url}: ended at {offset}, expected {end}")
-                        offset += got
+                        view[offset:offset + len(chunk)] = chunk
+                        offset += len(chunk)
 
         async with asyncio.TaskGroup() as group:
             for offset in range(0, view.nbytes, self._part_bytes):
@@ -670,6 +672,9 @@ def report(result: dict[str, Any]) -> None:
               f"{m['blocking_median_s']:>10.3f}{m['loop_worst_delay_median_s'] * 1e3:>9.1f}"
               f"{m['save_peak_rss_growth_median_bytes'] / MiB:>7.0f} MiB"
               f"{m['load_peak_rss_growth_median_bytes'] / MiB:>7.0f} MiB{in_flight:>10}")
+    print("blocks: until the caller may go on (asynctron: `await task.staged`); loop: worst "
+          "heartbeat delay during the save; RSS+: peak growth (asynctron's save includes its "
+          "staging slabs); in flight: most requests at once")
     if "signed_over_unsigned" in ratios:
         cost = ratios["signed_over_unsigned"]
         print(f"raw signed + checksums / raw unsigned: save {cost['save']:.2f}x, "
@@ -730,6 +735,9 @@ def main(argv: list[str] | None = None) -> int:
     for name, reason in skipped.items():
         print(f"asynctron bench s3: skipping {name}: {reason}", flush=True)
     methods = [name for name in wanted if name not in skipped]
+    if not methods:
+        print("asynctron bench s3: no method left to run", flush=True)
+        return 1
     base = _results.scratch_dir(f"asynctron-bench-s3-{os.getpid()}-", args.dir)
     saved_env = dict(os.environ)
     try:
