@@ -314,13 +314,14 @@ async def _fill(stream: aiohttp.StreamReader, buffers: Sequence[memoryview]) -> 
 
 
 def touch_pages(buffers: Sequence[memoryview]) -> None:
-    """Blocks: write one byte per page of each buffer, so the first touch of fresh pages (8x
-    a warm write on a VM) happens here, on the executor, not in the loop's copies."""
+    """Blocks: write one byte per page of each buffer (whose bytes are about to be read into
+    it), so the first touch of fresh pages (several times a warm write on a VM) happens here,
+    on the executor, not in the loop's copies."""
     for buffer in buffers:
         if buffer.nbytes >= _PAGE_BYTES and not buffer.readonly:
             array = np.frombuffer(buffer.cast("B") if buffer.format != "B" else buffer,
                                   dtype=np.uint8)
-            array[::_PAGE_BYTES] = array[::_PAGE_BYTES]
+            array[::_PAGE_BYTES] = 0  # its bytes are about to be overwritten
 
 
 def _is_transient(error: Exception) -> bool:
