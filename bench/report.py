@@ -44,6 +44,7 @@ COMMANDS = {
     "train_data": "asynctron bench train_data",
     "hostile": "asynctron bench hostile",
     "dcp": "asynctron bench dcp --target /dev/shm --target $PWD/.benchtmp",
+    "s3": "asynctron bench s3 --size-gib 0.25 --repeats 2",
 }
 
 
@@ -337,6 +338,36 @@ def section_dcp(result: dict[str, Any], docs: str) -> list[str]:
                      "blocking ratio"], rows)]
 
 
+def section_s3(result: dict[str, Any], docs: str) -> list[str]:
+    """Checkpoints on one local S3 server: asynctron against the raw client and the peers."""
+    rows = []
+    for name, m in result["methods"].items():
+        in_flight = m.get("most_in_flight")
+        rows.append([name, f"{m['save_gb_per_s']:.3f}", f"{m['load_gb_per_s']:.3f}",
+                     f"{m['blocking_median_s']:.3f} s",
+                     f"{m['loop_worst_delay_median_s'] * 1e3:.1f} ms",
+                     f"{m['save_peak_rss_growth_median_bytes'] / MiB:.0f} MiB",
+                     f"{m['load_peak_rss_growth_median_bytes'] / MiB:.0f} MiB",
+                     "-" if in_flight is None else str(in_flight)])
+    ratios = result["ratios"]
+    raw, fastest = ratios["asynctron_over_raw"], ratios["asynctron_over_fastest_peer"]
+    return [f"{result['nbytes'] / GiB:.2f} GiB state dict ({result['num_tensors']} tensors per "
+            f"rank), {result['world_size']} rank(s), one local SeaweedFS; medians of "
+            f"{result['meta']['args']['repeats']} rounds, each method in fresh processes.", "",
+            *_table(["method", "save GB/s", "load GB/s", "blocking", "loop worst",
+                     "save RSS+", "load RSS+", "in flight"], rows), "",
+            f"- save vs raw multipart PUT: {raw['save']:.2f}x {_ok(raw['save'] >= 0.9)} "
+            "(target >= 0.9x)",
+            f"- save vs fastest peer ({fastest['save']['peer']}): "
+            f"{fastest['save']['ratio']:.2f}x {_ok(fastest['save']['ratio'] >= 1.0)} "
+            "(target >= 1.0x)",
+            f"- load vs raw ranged GET: {raw['load']:.2f}x {_ok(raw['load'] >= 0.9)} "
+            "(target >= 0.9x)",
+            f"- load vs fastest peer ({fastest['load']['peer']}): "
+            f"{fastest['load']['ratio']:.2f}x {_ok(fastest['load']['ratio'] >= 1.5)} "
+            "(target >= 1.5x)"]
+
+
 def section_cuda(result: dict[str, Any], docs: str) -> list[str]:
     return [f"{result['device']}: D2H staging {result['d2h_vs_raw']:.2f}x a raw pinned `copy_` "
             f"(target >= 0.8x {_ok(result['d2h_vs_raw'] >= 0.8)}); load into GPU "
@@ -533,6 +564,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any], str], list[str]]]] = {
     "train_data": ("Data inside a busy trainer (issue 16)", section_train_data),
     "hostile": ("Hostile checkpoint metadata (issue 15)", section_hostile),
     "dcp": ("Stock DCP through asynctron's plugin (issue 14)", section_dcp),
+    "s3": ("Checkpoints on object storage (issue 28)", section_s3),
 }
 
 

@@ -19,6 +19,7 @@ SCENARIOS = {
     "hostile": "hostile_metadata",
     "dcp": "dcp_plugin",
     "s3": "s3",
+    "s3_kills": "s3_kills",
     "all": "all",
 }
 
