@@ -20,9 +20,14 @@ def _state() -> dict[str, Any]:
     return {"w": torch.randn(1 << 20), "b": torch.randn(100), "step": torch.tensor(5)}
 
 
-def test_stock_dcp_save_and_load_through_the_plugins(s3_root: str, s3_objects: Any) -> None:
+def test_stock_dcp_save_async_save_and_load_through_the_plugins(s3_root: str,
+                                                                 s3_objects: Any) -> None:
     state = _state()
     dcp.save(state, storage_writer=StorageWriter(f"{s3_root}/dcp"))
+    dcp.async_save(state, storage_writer=StorageWriter(f"{s3_root}/dcp_async")).result()
+    target = {key: torch.empty_like(value) for key, value in state.items()}
+    dcp.load(target, storage_reader=StorageReader(f"{s3_root}/dcp_async"))
+    assert_same(state, target)
     target = {key: torch.empty_like(value) for key, value in state.items()}
     dcp.load(target, storage_reader=StorageReader(f"{s3_root}/dcp"))
     assert_same(state, target)
