@@ -2,16 +2,17 @@
 each in a fresh process, against a real checkpoint's metadata of the same size.
 
 Every input is made at 16 MiB and at the reader's cap (`MAX_MANIFEST_BYTES`,
-`MAX_METADATA_BYTES`), or at `--sizes-mib`: junk JSON (empty lists, empty objects, floats,
-nesting, a long string, a huge integer, many keys), item lists whose entries are cheap to
-write and costly to check, and pickles that share one chunk list between every key, repeat
-one memoised object, nest deeply, hold one huge integer, name memo index 2**31, key a dict by
-a nest of shared tuples, make empty lists, or build one state into many objects. Each is read
-the way a load reads it (`read_manifest` on a checkpoint directory). Reported per input:
-refused (the error's first words) or loaded, wall time, the read's peak memory, and both
-against the costliest real metadata of the same size (for `manifest.json`, a checkpoint of
-tensors and one of empty lists). Target: at most 2 s and 1 GiB, or, where real metadata itself
-takes more, at most 1.5 times what it takes.
+`MAX_METADATA_BYTES`), or at `--sizes-mib`: junk JSON in a field no manifest has (empty
+lists, empty objects, floats, nesting, a long string, a huge integer, many keys), item lists
+whose entries are cheap to write and costly to check, empty or nested lists in the known
+fields (items, an item, the structure), and pickles that share one chunk list between every
+key, repeat one memoised object, nest deeply, hold one huge integer, name memo index 2**31,
+key a dict by a nest of shared tuples, make empty lists, or build one state into many
+objects. Each is read the way a load reads it (`read_manifest` on a checkpoint directory).
+Reported per input: refused (the error's first words) or loaded, wall time, the read's peak
+memory, and both against the costliest real metadata of the same size (for `manifest.json`, a
+checkpoint of tensors and one of empty lists). Target: at most 2 s and 1 GiB, or, where real
+metadata itself takes more, at most 1.5 times what it takes.
 
 Run: `asynctron bench hostile`; `--quick` for a smoke
 run. Results: printed, and written as JSON (`--out`; default ./asynctron-bench/).
@@ -143,6 +144,13 @@ def manifest_attacks(size: int) -> dict[str, bytes]:
                                            '],"structure":{"dict":[]}}', size),
         "deep structure": (head + ',"items":[],"structure":' + '{"list":[' * (room // 11)
                            + "]}" * (room // 11) + "}").encode(),
+        "items of empty lists": _fill(head + ',"items":[', "[]", '],"structure":{"dict":[]}}',
+                                      size),
+        "an item of nested lists": _fill(head + ',"items":[{"key":"k","kind":"tensor",'
+                                         '"dtype":"float32","shape":[', "[]",
+                                         ']}],"structure":{"dict":[]}}', size),
+        "structure of empty lists": _fill(head + ',"items":[],"structure":{"list":[', "[]",
+                                          "]}}", size),
     }
 
 

@@ -1,13 +1,15 @@
 """The manifest: the JSON description of a committed checkpoint, and its validation.
 
-A manifest is data from disk, so loading treats it as hostile: every field is type- and
-range-checked, file names must be bin file names inside the checkpoint, dtypes come from a
-closed table, and nothing is ever unpickled.
+A manifest is data from disk, so loading treats it as hostile: a field the format lacks is
+refused before its value is parsed, every field is type- and range-checked, file names must be
+bin file names inside the checkpoint, dtypes come from a closed table, and nothing is ever
+unpickled.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -134,12 +136,14 @@ def _ints(values: tuple[int, ...] | None) -> str:
 def parse_manifest(data: bytes, path: str) -> Manifest:
     """Parse and validate manifest bytes read from `path`.
 
-    Bounded: time and memory grow linearly with `len(data)`, whatever it holds. Junk costs
-    about what a real manifest's densest part costs a byte (a structure of empty containers:
-    up to 25 bytes of memory a byte, against 4 for items), and an object that is no part of a
-    manifest stops the parse where it stands. The parser lets other threads take the GIL
-    between JSON objects (the hook is Python code), and runs with the garbage collector paused
-    (`paused_gc`).
+    Bounded: time and memory grow linearly with `len(data)`, whatever it holds. What no
+    manifest holds is refused before it is built (`_Reader`): a field the format lacks, a list
+    or object where a scalar belongs, an element of `items` that is not one flat object. Junk
+    in the structure costs at most what a real structure's densest content costs a byte (empty
+    containers: up to 25 bytes of memory a byte, against 4 for items), and an object of it
+    that is not one node stops the parse where it stands. The parser lets other threads take
+    the GIL between JSON objects (its hooks are Python code), and runs with the garbage
+    collector paused (`paused_gc`).
 
     Raises:
         CorruptCheckpointError: anything malformed, naming the field at fault.
@@ -156,7 +160,7 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
                    f"character), found {data[at.start()]:#04x}")
     with paused_gc():
         try:
-            body = json.loads(data.decode("ascii"), object_pairs_hook=_ObjectHook(fail))
+            body = _Reader(data.decode("ascii"), fail).read()
         except (ValueError, RecursionError) as exc:
             raise fail(f"expected JSON, found {type(exc).__name__}: {brief(str(exc))}") from exc
         return _parse_body(body, fail)
@@ -166,20 +170,16 @@ _NON_ASCII = re.compile(rb"[\x80-\xff]")
 _LAST_UNIX_S = 253_402_300_799  # 9999-12-31T23:59:59Z, the last time `datetime` holds
 
 
-def _parse_body(body: Any, fail: Callable[..., CorruptCheckpointError]) -> Manifest:
-    if not isinstance(body, dict):
-        raise fail(f"expected a JSON object, found {type(body).__name__}")
+def _parse_body(body: dict[str, Any], fail: Callable[..., CorruptCheckpointError]) -> Manifest:
     if body.get("format") != FORMAT:
         raise fail(f"expected format {FORMAT!r}, found {brief(body.get('format'))}")
     if body.get("version") != VERSION:
         raise fail(f"expected version {VERSION}, found {brief(body.get('version'))} "
                    "(a newer asynctron may read it)")
     files = body.get("files")
-    if not isinstance(files, dict):
+    if files is None:
         raise fail("field 'files': expected an object")
-    for name, size in files.items():
-        if not _BIN_FILE.fullmatch(name):
-            raise fail(f"file name {brief(name)}: expected __<rank>_<bin>.distcp")
+    for name, size in files.items():  # bin file names (`_Reader._files`)
         if not is_count(size):
             raise fail(f"size of file {name!r}: expected a non-negative integer below 2**63, "
                        f"found {brief(size)}")
@@ -188,7 +188,7 @@ def _parse_body(body: Any, fail: Callable[..., CorruptCheckpointError]) -> Manif
         raise fail(f"field 'checksum': expected one of {sorted(map(str, ALGORITHMS))}, found "
                    f"{brief(algorithm)}")
     items = body.get("items")
-    if not isinstance(items, list):
+    if items is None:
         raise fail("field 'items': expected a list")
     for item in items:
         _check_item_place(item, files, algorithm, fail)
@@ -204,49 +204,251 @@ def _parse_body(body: Any, fail: Callable[..., CorruptCheckpointError]) -> Manif
                     created_unix_s=created, checksum=algorithm)
 
 
-class _ObjectHook:
-    """The parser's `object_pairs_hook`: checks each JSON object as the parser makes it.
+#: A manifest's fields, and an item's (`encoding` only for torch_save items).
+_FIELDS = ("format", "version", "created_unix_s", "checksum", "files", "items", "structure")
+_ITEM_FIELDS = frozenset({"key", "kind", "dtype", "shape", "global_shape", "chunk_offsets",
+                          "file", "offset", "nbytes", "checksum", "encoding"})
+#: An item is parsed in a slice of the text of at most this many characters, or alone.
+_CHUNK_CHARS = 1 << 20
+_WS = r"[ \t\n\r]*+"
+_SPACE = re.compile(_WS)
+_NEXT_ITEM = re.compile(rf"{_WS}(?:(,){_WS}|\])")
+_STRING = r'"[^"\\]*+(?:\\.[^"\\]*+)*+"'
+_SCALAR = r'[^"{}\[\],: \t\n\r]++'  # a number, true, false or null: the parser checks which
+_ITEM_FIELD = (rf"{_STRING}{_WS}:{_WS}(?:{_STRING}|{_SCALAR}|\[{_WS}(?:{_SCALAR}{_WS}"
+               rf"(?:,{_WS}{_SCALAR}{_WS}){{0,{MAX_DIMS - 1}}})?\])")
+#: A flat object: at most an item's number of fields, each a scalar or a list of at most
+#: `MAX_DIMS` scalars (what parsing it builds is as small as its text).
+_FLAT_ITEM = re.compile(rf"\{{{_WS}(?:{_ITEM_FIELD}{_WS}(?:,{_WS}{_ITEM_FIELD}{_WS})"
+                        rf"{{0,{len(_ITEM_FIELDS) - 1}}})?\}}", re.DOTALL)
+#: A list of empty lists, or of lists that start with a list or object: no manifest has one
+#: (the structure's lists hold nodes or [key, node] pairs; an item's, numbers).
+_LIST_OF_LISTS = re.compile(rf"\[{_WS}(?:\]{_WS}(?:\]|,{_WS}[\[\]])|\[{_WS}[\[\]{{])")
+#: JSON text up to the first string it does not hold whole.
+_WHOLE_STRINGS = re.compile(rf'[^"]*+(?:{_STRING}[^"]*+)*+', re.DOTALL)
+_STRING_AT = re.compile(_STRING, re.DOTALL)
+_FILE_SIZE = rf'"{_BIN_FILE.pattern}"{_WS}:{_WS}\d++'
+#: The start of the files: `{` and the members that are a bin file name and a size in digits.
+_FILES = re.compile(rf"\{{{_WS}(?:{_FILE_SIZE}{_WS}(?:,{_WS}{_FILE_SIZE}{_WS})*+)?")
 
-    An item becomes its `ItemRecord` at once (checked but for its file, bytes and checksum,
-    which need the manifest's head), with shapes and names shared between items, so no
-    dict per item is kept. Any other object of several fields must be the files (bin file
-    names) or the manifest (`format`); anything else, or a second empty object, stops the
-    parse there. Python code between objects: other threads (the event loop's) take the GIL
-    between them, where one C call over a manifest of 100k items held it for a second.
+
+def _skip(text: str, at: int) -> int:
+    """Where the JSON whitespace at `at` ends."""
+    return _SPACE.match(text, at).end()  # type: ignore[union-attr]  # `*` always matches
+
+
+class _Reader:
+    """Reads a manifest's JSON field by field, refusing what no manifest holds before it is
+    built: a field the format lacks (by its name), a list or object in a scalar field or a
+    file size (by its first character), and an element of `items` that is not one flat
+    object (`_FLAT_ITEM`).
+
+    The files are parsed in one call where `_FILES` matches them, else member by member.
+    Items are parsed one at a time, each in a slice of the text of at most `_CHUNK_CHARS`
+    (so that no call parses more), or where one runs past its slice's end, alone once its
+    shape is checked. The structure is parsed in one call, with each object checked as its
+    node (`_structure_node`).
+    """
+
+    def __init__(self, text: str, fail: Callable[..., CorruptCheckpointError]) -> None:
+        self._text = text
+        self._fail = fail
+        self._scan_scalar = json.JSONDecoder().scan_once
+        self._scan_item = json.JSONDecoder(object_pairs_hook=_ItemHook(fail)).scan_once
+        self._scan_node = json.JSONDecoder(  # not a method: the text must not live on in a cycle
+            object_pairs_hook=functools.partial(_structure_node, fail)).scan_once
+
+    def read(self) -> dict[str, Any]:
+        """The manifest's fields by name: each at most once, and none other."""
+        text = self._text
+        at = _skip(text, 0)
+        if not text.startswith("{", at):
+            raise self._fail(f"expected a JSON object, found {self._found(at)}")
+        body, at = self._members(at, "field", self._field)
+        if _skip(text, at) != len(text):
+            raise json.JSONDecodeError("Extra data", text, _skip(text, at))
+        return body
+
+    def _members(self, at: int, what: str, read: Callable[[str, int], tuple[Any, int]]
+                 ) -> tuple[dict[str, Any], int]:
+        """The object at `at` (its `{`) and its end: `read(name, at)` checks each member's name
+        before it parses the value at `at`."""
+        text = self._text
+        members: dict[str, Any] = {}
+        at = _skip(text, at + 1)
+        if text.startswith("}", at):
+            return members, at + 1
+        while True:
+            if not text.startswith('"', at):
+                raise json.JSONDecodeError("Expecting property name enclosed in double quotes",
+                                           text, at)
+            name, at = _scanstring(text, at + 1)
+            if name in members:
+                raise self._fail(f"{what} {name!r}: expected once, found twice")
+            at = _skip(text, at)
+            if not text.startswith(":", at):
+                raise json.JSONDecodeError("Expecting ':' delimiter", text, at)
+            members[name], at = read(name, _skip(text, at + 1))
+            at = _skip(text, at)
+            if text.startswith("}", at):
+                return members, at + 1
+            if not text.startswith(",", at):
+                raise json.JSONDecodeError("Expecting ',' delimiter", text, at)
+            at = _skip(text, at + 1)
+
+    def _field(self, name: str, at: int) -> tuple[Any, int]:
+        if name == "files":
+            return self._files(at)
+        if name == "items":
+            return self._items(at)
+        if name == "structure":
+            if not self._text.startswith("{", at):
+                raise self._fail(f"field 'structure': expected an object, found "
+                                 f"{self._found(at)}")
+            self._refuse_lists_of_lists(at)
+            return self._scan(self._scan_node, at)
+        if name not in _FIELDS:
+            raise self._fail(f"field {brief(name)}: expected one of {list(_FIELDS)} (a "
+                             f"manifest has no other)")
+        if self._text.startswith(("[", "{"), at):
+            raise self._fail(f"field {name!r}: expected a JSON scalar, found {self._found(at)}")
+        return self._scan(self._scan_scalar, at)
+
+    def _files(self, at: int) -> tuple[dict[str, Any], int]:
+        """Parsed in one call once `_FILES` matches every member; else the first member it
+        does not match is read alone (which names the fault), or all are, one by one."""
+        text = self._text
+        if not text.startswith("{", at):
+            raise self._fail(f"field 'files': expected an object, found {self._found(at)}")
+        matched = _FILES.match(text, at).end()  # type: ignore[union-attr]
+        if text.startswith("}", matched):
+            files, end = self._scan(self._scan_scalar, at)
+            if len(files) != text.count(":", at, end):  # (no colon in a name or size)
+                raise self._fail("field 'files': expected each file name once, found one "
+                                 "listed twice")
+            return files, end
+        fault = _skip(text, matched + 1) if text.startswith(",", matched) else matched
+        if text.startswith('"', fault):
+            name, colon = _scanstring(text, fault + 1)
+            colon = _skip(text, colon)
+            if text.startswith(":", colon):
+                self._file_size(name, _skip(text, colon + 1))
+        return self._members(at, "file", self._file_size)  # spelled otherwise, e.g. escaped
+
+    def _file_size(self, name: str, at: int) -> tuple[Any, int]:
+        if not _BIN_FILE.fullmatch(name):
+            raise self._fail(f"file name {brief(name)}: expected __<rank>_<bin>.distcp")
+        if self._text.startswith(("[", "{"), at):
+            raise self._fail(f"size of file {name!r}: expected a non-negative integer below "
+                             f"2**63, found {self._found(at)}")
+        return self._scan(self._scan_scalar, at)
+
+    def _items(self, at: int) -> tuple[list[ItemRecord], int]:
+        text = self._text
+        if not text.startswith("[", at):
+            raise self._fail(f"field 'items': expected a list, found {self._found(at)}")
+        items: list[ItemRecord] = []
+        at = _skip(text, at + 1)
+        if text.startswith("]", at):
+            return items, at + 1
+        scan, chunk, base = self._scan_item, "", at
+        while True:
+            try:
+                item, end = scan(chunk, at - base)
+                end += base
+            except (StopIteration, ValueError, RecursionError):  # past the slice, or malformed
+                item, end = self._item_alone(at, len(items))
+                base, chunk = end, text[end:text.rfind("}", end, end + _CHUNK_CHARS) + 1]
+            if type(item) is not ItemRecord:  # not an object
+                raise self._not_an_item(at, len(items))
+            items.append(item)
+            after = _NEXT_ITEM.match(text, end)
+            if after is None:
+                raise json.JSONDecodeError("Expecting ',' delimiter", text, end)
+            at = after.end()
+            if after.lastindex is None:  # the closing `]`
+                return items, at
+
+    def _item_alone(self, at: int, index: int) -> tuple[Any, int]:
+        if not _FLAT_ITEM.match(self._text, at):
+            raise self._not_an_item(at, index)
+        return self._scan(self._scan_item, at)
+
+    def _not_an_item(self, at: int, index: int) -> CorruptCheckpointError:
+        found = "one that is not" if self._text.startswith("{", at) else self._found(at)
+        return self._fail(f"item {index} at char {at}: expected a flat object (at most "
+                          f"{len(_ITEM_FIELDS)} fields, each a scalar or a list of at most "
+                          f"{MAX_DIMS} scalars), found {found}")
+
+    def _refuse_lists_of_lists(self, at: int) -> None:
+        """Refuse a list of empty or nested lists (`_LIST_OF_LISTS`) from `at` on, before it
+        is parsed: a structure of them would cost more than any real one. One search; a match
+        inside a string is passed over."""
+        text = self._text
+        while (found := _LIST_OF_LISTS.search(text, at)) is not None:
+            outside = _WHOLE_STRINGS.match(text, at, found.start()).end()  # type: ignore[union-attr]
+            if outside == found.start():
+                raise self._fail(f"structure at char {outside}: expected nodes and [key, node] "
+                                 "pairs, found a list of empty or nested lists")
+            string = _STRING_AT.match(text, outside)  # the string holding the match
+            if string is None:  # unterminated: the parser names it
+                return
+            at = string.end()
+
+    def _scan(self, scan: Callable[[str, int], tuple[Any, int]], at: int) -> tuple[Any, int]:
+        try:
+            return scan(self._text, at)
+        except StopIteration as exc:
+            raise json.JSONDecodeError("Expecting value", self._text, exc.value) from None
+
+    def _found(self, at: int) -> str:
+        """The value at `at`, for an error message: a list or object is not parsed."""
+        if self._text.startswith(("[", "{"), at):
+            return "a list" if self._text[at] == "[" else "an object"
+        return brief(self._scan(self._scan_scalar, at)[0])
+
+
+def _structure_node(fail: Callable[..., CorruptCheckpointError],
+                    pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The structure's `object_pairs_hook`: each object is a node of one known tag."""
+    if len(pairs) != 1:
+        raise fail(f"structure node of {len(pairs)} fields: expected an object with one tag")
+    if pairs[0][0] not in _STRUCTURE_TAGS:
+        raise fail(f"structure tag {brief(pairs[0][0])}: expected one of "
+                   f"{sorted(_STRUCTURE_TAGS)}")
+    return dict(pairs)
+
+
+_scanstring = json.decoder.scanstring  # type: ignore[attr-defined]
+
+
+class _ItemHook:
+    """The `object_pairs_hook` of `items`: each object becomes its `ItemRecord` at once
+    (checked but for its file, bytes and checksum, which need the manifest's other fields),
+    with shapes and names shared between items, so no dict per item is kept. A geometry
+    (dtype and shapes) met before is not checked again (up to `_MAX_GEOMETRIES` of them).
     """
 
     def __init__(self, fail: Callable[..., CorruptCheckpointError]) -> None:
         self._fail = fail
         self._shared: dict[Any, Any] = {}
-        self._empty_seen = False
+        #: (dtype, shape, global_shape, chunk_offsets) -> the bytes of a chunk of it
+        self._geometries: dict[tuple[Any, ...], int] = {}
 
-    def __call__(self, pairs: list[tuple[str, Any]]) -> Any:
-        fields = dict(pairs)
-        if "key" in fields:
-            return self._item(fields)
-        if len(fields) == 1 or "format" in fields:  # a structure node, one file, the manifest
-            return fields
-        if not fields:
-            if self._empty_seen:
-                raise self._fail("a second empty object: expected one at most (the files of "
-                                 "a checkpoint without files)")
-            self._empty_seen = True
-        for name in fields:  # then it can only be the files
-            if not _BIN_FILE.fullmatch(name):
-                raise self._fail(f"file name {brief(name)}: expected __<rank>_<bin>.distcp")
-        return fields
-
-    def _share(self, value: Any) -> Any:
-        return self._shared.setdefault(value, value)
-
-    def _item(self, raw: dict[str, Any]) -> ItemRecord:
-        fail = self._fail
-        key = raw["key"]
+    def __call__(self, pairs: list[tuple[str, Any]]) -> ItemRecord:
+        fail, raw = self._fail, dict(pairs)
+        key = raw.get("key")
         if not isinstance(key, str) or "\x00" in key:
             raise fail(f"item key {brief(key)}: expected a string without NUL")
+        if len(raw) != len(pairs) or not raw.keys() <= _ITEM_FIELDS:
+            seen: set[str] = set()
+            for name, _ in pairs:
+                if name in seen or name not in _ITEM_FIELDS:
+                    raise fail(f"item {key!r} field {brief(name)}: expected each of "
+                               f"{sorted(_ITEM_FIELDS)} at most once", key)
+                seen.add(name)
         kind, encoding = raw.get("kind"), raw.get("encoding", "raw")
-        file, offset, nbytes, checksum = (raw.get(name) for name in (
-            "file", "offset", "nbytes", "checksum"))
+        file, offset, nbytes = raw.get("file"), raw.get("offset"), raw.get("nbytes")
         if not isinstance(kind, str) or kind not in _KINDS:
             raise fail(f"item {key!r} kind {brief(kind)}: expected tensor, ndarray, bytes or "
                        "object", key)
@@ -259,35 +461,53 @@ class _ObjectHook:
         file = self._share(file) if isinstance(file, str) else file
         if kind in ("bytes", "object"):
             return ItemRecord(key=key, kind=_KINDS[kind], file=file, offset=offset, nbytes=nbytes,
-                              checksum=checksum, encoding=_ENCODINGS[encoding])
+                              checksum=raw.get("checksum"), encoding=_ENCODINGS[encoding])
         dtype = raw.get("dtype")
         table = TORCH_DTYPES if kind == "tensor" else NUMPY_DTYPES
         if not isinstance(dtype, str) or dtype not in table:
             raise fail(f"item {key!r} dtype {brief(dtype)}: expected one of {sorted(table)}",
                        key)
-        shape, global_shape, chunk_offsets = (self._dims(raw.get(name)) for name in (
-            "shape", "global_shape", "chunk_offsets"))
+        shape, global_shape = self._dims(raw.get("shape")), self._dims(raw.get("global_shape"))
+        chunk_offsets = self._dims(raw.get("chunk_offsets"))
         if shape is None or global_shape is None or chunk_offsets is None or not (
                 len(shape) == len(global_shape) == len(chunk_offsets)):
             raise fail(f"item {key!r}: expected shape, global_shape and chunk_offsets as lists "
                        f"of one length (at most {MAX_DIMS}) of integers in [0, 2**63)", key)
-        itemsize = table[dtype].itemsize
-        check_fits(key, global_shape, itemsize, fail)
-        if any(o + s > g for o, s, g in zip(chunk_offsets, shape, global_shape, strict=True)):
-            raise fail(f"item {key!r} chunk at {list(chunk_offsets)} of shape {list(shape)}: "
-                       f"expected inside global shape {list(global_shape)}", key)
-        expected = math.prod(shape) * itemsize
+        geometry = (dtype, shape, global_shape, chunk_offsets)
+        expected = self._geometries.get(geometry)
+        if expected is None:
+            expected = self._chunk_bytes(key, table[dtype].itemsize, *geometry[1:])
+            if len(self._geometries) < _MAX_GEOMETRIES:
+                self._geometries[geometry] = expected
         if expected != nbytes:
             raise fail(f"item {key!r}: expected {expected} bytes for {dtype} {list(shape)}, "
                        f"found nbytes {nbytes}", key)
         return ItemRecord(key=key, kind=_KINDS[kind], file=file, offset=offset, nbytes=nbytes,
-                          checksum=checksum, dtype=self._share(dtype), shape=shape,
+                          checksum=raw.get("checksum"), dtype=self._share(dtype), shape=shape,
                           global_shape=global_shape, chunk_offsets=chunk_offsets)
+
+    def _share(self, value: Any) -> Any:
+        return self._shared.setdefault(value, value)
 
     def _dims(self, value: Any) -> tuple[int, ...] | None:
         if isinstance(value, list) and len(value) <= MAX_DIMS and all(map(is_count, value)):
             return self._share(tuple(value))
         return None
+
+    def _chunk_bytes(self, key: str, itemsize: int, shape: tuple[int, ...],
+                     global_shape: tuple[int, ...], chunk_offsets: tuple[int, ...]) -> int:
+        """The bytes of a chunk of this geometry, once checked that it fits torch and lies
+        inside its tensor."""
+        check_fits(key, global_shape, itemsize, self._fail)
+        if any(o + s > g for o, s, g in zip(chunk_offsets, shape, global_shape, strict=True)):
+            raise self._fail(f"item {key!r} chunk at {list(chunk_offsets)} of shape "
+                             f"{list(shape)}: expected inside global shape "
+                             f"{list(global_shape)}", key)
+        return math.prod(shape) * itemsize
+
+
+#: At most this many geometries are remembered as checked (a few MiB).
+_MAX_GEOMETRIES = 1 << 16
 
 
 #: Each kind's and encoding's one string, which every record shares (not one per item).
@@ -295,11 +515,9 @@ _KINDS: dict[Any, ItemKind] = {kind: kind for kind in ("tensor", "ndarray", "byt
 _ENCODINGS: dict[Any, Literal["raw", "torch_save"]] = {"raw": "raw", "torch_save": "torch_save"}
 
 
-def _check_item_place(item: Any, files: dict[str, int], algorithm: str | None,
+def _check_item_place(item: ItemRecord, files: dict[str, int], algorithm: str | None,
                       fail: Callable[..., CorruptCheckpointError]) -> None:
     """What the hook could not check of an item: its file, its bytes inside it, its checksum."""
-    if not isinstance(item, ItemRecord):
-        raise fail(f"item: expected an object, found {type(item).__name__}")
     key, file = item.key, item.file
     if not isinstance(file, str) or file not in files:
         raise fail(f"item {key!r} file {brief(file)}: expected one of the manifest's files", key)
@@ -456,11 +674,9 @@ def _check_structure(structure: Any, keys: set[str], fail: Any) -> None:
     stack = [structure]
     while stack:
         node = stack.pop()
-        if not (isinstance(node, dict) and len(node) == 1):
+        if not isinstance(node, dict):  # each dict is a node of one tag (`_structure_node`)
             raise fail(f"structure node {brief(node)}: expected an object with one tag")
         (tag, body), = node.items()
-        if tag not in _STRUCTURE_TAGS:
-            raise fail(f"structure tag {brief(tag)}: expected one of {sorted(_STRUCTURE_TAGS)}")
         if tag == "item":
             if not isinstance(body, str) or body not in keys:
                 raise fail(f"structure references item {brief(body)}, which the manifest lacks")

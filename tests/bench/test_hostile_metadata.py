@@ -20,6 +20,8 @@ def test_quick_run_reads_each_input_in_a_fresh_process(tmp_path: object) -> None
     assert outcomes["real manifest"].startswith("loaded ")
     assert outcomes["real DCP metadata"].startswith("loaded ")
     assert outcomes["real manifest of empty lists"].startswith("loaded 0 items")
+    assert outcomes["empty lists"].startswith("refused: CorruptCheckpointError: manifest ")
+    assert "field 'junk': expected one of [" in outcomes["empty lists"]
     assert [row["file"] for row in rows] == ["manifest.json"] * 3 + [".metadata"] * 2
     assert all(row["seconds"] > 0 and row["peak_bytes"] >= 0 for row in rows)
     assert rows[3]["seconds_vs_real"] == 1.0  # the real DCP metadata, against itself

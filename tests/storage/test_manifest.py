@@ -6,10 +6,12 @@ from __future__ import annotations
 import gc
 import json
 import math
+import tracemalloc
 
 import pytest
 
 from asynctron.errors import CorruptCheckpointError
+from asynctron.storage import _manifest
 from asynctron.storage._manifest import ItemRecord, check_chunks, encode_manifest, parse_manifest
 
 
@@ -130,8 +132,7 @@ def test_non_ascii_bytes_are_refused_naming_the_offset() -> None:
         parse_manifest(data, "m.json")
 
 
-@pytest.mark.parametrize("value", ["x" * 10_000_000, [[]] * 1_000_000, 10**4000],
-                         ids=["long string", "many lists", "huge int"])
+@pytest.mark.parametrize("value", ["x" * 10_000_000, 10**4000], ids=["long string", "huge int"])
 def test_errors_show_a_bounded_part_of_a_hostile_value(value: object) -> None:
     data = _manifest_json(2).replace(b'"format":"asynctron"',
                                      b'"format":' + json.dumps(value).encode())
@@ -149,3 +150,111 @@ def test_a_creation_time_datetime_cannot_show_is_refused(value: bytes, shown: st
                                                      r"expected seconds since 1970 up to the year "
                                                      rf"9999, found {shown}; "):
         parse_manifest(data, "m.json")
+
+
+def _peak_bytes_to_refuse(data: bytes, message: str) -> int:
+    """Parse `data`, expecting a refusal matching `message`; the parse's peak Python memory."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptCheckpointError, match=message) as raised:
+            parse_manifest(data, "m.json")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(str(raised.value)) < 400
+    return peak
+
+
+_HEAD = (b'{"format":"asynctron","version":1,"created_unix_s":1.0,"checksum":null,'
+         b'"files":{"__0_0.distcp":1024}')
+_JUNK = b"[" + b",".join([b"[]"] * 2_000_000) + b"]"  # 6 MB: 2M lists of 64 bytes if built
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (_HEAD + b',"junk":' + _JUNK + b',"items":[],"structure":{"dict":[]}}',
+     r"^manifest m\.json: field 'junk': expected one of \['format', 'version', "
+     r"'created_unix_s', 'checksum', 'files', 'items', 'structure'\] \(a manifest has no "
+     r"other\); "),
+    (_HEAD + b',"items":' + _JUNK + b',"structure":{"dict":[]}}',
+     r"^manifest m\.json: item 0 at char 110: expected a flat object \(at most 11 fields, each "
+     r"a scalar or a list of at most 64 scalars\), found a list; "),
+    (_HEAD + b',"items":[{"key":"k","kind":"tensor","shape":' + _JUNK + b'}],'
+     b'"structure":{"dict":[]}}', r"^manifest m\.json: item 0 at char 110: expected a flat "
+                                  r"object .*, found one that is not; "),
+    (_HEAD + b',"items":[],"structure":{"list":' + _JUNK + b"}}",
+     r"^manifest m\.json: structure at char 132: expected nodes and \[key, node\] pairs, "
+     r"found a list of empty or nested lists; "),
+    (_HEAD[:-5] + _JUNK + b"}}", r"^manifest m\.json: size of file '__0_0\.distcp': expected a "
+                                r"non-negative integer below 2\*\*63, found a list; "),
+    (b'{"format":' + _JUNK + b"}", r"^manifest m\.json: field 'format': expected a JSON "
+                                   r"scalar, found a list; "),
+], ids=["an extra field", "items", "an item's shape", "the structure", "a file size",
+        "a scalar field"])
+def test_a_list_of_empty_lists_is_refused_unbuilt_naming_the_field(data: bytes,
+                                                                   message: str) -> None:
+    """Anywhere in a manifest, 2M empty lists (6 MB of JSON; 128 MB once built) are refused
+    before they are built: the parse holds the text and little more."""
+    assert _peak_bytes_to_refuse(data, message) < 2 * len(data)
+
+
+@pytest.mark.parametrize(("data", "message"), [
+    (_HEAD + b',"items":[{},{}]}', r"^manifest m\.json: item key None: expected a string "),
+    (_HEAD + b',"items":[{"key":"k","junk":[]}]}',
+     r"^manifest m\.json: item 'k' field 'junk': expected each of \['checksum', "),
+    (_HEAD + b',"items":[{"key":"k","key":"k"}]}', r"^manifest m\.json: item 'k' field 'key': "
+                                                   r"expected each of "),
+    (_HEAD + b',"items":[7]}', r"^manifest m\.json: item 0 at char 110: expected a flat "
+                               r"object .*, found 7; "),
+    (_HEAD + b',"structure":{"list":[{}]}}', r"^manifest m\.json: structure node of 0 fields: "
+                                             r"expected an object with one tag; "),
+    (_HEAD + b',"structure":{"list":[{"dict":[],"list":[]}]}}',
+     r"^manifest m\.json: structure node of 2 fields: expected an object with one tag; "),
+    (_HEAD + b',"structure":{"junk":0}}', r"^manifest m\.json: structure tag 'junk': "
+                                          r"expected one of \['dict', 'item', 'list', "),
+    (_HEAD + b',"files":{}}', r"^manifest m\.json: field 'files': expected once, found twice; "),
+    (_HEAD[:-1] + b',"__0_0.distcp":1}}', r"^manifest m\.json: field 'files': expected each "
+                                         r"file name once, found one listed twice; "),
+    (_HEAD[:-1] + b',"__0_\\u0030.distcp":1}}', r"^manifest m\.json: file '__0_0\.distcp': "
+                                                r"expected once, found twice; "),
+    (_HEAD[:-1] + b',"../x":1}}', r"^manifest m\.json: file name '\.\./x': expected "
+                                  r"__<rank>_<bin>\.distcp; "),
+    (_HEAD + b"}[]", r"^manifest m\.json: expected JSON, found JSONDecodeError: 'Extra data: "),
+    (b"[]", r"^manifest m\.json: expected a JSON object, found a list; "),
+], ids=["empty objects", "an unknown item field", "an item field twice", "a number item",
+        "an empty node", "a node of two tags", "an unknown tag", "a field twice", "a file twice",
+        "a file spelled twice", "a file outside the checkpoint", "extra data", "a list"])
+def test_what_no_manifest_holds_is_refused_naming_it(data: bytes, message: str) -> None:
+    with pytest.raises(CorruptCheckpointError, match=message):
+        parse_manifest(data, "m.json")
+
+
+def _record(key: str, offset: int, shape: tuple[int, ...] = (4,)) -> ItemRecord:
+    return ItemRecord(key=key, kind="tensor", file="__0_0.distcp", offset=offset,
+                      nbytes=4 * math.prod(shape), checksum=None, dtype="float32", shape=shape,
+                      global_shape=shape, chunk_offsets=(0,) * len(shape))
+
+
+@pytest.mark.parametrize("chunk_chars", [64, 1000, _manifest._CHUNK_CHARS])
+def test_real_manifests_round_trip_whatever_their_keys_layout_and_spacing(
+        monkeypatch: pytest.MonkeyPatch, chunk_chars: int) -> None:
+    """Keys that look like the JSON the reader refuses or cuts at (braces, lists of lists,
+    escapes), 0-dim tensors, items across many slices of the text (of `chunk_chars`), the
+    fields in another order and spaced as `json.dumps` spaces them: each parses to the same
+    manifest."""
+    monkeypatch.setattr(_manifest, "_CHUNK_CHARS", chunk_chars)
+    odd = ["a}b", "[[],[]]", "x,[[{", '"q"', "\\", "\u00e9", "{}", "[]", ""]
+    items = [_record(key, 16 * i) for i, key in enumerate(odd)]
+    items += [_record(f"scalar.{i}", 16 * len(odd) + 4 * i, ()) for i in range(3)]
+    items += [_record(f"model.layers.{i}." + "w" * 200, 1024 + 16 * i) for i in range(10_000)]
+    structure = json.dumps({"dict": [[item.key, {"item": item.key}] for item in items]
+                            + [["k", {"list": [{"list": []}, {"value": None}]}]]},
+                           separators=(",", ":"))
+    data = encode_manifest(structure=structure, items=items, checksums=None,
+                           files={"__0_0.distcp": 1 << 20}, created_unix_s=1.0, checksum=None)
+    manifest = parse_manifest(data, "m.json")
+    assert manifest.items == tuple(items) and manifest.to_json() == data
+    fields = json.loads(data)
+    reordered = json.dumps({name: fields[name] for name in reversed(list(fields))}).encode()
+    assert parse_manifest(reordered, "m.json") == manifest
+    spaced = json.dumps(fields, indent=1).encode()
+    assert parse_manifest(spaced, "m.json") == manifest
