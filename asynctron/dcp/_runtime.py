@@ -136,7 +136,6 @@ class Runtime:
             in_flight = list(self._in_flight)
         concurrent.futures.wait(in_flight)
         try:
-            self._loop_thread.submit(self.resources.release_backends()).result()
             self.resources.shutdown()
         finally:
             self._stop_loop()

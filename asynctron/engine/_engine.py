@@ -289,7 +289,6 @@ class Engine:
                 raise unobserved[0].failure()
         finally:
             loads.cancel()
-            await self._resources.release_backends()
             self._resources.shutdown()
 
     async def prefault_staging(self, nbytes: int | None = None) -> int:

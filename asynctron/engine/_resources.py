@@ -25,7 +25,7 @@ from asynctron._concurrency import uncancellable
 from asynctron.engine._slabs import SlabPool
 from asynctron.engine._staging import CopyStreams
 from asynctron.errors import ClosedError
-from asynctron.storage.backends import Backend, backend_for, shared_backends
+from asynctron.storage.backends import Backend, backend_for
 
 if TYPE_CHECKING:
     from asynctron.engine._engine import EngineConfig
@@ -79,15 +79,6 @@ class SaveResources:
         """
         backend = self._backend or backend_for(path)
         return backend, backend.locate(path)
-
-    async def release_backends(self) -> None:
-        """On the loop: release what its backends (the one given, the process's) hold for
-        it (an object store's connections); they stay usable."""
-        backends = shared_backends()
-        if self._backend is not None:
-            backends.append(self._backend)
-        for backend in backends:
-            await backend.aclose()
 
     async def run_blocking(self, fn: Callable[..., T], /, *args: Any) -> T:
         """Run blocking `fn(*args)` on the executor; the loop stays free.

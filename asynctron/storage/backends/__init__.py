@@ -23,7 +23,7 @@ from asynctron.storage.backends._backend import (
 from asynctron.storage.backends.local import LocalBackend
 
 __all__ = ["Backend", "Committed", "FileWriter", "LocalBackend", "Retention", "SaveArea",
-           "backend_for", "register_backend", "shared_backends"]
+           "backend_for", "register_backend"]
 
 _FACTORIES: dict[str, Callable[[], Backend]] = {}
 _SHARED: dict[str, Backend] = {}
@@ -38,11 +38,6 @@ def register_backend(scheme: str, factory: Callable[[], Backend]) -> None:
     (`"file"`: plain paths, the local filesystem)."""
     _FACTORIES[scheme.lower()] = factory
     _SHARED.pop(scheme.lower(), None)
-
-
-def shared_backends() -> list[Backend]:
-    """The backends `backend_for` made so far in this process."""
-    return list(_SHARED.values())
 
 
 def backend_for(path: str | os.PathLike[str]) -> Backend:

@@ -255,11 +255,6 @@ class CheckpointStorage(Protocol):
         """
         ...
 
-    async def aclose(self) -> None:
-        """Release what the backend holds for the running loop (an object store's
-        connections); it stays usable: a later call opens them again. Never raises."""
-        ...
-
 
 
 class FileStorage(Protocol):

@@ -88,9 +88,6 @@ class LocalBackend(LocalFiles):
         return LocalCheckpointReader(self.file_io, checkpoint, run_blocking,
                                 max_files_at_once=max_files_at_once, lease=lease)
 
-    async def aclose(self) -> None:
-        """Nothing is held per loop."""
-
     def __repr__(self) -> str:
         return f"<LocalBackend {type(self.file_io).__name__}, {len(self._live)} saves live>"
 

@@ -203,10 +203,6 @@ class S3Backend:
         return ObjectReader(self.client, path, run_blocking,
                             max_files_at_once=max_files_at_once)
 
-    async def aclose(self) -> None:
-        """Close the running loop's connections (a later call opens new ones)."""
-        await self.client.aclose()
-
     # -- retention and debris ---------------------------------------------------------------
 
     async def _update_ledger(self, root: ObjectUrl,
@@ -228,17 +224,14 @@ class S3Backend:
 
     async def _read_ledger(self, ledger: ObjectUrl) -> tuple[list[LedgerEntry], str | None]:
         try:
-            response = await self.client.call("get_object", ledger, Bucket=ledger.bucket,
-                                              Key=ledger.key)
+            data, etag, _ = await self.client.get_small(ledger, MAX_LEDGER_BYTES)
         except NoSuchObjectError:
             return [], None
-        async with response["Body"] as body:
-            if response.get("ContentLength", 0) > MAX_LEDGER_BYTES:
-                logger.warning("ledger %s: larger than %d bytes; ignored (nothing is pruned)",
-                               ledger, MAX_LEDGER_BYTES)
-                return [], response["ETag"]
-            data = await body.read()
-        return parse_ledger(data, str(ledger), is_checkpoint_name), response["ETag"]
+        if data is None:
+            logger.warning("ledger %s: larger than %d bytes; ignored (nothing is pruned)",
+                           ledger, MAX_LEDGER_BYTES)
+            return [], etag
+        return parse_ledger(data, str(ledger), is_checkpoint_name), etag
 
     async def _prune(self, root: ObjectUrl, retention: Retention) -> list[str]:
         """Delete this job's checkpoints beyond `keep_last` (never what `latest` names, never
@@ -365,18 +358,12 @@ class S3Backend:
                                **self.client.body(body), **conditions)
 
     async def _read_small(self, url: ObjectUrl, max_bytes: int = 1 << 16) -> bytes | None:
-        """The small object `url`, or None if there is none (a larger one is cut)."""
+        """The small object `url`, or None if there is none (or it is larger: not ours)."""
         try:
-            response = await self.client.call("get_object", url, Bucket=url.bucket,
-                                              Key=url.key, Range=f"bytes=0-{max_bytes - 1}")
+            data, _, _ = await self.client.get_small(url, max_bytes)
         except NoSuchObjectError:
             return None
-        except StorageError as error:
-            if "InvalidRange" in str(error):  # an empty object
-                return b""
-            raise
-        async with response["Body"] as body:
-            return await body.read()
+        return data
 
     async def _delete(self, urls: Iterable[ObjectUrl]) -> None:
         """Delete the objects `urls` (all in one bucket); a missing one is no error.

@@ -1,23 +1,30 @@
 """`S3Client`: S3 requests on the caller's event loop, bounded, retried inside a deadline, their
 failures as errors that name the endpoint, the object and what to set.
 
-One aiobotocore client per event loop (its connections belong to that loop), made on first
-use and closed by `aclose` on that loop. Every request holds one slot of the loop's request
-budget (`S3Config.max_requests`) while in flight. Connection resets, timeouts, 5xx and
-SlowDown are retried with exponential backoff and jitter until the operation's deadline
-(`S3Config.deadline_s`); everything else fails at once. botocore's own retries are off, so the
-deadline is the only clock.
+Requests run on the process's S3 I/O loop, a uvloop on a thread of its own (`io_loop`): every
+byte a request sends or receives is handled there, so the caller's loop (a trainer's) only
+awaits each request's outcome and its heartbeat never waits on a socket copy; a cancelled
+caller waits until its request is cancelled there, so no buffer it lends is touched after.
+One aiobotocore client per store on that loop, made on first use, closed at exit. Every
+request holds one slot of the request budget (`S3Config.max_requests`) while in flight.
+Connection resets, timeouts, 5xx and SlowDown are retried with exponential backoff and
+jitter until the operation's deadline (`S3Config.deadline_s`); everything else fails at once.
+botocore's own retries are off, so the deadline is the only clock.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import concurrent.futures
+import contextlib
 import io
 import logging
 import os
 import random
+import threading
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 import aiohttp
@@ -28,6 +35,8 @@ import numpy as np
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 
+from asynctron._concurrency import uncancellable
+from asynctron._loop_thread import LoopThread
 from asynctron.errors import AsynctronError, CorruptCheckpointError, StorageError
 from asynctron.storage.backends.s3._config import S3Config
 from asynctron.storage.backends.s3._layout import ObjectUrl
@@ -109,6 +118,8 @@ class S3Client:
             weakref.WeakKeyDictionary())
         self._opening: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
             weakref.WeakKeyDictionary())
+        _CLIENTS.add(self)
+        weakref.finalize(self, _close_when_collected, self._clients)
 
     def _region(self) -> str:
         return (self.config.region or os.environ.get("AWS_REGION")
@@ -155,12 +166,8 @@ class S3Client:
 
     @property
     def most_in_flight(self) -> int:
-        """The most requests this loop's client had in flight at once (0 before any)."""
-        try:
-            found = self._clients.get(asyncio.get_running_loop())
-        except RuntimeError:
-            found = None
-        return 0 if found is None else found.most_in_flight
+        """The most requests this client had in flight at once (0 before any)."""
+        return max((found.most_in_flight for found in list(self._clients.values())), default=0)
 
     async def call(self, operation: str, url: ObjectUrl | str, /, **params: Any) -> Any:
         """`operation` (a client method: `put_object`, `upload_part`, ...) with `params`,
@@ -175,6 +182,22 @@ class S3Client:
             return await getattr(client, operation)(**params)
 
         return await self.retried(operation, url, attempt)
+
+    async def get_small(self, url: ObjectUrl, max_bytes: int) -> tuple[bytes | None, str, int]:
+        """The whole object `url` if it holds at most `max_bytes` (else None, unread), its
+        ETag and its size.
+
+        Raises:
+            NoSuchObjectError, StorageError: as `call`.
+        """
+        async def attempt(client: Any) -> tuple[bytes | None, str, int]:
+            response = await client.get_object(Bucket=url.bucket, Key=url.key)
+            async with response["Body"] as body:
+                size = response.get("ContentLength", 0)
+                data = await body.read() if size <= max_bytes else None
+            return data, response.get("ETag", ""), size
+
+        return await self.retried("get_object", url, attempt)
 
     async def get_into(self, url: ObjectUrl, offset: int, buffers: Sequence[memoryview],
                        *, key: str | None = None) -> None:
@@ -211,8 +234,15 @@ class S3Client:
 
     async def retried(self, operation: str, url: ObjectUrl | str,
                       attempt: Callable[[Any], Awaitable[T]]) -> T:
-        """`attempt(client)` holding a request slot, retried on transient failures until the
-        deadline; failures translated as `call` says."""
+        """`attempt(client)` on the I/O loop, holding a request slot, retried on transient
+        failures until the deadline; failures translated as `call` says.
+
+        Cancellation: the request is cancelled on the I/O loop, and this returns (raising
+        CancelledError) only once it has stopped."""
+        return await on_io_loop(self._retried(operation, url, attempt))
+
+    async def _retried(self, operation: str, url: ObjectUrl | str,
+                       attempt: Callable[[Any], Awaitable[T]]) -> T:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.deadline_s
         tries = 0
@@ -283,10 +313,92 @@ class S3Client:
                             errno=None)
 
     async def aclose(self) -> None:
-        """Close the running loop's client (its connections); a later call opens another."""
+        """On the I/O loop: close its client (its connections)."""
         found = self._clients.pop(asyncio.get_running_loop(), None)
         if found is not None:
             await found.client.__aexit__(None, None, None)
+
+
+_IO_LOCK = threading.Lock()
+_IO: tuple[int, LoopThread] | None = None
+"""The process's S3 I/O loop, and the pid that started it (a forked child starts its own)."""
+_CLIENTS: weakref.WeakSet[S3Client] = weakref.WeakSet()
+
+
+def io_loop() -> LoopThread:
+    """The process's S3 I/O loop, started on first use."""
+    global _IO
+    with _IO_LOCK:
+        if _IO is None or _IO[0] != os.getpid():
+            _IO = (os.getpid(), LoopThread("asynctron-s3-io"))
+        return _IO[1]
+
+
+async def on_io_loop(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run `coroutine` on the S3 I/O loop (directly, if already on it) and return its
+    outcome. If the caller is cancelled, the coroutine is cancelled there and this waits
+    until it has stopped, then raises CancelledError."""
+    io = io_loop()
+    caller = asyncio.get_running_loop()
+    if caller is io.loop:
+        return await coroutine
+    outcome: asyncio.Future[T] = caller.create_future()
+    started: concurrent.futures.Future[asyncio.Task[T]] = concurrent.futures.Future()
+
+    def start() -> None:  # on the I/O loop
+        task = io.loop.create_task(coroutine)
+        task.add_done_callback(lambda done: caller.call_soon_threadsafe(_settle, outcome, done))
+        started.set_result(task)
+
+    io.loop.call_soon_threadsafe(start)
+    try:
+        return await asyncio.shield(outcome)
+    except asyncio.CancelledError:
+        if not outcome.done():
+            io.loop.call_soon_threadsafe(started.result().cancel)
+            await uncancellable(outcome)
+        raise
+
+
+def _close_when_collected(clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
+                                                            _LoopClient]) -> None:
+    """An `S3Client` was collected: close its clients on their loops (from any thread)."""
+    for loop, found in list(clients.items()):
+        if not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                asyncio.run_coroutine_threadsafe(found.client.__aexit__(None, None, None),
+                                                 loop)
+
+
+def _settle(outcome: asyncio.Future[T], task: asyncio.Task[T]) -> None:
+    """On the caller's loop: pass the I/O loop task's outcome on."""
+    if outcome.done():
+        return
+    if task.cancelled():
+        outcome.cancel()
+    elif task.exception() is not None:
+        outcome.set_exception(task.exception())  # type: ignore[arg-type]
+    else:
+        outcome.set_result(task.result())
+
+
+@atexit.register
+def _close_io_loop() -> None:
+    """Close the clients on the I/O loop and stop it (no connection left for the collector)."""
+    with _IO_LOCK:
+        found = _IO
+    if found is None or found[0] != os.getpid():
+        return
+    io = found[1]
+    clients = list(_CLIENTS)
+
+    async def close() -> None:
+        for client in clients:
+            await client.aclose()
+
+    with contextlib.suppress(Exception):
+        io.submit(close()).result(timeout=5)
+    io.stop()
 
 
 async def _fill(stream: aiohttp.StreamReader, buffers: Sequence[memoryview]) -> int:

@@ -114,14 +114,18 @@ class ObjectReader(CheckpointReaderBase):
                 path=str(url))
         return await self._get(url, size)
 
-    async def _get(self, url: ObjectUrl, nbytes: int) -> bytes:
-        """The object's first `nbytes` bytes (all of a smaller one)."""
-        if not nbytes:
-            return b""
-        response = await self._client.call("get_object", url, Bucket=url.bucket, Key=url.key,
-                                           Range=f"bytes=0-{nbytes - 1}")
-        async with response["Body"] as body:
-            return await body.read()
+    async def _get(self, url: ObjectUrl, max_bytes: int) -> bytes:
+        """The whole object `url`, of at most `max_bytes`.
+
+        Raises:
+            CorruptCheckpointError: it is larger (refused unread).
+        """
+        data, _, size = await self._client.get_small(url, max_bytes)
+        if data is None:
+            raise CorruptCheckpointError(
+                f"object {url}: expected at most {max_bytes} bytes, found {size}; refused "
+                "unread", path=str(url))
+        return data
 
     async def read(self, jobs: Sequence[ReadJob], *, verify: bool, slab_bytes: int,
                    progress: Callable[[int], None] | None = None
