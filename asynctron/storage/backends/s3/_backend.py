@@ -73,8 +73,8 @@ _LIVE_CLAIMS: set[str] = set()
 
 
 class S3Backend:
-    """Checkpoints on an S3-compatible store, through one `S3Client` (a client per event loop,
-    a request budget, retries inside a deadline).
+    """Checkpoints on an S3-compatible store, through one `S3Client` (requests on the S3 I/O
+    loop, a request budget, retries inside a deadline).
 
     Datasets cannot live here yet: the file half of `Backend` refuses every call with a
     ValueError saying so.

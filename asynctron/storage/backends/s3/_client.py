@@ -1,5 +1,5 @@
-"""`S3Client`: S3 requests on the caller's event loop, bounded, retried inside a deadline, their
-failures as errors that name the endpoint, the object and what to set.
+"""`S3Client`: S3 requests, asyncio-native, bounded, retried inside a deadline, their failures
+as errors that name the endpoint, the object and what to set.
 
 Requests run on the process's S3 I/O loop, a uvloop on a thread of its own (`io_loop`): every
 byte a request sends or receives is handled there, so the caller's loop (a trainer's) only
@@ -105,7 +105,8 @@ class _LoopClient:
 
 
 class S3Client:
-    """Requests to one store, from any number of event loops (a client per loop).
+    """Requests to one store, from any number of event loops and threads (each runs on the
+    S3 I/O loop; a forked child gets a client of its own).
 
     Concurrency: any number of tasks on a loop share its client and its request budget.
     """

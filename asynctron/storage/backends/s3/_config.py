@@ -45,7 +45,7 @@ class S3Config:
     store_checksums: bool = False
     """Have the client send, and the store check, a CRC of every request body."""
     max_requests: int = 64
-    """Most requests in flight at once per event loop (the request budget)."""
+    """Most requests to the store in flight at once (the request budget)."""
     single_put_bytes: int = 8 * MiB
     """Files up to this size go as one PUT, larger ones as a multipart upload."""
     deadline_s: float = 60.0
