@@ -18,8 +18,7 @@ import mmap
 import os
 from collections.abc import Callable, Sequence
 
-from asynctron._concurrency import RunBlocking, first_error
-from asynctron.errors import CorruptCheckpointError
+from asynctron._concurrency import RunBlocking
 from asynctron.storage._checksum import ItemHasher
 from asynctron.storage._dcp import METADATA_NAME, is_dcp_checkpoint, read_dcp_manifest
 from asynctron.storage._manifest import (
@@ -127,59 +126,26 @@ class LocalCheckpointReader(CheckpointReaderBase):
         if self._fds.setdefault(name, fd) != fd:  # another task opened it meanwhile
             _sysio.close(self._fio, fd, name)
 
-    async def read(self, jobs: Sequence[ReadJob], *, verify: bool, slab_bytes: int,
-                   progress: Callable[[int], None] | None = None
-                   ) -> list[CorruptCheckpointError]:
-        """Read every job (one task per file, file order within it).
-
-        Returns:
-            with `verify` (and a checkpoint that has checksums), one error per item whose
-            digest differs, naming file, key and offset; else an empty list. Jobs whose
-            record has no checksum (part of an item, read when resharding) are not checked.
-
-        Raises:
-            CorruptCheckpointError: a file ends early (names the file and item).
-            StorageError: a read failed.
+    async def read_file_jobs(self, name: str, jobs: Sequence[ReadJob],
+                             hashers: Sequence[ItemHasher] | None, *, slab_bytes: int,
+                             progress: Callable[[int], None] | None) -> None:
+        """Each read batch is ONE executor call (a preadv, then the digests); at most
+        `max_files_at_once` files are read at a time.
 
         Memory: jobs without a destination share one scratch buffer of `slab_bytes` per file
         being read, so at most `max_files_at_once` buffers at once.
         Cancellation: the executor call in flight finishes; destinations are partly filled.
         """
-        check = verify and self.verifiable
-        by_file: dict[str, list[int]] = {}
-        for index, job in enumerate(jobs):
-            by_file.setdefault(job.record.file, []).append(index)
-        found: dict[int, str] = {}
-
-        async def read_file(name: str, indices: list[int]) -> None:
-            async with self._file_slots:
-                await read_one_file(name, indices)
-
-        async def read_one_file(name: str, indices: list[int]) -> None:
-            indices.sort(key=lambda i: jobs[i].record.offset)
-            file_jobs = [jobs[i] for i in indices]
-            hashers = [ItemHasher() for _ in file_jobs] if check else None
+        async with self._file_slots:
             fd = await self.fd(name)
             path = os.path.join(self.path, name)
             scratch = (memoryview(bytearray(slab_bytes))
-                       if any(job.destination is None for job in file_jobs) else None)
-            for batch in plan_reads([job.record for job in file_jobs], slab_bytes):
-                await self._run_blocking(read_batch, self._fio, fd, path, batch, file_jobs,
+                       if any(job.destination is None for job in jobs) else None)
+            for batch in plan_reads([job.record for job in jobs], slab_bytes):
+                await self._run_blocking(read_batch, self._fio, fd, path, batch, jobs,
                                          hashers, scratch)
                 if progress is not None:
                     progress(sum(segment.nbytes for segment in batch.segments))
-            if hashers is not None:
-                for i, hasher in zip(indices, hashers, strict=True):
-                    found[i] = hasher.hexdigest()
-
-        try:
-            async with asyncio.TaskGroup() as group:
-                for name, indices in by_file.items():
-                    group.create_task(read_file(name, indices))
-        except BaseExceptionGroup as error:
-            raise first_error(error)  # noqa: B904 (the group stays as __context__)
-        return [error for i in sorted(found) if jobs[i].record.checksum is not None
-                and (error := self.digest_error(jobs[i].record, found[i])) is not None]
 
     async def read_range(self, record: ItemRecord, start: int, destination: memoryview,
                          hasher: ItemHasher | None) -> None:

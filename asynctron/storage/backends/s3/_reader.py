@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Sequence
 
-from asynctron._concurrency import RunBlocking, first_error
+from asynctron._concurrency import RunBlocking
 from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from asynctron.storage._checksum import ItemHasher
 from asynctron.storage._dcp import MAX_METADATA_BYTES, METADATA_NAME, parse_dcp_manifest
@@ -127,68 +127,45 @@ class ObjectReader(CheckpointReaderBase):
                 "unread", path=str(url))
         return data
 
-    async def read(self, jobs: Sequence[ReadJob], *, verify: bool, slab_bytes: int,
-                   progress: Callable[[int], None] | None = None
-                   ) -> list[CorruptCheckpointError]:
-        """Read every job: every range in flight at once (the request budget bounds them),
-        digests continued in file order. Returns digest mismatches as the local reader does.
+    async def read_file_jobs(self, name: str, jobs: Sequence[ReadJob],
+                             hashers: Sequence[ItemHasher] | None, *, slab_bytes: int,
+                             progress: Callable[[int], None] | None) -> None:
+        """Every range of the file in flight at once (the request budget bounds them, each
+        at most `RANGE_BYTES`), digests continued in file order on the executor.
 
         Memory: jobs without a destination (verification) get a scratch buffer per range in
         flight, at most `2 * max_files_at_once` of them.
         Cancellation: the GETs in flight are cancelled; destinations are partly filled.
         """
-        check = verify and self.verifiable
-        by_file: dict[str, list[int]] = {}
-        for index, job in enumerate(jobs):
-            by_file.setdefault(job.record.file, []).append(index)
-        found: dict[int, str] = {}
+        url = parse_url(self.path_of(name))
+        batches = plan_reads([job.record for job in jobs], min(slab_bytes, RANGE_BYTES))
+        turns = [asyncio.Event() for _ in batches]
 
-        async def read_file(name: str, indices: list[int]) -> None:
-            indices.sort(key=lambda i: jobs[i].record.offset)
-            file_jobs = [jobs[i] for i in indices]
-            hashers = [ItemHasher() for _ in file_jobs] if check else None
-            url = parse_url(self.path_of(name))
-            batches = plan_reads([job.record for job in file_jobs],
-                                 min(slab_bytes, RANGE_BYTES))
-            turns = [asyncio.Event() for _ in batches]
+        async def read_batch(number: int) -> None:
+            batch = batches[number]
+            if any(jobs[s.item_index].destination is None for s in batch.segments):
+                async with self._scratch_slots:
+                    await read_into(number, memoryview(bytearray(batch.nbytes)))
+            else:
+                await read_into(number, None)
 
-            async def read_batch(number: int) -> None:
-                batch = batches[number]
-                if any(file_jobs[s.item_index].destination is None for s in batch.segments):
-                    async with self._scratch_slots:
-                        await read_into(number, memoryview(bytearray(batch.nbytes)))
-                else:
-                    await read_into(number, None)
-
-            async def read_into(number: int, scratch: memoryview | None) -> None:
-                batch = batches[number]
-                buffers, views = batch.targets(file_jobs, scratch)
-                first = file_jobs[batch.segments[0].item_index].record.key
-                await self._run_blocking(touch_pages, views)
-                await self._client.get_into(url, batch.file_offset, buffers, key=first)
-                if progress is not None:
-                    progress(sum(segment.nbytes for segment in batch.segments))
-                if hashers is not None:
-                    if number:
-                        await turns[number - 1].wait()
-                    await self._run_blocking(batch.hash, views, hashers)
-                turns[number].set()
-
-            async with asyncio.TaskGroup() as group:
-                for number in range(len(batches)):
-                    group.create_task(read_batch(number))
+        async def read_into(number: int, scratch: memoryview | None) -> None:
+            batch = batches[number]
+            buffers, views = batch.targets(jobs, scratch)
+            first = jobs[batch.segments[0].item_index].record.key
+            await self._run_blocking(touch_pages, views)
+            await self._client.get_into(url, batch.file_offset, buffers, key=first)
+            if progress is not None:
+                progress(sum(segment.nbytes for segment in batch.segments))
             if hashers is not None:
-                for i, hasher in zip(indices, hashers, strict=True):
-                    found[i] = hasher.hexdigest()
+                if number:
+                    await turns[number - 1].wait()
+                await self._run_blocking(batch.hash, views, hashers)
+            turns[number].set()
 
-        try:
-            async with asyncio.TaskGroup() as group:
-                for name, indices in by_file.items():
-                    group.create_task(read_file(name, indices))
-        except BaseExceptionGroup as error:
-            raise first_error(error)  # noqa: B904 (the group stays as __context__)
-        return [error for i in sorted(found) if jobs[i].record.checksum is not None
-                and (error := self.digest_error(jobs[i].record, found[i])) is not None]
+        async with asyncio.TaskGroup() as group:
+            for number in range(len(batches)):
+                group.create_task(read_batch(number))
 
     async def read_range(self, record: ItemRecord, start: int, destination: memoryview,
                          hasher: ItemHasher | None) -> None:
