@@ -235,7 +235,9 @@ class S3Backend:
 
     async def _prune(self, root: ObjectUrl, retention: Retention) -> list[str]:
         """Delete this job's checkpoints beyond `keep_last` (never what `latest` names, never
-        one whose manifest is not the one recorded), and finish prunings that died midway;
+        one whose manifest is not the one recorded: such an entry, a save that never
+        committed or a replaced checkpoint, is dropped first and never counted), and finish
+        prunings that died midway;
         returns the URLs pruned.
 
         Crash-safe: the doomed are marked `pruning` in the ledger first (while their manifests
@@ -245,14 +247,11 @@ class S3Backend:
         latest = await self._read_small(root.child(LATEST_NAME))
         keep = latest.decode(errors="replace").strip() if latest is not None else None
         unfinished = [entry for entry in entries if entry.pruning]
-        doomed, dropped = [], []
-        for entry in beyond_keep_last(entries, retention):
-            if entry.name == keep:
-                continue
-            if await self._manifest_token(root.child(entry.name)) != entry.manifest:
-                dropped.append(entry)  # gone, or replaced by a save not ours: never deleted
-                continue
-            doomed.append(entry)
+        dropped = [entry for entry in entries if not entry.pruning and entry.job == retention.job
+                   and await self._manifest_token(root.child(entry.name)) != entry.manifest]
+        committed = [entry for entry in entries if entry not in dropped]
+        doomed = [entry for entry in beyond_keep_last(committed, retention)
+                  if entry.name != keep]
         if doomed or dropped:
             marked = {_identity(entry) for entry in doomed}
             gone = {_identity(entry) for entry in dropped}
