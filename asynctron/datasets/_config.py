@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import FrozenInstanceError, dataclass
 from typing import Protocol
 
 import numpy as np
@@ -28,14 +28,23 @@ class Tokenizer(Protocol):
     def eod(self) -> int: ...
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
+# Neither frozen (megatron's plain-dataclass subclasses could not extend it) nor slotted (the
+# write-once `__setattr__` reads `__dict__`); hashable as when frozen: fields are set once.
+@dataclass(kw_only=True, unsafe_hash=True)
 class GPTDatasetConfig:
     """How to build GPT datasets; fields named as megatron-core's `GPTDatasetConfig`.
 
     Without `blend` and `blend_per_split` the config is `mock` (megatron's mock data, split
     "1,1,1" whatever `split` says, as megatron's). Not supported (megatron-only):
-    `multiple_validation_sets`, `full_validation`, object storage, context/sequence parallel
-    padding.
+    `multiple_validation_sets`, `full_validation`, context/sequence parallel padding.
+
+    Read-only once built: each field is assigned once, by the constructor (or a subclass's
+    `__post_init__`, for a field still unset); assigning it again, or any other name, raises
+    `dataclasses.FrozenInstanceError`. The datasets read the config when built (indices, cache
+    keys) and on every sample, so a later change would part the samples from their indices.
+    It is not a frozen dataclass so that megatron's plain `@dataclass` subclasses
+    (`GPTFIMDatasetConfig`, `MultimodalDatasetConfig`) can extend it (a `frozen=True` subclass
+    cannot); their instances are read-only too.
     """
 
     random_seed: int
@@ -87,6 +96,23 @@ class GPTDatasetConfig:
     `--per-dataset-sequences-path`); checked against each header, with the tokenizer's dtype."""
     num_dataset_builder_threads: int = 1
     """Threads building the datasets of a blend (megatron's field)."""
+    object_storage_cache_path: str | None = None
+    """The local directory that caches object-storage datasets (`s3://` paths in the blend):
+    their `.idx`, the `.bin` ranges read, and the GPT index files when `path_to_cache` is
+    None."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name not in self.__dataclass_fields__:
+            raise FrozenInstanceError(f"cannot assign to {name!r}: not a field of "
+                                      f"{type(self).__name__}; declare it (`field(init=False)` "
+                                      "for a value __post_init__ derives)")
+        if name in self.__dict__:
+            raise FrozenInstanceError(f"cannot assign to field {name!r}: the config is "
+                                      "read-only once built (dataclasses.replace makes a new one)")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}: the config is read-only")
 
     def __post_init__(self) -> None:
         for name in ("random_seed", "sequence_length"):
