@@ -47,10 +47,11 @@ def test_subpackages() -> None:
         "AsyncLoader", "BlendedDataset", "BlendedMegatronDatasetBuilder",
         "ByteTokenizer", "DatasetIndex", "GPTDataset", "GPTDatasetConfig", "HFTokenizer",
         "IndexedDataset", "IndexedDatasetBuilder", "MockGPTDataset", "MockGPTLowLevelDataset",
-        "PreprocessConfig",
+        "ObjectCacheUsage", "ObjectStorageConfig", "PreprocessConfig",
         "PreprocessResult", "Split", "build_blending_indices", "build_document_index",
         "build_exhaustive_blending_indices", "build_gpt_datasets", "build_sample_index",
-        "build_shuffle_index", "collate", "load_tokenizer", "optimal_dtype", "preprocess",
+        "build_shuffle_index", "collate", "load_tokenizer", "object_cache_usage", "optimal_dtype",
+        "preprocess",
     }
     assert set(asynctron.testing.__all__) == {"FaultyBackend", "Gate", "LoopWatchdog",
                                               "LoopWatchdogReport"}

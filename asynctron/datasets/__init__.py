@@ -23,7 +23,9 @@ from asynctron.datasets._gpt import GPTDataset
 from asynctron.datasets._indexed import DatasetIndex, IndexedDataset, optimal_dtype
 from asynctron.datasets._loader import AsyncLoader, collate
 from asynctron.datasets._mock import MockGPTDataset, MockGPTLowLevelDataset
+from asynctron.datasets._object_storage import ObjectStorageConfig
 from asynctron.datasets._preprocess import PreprocessConfig, PreprocessResult, preprocess
+from asynctron.datasets._range_cache import ObjectCacheUsage, object_cache_usage
 from asynctron.datasets._sample_index import (
     build_document_index,
     build_sample_index,
@@ -45,6 +47,8 @@ __all__ = [
     "IndexedDatasetBuilder",
     "MockGPTDataset",
     "MockGPTLowLevelDataset",
+    "ObjectCacheUsage",
+    "ObjectStorageConfig",
     "PreprocessConfig",
     "PreprocessResult",
     "Split",
@@ -56,6 +60,7 @@ __all__ = [
     "build_shuffle_index",
     "collate",
     "load_tokenizer",
+    "object_cache_usage",
     "optimal_dtype",
     "preprocess",
 ]

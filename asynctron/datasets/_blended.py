@@ -140,6 +140,11 @@ class BlendedDataset(torch.utils.data.Dataset):
         return (np.concatenate([addresses for addresses, _ in found]),
                 np.concatenate([nbytes for _, nbytes in found]))
 
+    def fetch_ahead(self, located: BlendedRuns) -> None:
+        """Start fetching what `located` reads from datasets on object storage."""
+        for dataset, _, runs in located.parts:
+            dataset.fetch_ahead(runs)
+
     def write_samples(self, located: BlendedRuns, out: dict[str, np.ndarray]) -> None:
         """Write the located samples into `out` (arrays keyed as `batch_fields`, first
         dimension the batch): the same values as `ds[i]` for each, stacked."""

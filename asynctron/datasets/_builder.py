@@ -28,6 +28,7 @@ from asynctron.datasets._indexed import (
     dtype_code,
     idx_path,
 )
+from asynctron.datasets._object_storage import is_object_storage_path
 from asynctron.storage.backends import backend_for
 
 _CHUNK = 1 << 16
@@ -37,7 +38,7 @@ _COPY_BYTES = 16 << 20
 class _Spill:
     """An append-only array of one dtype, buffered in memory and spilled to an unnamed file."""
 
-    def __init__(self, dtype: Any, directory: str) -> None:
+    def __init__(self, dtype: Any, directory: str | None) -> None:
         self.dtype = np.dtype(dtype)
         self._file: IO[bytes] = tempfile.TemporaryFile(  # noqa: SIM115 - closed by close()
             dir=directory, prefix=".asynctron-spill-")
@@ -108,7 +109,8 @@ class IndexedDatasetBuilder:
         self.multimodal = multimodal
         self._backend = backend_for(self.bin_path)
         self._data = self._backend.open_new_file(self.bin_path)  # makes the directory
-        directory = os.path.dirname(os.path.abspath(self.bin_path))
+        directory = (None if is_object_storage_path(self.bin_path)  # spills: local temp dir
+                     else os.path.dirname(os.path.abspath(self.bin_path)))
         try:
             self._lengths = _Spill(np.int32, directory)
             self._documents = _Spill(np.int64, directory)

@@ -19,6 +19,11 @@ import torch
 from asynctron.datasets._cache import CacheEntry, describe, load_or_build
 from asynctron.datasets._config import GPTDatasetConfig
 from asynctron.datasets._indexed import IndexedDataset
+from asynctron.datasets._object_storage import (
+    ObjectStorageConfig,
+    cache_path,
+    is_object_storage_path,
+)
 from asynctron.datasets._sample_index import (
     build_document_index,
     build_sample_index,
@@ -94,6 +99,14 @@ class GPTDataset(torch.utils.data.Dataset):
     @staticmethod
     def build_low_level_dataset(dataset_path: str, config: GPTDatasetConfig) -> IndexedDataset:
         """The `IndexedDataset` at `dataset_path` (megatron's `build_low_level_dataset`)."""
+        if is_object_storage_path(dataset_path):
+            if config.object_storage_cache_path is None:
+                raise ValueError(f"dataset {dataset_path}: expected "
+                                 "GPTDatasetConfig.object_storage_cache_path (a local "
+                                 "directory) for a dataset on object storage, found None")
+            return IndexedDataset(dataset_path, multimodal=False, mmap=False,
+                                  object_storage_config=ObjectStorageConfig(
+                                      config.object_storage_cache_path))
         sequences_per_dataset = dtype_code = None
         if config.sequences_per_dataset:  # the tokenizer's dtype is expected with them only
             sequences_per_dataset = tuple(config.sequences_per_dataset[dataset_path])
@@ -160,6 +173,8 @@ class GPTDataset(torch.utils.data.Dataset):
             prefix = getattr(self.dataset, "path_prefix", None)
             if prefix is None:  # mock data: nothing on disk to cache beside
                 return None
+            if is_object_storage_path(prefix):  # beside the dataset's cached files
+                prefix = cache_path(prefix, self.config.object_storage_cache_path)
             directory = os.path.join(prefix, "cache", f"{type(self).__name__}_indices")
         return CacheEntry(directory, self.unique_description_hash, type(self).__name__,
                           self.index_split.name, self.unique_description)
@@ -286,6 +301,13 @@ class GPTDataset(torch.utils.data.Dataset):
             return np.empty(0, np.int64), np.empty(0, np.int64)
         return (self._tokens.ctypes.data + runs.starts * self._itemsize,
                 runs.counts * self._itemsize)
+
+    def fetch_ahead(self, runs: TokenRuns) -> None:
+        """Start fetching what `runs` read into the local cache of a dataset on object
+        storage; returns at once (a no-op for local files)."""
+        fetch = getattr(self.dataset, "fetch_ahead", None)
+        if fetch is not None:
+            fetch(runs.starts, runs.counts)
 
     def batch_fields(self) -> list[tuple[str, np.dtype[Any], tuple[int, ...]]]:
         """`(key, dtype, shape of one sample)` of what `write_samples` writes, in the order of

@@ -32,6 +32,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asynctron import _native
+from asynctron.datasets._object_storage import (
+    ObjectStorageConfig,
+    cache_path,
+    cached_index,
+    is_object_storage_path,
+)
+from asynctron.datasets._range_cache import RangeCache
 from asynctron.errors import CorruptDatasetError
 from asynctron.storage.backends import backend_for
 
@@ -233,7 +240,11 @@ class IndexedDataset:
         mmap: map the `.bin` (reads are views of the map); False reads each sequence with
             one `pread` of the backend's open file (megatron's file reader: no page-table setup
             per touched page, faster for cold random samples).
-        object_storage_config, s3_config: megatron's object storage; not supported (an error).
+        object_storage_config, s3_config: for a dataset on object storage (`s3://...`):
+            megatron-core's `ObjectStorageConfig` or asynctron's (which adds the cache's
+            budget). The `.idx` is fetched once per node into its cache directory; the
+            `.bin` is read in ranges through a node-local cache of its blocks
+            (`RangeCache`), fetched ahead of the sampler by `AsyncLoader`'s workers.
         fast_cache_load: megatron's flag; accepted (the files are opened and checked anyway).
         sequences_per_dataset, dtype_code: what the caller expects of the header; checked.
 
@@ -243,8 +254,9 @@ class IndexedDataset:
             order, a negative length, a pointer not where the sequence before it ends), or the
             `.bin` is not the size it names; the message names the file, the entry and its value.
             So every sequence an opened dataset serves lies inside the `.bin`.
-        NotImplementedError: object storage.
-        ValueError: `path_prefix` is a URL no storage backend serves.
+        StorageError: the object store failed past its deadline (naming the object).
+        ValueError: `path_prefix` is a URL no storage backend serves; an object-storage path
+            without `object_storage_config` or with `mmap=True`.
 
     Memory: maps and O(1) Python objects; the page cache holds what was touched. Opening
     reads the whole `.idx` once to check it (2.5 ms per million sequences from the page cache,
@@ -257,28 +269,45 @@ class IndexedDataset:
                  fast_cache_load: bool = False,
                  sequences_per_dataset: tuple[int, int] | None = None,
                  dtype_code: int | None = None) -> None:
-        if object_storage_config is not None or s3_config is not None:
-            raise NotImplementedError(
-                f"dataset {path_prefix}: object storage (S3, MSC) is not supported; copy the "
-                ".bin/.idx to a local or mounted filesystem")
-        self._open((os.fspath(path_prefix), multimodal, mmap, fast_cache_load,
-                    sequences_per_dataset, dtype_code))
+        path_prefix = os.fspath(path_prefix)
+        config = object_storage_config if object_storage_config is not None else s3_config
+        storage = None
+        if is_object_storage_path(path_prefix):
+            if config is None:
+                raise ValueError(
+                    f"dataset {path_prefix}: expected object_storage_config="
+                    "ObjectStorageConfig(path_to_idx_cache=<a local directory>) for a dataset "
+                    "on object storage, found none")
+            if mmap:
+                raise ValueError(f"dataset {path_prefix}: object storage cannot be mapped; "
+                                 "pass mmap=False (as megatron-core requires)")
+            storage = ObjectStorageConfig.of(config)
+        elif config is not None:
+            raise ValueError(f"dataset {path_prefix}: object_storage_config is for s3:// "
+                             "paths, found a local path; drop it or pass the s3:// URL")
+        self._open((path_prefix, multimodal, mmap, fast_cache_load, sequences_per_dataset,
+                    dtype_code, storage))
 
-    def _open(self, state: tuple[str, bool, bool, bool, tuple[int, int] | None, int | None]
-              ) -> None:
+    def _open(self, state: tuple[str, bool, bool, bool, tuple[int, int] | None, int | None,
+                                 ObjectStorageConfig | None]) -> None:
         (path_prefix, multimodal, use_mmap, self.fast_cache_load, self.sequences_per_dataset,
-         self.dtype_code) = state
+         self.dtype_code, self.object_storage_config) = state
         self.path_prefix = path_prefix
         self.multimodal = multimodal
         self.mmap = use_mmap
         self.idx_path = idx_path(path_prefix)
         self.bin_path = bin_path(path_prefix)
         backend = backend_for(path_prefix)
+        storage = self.object_storage_config
+        #: the `.bin`'s node-local cache (a dataset on object storage), else None
+        self._ranges: RangeCache | None = None
         try:
-            self.index = DatasetIndex(self.idx_path, multimodal, self.sequences_per_dataset,
+            local_idx = (self.idx_path if storage is None
+                         else cached_index(self.idx_path, storage.path_to_idx_cache))
+            self.index = DatasetIndex(local_idx, multimodal, self.sequences_per_dataset,
                                       self.dtype_code)
         except (FileNotFoundError, IsADirectoryError) as exc:
-            raise self._missing(self.idx_path) from exc
+            raise self._missing(self.idx_path, exc) from exc
         try:
             if use_mmap:
                 self._bin_map = backend.map_file(self.bin_path)
@@ -286,10 +315,17 @@ class IndexedDataset:
             else:
                 #: the `.bin` opened for `pread` (`mmap=False`), else None
                 self._bin_file: ReadableFile | None = backend.open_file(self.bin_path)
+                if storage is not None:
+                    directory = storage.path_to_idx_cache
+                    self._ranges = self._bin_file = RangeCache(
+                        self._bin_file, cache_path(self.bin_path, directory), directory,
+                        budget_bytes=storage.cache_budget_bytes,
+                        block_bytes=storage.block_bytes_for(self._bin_file.nbytes),
+                        request_bytes=storage.request_bytes)
                 self._pread = self._bin_file.pread  # bound once: one call per read
                 bin_bytes = self._bin_file.nbytes
         except (FileNotFoundError, IsADirectoryError) as exc:
-            raise self._missing(self.bin_path) from exc
+            raise self._missing(self.bin_path, exc) from exc
         self.header = self.index.header
         self.dtype = self.index.dtype
         self.sequence_lengths = self.index.sequence_lengths
@@ -311,9 +347,11 @@ class IndexedDataset:
         if getattr(self, "_bin_file", None) is not None:
             self._bin_file.close()
 
-    def _missing(self, path: str) -> FileNotFoundError:
-        return FileNotFoundError(f"dataset {self.path_prefix}: expected {path}, found no such "
-                                 "file; check the path prefix (without .bin/.idx)")
+    def _missing(self, path: str, cause: OSError) -> FileNotFoundError:
+        found = f"found no such file ({cause})" if is_object_storage_path(path) else (
+            "found no such file")
+        return FileNotFoundError(f"dataset {self.path_prefix}: expected {path}, {found}; check "
+                                 "the path prefix (without .bin/.idx)")
 
     def _corrupt(self, what: str, offset: int) -> CorruptDatasetError:
         return CorruptDatasetError(
@@ -391,12 +429,13 @@ class IndexedDataset:
                 f"{bin_bytes}; the .bin is too long or belongs to another .idx",
                 path=self.bin_path, offset=end)
 
-    def __getstate__(self) -> tuple[str, bool, bool, bool, tuple[int, int] | None, int | None]:
+    def __getstate__(self) -> tuple[str, bool, bool, bool, tuple[int, int] | None, int | None,
+                                    ObjectStorageConfig | None]:
         return (self.path_prefix, self.multimodal, self.mmap, self.fast_cache_load,
-                self.sequences_per_dataset, self.dtype_code)
+                self.sequences_per_dataset, self.dtype_code, self.object_storage_config)
 
     def __setstate__(self, state: tuple[str, bool, bool, bool, tuple[int, int] | None,
-                                        int | None]) -> None:
+                                        int | None, ObjectStorageConfig | None]) -> None:
         self._open(state)
 
     def __len__(self) -> int:
@@ -419,6 +458,9 @@ class IndexedDataset:
         (token positions) as int64 to the flat `out`, from element `destinations[i]` on."""
         if self.tokens is not None:
             _native.gather_tokens(self.tokens, starts, counts, out, destinations)
+            return
+        if self._ranges is not None:
+            self._ranges.gather(self.dtype, starts, counts, out, destinations)
             return
         flat = out.reshape(-1)
         for start, count, destination in zip(starts.tolist(), counts.tolist(),
@@ -455,6 +497,13 @@ class IndexedDataset:
             length = int(self.sequence_lengths[i]) - offset
         tokens = self._read(int(self.sequence_pointers[i]) + offset * self._itemsize, int(length))
         return (tokens, self.sequence_modes[i]) if self.sequence_modes is not None else tokens
+
+    def fetch_ahead(self, starts: np.ndarray, counts: np.ndarray) -> None:
+        """Start fetching tokens `starts[i] : starts[i] + counts[i]` (token positions) into
+        the local cache of a dataset on object storage; returns at once. Local files: a
+        no-op (their pages are advised instead)."""
+        if self._ranges is not None:
+            self._ranges.prefetch(starts * self._itemsize, counts * self._itemsize)
 
     def byte_range(self, idx: int, offset: int = 0, length: int | None = None) -> tuple[int, int]:
         """`(start, nbytes)` in the `.bin` of what `get(idx, offset, length)` reads."""

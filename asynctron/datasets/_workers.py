@@ -98,6 +98,7 @@ def _serve(index: int, num_workers: int, dataset: Any, layout: BatchLayout,
     batch, advised = index, index - num_workers
     located: dict[int, Any] = {}  # batches advised ahead, not yet written
     avoidance = None if away_within is None else BusyCoreAvoidance(parent, away_within)
+    fetch_ahead = getattr(dataset, "fetch_ahead", None)  # ranges of datasets on a store
     while True:
         if avoidance is not None:
             avoidance.look()
@@ -115,6 +116,8 @@ def _serve(index: int, num_workers: int, dataset: Any, layout: BatchLayout,
             try:
                 located[ahead] = dataset.locate_batch(start + ahead * samples_per_step + offsets)
                 coming.append(dataset.token_ranges(located[ahead]))
+                if fetch_ahead is not None:
+                    fetch_ahead(located[ahead])
             except Exception:  # reported when that batch's own turn comes
                 continue
         if coming:

@@ -399,5 +399,6 @@ def test_expected_counts_and_dtype_are_checked(make_corpus) -> None:
     with pytest.raises(CorruptDatasetError, match=r"expected token dtype code 4, found 8 "
                                                   r"\(uint16\)"):
         IndexedDataset(ds.path_prefix, sequences_per_dataset=(20, 21), dtype_code=4)
-    with pytest.raises(NotImplementedError, match=r"object storage \(S3, MSC\) is not "):
+    with pytest.raises(ValueError, match=r"object_storage_config is for s3:// paths, found a "
+                                         r"local path"):
         IndexedDataset(ds.path_prefix, mmap=False, object_storage_config=object())

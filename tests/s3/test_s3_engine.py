@@ -144,15 +144,13 @@ async def test_signed_payloads_and_store_checksums_are_options_that_work(
         assert_same(_state(), await engine.load(f"{s3_root}/step_1"))
 
 
-def test_s3_urls_go_to_the_s3_backend_and_datasets_there_are_refused(tmp_path: Any,
-                                                                     monkeypatch: Any) -> None:
-    from asynctron.datasets import IndexedDataset, IndexedDatasetBuilder
+def test_s3_urls_go_to_the_s3_backend_and_never_to_a_local_path(tmp_path: Any,
+                                                                 monkeypatch: Any) -> None:
+    from asynctron.datasets import IndexedDataset
     from asynctron.storage.backends import backend_for
 
     assert isinstance(backend_for("s3://bucket/run"), S3Backend)
     monkeypatch.chdir(tmp_path)
-    for call in (lambda: IndexedDataset("s3://bucket/corpus"),
-                 lambda: IndexedDatasetBuilder("s3://bucket/corpus.bin")):
-        with pytest.raises(ValueError, match="datasets on object storage are not served yet"):
-            call()
+    with pytest.raises(ValueError, match="expected object_storage_config"):
+        IndexedDataset("s3://bucket/corpus", mmap=False)
     assert list(tmp_path.iterdir()) == []

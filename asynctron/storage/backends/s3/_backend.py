@@ -24,8 +24,8 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Callable, Iterable, Mapping
-from typing import IO, NoReturn
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import IO
 
 from asynctron._concurrency import RunBlocking
 from asynctron.errors import StorageError
@@ -47,6 +47,13 @@ from asynctron.storage.backends.s3._client import (
     S3Client,
 )
 from asynctron.storage.backends.s3._config import S3Config
+from asynctron.storage.backends.s3._files import (
+    NewObject,
+    ObjectFile,
+    publish_with,
+    read_whole,
+    remove,
+)
 from asynctron.storage.backends.s3._layout import (
     LATEST_NAME,
     Listing,
@@ -391,33 +398,32 @@ class S3Backend:
             logger.warning("%s (the next commit under its root retries)", error)
 
     # -- the file half: datasets ---------------------------------------------------------------
-
-    def _no_files(self, path: str) -> NoReturn:
-        raise ValueError(
-            f"path {path!r}: datasets on object storage are not served yet; copy the "
-            "dataset's files to a local path (checkpoints on s3:// are served)")
+    # Objects are published whole by the store itself (a PUT or a completed upload), durably
+    # once acknowledged: there is no directory to sync.
 
     def publish_file(self, path: str, write: Callable[[IO[bytes]], object], *,
                      sync_dir: bool = True) -> None:
-        self._no_files(path)
+        publish_with(self.client, path, write)
 
-    def publish_buffers(self, path: str, buffers: object, *, sync_dir: bool = True) -> None:
-        self._no_files(path)
+    def publish_buffers(self, path: str, buffers: Sequence[bytes | memoryview], *,
+                        sync_dir: bool = True) -> None:
+        publish_with(self.client, path, lambda f: [f.write(buffer) for buffer in buffers])
 
     def sync_dir(self, path: str) -> None:
-        self._no_files(path)
+        """Nothing to do: a stored object is durable."""
 
-    def map_file(self, path: str) -> NoReturn:
-        self._no_files(path)
+    def map_file(self, path: str) -> bytes:
+        """The whole object, read into memory (a store maps nothing)."""
+        return read_whole(self.client, path)
 
-    def open_file(self, path: str) -> NoReturn:
-        self._no_files(path)
+    def open_file(self, path: str) -> ObjectFile:
+        return ObjectFile.open(self.client, path)
 
-    def open_new_file(self, path: str) -> NoReturn:
-        self._no_files(path)
+    def open_new_file(self, path: str) -> NewObject:
+        return NewObject(self.client, path)
 
     def remove_file(self, path: str) -> None:
-        self._no_files(path)
+        remove(self.client, path)
 
     def __repr__(self) -> str:
         return f"<S3Backend {self.client.endpoint}>"

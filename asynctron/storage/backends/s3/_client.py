@@ -201,22 +201,25 @@ class S3Client:
         return await self.retried("get_object", url, attempt)
 
     async def get_into(self, url: ObjectUrl, offset: int, buffers: Sequence[memoryview],
-                       *, key: str | None = None) -> None:
+                       *, key: str | None = None, if_match: str | None = None) -> None:
         """Fill `buffers`, one after another, with the object's bytes from `offset` (one
-        ranged GET, retried whole inside the deadline).
+        ranged GET, retried whole inside the deadline); with `if_match`, only from the
+        version whose ETag it is.
 
         Raises:
             CorruptCheckpointError: the object ends before the buffers are full (names `key`,
                 the item being read, when given).
-            NoSuchObjectError, StorageError: as `call`.
+            NoSuchObjectError, PreconditionFailedError, StorageError: as `call`.
         """
         nbytes = sum(buffer.nbytes for buffer in buffers)
         if not nbytes:
             return
+        condition = {} if if_match is None else {"IfMatch": if_match}
 
         async def attempt(client: Any) -> None:
             response = await client.get_object(Bucket=url.bucket, Key=url.key,
-                                               Range=f"bytes={offset}-{offset + nbytes - 1}")
+                                               Range=f"bytes={offset}-{offset + nbytes - 1}",
+                                               **condition)
             async with response["Body"] as body:
                 found = response.get("ContentLength")
                 if found is not None and found > nbytes:

@@ -1,0 +1,444 @@
+"""`RangeCache`: one object's bytes, read through a node-local cache of its blocks.
+
+The object (a `.bin` on a store) is cut into blocks of `block_bytes`. Under the cache
+directory, beside the object's key:
+
+- `<key>`: a sparse file the object's size, each cached block at its own offset (so a warm
+  read is a copy out of a local file, as reading the object locally would be);
+- `<key>.blocks`: the block table, mapped by every process on the node: per block an entry
+  (`version << 1 | cached`) and a last-use tick; its header names the object's size and ETag
+  (a table of another version of the object is replaced);
+- `<key>.lock`: held (`flock`) while a process marks blocks cached or evicts them;
+- `.asynctron-cache` at the directory's root: the whole directory's bytes cached, bytes
+  fetched and requests (`object_cache_usage`).
+
+Reads take no lock: they note the entries of their blocks, copy, and check the entries again;
+an eviction in between (entry -> not cached, version + 1, then the hole punched, under the
+lock) makes them read again, so a read never returns bytes of a block evicted under it.
+Missing blocks are fetched by runs (consecutive blocks, at most `request_bytes` per GET, all
+in flight at once); a block being fetched by this process is waited for, not fetched twice.
+Beyond the budget, the least recently used blocks of the object being stored are evicted. A
+cache that cannot take a block (its disk full even after eviction) is bypassed: the read is
+served from the store directly, never failed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+
+from asynctron import _native
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_TABLE_MAGIC = b"ATRBLK01"
+_TABLE_HEADER = struct.Struct("<8sQQ104s")  # magic, block bytes, object bytes, ETag
+_TOTALS_NAME = ".asynctron-cache"
+_TOTALS_MAGIC = b"ATRTOT01"
+_TOTALS_BYTES = 64  # magic, then int64 words: bytes cached, bytes fetched, requests
+_CACHED, _FETCHED, _REQUESTS = 1, 2, 3
+#: reads bigger than this share of the budget bypass the cache (they would evict themselves)
+_BYPASS_SHARE = 8
+#: evictions free the budget down to this share of it, so they come in batches
+_EVICT_TO = 0.9
+_ATTEMPTS = 8
+
+_FALLOC_FL_KEEP_SIZE = 0x01
+_FALLOC_FL_PUNCH_HOLE = 0x02
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_fallocate = _libc.fallocate
+_fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+_fallocate.restype = ctypes.c_int
+
+_LIVE: weakref.WeakSet[RangeCache] = weakref.WeakSet()
+
+
+@dataclass(frozen=True)
+class ObjectCacheUsage:
+    """What a cache directory holds and cost, summed over every process that used it."""
+
+    bytes_cached: int
+    bytes_fetched: int
+    requests: int
+
+
+def object_cache_usage(directory: str) -> ObjectCacheUsage:
+    """The usage of the object cache `directory` (zeros if nothing was cached there)."""
+    try:
+        with open(os.path.join(directory, _TOTALS_NAME), "rb") as f:
+            raw = f.read(_TOTALS_BYTES)
+    except FileNotFoundError:
+        return ObjectCacheUsage(0, 0, 0)
+    words = np.frombuffer(raw, np.int64)
+    return ObjectCacheUsage(int(words[_CACHED]), int(words[_FETCHED]), int(words[_REQUESTS]))
+
+
+def _now() -> int:
+    return int(time.monotonic() * 100) & 0xFFFFFFFF
+
+
+def blocks_of(offsets: np.ndarray, nbytes: np.ndarray, block_bytes: int) -> np.ndarray:
+    """The sorted, distinct blocks the byte spans `offsets[i] : offsets[i] + nbytes[i]`
+    touch (empty spans touch none)."""
+    keep = nbytes > 0
+    first = offsets[keep] // block_bytes
+    last = (offsets[keep] + nbytes[keep] - 1) // block_bytes
+    counts = last - first + 1
+    if counts.size == 0:
+        return np.empty(0, np.int64)
+    if int(counts.max()) == 1:
+        return np.unique(first)
+    steps = np.ones(int(counts.sum()), np.int64)
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
+    steps[starts] = first - np.concatenate(([0], last[:-1]))
+    return np.unique(np.cumsum(steps))
+
+
+def _runs(blocks: np.ndarray, most: int) -> list[tuple[int, int]]:
+    """`(first, count)` of the runs of consecutive `blocks` (sorted), each at most `most`."""
+    if blocks.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(blocks) != 1) + 1
+    runs = []
+    for run in np.split(blocks, breaks):
+        for at in range(0, run.size, most):
+            runs.append((int(run[at]), min(most, run.size - at)))
+    return runs
+
+
+class RangeCache:
+    """The bytes of the object `source` (a `ReadableFile` that can `fetch` ranges at once and
+    names its `etag`), read through the cache file `path`.
+
+    Reads are thread-safe, and safe across processes sharing the directory. A forked child
+    gets locks and in-flight state of its own.
+    """
+
+    def __init__(self, source: Any, path: str, root: str, *, budget_bytes: int,
+                 block_bytes: int, request_bytes: int) -> None:
+        self.source = source
+        self.path = path
+        self.nbytes = int(source.nbytes)
+        self.block_bytes = block_bytes
+        self.budget_bytes = budget_bytes
+        self._request_blocks = max(1, request_bytes // block_bytes)
+        self._bypass_bytes = max(budget_bytes // _BYPASS_SHARE, block_bytes)
+        self._num_blocks = -(-self.nbytes // block_bytes)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self._totals_path = os.path.join(root, _TOTALS_NAME)
+        self._open_files()
+        self._open_table()
+        _LIVE.add(self)
+
+    # -- files -------------------------------------------------------------------------------
+
+    def _open_files(self) -> None:
+        """Locks and in-flight state of this process (again in a forked child)."""
+        self._thread_lock = threading.RLock()
+        self._in_flight: dict[int, concurrent.futures.Future[bool]] = {}
+        self._lock_fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        self._totals_fd = os.open(self._totals_path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._storer: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _open_table(self) -> None:
+        header = _TABLE_HEADER.pack(_TABLE_MAGIC, self.block_bytes, self.nbytes,
+                                    self.source.etag.encode()[:104])
+        n = self._num_blocks
+        ticks_at = _TABLE_HEADER.size + 2 * n + (-(2 * n) % 8)
+        table_bytes = ticks_at + 4 * n
+        with self._locked():
+            self._ensure_totals()
+            table_path = self.path + ".blocks"
+            try:
+                with open(table_path, "rb") as f:
+                    found = f.read(_TABLE_HEADER.size)
+                    current = (found == header and os.fstat(f.fileno()).st_size == table_bytes
+                               and os.path.getsize(self.path) == self.nbytes)
+            except FileNotFoundError:
+                found, current = b"", False
+            if not current:
+                self._replace(table_path, header, table_bytes, found)
+            self._data_fd = os.open(self.path, os.O_RDWR)
+            with open(table_path, "r+b") as f:
+                self._table = mmap.mmap(f.fileno(), table_bytes)
+        self._entries = np.frombuffer(self._table, np.uint16, n, _TABLE_HEADER.size)
+        self._ticks = np.frombuffer(self._table, np.uint32, n, ticks_at)
+        self._data = (mmap.mmap(self._data_fd, self.nbytes, prot=mmap.PROT_READ)
+                      if self.nbytes else b"")
+        self._bytes = np.frombuffer(self._data, np.uint8)
+
+    def _ensure_totals(self) -> None:
+        if os.fstat(self._totals_fd).st_size < _TOTALS_BYTES:
+            os.pwrite(self._totals_fd, _TOTALS_MAGIC + bytes(_TOTALS_BYTES - 8), 0)
+
+    def _replace(self, table_path: str, header: bytes, table_bytes: int, old: bytes) -> None:
+        """Under the lock: a fresh, empty cache file and table for this version of the object
+        (processes still reading the old ones keep them until they close)."""
+        if old.startswith(_TABLE_MAGIC):  # forget what the old table counted as cached
+            with contextlib.suppress(OSError, ValueError):
+                with open(table_path, "rb") as f:
+                    block_bytes, nbytes = struct.unpack_from("<QQ", old, 8)
+                    count = -(-nbytes // block_bytes)
+                    f.seek(_TABLE_HEADER.size)
+                    entries = np.frombuffer(f.read(2 * count), np.uint16)
+                self._add_totals(cached=-int(np.count_nonzero(entries & 1)) * block_bytes)
+        for target, size, first in ((self.path, self.nbytes, b""),
+                                    (table_path, table_bytes, header)):
+            temporary = f"{target}.{os.getpid()}.tmp"
+            with open(temporary, "wb") as f:
+                f.write(first)
+                f.truncate(size)
+            os.replace(temporary, target)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        with self._thread_lock:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _add_totals(self, *, cached: int = 0, fetched: int = 0, requests: int = 0) -> int:
+        """Add to the directory's totals; returns its bytes cached."""
+        fcntl.flock(self._totals_fd, fcntl.LOCK_EX)
+        try:
+            raw = bytearray(os.pread(self._totals_fd, _TOTALS_BYTES, 0).ljust(_TOTALS_BYTES,
+                                                                                b"\0"))
+            words = np.frombuffer(raw, np.int64)
+            words[_CACHED] = max(0, int(words[_CACHED]) + cached)
+            words[_FETCHED] += fetched
+            words[_REQUESTS] += requests
+            os.pwrite(self._totals_fd, bytes(raw), 0)
+            return int(words[_CACHED])
+        finally:
+            fcntl.flock(self._totals_fd, fcntl.LOCK_UN)
+
+    # -- reads -------------------------------------------------------------------------------
+
+    def pread(self, nbytes: int, offset: int) -> bytes:
+        """Blocks: up to `nbytes` bytes from `offset` (fewer at the object's end)."""
+        nbytes = max(0, min(nbytes, self.nbytes - offset))
+        if nbytes == 0:
+            return b""
+        spans = np.array([offset], np.int64), np.array([nbytes], np.int64)
+        return self._serve(*spans, lambda: self._data[offset:offset + nbytes],
+                           lambda: self.source.pread(nbytes, offset))
+
+    def gather(self, dtype: np.dtype[Any], starts: np.ndarray, counts: np.ndarray,
+               out: np.ndarray, destinations: np.ndarray) -> None:
+        """Blocks: for each run `i`, tokens `starts[i] : starts[i] + counts[i]` (of `dtype`)
+        as int64 into the flat `out` from element `destinations[i]` on."""
+        itemsize = dtype.itemsize
+        tokens = self._bytes[:self.nbytes - self.nbytes % itemsize].view(dtype)
+
+        def from_cache() -> None:
+            _native.gather_tokens(tokens, starts, counts, out, destinations)
+
+        def from_store() -> None:
+            flat = out.reshape(-1)
+            for start, count, at in zip(starts.tolist(), counts.tolist(),
+                                        destinations.tolist(), strict=True):
+                data = self.source.pread(count * itemsize, start * itemsize)
+                flat[at:at + count] = np.frombuffer(data, dtype, count)
+
+        self._serve(starts * itemsize, counts * itemsize, from_cache, from_store)
+
+    def prefetch(self, offsets: np.ndarray, nbytes: np.ndarray) -> None:
+        """Start fetching the missing blocks of these byte spans; returns at once (a failure
+        is met again, and raised, by the read that needs them)."""
+        blocks = blocks_of(offsets, nbytes, self.block_bytes)
+        if blocks.size == 0 or blocks.size * self.block_bytes > self._bypass_bytes:
+            return
+        missing = blocks[(self._entries[blocks] & 1) == 0]
+        if missing.size:
+            self._fetch(missing)
+
+    def _serve(self, offsets: np.ndarray, nbytes: np.ndarray, from_cache: Callable[[], T],
+               from_store: Callable[[], T]) -> T:
+        blocks = blocks_of(offsets, nbytes, self.block_bytes)
+        if blocks.size * self.block_bytes > self._bypass_bytes:
+            return from_store()
+        for _ in range(_ATTEMPTS):
+            seen = self._entries[blocks]
+            missing = blocks[(seen & 1) == 0]
+            if missing.size:
+                fetches = self._fetch(missing)
+                if not all(fetch.result() for fetch in fetches):
+                    return from_store()  # the cache could not take them: disk full
+                continue
+            result = from_cache()
+            if np.array_equal(self._entries[blocks], seen):
+                self._ticks[blocks] = _now()
+                return result
+        return from_store()  # evicted under us again and again: a budget too small
+
+    # -- fetches -----------------------------------------------------------------------------
+
+    def _fetch(self, missing: np.ndarray) -> set[concurrent.futures.Future[bool]]:
+        """Futures (True: stored) covering every block of `missing`, started as needed."""
+        waits: set[concurrent.futures.Future[bool]] = set()
+        with self._thread_lock:
+            new = []
+            for block in missing.tolist():
+                found = self._in_flight.get(block)
+                if found is None:
+                    new.append(block)
+                else:
+                    waits.add(found)
+            for first, count in _runs(np.asarray(new, np.int64), self._request_blocks):
+                stored = self._start(first, count)
+                for block in range(first, first + count):
+                    self._in_flight[block] = stored
+                waits.add(stored)
+        return waits
+
+    def _start(self, first: int, count: int) -> concurrent.futures.Future[bool]:
+        offset = first * self.block_bytes
+        buffer = np.empty(min(count * self.block_bytes, self.nbytes - offset), np.uint8)
+        versions = self._entries[first:first + count] >> 1
+        stored: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        storer = self._storer_of_this_process()
+        try:
+            fetched = self.source.fetch([(offset, memoryview(buffer))])
+        except BaseException as error:
+            stored.set_exception(error)
+            self._forget(first, count, stored)
+            return stored
+        fetched.add_done_callback(lambda done: storer.submit(
+            self._store, first, count, buffer, versions, done, stored))
+        return stored
+
+    def _storer_of_this_process(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._storer is None:
+            self._storer = concurrent.futures.ThreadPoolExecutor(
+                2, thread_name_prefix="asynctron-range-cache")
+        return self._storer
+
+    def _forget(self, first: int, count: int, stored: concurrent.futures.Future[bool]) -> None:
+        with self._thread_lock:
+            for block in range(first, first + count):
+                if self._in_flight.get(block) is stored:
+                    del self._in_flight[block]
+
+    def _store(self, first: int, count: int, buffer: np.ndarray, versions: np.ndarray,
+               fetched: concurrent.futures.Future[None],
+               stored: concurrent.futures.Future[bool]) -> None:
+        """On a storer thread: write a fetched run into the cache file and mark it cached."""
+        try:
+            error = fetched.exception()
+            if error is not None:
+                stored.set_exception(error)
+                return
+            written = self._write(first * self.block_bytes, buffer)
+            with self._locked():
+                end = first + count
+                entries = self._entries[first:end]
+                same = (entries >> 1) == versions
+                fresh = same & ((entries & 1) == 0)
+                if written:
+                    entries[fresh] |= 1
+                    self._ticks[first:end] = _now()
+                stale = ~same & ((entries & 1) == 0)  # evicted meanwhile: free what we wrote
+                if not written:
+                    stale |= fresh
+                for a, n in _runs(np.flatnonzero(stale) + first, self._num_blocks):
+                    self._punch(a, n)
+                added = int(np.count_nonzero(fresh)) * self.block_bytes if written else 0
+                cached = self._add_totals(cached=added, fetched=buffer.nbytes, requests=1)
+                if cached > self.budget_bytes:
+                    self._evict(cached - int(self.budget_bytes * _EVICT_TO))
+            stored.set_result(written)
+        except BaseException as error:
+            stored.set_exception(error)
+        finally:
+            self._forget(first, count, stored)
+
+    def _write(self, offset: int, buffer: np.ndarray) -> bool:
+        """Write `buffer` at `offset` of the cache file; on a full disk evict half of this
+        object's cached blocks and try once more. False: the cache cannot take it."""
+        for attempt in range(2):
+            try:
+                view, at = memoryview(buffer), offset
+                while view.nbytes:
+                    done = os.pwrite(self._data_fd, view, at)
+                    view, at = view[done:], at + done
+                return True
+            except OSError as error:
+                if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or attempt:
+                    logger.warning("object cache %s: %s; serving from the store", self.path,
+                                   error)
+                    return False
+                with self._locked():
+                    cached = int(np.count_nonzero(self._entries & 1)) * self.block_bytes
+                    self._evict(max(self.block_bytes, cached // 2))
+        return False
+
+    # -- eviction ----------------------------------------------------------------------------
+
+    def _evict(self, nbytes: int) -> None:
+        """Under the lock: evict this object's least recently used blocks, `nbytes` of them
+        (or all it has)."""
+        cached = np.flatnonzero(self._entries & 1)
+        count = min(cached.size, -(-nbytes // self.block_bytes))
+        if count <= 0:
+            return
+        if count < cached.size:
+            oldest = np.argpartition(self._ticks[cached], count - 1)[:count]
+            victims = np.sort(cached[oldest])
+        else:
+            victims = cached
+        entries = self._entries[victims]
+        self._entries[victims] = (((entries >> 1) + 1) & 0x7FFF) << 1
+        for first, n in _runs(victims, self._num_blocks):
+            self._punch(first, n)
+        self._add_totals(cached=-count * self.block_bytes)
+
+    def _punch(self, first: int, count: int) -> None:
+        offset = first * self.block_bytes
+        length = min(count * self.block_bytes, self.nbytes - offset)
+        if _fallocate(self._data_fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset,
+                      length) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, f"punching bytes [{offset}, +{length}) out of {self.path}: "
+                          f"{os.strerror(code)}")
+
+    def close(self) -> None:
+        """Release the files (what is cached stays for the next reader)."""
+        for name in ("_data_fd", "_lock_fd", "_totals_fd"):
+            fd = getattr(self, name, -1)
+            if fd >= 0:
+                setattr(self, name, -1)
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _reopen_in_child() -> None:
+    for cache in list(_LIVE):
+        with contextlib.suppress(OSError):
+            os.close(cache._lock_fd)
+            os.close(cache._totals_fd)
+        cache._open_files()
+
+
+os.register_at_fork(after_in_child=_reopen_in_child)
