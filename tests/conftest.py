@@ -67,3 +67,31 @@ def assert_same(expected: Any, found: Any, path: str = "") -> None:
         assert expected.tobytes() == found.tobytes(), path
     else:
         assert expected == found or (expected != expected and found != found), path
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real S3-compatible server, SeaweedFS (`weed mini`) on 127.0.0.1, started once per
+    session (skipped, with the reason, where the s3 extra or its binary is missing)."""
+    pytest.importorskip("aiobotocore", reason="the s3 extra (aiobotocore) is not installed")
+    from asynctron.testing.seaweedfs import SeaweedFS, weed_binary
+
+    try:
+        weed_binary()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    with SeaweedFS.start(str(tmp_path_factory.mktemp("seaweedfs"))) as server:
+        yield server
+
+
+@pytest.fixture
+def s3_env(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The AWS chain pointed at the test server (and nothing else of the user's)."""
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    for name, value in s3_server.environment().items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    return s3_server

@@ -12,6 +12,7 @@ import os
 import warnings
 
 import asynctron.datasets as ours
+from asynctron.datasets._range_cache import RangeCache
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # megatron-core's import warns on CPU (no TE, no Apex, jit)
@@ -44,6 +45,38 @@ def swaps() -> dict[tuple[object, str], object]:
 megatron_utils.compile_helpers = lambda: None
 
 _ORIGINALS = {key: getattr(key[0], key[1]) for key in swaps()}
+
+
+def reads_with(dataset: object, kind: str) -> bool:
+    """Whether `dataset` reads its `.bin` the way `kind` names ("file", "mmap", "s3", "msc"):
+    through megatron-core's private reader class of that kind, or asynctron's equivalent
+    (upstream's test_bin_reader asserts the class; asynctron has no reader classes)."""
+    if REFERENCE:
+        readers = {"file": "_FileBinReader", "mmap": "_MMapBinReader", "s3": "_S3BinReader",
+                   "msc": "_MultiStorageClientBinReader"}
+        return isinstance(dataset.bin_reader, getattr(megatron_indexed, readers[kind]))
+    ranges = dataset._ranges
+    return {"file": dataset.tokens is None and ranges is None,
+            "mmap": dataset.tokens is not None,
+            "s3": isinstance(ranges, RangeCache)}[kind]
+
+
+def upload_dataset(server: object, prefix: str) -> str:
+    """Put the local dataset `prefix` (.bin and .idx) in `server`'s bucket under its path;
+    returns `bucket/key` (so `S3_PREFIX + it` is its URL). Upstream's test reads the local files
+    through a stand-in boto3 client instead; here both readers meet the real server."""
+    import botocore.session
+
+    environment = server.environment()
+    client = botocore.session.get_session().create_client(
+        "s3", endpoint_url=server.endpoint, region_name=environment["AWS_REGION"],
+        aws_access_key_id=environment["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=environment["AWS_SECRET_ACCESS_KEY"])
+    key = prefix.lstrip("/")
+    for suffix in (".bin", ".idx"):
+        with open(prefix + suffix, "rb") as f:
+            client.put_object(Bucket=server.bucket, Key=key + suffix, Body=f.read())
+    return f"{server.bucket}/{key}"
 
 
 def apply() -> None:

@@ -54,7 +54,8 @@ def test_the_builder_builds_asynctron_datasets() -> None:
     assert type(built[0].dataset) is ours.MockGPTLowLevelDataset
 
 
-def _byte_level_gpt2_vocab(directory: str) -> tuple[str, str]:
+def byte_level_gpt2_vocab(directory: str) -> tuple[str, str]:
+    """A GPT-2 vocabulary of the 256 byte tokens and no merges: `(vocab.json, merges.txt)`."""
     vocab = {char: i for i, char in enumerate(bytes_to_unicode().values())}
     vocab["<|endoftext|>"] = len(vocab)
     vocab_path = os.path.join(directory, "vocab.json")
@@ -67,7 +68,7 @@ def _byte_level_gpt2_vocab(directory: str) -> tuple[str, str]:
 
 
 def test_preprocess_and_merge_with_megatron_tools(tmp_path) -> None:
-    vocab, merges = _byte_level_gpt2_vocab(str(tmp_path))
+    vocab, merges = byte_level_gpt2_vocab(str(tmp_path))
     work = tmp_path / "work"
     work.mkdir()
     do_test_preprocess_data(str(work), extra_args=[

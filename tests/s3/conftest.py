@@ -1,43 +1,18 @@
-"""A real S3-compatible server for the object-storage tests: SeaweedFS (`weed mini`) on
-127.0.0.1, started once per session; each test gets its own prefix in the one bucket, and the
-standard AWS variables pointing at the server. Nothing patches the client."""
+"""The object-storage tests' fixtures: each test gets its own prefix in the one bucket of the
+session's real S3-compatible server (`s3_server`, `s3_env` in tests/conftest.py, shared with
+Megatron-LM's reader test). Nothing patches the client."""
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 pytest.importorskip("aiobotocore", reason="the s3 extra (aiobotocore) is not installed")
 
-from asynctron.testing.seaweedfs import SeaweedFS, weed_binary
-
-
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
-    try:
-        weed_binary()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-    with SeaweedFS.start(str(tmp_path_factory.mktemp("seaweedfs"))) as server:
-        yield server
-
-
-@pytest.fixture
-def s3_env(s3_server: SeaweedFS, monkeypatch: pytest.MonkeyPatch) -> SeaweedFS:
-    """The AWS chain pointed at the test server (and nothing else of the user's)."""
-    for name in list(os.environ):
-        if name.startswith("AWS_"):
-            monkeypatch.delenv(name)
-    for name, value in s3_server.environment().items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
-    return s3_server
+from asynctron.testing.seaweedfs import SeaweedFS
 
 
 @pytest.fixture

@@ -10,15 +10,6 @@ import nltk
 import pytest
 
 try:
-    import boto3
-    import botocore.exceptions as exceptions
-except ModuleNotFoundError:
-    boto3 = ModuleType("boto3")
-    sys.modules[boto3.__name__] = boto3
-    exceptions = ModuleType("botocore.exceptions")
-    sys.modules[exceptions.__name__] = exceptions
-
-try:
     import multistorageclient as msc
 except ModuleNotFoundError:
     # Create mock msc module
@@ -43,78 +34,11 @@ except ModuleNotFoundError:
     sys.modules[msc.__name__] = msc
     sys.modules[types_module.__name__] = types_module
 
-from megatron.core.datasets.indexed_dataset import (
-    IndexedDataset,
-    ObjectStorageConfig,
-    _FileBinReader,
-    _MMapBinReader,
-    _MultiStorageClientBinReader,
-    _S3BinReader,
-)
-from megatron.core.datasets.object_storage_utils import MSC_PREFIX, S3_PREFIX, S3Client
-from tests.unit_tests.data.test_preprocess_data import (
-    build_datasets,
-    dummy_jsonl,
-    gpt2_merge,
-    gpt2_vocab,
-)
-
-##
-# Overload client from boto3
-##
-
-
-class _LocalClient(S3Client):
-    """Local test client"""
-
-    def __init__(self, *args: Any) -> None:
-        pass
-
-    def download_file(self, Bucket: str, Key: str, Filename: str) -> None:
-        os.makedirs(os.path.dirname(Filename), exist_ok=True)
-        os.system(f"cp {os.path.join('/', Bucket, Key)} {Filename}")
-        assert os.path.exists(Filename)
-
-    def upload_file(self, Filename: str, Bucket: str, Key: str) -> None:
-        raise NotImplementedError
-
-    def head_object(self, Bucket: str, Key: str) -> Dict[str, Any]:
-        assert os.path.exists(os.path.join("/", Bucket, Key))
-        return {}
-
-    def get_object(self, Bucket: str, Key: str, Range: str) -> Dict[str, Any]:
-        _, _range = Range.split("=")
-        _range_beg, _range_end = tuple(map(int, _range.split("-")))
-
-        filename = os.path.join("/", Bucket, Key)
-
-        with open(filename, mode='rb', buffering=0) as bin_buffer_file:
-            bin_buffer_file.seek(_range_beg)
-            _bytes = bin_buffer_file.read(_range_end - _range_beg)
-
-        response = {"Body": SimpleNamespace(read=lambda: _bytes)}
-
-        return response
-
-    def close(self) -> None:
-        pass
-
-
-setattr(boto3, "client", _LocalClient)
-
-
-##
-# Overload ClientError from botocore.exceptions
-##
-
-
-class _LocalClientError(Exception):
-    """ "Local test client error"""
-
-    pass
-
-
-setattr(exceptions, "ClientError", _LocalClientError)
+from megatron.core.datasets.indexed_dataset import IndexedDataset, ObjectStorageConfig
+from megatron.core.datasets.object_storage_utils import MSC_PREFIX, S3_PREFIX
+from megatron_swap import REFERENCE, reads_with, upload_dataset
+from unit_tests.data.test_preprocess_data import build_datasets, dummy_jsonl
+from test_megatron_tools import byte_level_gpt2_vocab
 
 ##
 # Mock multistorageclient module
@@ -144,7 +68,7 @@ setattr(msc, "resolve_storage_client", _msc_resolve_storage_client)
 
 @pytest.mark.flaky
 @pytest.mark.flaky_in_dev
-def test_bin_reader():
+def test_bin_reader(s3_env):
     with tempfile.TemporaryDirectory() as temp_dir:
         # set the default nltk data path
         os.environ["NLTK_DATA"] = os.path.join(temp_dir, "nltk_data")
@@ -161,6 +85,7 @@ def test_bin_reader():
         dummy_jsonl(path_to_raws)
 
         # build the datasets
+        gpt2_vocab, gpt2_merge = byte_level_gpt2_vocab(temp_dir)
         build_datasets(
             path_to_raws,
             path_to_data,
@@ -168,9 +93,9 @@ def test_bin_reader():
                 "--tokenizer-type",
                 "GPT2BPETokenizer",
                 "--vocab-file",
-                gpt2_vocab(temp_dir),
+                gpt2_vocab,
                 "--merge-file",
-                gpt2_merge(temp_dir),
+                gpt2_merge,
                 "--append-eod",
                 "--workers",
                 "10",
@@ -189,32 +114,35 @@ def test_bin_reader():
 
         for prefix in prefixes:
             indexed_dataset_file = IndexedDataset(prefix, multimodal=False, mmap=False)
-            assert isinstance(indexed_dataset_file.bin_reader, _FileBinReader)
+            assert reads_with(indexed_dataset_file, "file")
 
             indexed_dataset_mmap = IndexedDataset(prefix, multimodal=False, mmap=True)
-            assert isinstance(indexed_dataset_mmap.bin_reader, _MMapBinReader)
+            assert reads_with(indexed_dataset_mmap, "mmap")
 
-            indexed_dataset_msc = IndexedDataset(
-                MSC_PREFIX + "default" + prefix,  # use the default profile to access the filesystem
-                multimodal=False,
-                mmap=False,
-                object_storage_config=ObjectStorageConfig(
-                    path_to_idx_cache=path_to_object_storage_cache
-                ),
-            )
-            assert isinstance(indexed_dataset_msc.bin_reader, _MultiStorageClientBinReader)
+            if REFERENCE:  # asynctron serves s3:// only, not NVIDIA's msc://
+                indexed_dataset_msc = IndexedDataset(
+                    MSC_PREFIX + "default" + prefix,  # use the default profile to access the filesystem
+                    multimodal=False,
+                    mmap=False,
+                    object_storage_config=ObjectStorageConfig(
+                        path_to_idx_cache=path_to_object_storage_cache
+                    ),
+                )
+                assert reads_with(indexed_dataset_msc, "msc")
+            else:
+                indexed_dataset_msc = indexed_dataset_file
             assert len(indexed_dataset_msc) == len(indexed_dataset_file)
             assert len(indexed_dataset_msc) == len(indexed_dataset_mmap)
 
             indexed_dataset_s3 = IndexedDataset(
-                S3_PREFIX + prefix,
+                S3_PREFIX + upload_dataset(s3_env, prefix),
                 multimodal=False,
                 mmap=False,
                 object_storage_config=ObjectStorageConfig(
                     path_to_idx_cache=path_to_object_storage_cache
                 ),
             )
-            assert isinstance(indexed_dataset_s3.bin_reader, _S3BinReader)
+            assert reads_with(indexed_dataset_s3, "s3")
 
             assert len(indexed_dataset_s3) == len(indexed_dataset_file)
             assert len(indexed_dataset_s3) == len(indexed_dataset_mmap)
