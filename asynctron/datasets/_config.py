@@ -100,6 +100,9 @@ class GPTDatasetConfig:
     """The local directory that caches object-storage datasets (`s3://` paths in the blend):
     their `.idx`, the `.bin` ranges read, and the GPT index files when `path_to_cache` is
     None."""
+    object_storage_cache_bytes: int | None = None
+    """The `.bin` bytes that directory keeps, least recently used evicted beyond it (asynctron's
+    field; None: `ObjectStorageConfig`'s default, 16 GiB)."""
 
     def __setattr__(self, name: str, value: object) -> None:
         if name not in self.__dataclass_fields__:

@@ -104,9 +104,11 @@ class GPTDataset(torch.utils.data.Dataset):
                 raise ValueError(f"dataset {dataset_path}: expected "
                                  "GPTDatasetConfig.object_storage_cache_path (a local "
                                  "directory) for a dataset on object storage, found None")
+            budget = config.object_storage_cache_bytes
+            storage = ObjectStorageConfig(config.object_storage_cache_path, **(
+                {} if budget is None else {"cache_budget_bytes": budget}))
             return IndexedDataset(dataset_path, multimodal=False, mmap=False,
-                                  object_storage_config=ObjectStorageConfig(
-                                      config.object_storage_cache_path))
+                                  object_storage_config=storage)
         sequences_per_dataset = dtype_code = None
         if config.sequences_per_dataset:  # the tokenizer's dtype is expected with them only
             sequences_per_dataset = tuple(config.sequences_per_dataset[dataset_path])
