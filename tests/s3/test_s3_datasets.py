@@ -6,6 +6,7 @@ publish to the store only when complete."""
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 import os
 import warnings
@@ -252,3 +253,20 @@ def test_missing_objects_and_bad_paths_are_named(tmp_path: Any, s3_root: str,
         IndexedDataset(f"{s3_root}/x", mmap=False)
     with pytest.raises(ValueError, match=r"block_bytes"):
         ObjectStorageConfig(str(tmp_path), block_bytes=5000)
+
+
+def test_preprocess_writes_to_the_store(tmp_path: Any, s3_root: str, s3_objects: Any) -> None:
+    from asynctron.cli import main
+
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": f"document {i} " + "x" * (i % 50)}) + "\n"
+                             for i in range(400)))
+    common = ["--input", str(jsonl), "--tokenizer", "byte", "--append-eod"]
+    assert main(["preprocess", *common, "--output-prefix", str(tmp_path / "local")]) == 0
+    assert main(["preprocess", *common, "--output-prefix", f"{s3_root}/out"]) == 0
+    assert keys_under(s3_objects, s3_root) == ["out_text_document.bin", "out_text_document.idx"]
+    local = IndexedDataset(str(tmp_path / "local_text_document"))
+    ours = IndexedDataset(f"{s3_root}/out_text_document", mmap=False,
+                          object_storage_config=_config(tmp_path))
+    assert len(ours) == len(local) == 400
+    assert all(np.array_equal(ours[i], local[i]) for i in range(len(local)))
