@@ -24,6 +24,7 @@ served from the store directly, never failed.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import ctypes
@@ -38,7 +39,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import numpy as np
@@ -59,6 +60,12 @@ _BYPASS_SHARE = 8
 #: evictions free the budget down to this share of it, so they come in batches
 _EVICT_TO = 0.9
 _ATTEMPTS = 8
+#: fetches ahead of the reads (prefetch) in flight at once per object and process; the rest
+#: queue, so a read's own fetch never waits behind a long horizon of them
+_AHEAD_IN_FLIGHT = 16
+#: fetches ahead queued at most, per object and process (~30 batches of 8 GPT samples); a
+#: horizon beyond it is fetched when read
+_MAX_QUEUED = 512
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
@@ -90,25 +97,38 @@ def object_cache_usage(directory: str) -> ObjectCacheUsage:
     return ObjectCacheUsage(int(words[_CACHED]), int(words[_FETCHED]), int(words[_REQUESTS]))
 
 
+@dataclass(eq=False)
+class _Run:
+    """Blocks `first : first + count`, fetched by one request (or queued to be)."""
+
+    first: int
+    count: int
+    stored: concurrent.futures.Future[bool] = field(default_factory=concurrent.futures.Future)
+    started: bool = False
+    ahead: bool = False  # started from the queue of fetches ahead
+
+
 def _now() -> int:
     return int(time.monotonic() * 100) & 0xFFFFFFFF
 
 
 def blocks_of(offsets: np.ndarray, nbytes: np.ndarray, block_bytes: int) -> np.ndarray:
-    """The sorted, distinct blocks the byte spans `offsets[i] : offsets[i] + nbytes[i]`
-    touch (empty spans touch none)."""
+    """Every block the byte spans `offsets[i] : offsets[i] + nbytes[i]` touch (empty spans
+    touch none), each at least once, in no particular order."""
     keep = nbytes > 0
-    first = offsets[keep] // block_bytes
-    last = (offsets[keep] + nbytes[keep] - 1) // block_bytes
+    if not keep.all():
+        offsets, nbytes = offsets[keep], nbytes[keep]
+    first = offsets // block_bytes
+    last = (offsets + nbytes - 1) // block_bytes
+    if first.size == 0:
+        return first
     counts = last - first + 1
-    if counts.size == 0:
-        return np.empty(0, np.int64)
-    if int(counts.max()) == 1:
-        return np.unique(first)
+    if int(counts.max()) <= 2:  # the common case: spans no longer than a block
+        return np.concatenate((first, last))
     steps = np.ones(int(counts.sum()), np.int64)
     starts = np.concatenate(([0], np.cumsum(counts)[:-1]))
     steps[starts] = first - np.concatenate(([0], last[:-1]))
-    return np.unique(np.cumsum(steps))
+    return np.cumsum(steps)
 
 
 def _runs(blocks: np.ndarray, most: int) -> list[tuple[int, int]]:
@@ -152,7 +172,9 @@ class RangeCache:
     def _open_files(self) -> None:
         """Locks and in-flight state of this process (again in a forked child)."""
         self._thread_lock = threading.RLock()
-        self._in_flight: dict[int, concurrent.futures.Future[bool]] = {}
+        self._in_flight: dict[int, _Run] = {}
+        self._queued: collections.deque[_Run] = collections.deque()
+        self._ahead_in_flight = 0
         self._lock_fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         self._totals_fd = os.open(self._totals_path, os.O_RDWR | os.O_CREAT, 0o644)
         self._storer: concurrent.futures.ThreadPoolExecutor | None = None
@@ -264,23 +286,23 @@ class RangeCache:
     def prefetch(self, offsets: np.ndarray, nbytes: np.ndarray) -> None:
         """Start fetching the missing blocks of these byte spans; returns at once (a failure
         is met again, and raised, by the read that needs them)."""
-        blocks = blocks_of(offsets, nbytes, self.block_bytes)
-        if blocks.size == 0 or blocks.size * self.block_bytes > self._bypass_bytes:
+        if int(nbytes.sum()) > self._bypass_bytes:
             return
+        blocks = blocks_of(offsets, nbytes, self.block_bytes)
         missing = blocks[(self._entries[blocks] & 1) == 0]
         if missing.size:
-            self._fetch(missing)
+            self._fetch(np.unique(missing), ahead=True)
 
     def _serve(self, offsets: np.ndarray, nbytes: np.ndarray, from_cache: Callable[[], T],
                from_store: Callable[[], T]) -> T:
-        blocks = blocks_of(offsets, nbytes, self.block_bytes)
-        if blocks.size * self.block_bytes > self._bypass_bytes:
+        if int(nbytes.sum()) > self._bypass_bytes:
             return from_store()
+        blocks = blocks_of(offsets, nbytes, self.block_bytes)
         for _ in range(_ATTEMPTS):
             seen = self._entries[blocks]
             missing = blocks[(seen & 1) == 0]
             if missing.size:
-                fetches = self._fetch(missing)
+                fetches = self._fetch(np.unique(missing))
                 if not all(fetch.result() for fetch in fetches):
                     return from_store()  # the cache could not take them: disk full
                 continue
@@ -292,39 +314,74 @@ class RangeCache:
 
     # -- fetches -----------------------------------------------------------------------------
 
-    def _fetch(self, missing: np.ndarray) -> set[concurrent.futures.Future[bool]]:
-        """Futures (True: stored) covering every block of `missing`, started as needed."""
+    def _fetch(self, missing: np.ndarray, *, ahead: bool = False
+               ) -> set[concurrent.futures.Future[bool]]:
+        """Futures (True: stored) covering every block of `missing`. A read's blocks are
+        fetched at once, jumping the queue of fetches ahead (`ahead`), which run at most
+        `_AHEAD_IN_FLIGHT` at a time, oldest first."""
         waits: set[concurrent.futures.Future[bool]] = set()
+        starting: list[_Run] = []
         with self._thread_lock:
             new = []
             for block in missing.tolist():
-                found = self._in_flight.get(block)
-                if found is None:
+                run = self._in_flight.get(block)
+                if run is None:
                     new.append(block)
-                else:
-                    waits.add(found)
+                    continue
+                waits.add(run.stored)
+                if not ahead and not run.started:  # queued ahead, needed now
+                    run.started = True
+                    starting.append(run)
             for first, count in _runs(np.asarray(new, np.int64), self._request_blocks):
-                stored = self._start(first, count)
+                run = _Run(first, count)
                 for block in range(first, first + count):
-                    self._in_flight[block] = stored
-                waits.add(stored)
+                    self._in_flight[block] = run
+                waits.add(run.stored)
+                if ahead:
+                    if len(self._queued) >= _MAX_QUEUED:  # far enough ahead: read on demand
+                        for block in range(first, first + count):
+                            del self._in_flight[block]
+                        waits.discard(run.stored)
+                        continue
+                    self._queued.append(run)
+                else:
+                    run.started = True
+                    starting.append(run)
+            starting += self._take_queued()
+        for run in starting:
+            self._start(run)
         return waits
 
-    def _start(self, first: int, count: int) -> concurrent.futures.Future[bool]:
-        offset = first * self.block_bytes
-        buffer = np.empty(min(count * self.block_bytes, self.nbytes - offset), np.uint8)
-        versions = self._entries[first:first + count] >> 1
-        stored: concurrent.futures.Future[bool] = concurrent.futures.Future()
+    def _take_queued(self) -> list[_Run]:
+        """Under the lock: the queued runs that may start now."""
+        taken = []
+        while self._queued and self._ahead_in_flight < _AHEAD_IN_FLIGHT:
+            run = self._queued.popleft()
+            if not run.started:
+                run.started = run.ahead = True
+                self._ahead_in_flight += 1
+                taken.append(run)
+        return taken
+
+    def _start(self, run: _Run) -> None:
+        offset = run.first * self.block_bytes
+        buffer = np.empty(min(run.count * self.block_bytes, self.nbytes - offset), np.uint8)
+        versions = self._entries[run.first:run.first + run.count] >> 1
         storer = self._storer_of_this_process()
         try:
             fetched = self.source.fetch([(offset, memoryview(buffer))])
         except BaseException as error:
-            stored.set_exception(error)
-            self._forget(first, count, stored)
-            return stored
-        fetched.add_done_callback(lambda done: storer.submit(
-            self._store, first, count, buffer, versions, done, stored))
-        return stored
+            run.stored.set_exception(error)
+            self._forget(run)
+            return
+        def store(done: concurrent.futures.Future[None]) -> None:  # on the S3 I/O loop
+            try:
+                storer.submit(self._store, run, buffer, versions, done)
+            except RuntimeError as error:  # the interpreter is shutting down
+                run.stored.set_exception(error)
+                self._forget(run)
+
+        fetched.add_done_callback(store)
 
     def _storer_of_this_process(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._storer is None:
@@ -332,16 +389,22 @@ class RangeCache:
                 2, thread_name_prefix="asynctron-range-cache")
         return self._storer
 
-    def _forget(self, first: int, count: int, stored: concurrent.futures.Future[bool]) -> None:
+    def _forget(self, run: _Run) -> None:
+        """`run` is over: its blocks are no longer in flight; queued runs may start."""
         with self._thread_lock:
-            for block in range(first, first + count):
-                if self._in_flight.get(block) is stored:
+            for block in range(run.first, run.first + run.count):
+                if self._in_flight.get(block) is run:
                     del self._in_flight[block]
+            if run.ahead:
+                self._ahead_in_flight -= 1
+            starting = self._take_queued()
+        for queued in starting:
+            self._start(queued)
 
-    def _store(self, first: int, count: int, buffer: np.ndarray, versions: np.ndarray,
-               fetched: concurrent.futures.Future[None],
-               stored: concurrent.futures.Future[bool]) -> None:
+    def _store(self, run: _Run, buffer: np.ndarray, versions: np.ndarray,
+               fetched: concurrent.futures.Future[None]) -> None:
         """On a storer thread: write a fetched run into the cache file and mark it cached."""
+        first, count, stored = run.first, run.count, run.stored
         try:
             error = fetched.exception()
             if error is not None:
@@ -369,7 +432,7 @@ class RangeCache:
         except BaseException as error:
             stored.set_exception(error)
         finally:
-            self._forget(first, count, stored)
+            self._forget(run)
 
     def _write(self, offset: int, buffer: np.ndarray) -> bool:
         """Write `buffer` at `offset` of the cache file; on a full disk evict half of this
