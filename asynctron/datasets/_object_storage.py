@@ -18,12 +18,15 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import xxhash
 
 from asynctron.storage.backends import backend_for
+
+if TYPE_CHECKING:
+    from asynctron.storage.backends._backend import RangedFile
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -165,7 +168,7 @@ def _holds(local: str, expected: dict[str, Any]) -> bool:
         return False
 
 
-def _fetch_whole(source: Any, local: str) -> None:
+def _fetch_whole(source: RangedFile, local: str) -> None:
     """Blocks: fetch the object `source` into `local` (its pieces in flight together),
     published atomically and durably."""
     temporary = f"{local}.{os.getpid()}.tmp"

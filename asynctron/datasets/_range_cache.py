@@ -40,11 +40,14 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 from asynctron import _native
+
+if TYPE_CHECKING:
+    from asynctron.storage.backends._backend import RangedFile
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -144,14 +147,14 @@ def _runs(blocks: np.ndarray, most: int) -> list[tuple[int, int]]:
 
 
 class RangeCache:
-    """The bytes of the object `source` (a `ReadableFile` that can `fetch` ranges at once and
-    names its `etag`), read through the cache file `path`.
+    """The bytes of the object `source`, read through the cache file `path` (a `ReadableFile`
+    itself).
 
     Reads are thread-safe, and safe across processes sharing the directory. A forked child
     gets locks and in-flight state of its own.
     """
 
-    def __init__(self, source: Any, path: str, root: str, *, budget_bytes: int,
+    def __init__(self, source: RangedFile, path: str, root: str, *, budget_bytes: int,
                  block_bytes: int, request_bytes: int) -> None:
         self.source = source
         self.path = path

@@ -19,6 +19,7 @@ scheme (`backends/__init__.py`).
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -346,6 +347,20 @@ class ReadableFile(Protocol):
     def __enter__(self) -> ReadableFile: ...
 
     def __exit__(self, *exc_info: object) -> None: ...
+
+
+class RangedFile(ReadableFile, Protocol):
+    """A `ReadableFile` of an object store (`S3Backend.open_file`): a version of an object,
+    and many ranges of it fetched at once."""
+
+    etag: str
+    """The version read: every read is of it (a replaced object fails the read)."""
+
+    def fetch(self, ranges: Sequence[tuple[int, memoryview]]
+              ) -> concurrent.futures.Future[None]:
+        """Start filling each buffer with the bytes from its offset, all at once; returns at
+        once. The future settles when every buffer is full, or with the first error."""
+        ...
 
 
 class NewFile(Protocol):
