@@ -117,14 +117,15 @@ def _now() -> int:
 
 def blocks_of(offsets: np.ndarray, nbytes: np.ndarray, block_bytes: int) -> np.ndarray:
     """Every block the byte spans `offsets[i] : offsets[i] + nbytes[i]` touch (empty spans
-    touch none), each at least once, in no particular order."""
-    keep = nbytes > 0
-    if not keep.all():
+    touch none), each at least once, in no particular order. `block_bytes`: a power of two."""
+    if offsets.size and int(nbytes.min()) <= 0:
+        keep = nbytes > 0
         offsets, nbytes = offsets[keep], nbytes[keep]
-    first = offsets // block_bytes
-    last = (offsets + nbytes - 1) // block_bytes
-    if first.size == 0:
-        return first
+    if offsets.size == 0:
+        return np.empty(0, np.int64)
+    shift = block_bytes.bit_length() - 1
+    first = offsets >> shift
+    last = (offsets + nbytes - 1) >> shift
     counts = last - first + 1
     if int(counts.max()) <= 2:  # the common case: spans no longer than a block
         return np.concatenate((first, last))
