@@ -175,6 +175,13 @@ def _fetch_whole(source: RangedFile, local: str) -> None:
     try:
         with open(temporary, "wb+") as out:
             out.truncate(source.nbytes)
+            try:  # room first: a mapped page without it kills the process (SIGBUS on tmpfs)
+                os.posix_fallocate(out.fileno(), 0, max(1, source.nbytes))
+            except OSError as error:
+                raise OSError(error.errno, f"object cache {os.path.dirname(local)}: no room "
+                              f"for the {source.nbytes}-byte {local} "
+                              f"({os.strerror(error.errno)}); free space there or choose "
+                              "another path_to_idx_cache") from error
             if source.nbytes:
                 data = np.memmap(out, np.uint8, "r+", shape=(source.nbytes,))
                 view = memoryview(data)  # type: ignore[arg-type]

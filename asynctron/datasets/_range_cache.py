@@ -203,6 +203,7 @@ class RangeCache:
                 self._replace(table_path, header, table_bytes, found)
             self._data_fd = os.open(self.path, os.O_RDWR)
             with open(table_path, "r+b") as f:
+                self._allocate(f.fileno(), table_bytes)  # a mapped page never faults for room
                 self._table = mmap.mmap(f.fileno(), table_bytes)
         self._entries = np.frombuffer(self._table, np.uint16, n, _TABLE_HEADER.size)
         self._ticks = np.frombuffer(self._table, np.uint32, n, ticks_at)
@@ -228,10 +229,27 @@ class RangeCache:
         for target, size, first in ((self.path, self.nbytes, b""),
                                     (table_path, table_bytes, header)):
             temporary = f"{target}.{os.getpid()}.tmp"
-            with open(temporary, "wb") as f:
-                f.write(first)
-                f.truncate(size)
-            os.replace(temporary, target)
+            try:
+                with open(temporary, "wb") as f:
+                    f.write(first)
+                    f.truncate(size)
+                    if first:  # the table (the data file stays sparse)
+                        self._allocate(f.fileno(), size)
+                os.replace(temporary, target)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temporary)
+
+    def _allocate(self, fd: int, size: int) -> None:
+        """Give the file `fd` its `size` bytes of room now: on a full tmpfs, touching a mapped
+        page without room kills the process (SIGBUS); here it is an OSError naming the cache."""
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as error:
+            raise OSError(error.errno, f"object cache {os.path.dirname(self.path)}: no room "
+                          f"for the {size}-byte block table of {self.path} "
+                          f"({os.strerror(error.errno)}); free space there or choose another "
+                          "path_to_idx_cache") from error
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:

@@ -199,14 +199,6 @@ _FILL_AND_READ = textwrap.dedent("""
     print("read", flush=True)
 """)
 
-#: a file that is created sparse (truncate) and then mapped: on a full tmpfs a page of it not
-#: yet allocated cannot be faulted in (read or written), and the process gets SIGBUS
-_SIGBUS = ("bug: a mapped sparse file on a full disk (SIGBUS): the block table of _range_cache "
-           "(created by truncate in _replace, mapped in _open_table, first touched in _serve) and "
-           "the .idx of _object_storage._fetch_whole (truncate, then np.memmap)")
-
-
-@pytest.mark.xfail(strict=True, reason=_SIGBUS)
 def test_a_cache_disk_filled_by_another_file_serves_from_the_store(
         small_disk: str, tmp_path: Any, s3_root: str, s3_objects: Any) -> None:
     """The disk filled by someone else after the open, nothing of ours to evict: reads are
@@ -243,7 +235,6 @@ _FULL_THEN_OPEN = textwrap.dedent("""
 """)
 
 
-@pytest.mark.xfail(strict=True, reason=_SIGBUS)
 def test_a_full_cache_disk_fails_the_open_with_an_os_error_naming_it(
         small_disk: str, corpus: tuple[IndexedDataset, str]) -> None:
     _, url = corpus
