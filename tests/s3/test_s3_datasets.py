@@ -270,3 +270,24 @@ def test_preprocess_writes_to_the_store(tmp_path: Any, s3_root: str, s3_objects:
                           object_storage_config=_config(tmp_path))
     assert len(ours) == len(local) == 400
     assert all(np.array_equal(ours[i], local[i]) for i in range(len(local)))
+
+
+def test_gpt_indices_published_to_the_store_are_built_once(
+        corpus: tuple[IndexedDataset, str], tmp_path: Any, s3_root: str,
+        s3_objects: Any) -> None:
+    from asynctron.datasets._cache import observing
+
+    _, url = corpus
+    config = GPTDatasetConfig(random_seed=5, sequence_length=64, tokenizer=Tok(),
+                              blend=([url], None), split="1", mmap_bin_files=False,
+                              object_storage_cache_path=str(tmp_path / "objects"),
+                              path_to_cache=f"{s3_root}/indices")
+    uses: list[Any] = []
+    with observing(uses.append):
+        first = build_gpt_datasets(config, [None, None, None])[0]
+        again = build_gpt_datasets(config, [None, None, None])[0]  # another node, say
+    assert [use.built for use in uses] == [True, False]
+    names = keys_under(s3_objects, s3_root)
+    assert sum(name.startswith("indices/") and name.endswith(".npy") for name in names) == 3
+    assert np.array_equal(first.shuffle_index, again.shuffle_index)
+    assert all(np.array_equal(first[i]["tokens"], again[i]["tokens"]) for i in (0, 5, 9))
