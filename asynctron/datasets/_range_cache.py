@@ -7,7 +7,8 @@ directory, beside the object's key:
   read is a copy out of a local file, as reading the object locally would be);
 - `<key>.blocks`: the block table, mapped by every process on the node: per block an entry
   (`version << 1 | cached`) and a last-use tick; its header names the object's size and ETag
-  (a table of another version of the object is replaced);
+  and the machine's boot (a table of another version of the object, or from before a reboot,
+  whose pages may not all have reached the disk, is replaced);
 - `<key>.lock`: held (`flock`) while a process marks blocks cached or evicts them;
 - `.asynctron-cache` at the directory's root: the whole directory's bytes cached, bytes
   fetched and requests (`object_cache_usage`).
@@ -52,8 +53,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_TABLE_MAGIC = b"ATRBLK01"
-_TABLE_HEADER = struct.Struct("<8sQQ104s")  # magic, block bytes, object bytes, ETag
+_TABLE_MAGIC = b"ATRBLK02"
+#: magic, block bytes, object bytes, ETag, the boot the table was made in
+_TABLE_HEADER = struct.Struct("<8sQQ88s16s")
 _TOTALS_NAME = ".asynctron-cache"
 _TOTALS_MAGIC = b"ATRTOT01"
 _TOTALS_BYTES = 64  # magic, then int64 words: bytes cached, bytes fetched, requests
@@ -109,6 +111,16 @@ class _Run:
     stored: concurrent.futures.Future[bool] = field(default_factory=concurrent.futures.Future)
     started: bool = False
     ahead: bool = False  # started from the queue of fetches ahead
+
+
+def _boot_id() -> bytes:
+    """This boot of the machine: a table made before a reboot (a power loss) may mark blocks
+    cached whose pages never reached the disk, so it is started afresh."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip().encode()[:16]
+    except OSError:
+        return b""
 
 
 def _now() -> int:
@@ -185,7 +197,7 @@ class RangeCache:
 
     def _open_table(self) -> None:
         header = _TABLE_HEADER.pack(_TABLE_MAGIC, self.block_bytes, self.nbytes,
-                                    self.source.etag.encode()[:104])
+                                    self.source.etag.encode()[:88], _boot_id())
         n = self._num_blocks
         ticks_at = _TABLE_HEADER.size + 2 * n + (-(2 * n) % 8)
         table_bytes = ticks_at + 4 * n

@@ -75,7 +75,8 @@ class ObjectFile:
         try:
             head = blocking(client.call("head_object", url, Bucket=url.bucket, Key=url.key))
         except NoSuchObjectError as error:
-            raise FileNotFoundError(f"{error}; expected an object at {path}") from error
+            raise FileNotFoundError(f"{error}; expected an object at {path}"
+                                    f"{_missing_bucket(client, url)}") from error
         return cls(client, url, int(head["ContentLength"]), head.get("ETag", ""))
 
     def _where(self, offset: int, nbytes: int) -> str:
@@ -123,6 +124,18 @@ class ObjectFile:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _missing_bucket(client: S3Client, url: ObjectUrl) -> str:
+    """", and the bucket ... does not exist" when that is why (a HEAD's 404 does not say)."""
+    try:
+        blocking(client.call("head_bucket", url.bucket, Bucket=url.bucket))
+    except NoSuchObjectError:
+        return (f", and the bucket {url.bucket!r} does not exist (create it, or fix the URL's "
+                "bucket, and AWS_ENDPOINT_URL if this is the wrong store)")
+    except StorageError:
+        pass
+    return ""
 
 
 class ObjectChangedError(StorageError):
