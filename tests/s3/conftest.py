@@ -8,6 +8,7 @@ import re
 import secrets
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("aiobotocore", reason="the s3 extra (aiobotocore) is not installed")
@@ -53,3 +54,25 @@ def uploads_under(client: Any, root: str) -> list[str]:
     bucket, _, prefix = root[5:].partition("/")
     page = client.list_multipart_uploads(Bucket=bucket, Prefix=prefix + "/")
     return sorted(upload["Key"] for upload in page.get("Uploads", ()))
+
+
+def upload_dataset(objects: Any, local_prefix: str, url_prefix: str) -> None:
+    """Put the `.bin` and `.idx` at `local_prefix` under `url_prefix`, as a user's tool would."""
+    bucket, _, key = url_prefix[5:].partition("/")
+    for suffix in (".bin", ".idx"):
+        with open(local_prefix + suffix, "rb") as f:
+            objects.put_object(Bucket=bucket, Key=key + suffix, Body=f.read())
+
+
+@pytest.fixture
+def corpus(tmp_path: Any, s3_root: str, s3_objects: Any) -> tuple[Any, str]:
+    """A ~3 MB token corpus written locally (the `IndexedDataset`), and the same files
+    uploaded under s3_root (the URL prefix)."""
+    from asynctron.datasets._builder import write_indexed_dataset
+    from tests.datasets.conftest import random_documents
+
+    local = write_indexed_dataset(str(tmp_path / "local" / "c"),
+                                  random_documents(3, 2000, max_length=1500, eod=0),
+                                  dtype=np.uint16)
+    upload_dataset(s3_objects, local.path_prefix, f"{s3_root}/c")
+    return local, f"{s3_root}/c"

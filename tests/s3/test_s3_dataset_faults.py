@@ -31,26 +31,10 @@ from asynctron.storage.backends.s3 import S3Backend, S3Config
 from asynctron.testing.seaweedfs import SeaweedFS
 from asynctron.testing.tcp_proxy import TcpFaultProxy
 from tests.datasets.conftest import random_documents
+from tests.s3.conftest import upload_dataset
 
 MiB = 1 << 20
 BLOCK = 4096  # the cache's block for objects below 16 GiB
-
-
-def _upload(objects: Any, local_prefix: str, url_prefix: str) -> None:
-    bucket, _, key = url_prefix[5:].partition("/")
-    for suffix in (".bin", ".idx"):
-        with open(local_prefix + suffix, "rb") as f:
-            objects.put_object(Bucket=bucket, Key=key + suffix, Body=f.read())
-
-
-@pytest.fixture
-def corpus(tmp_path: Any, s3_root: str, s3_objects: Any) -> tuple[IndexedDataset, str]:
-    """A ~3 MB corpus written locally, and the same files uploaded under s3_root."""
-    local = write_indexed_dataset(str(tmp_path / "local" / "c"),
-                                  random_documents(3, 2000, max_length=1500, eod=0),
-                                  dtype=np.uint16)
-    _upload(s3_objects, local.path_prefix, f"{s3_root}/c")
-    return local, f"{s3_root}/c"
 
 
 @pytest.fixture
@@ -165,7 +149,7 @@ def test_a_cache_disk_that_fills_evicts_and_never_fails_a_read(
                                   random_documents(6, 500, max_length=12000, eod=0),
                                   dtype=np.int32)  # ~12 MB on a 4 MiB disk
     url = f"{s3_root}/big"
-    _upload(s3_objects, local.path_prefix, url)
+    upload_dataset(s3_objects, local.path_prefix, url)
     config = ObjectStorageConfig(small_disk, cache_budget_bytes=64 * MiB)  # beyond the disk
     ds = IndexedDataset(url, mmap=False, object_storage_config=config)
     size = os.statvfs(small_disk).f_blocks * os.statvfs(small_disk).f_frsize
@@ -178,7 +162,22 @@ def test_a_cache_disk_that_fills_evicts_and_never_fails_a_read(
         assert np.array_equal(ds[i], local[i])
 
 
-_FILL_AND_READ = textwrap.dedent("""
+#: the child scripts' `fill(disk)`: another tenant fills the disk to the last byte
+_FILL = textwrap.dedent("""
+    import os
+
+    def fill(disk):
+        with open(os.path.join(disk, "filler"), "wb") as f:
+            try:
+                while True:
+                    f.write(bytes(1 << 16))
+                    f.flush()
+            except OSError:
+                pass
+        print("filled", flush=True)
+""")
+
+_FILL_AND_READ = _FILL + textwrap.dedent("""
     import os, sys
     import numpy as np
     from asynctron.datasets import IndexedDataset, ObjectStorageConfig
@@ -186,14 +185,7 @@ _FILL_AND_READ = textwrap.dedent("""
     url, local_prefix, disk = sys.argv[1], sys.argv[2], sys.argv[3]
     local = IndexedDataset(local_prefix)
     ds = IndexedDataset(url, mmap=False, object_storage_config=ObjectStorageConfig(disk))
-    with open(os.path.join(disk, "filler"), "wb") as f:  # another tenant fills the disk
-        try:
-            while True:
-                f.write(bytes(1 << 16))
-                f.flush()
-        except OSError:
-            pass
-    print("filled", flush=True)
+    fill(disk)
     for i in range(len(ds) - 1, len(ds) - 20, -1):  # blocks beyond the table's first page
         assert np.array_equal(ds[i], local[i])
     print("read", flush=True)
@@ -207,7 +199,7 @@ def test_a_cache_disk_filled_by_another_file_serves_from_the_store(
                                   random_documents(7, 2000, max_length=2400, eod=0),
                                   dtype=np.int32)  # ~9.6 MB: a block table over 2 pages
     url = f"{s3_root}/m"
-    _upload(s3_objects, local.path_prefix, url)
+    upload_dataset(s3_objects, local.path_prefix, url)
     child = subprocess.run([sys.executable, "-c", _FILL_AND_READ, url, local.path_prefix,
                             small_disk], capture_output=True, text=True, timeout=60,
                            env=os.environ | {"PYTHONPATH": os.getcwd()})
@@ -215,19 +207,12 @@ def test_a_cache_disk_filled_by_another_file_serves_from_the_store(
         child.returncode, child.stdout, child.stderr[-2000:])
 
 
-_FULL_THEN_OPEN = textwrap.dedent("""
+_FULL_THEN_OPEN = _FILL + textwrap.dedent("""
     import os, sys
     from asynctron.datasets import IndexedDataset, ObjectStorageConfig
 
     url, disk = sys.argv[1], sys.argv[2]
-    with open(os.path.join(disk, "filler"), "wb") as f:
-        try:
-            while True:
-                f.write(bytes(1 << 16))
-                f.flush()
-        except OSError:
-            pass
-    print("filled", flush=True)
+    fill(disk)
     try:
         IndexedDataset(url, mmap=False, object_storage_config=ObjectStorageConfig(disk))
     except OSError as error:

@@ -29,27 +29,9 @@ from asynctron.datasets._builder import write_indexed_dataset
 from asynctron.datasets._object_storage import cache_path
 from asynctron.testing.seaweedfs import SeaweedFS
 from tests.datasets.conftest import Tok, random_documents
-from tests.s3.conftest import keys_under, uploads_under
+from tests.s3.conftest import keys_under, upload_dataset, uploads_under
 
 MiB = 1 << 20
-
-
-def _upload(objects: Any, local_prefix: str, url_prefix: str) -> None:
-    """Put the `.bin` and `.idx` at `local_prefix` under `url_prefix`, as a user's tool would."""
-    bucket, _, key = url_prefix[5:].partition("/")
-    for suffix in (".bin", ".idx"):
-        with open(local_prefix + suffix, "rb") as f:
-            objects.put_object(Bucket=bucket, Key=key + suffix, Body=f.read())
-
-
-@pytest.fixture
-def corpus(tmp_path: Any, s3_root: str, s3_objects: Any) -> tuple[IndexedDataset, str]:
-    """A ~3 MB corpus written locally, and the same files uploaded under s3_root."""
-    local = write_indexed_dataset(str(tmp_path / "local" / "c"),
-                                  random_documents(3, 2000, max_length=1500, eod=0),
-                                  dtype=np.uint16)
-    _upload(s3_objects, local.path_prefix, f"{s3_root}/c")
-    return local, f"{s3_root}/c"
 
 
 def _config(tmp_path: Any, **fields: Any) -> ObjectStorageConfig:
@@ -110,7 +92,7 @@ def test_a_replaced_object_is_read_at_its_new_version(
     other = write_indexed_dataset(str(tmp_path / "other" / "c"),
                                   random_documents(9, 500, max_length=900, eod=0),
                                   dtype=np.uint16)
-    _upload(s3_objects, other.path_prefix, url)
+    upload_dataset(s3_objects, other.path_prefix, url)
     with pytest.raises(Exception, match=r"replaced since it was opened"):
         first[len(first) - 1]  # an uncached block of the old version
     again = IndexedDataset(url, mmap=False, object_storage_config=config)
@@ -125,7 +107,7 @@ def test_the_cache_stays_within_its_budget_and_reads_stay_right(
                                   random_documents(4, 6000, max_length=6000, eod=0),
                                   dtype=np.int32)  # ~70 MB
     url = f"{s3_root}/big"
-    _upload(s3_objects, local.path_prefix, url)
+    upload_dataset(s3_objects, local.path_prefix, url)
     config = _config(tmp_path, cache_budget_bytes=16 * MiB)
     ds = IndexedDataset(url, mmap=False, object_storage_config=config)
     rng = np.random.default_rng(1)
