@@ -5,17 +5,20 @@ directory, beside the object's key:
 
 - `<key>`: a sparse file the object's size, each cached block at its own offset (so a warm
   read is a copy out of a local file, as reading the object locally would be);
-- `<key>.blocks`: the block table, mapped by every process on the node: per block an entry
-  (`version << 1 | cached`) and a last-use tick; its header names the object's size and ETag
-  and the machine's boot (a table of another version of the object, or from before a reboot,
-  whose pages may not all have reached the disk, is replaced);
+- `<key>.blocks`: the block table, mapped by every process on the node: a count of evictions
+  and of blocks cached, then per block an entry (`version << 1 | cached`) and a last-use tick;
+  its header names the object's size and ETag and the machine's boot (a table of another
+  version of the object, or from before a reboot, whose pages may not all have reached the
+  disk, is replaced);
 - `<key>.lock`: held (`flock`) while a process marks blocks cached or evicts them;
 - `.asynctron-cache` at the directory's root: the whole directory's bytes cached, bytes
   fetched and requests (`object_cache_usage`).
 
-Reads take no lock: they note the entries of their blocks, copy, and check the entries again;
-an eviction in between (entry -> not cached, version + 1, then the hole punched, under the
-lock) makes them read again, so a read never returns bytes of a block evicted under it.
+Reads take no lock: they note the eviction count, check their blocks are cached (nothing to
+check once every block is), copy, and check the count again; an eviction in between (the count
++ 1, the entries marked not cached, their versions + 1, then the holes punched, all under the
+lock) makes them read again, so a read never returns bytes of a block evicted under it. A
+fetch marks its blocks cached only if their versions are those it started with.
 Missing blocks are fetched by runs (consecutive blocks, at most `request_bytes` per GET, all
 in flight at once); a block being fetched by this process is waited for, not fetched twice.
 Beyond the budget, the least recently used blocks of the object being stored are evicted. A
@@ -53,9 +56,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_TABLE_MAGIC = b"ATRBLK02"
+_TABLE_MAGIC = b"ATRBLK03"
 #: magic, block bytes, object bytes, ETag, the boot the table was made in
 _TABLE_HEADER = struct.Struct("<8sQQ88s16s")
+#: after the header, uint64 counters: evictions so far (readers check it did not move while
+#: they copied), blocks cached (never above the truth, so "all cached" is safe to trust: a
+#: store marks its blocks before counting them, an eviction counts before unmarking; a process
+#: killed in between leaves the count low, which only costs the check it spares)
+_EVICTIONS, _CACHED_BLOCKS = 0, 1
+_ENTRIES_AT = _TABLE_HEADER.size + 16
 _TOTALS_NAME = ".asynctron-cache"
 _TOTALS_MAGIC = b"ATRTOT01"
 _TOTALS_BYTES = 64  # magic, then int64 words: bytes cached, bytes fetched, requests
@@ -199,7 +208,7 @@ class RangeCache:
         header = _TABLE_HEADER.pack(_TABLE_MAGIC, self.block_bytes, self.nbytes,
                                     self.source.etag.encode()[:88], _boot_id())
         n = self._num_blocks
-        ticks_at = _TABLE_HEADER.size + 2 * n + (-(2 * n) % 8)
+        ticks_at = _ENTRIES_AT + 2 * n + (-(2 * n) % 8)
         table_bytes = ticks_at + 4 * n
         with self._locked():
             self._ensure_totals()
@@ -217,7 +226,8 @@ class RangeCache:
             with open(table_path, "r+b") as f:
                 self._allocate(f.fileno(), table_bytes)  # a mapped page never faults for room
                 self._table = mmap.mmap(f.fileno(), table_bytes)
-        self._entries = np.frombuffer(self._table, np.uint16, n, _TABLE_HEADER.size)
+        self._counters = np.frombuffer(self._table, np.uint64, 2, _TABLE_HEADER.size)
+        self._entries = np.frombuffer(self._table, np.uint16, n, _ENTRIES_AT)
         self._ticks = np.frombuffer(self._table, np.uint32, n, ticks_at)
         self._data = (mmap.mmap(self._data_fd, self.nbytes, prot=mmap.PROT_READ)
                       if self.nbytes else b"")
@@ -235,7 +245,7 @@ class RangeCache:
                 with open(table_path, "rb") as f:
                     block_bytes, nbytes = struct.unpack_from("<QQ", old, 8)
                     count = -(-nbytes // block_bytes)
-                    f.seek(_TABLE_HEADER.size)
+                    f.seek(_ENTRIES_AT)
                     entries = np.frombuffer(f.read(2 * count), np.uint16)
                 self._add_totals(cached=-int(np.count_nonzero(entries & 1)) * block_bytes)
         for target, size, first in ((self.path, self.nbytes, b""),
@@ -320,7 +330,8 @@ class RangeCache:
     def prefetch(self, offsets: np.ndarray, nbytes: np.ndarray) -> None:
         """Start fetching the missing blocks of these byte spans; returns at once (a failure
         is met again, and raised, by the read that needs them)."""
-        if int(nbytes.sum()) > self._bypass_bytes:
+        if (int(nbytes.sum()) > self._bypass_bytes
+                or int(self._counters[_CACHED_BLOCKS]) == self._num_blocks):
             return
         blocks = blocks_of(offsets, nbytes, self.block_bytes)
         missing = blocks[(self._entries[blocks] & 1) == 0]
@@ -331,18 +342,22 @@ class RangeCache:
                from_store: Callable[[], T]) -> T:
         if int(nbytes.sum()) > self._bypass_bytes:
             return from_store()
-        blocks = blocks_of(offsets, nbytes, self.block_bytes)
+        counters, blocks = self._counters, None
         for _ in range(_ATTEMPTS):
-            seen = self._entries[blocks]
-            missing = blocks[(seen & 1) == 0]
-            if missing.size:
-                fetches = self._fetch(np.unique(missing))
-                if not all(fetch.result() for fetch in fetches):
-                    return from_store()  # the cache could not take them: disk full
-                continue
+            evictions = int(counters[_EVICTIONS])
+            if int(counters[_CACHED_BLOCKS]) != self._num_blocks:  # else: all cached
+                if blocks is None:
+                    blocks = blocks_of(offsets, nbytes, self.block_bytes)
+                missing = blocks[(self._entries[blocks] & 1) == 0]
+                if missing.size:
+                    fetches = self._fetch(np.unique(missing))
+                    if not all(fetch.result() for fetch in fetches):
+                        return from_store()  # the cache could not take them: disk full
+                    continue
             result = from_cache()
-            if np.array_equal(self._entries[blocks], seen):
-                self._ticks[blocks] = _now()
+            if int(counters[_EVICTIONS]) == evictions:  # nothing evicted while we copied
+                if blocks is not None:
+                    self._ticks[blocks] = _now()
                 return result
         return from_store()  # evicted under us again and again: a budget too small
 
@@ -448,18 +463,16 @@ class RangeCache:
             with self._locked():
                 end = first + count
                 entries = self._entries[first:end]
-                same = (entries >> 1) == versions
-                fresh = same & ((entries & 1) == 0)
-                if written:
+                fresh = ((entries >> 1) == versions) & ((entries & 1) == 0)
+                added = int(np.count_nonzero(fresh)) if written else 0
+                if added:
                     entries[fresh] |= 1
                     self._ticks[first:end] = _now()
-                stale = ~same & ((entries & 1) == 0)  # evicted meanwhile: free what we wrote
-                if not written:
-                    stale |= fresh
-                for a, n in _runs(np.flatnonzero(stale) + first, self._num_blocks):
-                    self._punch(a, n)
-                added = int(np.count_nonzero(fresh)) * self.block_bytes if written else 0
-                cached = self._add_totals(cached=added, fetched=buffer.nbytes, requests=1)
+                    self._counters[_CACHED_BLOCKS] += added
+                # blocks evicted since the fetch started stay uncached (their bytes may lie
+                # there unaccounted until the block is fetched again: never zeros served)
+                cached = self._add_totals(cached=added * self.block_bytes,
+                                          fetched=buffer.nbytes, requests=1)
                 if cached > self.budget_bytes:
                     self._evict(cached - int(self.budget_bytes * _EVICT_TO))
             stored.set_result(written)
@@ -473,10 +486,13 @@ class RangeCache:
         object's cached blocks and try once more. False: the cache cannot take it."""
         for attempt in range(2):
             try:
-                view, at = memoryview(buffer), offset
-                while view.nbytes:
-                    done = os.pwrite(self._data_fd, view, at)
-                    view, at = view[done:], at + done
+                with self._thread_lock:  # never into a descriptor `close` gave back
+                    if self._data_fd < 0:
+                        return False
+                    view, at = memoryview(buffer), offset
+                    while view.nbytes:
+                        done = os.pwrite(self._data_fd, view, at)
+                        view, at = view[done:], at + done
                 return True
             except OSError as error:
                 if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or attempt:
@@ -502,6 +518,8 @@ class RangeCache:
             victims = np.sort(cached[oldest])
         else:
             victims = cached
+        self._counters[_EVICTIONS] += 1  # before the holes: readers copying now read again
+        self._counters[_CACHED_BLOCKS] -= count
         entries = self._entries[victims]
         self._entries[victims] = (((entries >> 1) + 1) & 0x7FFF) << 1
         for first, n in _runs(victims, self._num_blocks):
@@ -518,13 +536,15 @@ class RangeCache:
                           f"{os.strerror(code)}")
 
     def close(self) -> None:
-        """Release the files (what is cached stays for the next reader)."""
-        for name in ("_data_fd", "_lock_fd", "_totals_fd"):
-            fd = getattr(self, name, -1)
-            if fd >= 0:
-                setattr(self, name, -1)
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+        """Release the files (what is cached stays for the next reader); fetches still in
+        flight are dropped when they land."""
+        with getattr(self, "_thread_lock", contextlib.nullcontext()):
+            for name in ("_data_fd", "_lock_fd", "_totals_fd"):
+                fd = getattr(self, name, -1)
+                if fd >= 0:
+                    setattr(self, name, -1)
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
 
     def __del__(self) -> None:
         self.close()

@@ -24,7 +24,7 @@ import pytest
 from asynctron.datasets import IndexedDataset, ObjectStorageConfig
 from asynctron.datasets._builder import write_indexed_dataset
 from asynctron.datasets._object_storage import cache_path
-from asynctron.datasets._range_cache import _TABLE_HEADER
+from asynctron.datasets._range_cache import _ENTRIES_AT
 from asynctron.errors import StorageError
 from asynctron.storage.backends import Backend, _s3_backend, register_backend
 from asynctron.storage.backends.s3 import S3Backend, S3Config
@@ -338,7 +338,7 @@ def test_a_reader_killed_mid_read_leaves_a_cache_the_next_reads_right(
         finally:
             os.close(fd)
     with open(data + ".blocks", "rb") as f:
-        f.seek(_TABLE_HEADER.size)
+        f.seek(_ENTRIES_AT)
         cached = np.flatnonzero(np.frombuffer(f.read(2 * -(-os.path.getsize(data) // BLOCK)),
                                               np.uint16) & 1)
     assert cached.size > 0  # the killed readers left blocks behind
