@@ -10,7 +10,9 @@ GIL costs the loop up to a switch interval (5 ms) to get it back, and every wake
 GIL from the trainer.
 
 A worker also advises the kernel to read the pages of its coming batches (`WILLNEED`), as far
-ahead as the loader's prefetch budget lets it (the loop moves that horizon).
+ahead as the loader's prefetch budget lets it (the loop moves that horizon), and starts
+fetching the ranges of its next `FETCH_AHEAD_BATCHES` batches from an object store (a dataset
+on `s3://`, into its node-local cache).
 
 Worker `w` writes batches `w, w + n, w + 2n, ...` in order; batch `k` holds samples
 `start + k * samples_per_step + [0, micro_batch_size)`, `start` set when iteration begins.
@@ -52,6 +54,11 @@ from asynctron.datasets._wake_pacing import WakePacing
 from asynctron.errors import LoaderWorkerError, WouldBlock
 
 logger = logging.getLogger(__name__)
+
+#: batches of its own a worker fetches ahead from an object store (datasets on `s3://`),
+#: within the advised horizon: a few are enough to hide a request's latency, more would only
+#: compete for the store with the batch being written
+FETCH_AHEAD_BATCHES = 8
 
 # the control block, int64 words in shared memory
 _STOP = 0  # 1: workers exit at their next wake-up
@@ -96,6 +103,7 @@ def _serve(index: int, num_workers: int, dataset: Any, layout: BatchLayout,
     done_fd = done.fileno()
     offsets = np.arange(micro_batch_size, dtype=np.int64)
     batch, advised = index, index - num_workers
+    fetched = advised  # the last batch whose object-store ranges were asked for
     located: dict[int, Any] = {}  # batches advised ahead, not yet written
     avoidance = None if away_within is None else BusyCoreAvoidance(parent, away_within)
     fetch_ahead = getattr(dataset, "fetch_ahead", None)  # ranges of datasets on a store
@@ -116,8 +124,6 @@ def _serve(index: int, num_workers: int, dataset: Any, layout: BatchLayout,
             try:
                 located[ahead] = dataset.locate_batch(start + ahead * samples_per_step + offsets)
                 coming.append(dataset.token_ranges(located[ahead]))
-                if fetch_ahead is not None:
-                    fetch_ahead(located[ahead])
             except Exception:  # reported when that batch's own turn comes
                 continue
         if coming:
@@ -126,6 +132,14 @@ def _serve(index: int, num_workers: int, dataset: Any, layout: BatchLayout,
                     np.concatenate([addresses for addresses, _ in coming]),
                     np.concatenate([nbytes for _, nbytes in coming]),
                     max_gap_bytes=_pages.READ_GAP_BYTES))
+        if fetch_ahead is not None:  # from a store: the next few advised batches
+            for ahead in range(max(fetched + num_workers, batch),
+                               batch + FETCH_AHEAD_BATCHES * num_workers, num_workers):
+                if ahead not in located:
+                    break
+                fetched = ahead
+                with contextlib.suppress(Exception):  # met again when the batch is written
+                    fetch_ahead(located[ahead])
         try:
             this = located.pop(batch, None)
             if this is None:  # beyond the budget's horizon: not advised
