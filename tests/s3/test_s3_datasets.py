@@ -188,11 +188,11 @@ def test_processes_sharing_one_cache_read_right(corpus: tuple[IndexedDataset, st
     local, url = corpus
     expected = sum(int(local[i].astype(np.int64).sum()) for i in range(len(local)))
     cache = str(tmp_path / "shared")
-    with multiprocessing.get_context("spawn").Pool(3) as pool:
-        totals = pool.starmap(_read_all, [(url, cache, seed) for seed in range(3)])
-    assert totals == [expected] * 3
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        totals = pool.starmap(_read_all, [(url, cache, seed) for seed in range(2)])
+    assert totals == [expected] * 2
     usage = object_cache_usage(cache)
-    assert usage.bytes_fetched <= 3 * os.path.getsize(local.bin_path)
+    assert usage.bytes_fetched <= 2 * os.path.getsize(local.bin_path)
 
 
 def test_a_builder_publishes_both_files_only_when_complete(
