@@ -22,6 +22,7 @@ import io
 import logging
 import os
 import random
+import re
 import threading
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -94,14 +95,38 @@ class PreconditionFailedError(StorageError):
     """A conditional write found the object not as required (it exists, or changed)."""
 
 
-class _LoopClient:
-    """An aiobotocore client and the request budget of one event loop."""
+class RefusedCredentialsError(StorageError):
+    """The store refused the request's credentials (or its signature)."""
 
-    def __init__(self, client: Any, max_requests: int) -> None:
+
+class _LoopClient:
+    """An aiobotocore client, a plain HTTP session (presigned GETs) and the request budget of
+    one event loop."""
+
+    def __init__(self, client: Any, config: S3Config) -> None:
         self.client = client
-        self.budget = asyncio.Semaphore(max_requests)
+        self.budget = asyncio.Semaphore(config.max_requests)
         self.in_flight = 0
         self.most_in_flight = 0
+        self._config = config
+        self._http: aiohttp.ClientSession | None = None
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        """The session presigned GETs go through, made on first use."""
+        if self._http is None:
+            config = self._config
+            self._http = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=config.max_requests, keepalive_timeout=30),
+                timeout=aiohttp.ClientTimeout(sock_connect=config.connect_timeout_s,
+                                              sock_read=config.read_timeout_s),
+                auto_decompress=False)
+        return self._http
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+        await self.client.__aexit__(None, None, None)
 
 
 class S3Client:
@@ -136,7 +161,7 @@ class S3Client:
             found = self._clients.get(loop)
             if found is None:
                 found = self._clients[loop] = _LoopClient(await self._open_client(),
-                                                          self.config.max_requests)
+                                                          self.config)
         return found
 
     async def _open_client(self) -> Any:
@@ -236,6 +261,52 @@ class S3Client:
 
         await self.retried("get_object", url, attempt)
 
+    async def presign_get(self, url: ObjectUrl, expires_s: int) -> str:
+        """A URL that GETs the object `url` for `expires_s` seconds, signed once: its ranged
+        reads (`get_presigned_into`) then cost the store's work and a plain HTTP request, not
+        botocore's per-request signing and parsing (about 4x the reads per second here)."""
+        async def presign() -> str:
+            found = await self._loop_client()
+            return await found.client.generate_presigned_url(
+                "get_object", Params={"Bucket": url.bucket, "Key": url.key},
+                ExpiresIn=expires_s)
+
+        return await on_io_loop(presign())
+
+    async def get_presigned_into(self, presigned: str, url: ObjectUrl, offset: int,
+                                 buffers: Sequence[memoryview], *,
+                                 if_match: str | None = None) -> None:
+        """`get_into` through `presigned` (from `presign_get` for `url`): the same bytes,
+        retries and errors.
+
+        Raises:
+            NoSuchObjectError, PreconditionFailedError, StorageError: as `get_into`.
+        """
+        nbytes = sum(buffer.nbytes for buffer in buffers)
+        if not nbytes:
+            return
+        headers = {"Range": f"bytes={offset}-{offset + nbytes - 1}"}
+        if if_match is not None:
+            headers["If-Match"] = if_match
+
+        async def attempt(_: Any) -> None:
+            found = await self._loop_client()
+            async with found.http.get(presigned, headers=headers) as response:
+                if response.status not in (200, 206):
+                    raise _client_error(response.status, await response.read())
+                if response.status == 200 and (response.content_length or 0) > nbytes:
+                    raise StorageError(
+                        f"get_object {url} at {self.endpoint}: asked for bytes [{offset}, "
+                        f"+{nbytes}), sent {response.content_length}: the store ignored the "
+                        "range", path=str(url), errno=None)
+                done = await _fill(response.content, buffers)
+            if done < nbytes:
+                raise StorageError(
+                    f"object {url}: expected {nbytes} bytes from offset {offset}, found {done}",
+                    path=str(url), errno=None)
+
+        await self.retried("get_object", url, attempt)
+
     async def retried(self, operation: str, url: ObjectUrl | str,
                       attempt: Callable[[Any], Awaitable[T]]) -> T:
         """`attempt(client)` on the I/O loop, holding a request slot, retried on transient
@@ -299,9 +370,9 @@ class S3Client:
                 return PreconditionFailedError(f"{where}: the condition failed ({message})",
                                                path=str(url), errno=None)
             if code in _CREDENTIAL_CODES:
-                return StorageError(f"{where}: the store refused our credentials ({code}: "
-                                    f"{message}); {_SET_CREDENTIALS}", path=str(url),
-                                    errno=None)
+                return RefusedCredentialsError(
+                    f"{where}: the store refused our credentials ({code}: {message}); "
+                    f"{_SET_CREDENTIALS}", path=str(url), errno=None)
             if code in _RETRIED_CODES or (status or 0) >= 500:
                 return StorageError(
                     f"{where}: the store kept failing ({code}: {message}) for "
@@ -320,7 +391,7 @@ class S3Client:
         """On the I/O loop: close its client (its connections)."""
         found = self._clients.pop(asyncio.get_running_loop(), None)
         if found is not None:
-            await found.client.__aexit__(None, None, None)
+            await found.aclose()
 
 
 _IO_LOCK = threading.Lock()
@@ -370,8 +441,7 @@ def _close_when_collected(clients: weakref.WeakKeyDictionary[asyncio.AbstractEve
     for loop, found in list(clients.items()):
         if not loop.is_closed():
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                asyncio.run_coroutine_threadsafe(found.client.__aexit__(None, None, None),
-                                                 loop)
+                asyncio.run_coroutine_threadsafe(found.aclose(), loop)
 
 
 def _settle(outcome: asyncio.Future[T], task: asyncio.Task[T]) -> None:
@@ -438,6 +508,18 @@ def touch_pages(buffers: Sequence[memoryview]) -> None:
             array = np.frombuffer(buffer.cast("B") if buffer.format != "B" else buffer,
                                   dtype=np.uint8)
             array[::_PAGE_BYTES] = 0  # its bytes are about to be overwritten
+
+
+def _client_error(status: int, body: bytes) -> botocore.exceptions.ClientError:
+    """A failed plain GET as botocore reports one (the S3 error document's code and message),
+    so it is retried and translated like any request."""
+    text = body.decode("utf-8", "replace")
+    code = re.search(r"<Code>([^<]*)</Code>", text)
+    message = re.search(r"<Message>([^<]*)</Message>", text)
+    return botocore.exceptions.ClientError(
+        {"Error": {"Code": code[1] if code else str(status),
+                   "Message": message[1] if message else text[:200]},
+         "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
 
 
 def _is_transient(error: Exception) -> bool:
