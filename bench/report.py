@@ -45,6 +45,7 @@ COMMANDS = {
     "hostile": "asynctron bench hostile",
     "dcp": "asynctron bench dcp --target /dev/shm --target $PWD/.benchtmp",
     "s3": "asynctron bench s3 --size-gib 0.25 --repeats 2",
+    "data_s3": "asynctron bench data --source s3 --megatron-limit-s 20 --repeats 2",
 }
 
 
@@ -368,6 +369,41 @@ def section_s3(result: dict[str, Any], docs: str) -> list[str]:
             "(target >= 1.5x)"]
 
 
+def section_data_s3(result: dict[str, Any], docs: str) -> list[str]:
+    """Datasets on one local S3 server: asynctron against megatron's S3 reader and local files."""
+    from asynctron.bench.data_s3 import plot
+
+    summary = result["summary"]
+    rows = [[label, f"{row['samples_per_s']:,.1f}", f"{row['first_batch_s']:.2f}",
+             f"{row['wait_p50_s'] * 1e3:.2f} / {row['wait_p95_s'] * 1e3:.1f} / "
+             f"{row['wait_max_s'] * 1e3:.0f}",
+             f"{row['fetched_per_used']:.3f}" if "fetched_per_used" in row else "-"]
+            for label, row in summary["medians"].items()]
+    goals = [f"- {t['what']}: {t['value']:.2f} (target {t['target']}"
+             + (")" if t["met"] is None else f") {_ok(t['met'])}") for t in summary["targets"]]
+    lines = [f"A {result['corpus_bytes'] / GiB:.2f} GiB uint16 corpus on one local SeaweedFS, "
+             f"{result['epoch_samples']:,} samples of {result['sequence_length']} tokens in "
+             f"GPTDataset's shuffled order, micro batch {result['micro_batch_size']}; a fresh "
+             f"process per run, medians of {result['repeats']} rounds after one whole cold "
+             "epoch (whose cache the warm runs read). megatron's runs are bounded in time; "
+             "asynctron's cold runs read the first "
+             f"{result['meta']['args']['cold_samples']:,} samples, its warm and local runs the "
+             "epoch, every run beside the busy trainer the first "
+             f"{result['meta']['args']['busy_samples']:,}. Waits: the consumer's, after the "
+             "first batch; fetched/used: bytes fetched from the store while reading per byte "
+             "of the samples' tokens.", "",
+             *_table(["method, trainer", "samples/s", "first batch s",
+                      "wait p50 / p95 / max ms", "fetched / used"], rows), "", *goals,
+             "- the first {} samples of every method: {}".format(
+                 summary["num_verified"], "identical" if summary["samples_match"]
+                 else f"DIFFER ({summary['samples_differ']})")]
+    lines += [f"- not run: {label}: {reason}" for label, reason in result["not_run"].items()]
+    if result.get("cache_series") and plot(result["cache_series"],
+                                           os.path.join(docs, "benchmarks_data_s3.png")):
+        lines += ["", "![object cache during a cold epoch](benchmarks_data_s3.png)"]
+    return lines
+
+
 def section_cuda(result: dict[str, Any], docs: str) -> list[str]:
     return [f"{result['device']}: D2H staging {result['d2h_vs_raw']:.2f}x a raw pinned `copy_` "
             f"(target >= 0.8x {_ok(result['d2h_vs_raw'] >= 0.8)}); load into GPU "
@@ -565,6 +601,7 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any], str], list[str]]]] = {
     "hostile": ("Hostile checkpoint metadata (issue 15)", section_hostile),
     "dcp": ("Stock DCP through asynctron's plugin (issue 14)", section_dcp),
     "s3": ("Checkpoints on object storage (issue 28)", section_s3),
+    "data_s3": ("Datasets on object storage (issue 29)", section_data_s3),
 }
 
 

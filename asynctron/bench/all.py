@@ -1,7 +1,8 @@
 """Every benchmark of the engine in one command: save (one process and across 2 and 4 ranks),
 datasets, comm (idle and beside a GIL-busy, a dispatch-like or a torch-busy thread), the
 write sweep, CUDA staging where there is a GPU, saves and data inside a busy trainer, many
-small tensors, hostile checkpoint metadata, and stock DCP through asynctron's plugin.
+small tensors, hostile checkpoint metadata, stock DCP through asynctron's plugin, and
+checkpoints and datasets on a local S3 server.
 Each scenario runs in its own process (fresh memory), writing JSON into one results directory
 (a source checkout's `bench/report.py` renders `docs/benchmarks.md` from it).
 
@@ -55,6 +56,8 @@ RUNS = {
     "hostile": Run("hostile_metadata", ("--dir", "{disk}"), "hostile.json"),
     "dcp": Run("dcp_plugin", ("--target", "/dev/shm", "--target", "{disk}"), "dcp.json"),
     "s3": Run("s3", ("--size-gib", "0.25", "--repeats", "2", "--dir", "{disk}"), "s3.json"),
+    "data_s3": Run("data_s3", ("--source", "s3", "--megatron-limit-s", "20", "--repeats", "2",
+                               "--dir", "{disk}"), "data_s3.json"),
 }
 
 

@@ -16,7 +16,9 @@ Scenarios (medians of `--repeats` runs after a warm-up; ratios > 1 mean asynctro
    `ds[i]` one by one (no prefetch), and asynctron's `AsyncLoader` with prefetch; the loop's
    worst heartbeat delay while the loader runs.
 
-Run: `asynctron bench data`; `--quick` for a smoke run.
+Run: `asynctron bench data`; `--quick` for a smoke run. With `--source s3://bucket/prefix` (or
+`--source s3`: a local SeaweedFS) it runs the object-storage benchmark instead
+(`asynctron.bench.data_s3`, which takes its own options).
 Results: printed, and written as JSON (`--out`; default ./asynctron-bench/).
 """
 
@@ -488,6 +490,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help=_results.OUT_HELP)
     parser.add_argument("--skip-megatron", action="store_true",
                         help="do not run megatron-core even where it imports")
+    parser.add_argument("--source", default=None,
+                        help="s3://bucket/prefix, or s3 for a local SeaweedFS: benchmark the "
+                             "datasets on object storage instead (asynctron.bench.data_s3; "
+                             "`python -m asynctron.bench.data_s3 --help` lists its options)")
+    if parser.parse_known_args(argv)[0].source is not None:
+        from asynctron.bench import data_s3
+
+        return data_s3.main(argv)
     args = parser.parse_args(argv)
     if args.quick:
         args.corpus_mib, args.sequence_length, args.index_samples = 4, 256, 200_000

