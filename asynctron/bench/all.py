@@ -56,8 +56,8 @@ RUNS = {
     "hostile": Run("hostile_metadata", ("--dir", "{disk}"), "hostile.json"),
     "dcp": Run("dcp_plugin", ("--target", "/dev/shm", "--target", "{disk}"), "dcp.json"),
     "s3": Run("s3", ("--size-gib", "0.25", "--repeats", "2", "--dir", "{disk}"), "s3.json"),
-    "data_s3": Run("data_s3", ("--source", "s3", "--megatron-limit-s", "20", "--repeats", "2",
-                               "--dir", "{disk}"), "data_s3.json"),
+    "data_s3": Run("data_s3", ("--source", "s3", "--corpus-mib", "512", "--megatron-limit-s",
+                               "20", "--repeats", "2", "--dir", "{disk}"), "data_s3.json"),
 }
 
 
