@@ -45,7 +45,8 @@ COMMANDS = {
     "hostile": "asynctron bench hostile",
     "dcp": "asynctron bench dcp --target /dev/shm --target $PWD/.benchtmp",
     "s3": "asynctron bench s3 --size-gib 0.25 --repeats 2",
-    "data_s3": "asynctron bench data --source s3 --megatron-limit-s 20 --repeats 2",
+    "data_s3": "asynctron bench data --source s3 --corpus-mib 512 --megatron-limit-s 20 "
+               "--repeats 2",
 }
 
 

@@ -604,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
             runs = run_all(args, work, url, local)
     except (FileNotFoundError, RuntimeError) as error:  # no `weed`; a failed start or run
         print(f"asynctron bench data --source: {error}", flush=True)
+        with contextlib.suppress(OSError), open(f"{work}/seaweedfs/weed.log") as log:
+            print("the server's log ends with:\n" + "".join(log.readlines()[-20:]), flush=True)
         return 1
     finally:
         shutil.rmtree(work, ignore_errors=True)
