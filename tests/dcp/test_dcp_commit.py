@@ -68,13 +68,21 @@ def test_an_interrupt_in_finish_never_splits_the_commit(tmp_path: Any) -> None:
     assert main is not None and threading.current_thread().ident == main
     backend = FaultyBackend()
     held = backend.hold("commit")
+    interrupted = threading.Event()
 
     def interrupt_the_wait() -> None:
-        if held.wait_reached(timeout_s=120):  # a guard, not a timing: the save gets there
-            signal.pthread_kill(main, signal.SIGUSR1)  # the waiting thread is interrupted now
+        if not held.wait_reached(timeout_s=120):  # a guard, not a timing: the save gets there
+            held.release()  # it never did: the test fails (nothing raised) instead of hanging
+            return
+        # A signal that lands while the waiting thread is between releasing the GIL and
+        # blocking in the lock is only handled at the next one: send until it is.
+        while not interrupted.wait(timeout=0.05):
+            signal.pthread_kill(main, signal.SIGUSR1)
 
     def interrupt(*_: Any) -> None:
-        raise KeyboardInterrupt
+        if not interrupted.is_set():
+            interrupted.set()
+            raise KeyboardInterrupt
 
     interrupter = threading.Thread(target=interrupt_the_wait, daemon=True)
     interrupter.start()
@@ -85,9 +93,10 @@ def test_an_interrupt_in_finish_never_splits_the_commit(tmp_path: Any) -> None:
         with pytest.raises((KeyboardInterrupt, CheckpointException)):
             dcp.save(state, storage_writer=writer)
     finally:
-        signal.signal(signal.SIGUSR1, previous)
+        interrupted.set()  # no more signals: the handler is restored only once none can come
         held.release()
         interrupter.join()
+        signal.signal(signal.SIGUSR1, previous)
     runtime = writer._started()
     concurrent.futures.wait(list(runtime._in_flight))
     assert leftovers(tmp_path) == [] and os.listdir(tmp_path) == ["ck"]
