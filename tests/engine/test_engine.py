@@ -90,16 +90,19 @@ async def test_mutating_after_staged_does_not_change_the_checkpoint(shm_path: st
 
 
 async def test_load_into_fills_tensors_in_place(shm_path: str) -> None:
-    state = {"model": {"w": torch.randn(50, 50), "t": torch.randn(8, 8)}, "step": 10,
+    state = {"model": {"w": torch.randn(50, 50), "t": torch.randn(8, 5)}, "step": 10,
              "arr": np.arange(5.0)}
     async with Engine(**SMALL) as engine:
         await engine.save(state, shm_path + "/c")
-        target = {"model": {"w": torch.zeros(50, 50), "t": torch.zeros(8, 8).t()}, "step": 0,
+        # "t": the saved shape [8, 5], transposed (not square, so a target of the wrong shape
+        # is refused rather than filled)
+        target = {"model": {"w": torch.zeros(50, 50), "t": torch.zeros(5, 8).t()}, "step": 0,
                   "arr": np.zeros(5)}
         w, t, arr = target["model"]["w"], target["model"]["t"], target["arr"]
+        assert not t.is_contiguous()
         result = await engine.load_into(target, shm_path + "/c")
     assert result["model"]["w"] is w and torch.equal(w, state["model"]["w"])
-    assert torch.equal(t, state["model"]["t"])  # a strided target, filled through slabs
+    assert result["model"]["t"] is t and torch.equal(t, state["model"]["t"])  # through slabs
     assert np.array_equal(arr, state["arr"]) and result["step"] == 10
 
 
