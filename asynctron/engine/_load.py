@@ -22,11 +22,11 @@ from torch.distributed.tensor import DTensor
 
 from asynctron._concurrency import RunBlocking, first_error
 from asynctron._memory import tensor_bytes
+from asynctron.engine._slab_fill import SlabFill, SlabFiller
 from asynctron.engine._slabs import SlabPool
-from asynctron.engine._staging import CopyStreams, copy_into_flat_range
+from asynctron.engine._staging import CopyStreams
 from asynctron.errors import CorruptCheckpointError
 from asynctron.storage import MAX_GAP_BYTES, CheckpointReader, ReadJob
-from asynctron.storage._checksum import ItemHasher
 from asynctron.storage._chunk_index import ChunkIndex, Overlap
 from asynctron.storage._dcp import decode_blob, tensor_of
 from asynctron.storage._dtypes import NUMPY_DTYPES, TORCH_DTYPES
@@ -99,19 +99,16 @@ class Loader:
                  verify: bool):
         self._reader = reader
         self._manifest = manifest
-        self._pool = pool
-        self._copy_streams = copy_streams
         self._run_blocking = run_blocking
         self._slab_bytes = slab_bytes
         self._verify = verify and reader.verifiable
+        self._filler = SlabFiller(reader, pool=pool, copy_streams=copy_streams,
+                                  run_blocking=run_blocking, verify=verify)
 
-    async def _read_all(self, jobs: Sequence[ReadJob],
-                        staged: Sequence[tuple[ItemRecord, torch.Tensor]] = ()) -> None:
-        """Read `jobs` straight into their destinations and `staged` (record, CUDA or strided
-        target) through slabs, one task per file for each; raise the first corrupt item."""
-        by_file: dict[str, list[tuple[ItemRecord, torch.Tensor]]] = {}
-        for record, target in staged:
-            by_file.setdefault(record.file, []).append((record, target))
+    async def _read_all(self, jobs: Sequence[ReadJob], staged: Sequence[SlabFill] = ()
+                        ) -> None:
+        """Read `jobs` straight into their destinations and `staged` (CUDA or strided
+        targets) through slabs, at once; raise the first corrupt item."""
 
         async def read_direct() -> None:
             errors = await self._reader.read(jobs, verify=self._verify,
@@ -119,52 +116,14 @@ class Loader:
             if errors:
                 raise errors[0]
 
-        async def read_staged(file_jobs: list[tuple[ItemRecord, torch.Tensor]]) -> None:
-            for record, target in sorted(file_jobs, key=lambda job: job[0].offset):
-                await self._read_through_slabs(record, target)
-
         try:
             async with asyncio.TaskGroup() as group:
                 if jobs:
                     group.create_task(read_direct())
-                for file_jobs in by_file.values():
-                    group.create_task(read_staged(file_jobs))
+                if staged:
+                    group.create_task(self._filler.fill(staged))
         except BaseExceptionGroup as error:
             raise first_error(error)  # noqa: B904 (the group stays as __context__)
-
-    async def _read_through_slabs(self, record: ItemRecord, target: torch.Tensor) -> None:
-        """Read `record` slab by slab and copy each piece into `target` (CUDA or strided)."""
-        itemsize = target.dtype.itemsize
-        piece_bytes = self._pool.slab_bytes // itemsize * itemsize
-        hasher = ItemHasher() if self._verify else None
-        for start in range(0, record.nbytes, piece_bytes):
-            nbytes = min(piece_bytes, record.nbytes - start)
-            (slab,) = await self._pool.acquire(1)
-            try:
-                await self._reader.read_range(record, start, slab.view[:nbytes], hasher)
-                typed = slab.tensor[:nbytes].view(target.dtype)
-                elements = (start // itemsize, (start + nbytes) // itemsize)
-                if target.device.type == "cuda":
-                    await self._run_blocking(self._copy_to_cuda, typed, target, elements)
-                else:
-                    await self._run_blocking(copy_into_flat_range, target, *elements, typed)
-            finally:
-                self._pool.release(slab)
-        if hasher is not None:
-            error = self._reader.digest_error(record, hasher.hexdigest())
-            if error is not None:
-                raise error
-
-    def _copy_to_cuda(self, source: torch.Tensor, target: torch.Tensor,
-                      elements: tuple[int, int]) -> None:
-        """Blocks: H2D of `target`'s flat `elements` range on the device's copy stream, waited
-        for in this thread."""
-        stream = self._copy_streams(target.device)
-        with torch.cuda.stream(stream):
-            copy_into_flat_range(target, *elements, source, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(stream)
-        event.synchronize()
 
     def _fresh_jobs(self, records: list[ItemRecord], jobs: list[ReadJob],
                     partial: list[_Placement], decodes: list[_Decode]) -> Any:
@@ -302,7 +261,7 @@ class Loader:
                        if key in by_key and by_key[key][0].kind == "object"]
         items: dict[str, Any] = {}
         jobs: list[ReadJob] = []
-        staged: list[tuple[ItemRecord, torch.Tensor]] = []
+        staged: list[SlabFill] = []
         partial: list[_Placement] = []
         decodes: list[_Decode] = []
         for key in object_keys:
@@ -338,7 +297,11 @@ class Loader:
                     f"saved, found {tensor.dtype} {list(tensor.shape)} in the state dict; "
                     "load into a matching tensor, or load() it")
             local, origin = _target_box(tensor)
-            for overlap in ChunkIndex(records).overlapping(origin, tuple(local.shape)):
+            if len(records) == 1 and local is tensor and _is_whole(first):
+                overlaps = [Overlap(first, origin, tuple(local.shape))]  # the common case
+            else:
+                overlaps = ChunkIndex(records).overlapping(origin, tuple(local.shape))
+            for overlap in overlaps:
                 self._plan_overlap(overlap, local, origin, jobs, staged, partial, decodes)
             items[key] = flat.original(key)
         await self._read_all(jobs, staged)
@@ -350,7 +313,7 @@ class Loader:
         return _rebuild(structure, items, saved_values, self._reader.path)
 
     def _plan_overlap(self, overlap: Overlap, local: torch.Tensor, origin: tuple[int, ...],
-                      jobs: list[ReadJob], staged: list[tuple[ItemRecord, torch.Tensor]],
+                      jobs: list[ReadJob], staged: list[SlabFill],
                       partial: list[_Placement], decodes: list[_Decode]) -> None:
         """How to read the part of a saved chunk a target wants: straight into the target
         where it can be, else through slabs (CUDA, strided) or a piece read apart."""
@@ -366,7 +329,7 @@ class Loader:
                     tuple(destination.shape) == record.shape):
                 jobs.append(ReadJob(record, tensor_bytes(destination)))
             else:  # CUDA or strided: through budgeted slabs
-                staged.append((record, destination))
+                staged.append(SlabFill(record, destination))
             return
         runs, lo, hi = overlap.runs(MAX_GAP_BYTES)
         if destination.device.type == "cpu" and destination.is_contiguous() and (
@@ -400,6 +363,9 @@ def _target_box(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
 def _region(tensor: torch.Tensor, lo: Sequence[int], hi: Sequence[int], *,
             origin: Sequence[int]) -> torch.Tensor:
     """The [lo, hi) box (global coordinates) of `tensor`, which starts at `origin`."""
+    if tuple(lo) == tuple(origin) and all(
+            stop - start == size for start, stop, size in zip(lo, hi, tensor.shape, strict=True)):
+        return tensor
     view = tensor
     for dim, (start, stop, at) in enumerate(zip(lo, hi, origin, strict=True)):
         view = view.narrow(dim, start - at, stop - start)
