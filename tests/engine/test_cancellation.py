@@ -16,21 +16,50 @@ from asynctron.testing import FaultyBackend
 SMALL = {"slab_bytes": 64 << 10, "memory_budget_bytes": 256 << 10}
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _open_files_under(root: str) -> list[str]:
+    """The files and directories under `root` (a test's checkpoint directory) that this
+    process holds open. Only those: other descriptors come and go with no checkpoint's doing
+    (on a CUDA machine the engine's first pinned slab starts the CUDA runtime, which opens
+    /dev/nvidia* and more: 20 descriptors more on an H100, 2026-11-26)."""
+    root = os.path.realpath(root)
+    names = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            name = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed since the listing (the listing's own descriptor is)
+            continue
+        if name == root or name.startswith(root + "/"):  # a removed file ends " (deleted)"
+            names.append(name)
+    return sorted(names)
+
+
+def test_open_files_under_names_the_checkpoint_files_and_no_others(shm_path: str) -> None:
+    """A checkpoint file left open is seen, deleted or not, and a descriptor of anything else
+    (as the CUDA runtime's, opened by the save under test) is not."""
+    elsewhere = os.open(os.devnull, os.O_RDONLY)
+    path = f"{shm_path}/step_2.tmp/__0_0.distcp"
+    os.mkdir(os.path.dirname(path))
+    leaked = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        assert _open_files_under(shm_path) == [os.path.realpath(path)]
+        os.unlink(path)
+        assert _open_files_under(shm_path) == [f"{os.path.realpath(path)} (deleted)"]
+    finally:
+        os.close(leaked)
+        os.close(elsewhere)
+    assert _open_files_under(shm_path) == []
 
 
 @pytest.mark.parametrize("cancel_after",
                          ["request", "first_yield", "during_open", "staged", "during_fsync"])
 async def test_cancel_leaves_no_trace(shm_path: str, cancel_after: str) -> None:
     """Invariant: after a cancelled save, the previous checkpoint is `latest` and loads, no tmp
-    dir remains, no file stays open, and the whole memory budget is free. Each cancellation
-    lands at its exact point: the fake backend holds the operation there until the save is
-    cancelled."""
+    dir remains, no file of the checkpoints stays open, and the whole memory budget is free.
+    Each cancellation lands at its exact point: the fake backend holds the operation there
+    until the save is cancelled."""
     backend = FaultyBackend()
     async with Engine(backend=backend, **SMALL) as engine:
         await engine.save({"step": 1}, f"{shm_path}/step_1")
-        fds_before = _open_fds()
         point = {"during_open": "open", "during_fsync": "fsync"}.get(cancel_after)
         gate = backend.hold(point) if point is not None else None  # type: ignore[arg-type]
         task = engine.save({"w": torch.ones(400_000), "step": 2}, f"{shm_path}/step_2")
@@ -46,7 +75,7 @@ async def test_cancel_leaves_no_trace(shm_path: str, cancel_after: str) -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         assert engine.budget.borrowed_bytes == 0
-        assert _open_fds() == fds_before
+        assert _open_files_under(shm_path) == []
         assert (await engine.load(shm_path))["step"] == 1
     assert sorted(os.listdir(shm_path)) == ["latest", "step_1"]
 
@@ -74,7 +103,6 @@ async def test_cancelling_a_load_while_it_opens_files_leaves_none_open(shm_path:
     backend = FaultyBackend()
     async with Engine(backend=backend, **SMALL) as engine:
         await engine.save({"w": torch.ones(400_000)}, f"{shm_path}/step_1")
-        fds_before = _open_fds()
         gate = backend.hold("read")
         load = asyncio.create_task(engine.load(f"{shm_path}/step_1"))
         await gate.reached()
@@ -82,7 +110,7 @@ async def test_cancelling_a_load_while_it_opens_files_leaves_none_open(shm_path:
         gate.release()
         with pytest.raises(asyncio.CancelledError):
             await load
-        assert _open_fds() == fds_before
+        assert _open_files_under(shm_path) == []
 
 
 async def test_cancelling_the_awaiter_does_not_cancel_the_save(shm_path: str) -> None:
