@@ -3,10 +3,12 @@
 Stages (on the runtime's loop; the planner's calls, reads, decodes and copies on the engine's
 executor):
 1. plan (`_plan`): each read item's stored item found in the checkpoint's manifest; its target
-   resolved through the planner. Raw tensor bytes (checkpoints asynctron wrote) are read straight
-   into a contiguous CPU target of the same dtype when the item's rows are whole (its dim-0 rows
-   range), else into a chunk of their own; `torch.save` blobs (stock DCP) are read whole, into
-   a buffer of their own;
+   resolved through the planner. Raw tensor bytes (checkpoints asynctron wrote) of whole rows
+   (the item's dim-0 rows range) into a target of the same dtype are read straight into it when
+   it is contiguous CPU memory, else (CUDA, strided) filled through the runtime's slabs
+   (`SlabFiller`: batched reads into pinned slabs, host-to-device copies on the copy stream
+   overlapping the next reads); other raw reads go into a chunk of their own; `torch.save`
+   blobs (stock DCP) are read whole, into a buffer of their own;
 2. waves (`_waves`): the reads cut, in order, into waves whose buffers (blobs and chunks read
    apart; direct reads need none) total at most `memory_budget_bytes`, and at most 256 MiB; a
    read larger than that makes a wave alone. Each wave borrows its bytes from the runtime's
@@ -20,7 +22,7 @@ executor):
    (stock DCP's planner unpickles them with `weights_only=False`).
 
 Memory: beyond the targets, a wave's buffers (at most the budget, or one larger item), and
-while an item is finished, its decoded copy.
+while an item is finished, its decoded copy; slab fills borrow slabs under the same budget.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from asynctron._memory import tensor_bytes
 from asynctron.dcp._runtime import Runtime
+from asynctron.engine import SlabFill, SlabFiller
 from asynctron.errors import CorruptCheckpointError
 from asynctron.storage import (
     TORCH_DTYPES,
@@ -89,6 +92,8 @@ class _Read:
     blob: bool = False
     chunk_shape: tuple[int, ...] | None = None
     buffer: torch.Tensor | None = None
+    through_slabs: bool = False
+    """Filled through the runtime's slabs (whole rows into a CUDA or strided target)."""
 
     @property
     def temporary_bytes(self) -> int:
@@ -115,9 +120,17 @@ async def read(runtime: Runtime, checkpoint: OpenCheckpoint, plan: LoadPlan,
     reader = checkpoint.reader
     try:
         reads = await run_blocking(_plan, checkpoint, plan, planner)
+        filled = [read_ for read_ in reads if read_.through_slabs]
+        if filled:
+            filler = SlabFiller(reader, pool=runtime.pool, copy_streams=runtime.copy_streams,
+                                run_blocking=run_blocking, verify=verify)
+            await filler.fill([SlabFill(read_.record, read_.target) for read_ in filled
+                               if read_.target is not None])
+            await run_blocking(_commit, filled, planner)
         budget = runtime.pool.budget  # shared with the writers' slabs
         limit = min(budget.total_bytes, _WAVE_BYTES)
-        for wave, nbytes in _waves(reads, limit):
+        for wave, nbytes in _waves([read_ for read_ in reads if not read_.through_slabs],
+                                   limit):
             await budget.acquire(nbytes)  # a read larger than the budget: alone
             try:
                 # In a box emptied here: the executor's futures sit in reference cycles,
@@ -228,10 +241,10 @@ def _raw_read(item: ReadItem, record: ItemRecord, target: torch.Tensor) -> _Read
             record, offset=record.offset + first * row_bytes, nbytes=count * row_bytes,
             shape=rows_shape, checksum=None)
         starts_in_part = (0, *starts[1:])
-    direct = (tuple(lengths) == tuple(rows_shape) and target.device.type == "cpu"
-              and target.dtype == dtype and target.is_contiguous())
-    return _Read(item, part, target, starts_in_part,
-                 chunk_shape=None if direct else tuple(rows_shape))
+    if tuple(lengths) != tuple(rows_shape) or target.dtype != dtype:
+        return _Read(item, part, target, starts_in_part, chunk_shape=tuple(rows_shape))
+    direct = target.device.type == "cpu" and target.is_contiguous()
+    return _Read(item, part, target, starts_in_part, through_slabs=not direct)
 
 
 def _region(tensor: torch.Tensor, starts: Sequence[int], lengths: Sequence[int]
@@ -239,6 +252,13 @@ def _region(tensor: torch.Tensor, starts: Sequence[int], lengths: Sequence[int]
     for dim, (start, length) in enumerate(zip(starts, lengths, strict=True)):
         tensor = tensor.narrow(dim, start, length)
     return tensor
+
+
+def _commit(reads: Sequence[_Read], planner: LoadPlanner) -> None:
+    """Blocks: hand every filled target to the planner."""
+    for read_ in reads:
+        assert read_.target is not None
+        planner.commit_tensor(read_.item, read_.target)
 
 
 def _finish(reads: Sequence[_Read], planner: LoadPlanner,

@@ -33,6 +33,8 @@ from asynctron.engine._save_plan import SaveRequest as SaveRequest
 from asynctron.engine._save_plan import build_request as build_request
 from asynctron.engine._save_plan import dcp_items as dcp_items
 from asynctron.engine._save_plan import file_plan as file_plan
+from asynctron.engine._slab_fill import SlabFill as SlabFill
+from asynctron.engine._slab_fill import SlabFiller as SlabFiller
 from asynctron.engine._slabs import SLAB_CACHE as SLAB_CACHE
 from asynctron.engine._slabs import Slab as Slab
 from asynctron.engine._staging import launch_d2h as launch_d2h
