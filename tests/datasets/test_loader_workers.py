@@ -313,6 +313,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 async def test_pinned_batches_copy_to_the_gpu_asynchronously(gpt) -> None:
     batches = await _all_batches(gpt, 4, pin_memory=True)
