@@ -23,6 +23,8 @@ BUSY_SHARE = 0.5
 LOOK_EVERY_S = 0.25
 
 _TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+#: more than a thread's stat line (52 fields, the command at most 15 bytes of them)
+_STAT_BYTES = 4096
 
 # (utime + stime in clock ticks, the CPU it last ran on), per thread id
 ThreadTimes = dict[int, tuple[int, int]]
@@ -30,7 +32,14 @@ ThreadTimes = dict[int, tuple[int, int]]
 
 def thread_times(pid: int) -> ThreadTimes:
     """CPU time and last CPU of each thread of `pid` (threads that exit meanwhile are
-    skipped; a process that is gone has none)."""
+    skipped; a process that is gone has none).
+
+    Three system calls a thread (`open()` and a buffered read made nine), each of which lets
+    go of the GIL. Called in a process where another thread spins Python on another core,
+    taking the GIL back can cost a switch interval (5 ms) each time: a reading of 100 threads
+    can then last over a second, and threads that end meanwhile are not in it. A worker reads
+    its parent, another process, so the trainer's GIL never slows its readings.
+    """
     times: ThreadTimes = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -38,11 +47,18 @@ def thread_times(pid: int) -> ThreadTimes:
         return times
     for tid in tids:
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
+            fd = os.open(f"/proc/{pid}/task/{tid}/stat", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             continue
-        # after the command's ")": state is field 3, utime 14, stime 15, processor 39
+        try:
+            stat = os.read(fd, _STAT_BYTES)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        # after the command's last ")" (the command may hold ") " itself): state is field 3,
+        # utime 14, stime 15, processor 39
+        fields = stat.rpartition(b")")[2].split()
         times[int(tid)] = (int(fields[11]) + int(fields[12]), int(fields[36]))
     return times
 

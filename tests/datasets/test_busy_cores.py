@@ -42,19 +42,77 @@ def test_thread_times_read_this_process_threads() -> None:
 
 
 def test_a_spinning_thread_is_seen_busy() -> None:
+    """The spinner spins until both readings are taken. A reading of this very process waits
+    for the GIL again and again while a thread spins Python on another core (see
+    `thread_times`): on the H100's 16 cores the readings outlasted a spinner that stopped at a
+    set time, which was then missing from the second (KeyError, 2026-11-26)."""
+    stop = threading.Event()
+
     def spin() -> None:
-        end = time.monotonic() + 1.5
-        while time.monotonic() < end:
+        while not stop.is_set():
             pass
 
     thread = threading.Thread(target=spin)
     thread.start()
-    time.sleep(0.05)
-    before = _busy_cores.thread_times(os.getpid())
-    time.sleep(1.0)
-    after = _busy_cores.thread_times(os.getpid())
-    thread.join()
+    try:
+        time.sleep(0.05)
+        before = _busy_cores.thread_times(os.getpid())
+        time.sleep(1.0)
+        after = _busy_cores.thread_times(os.getpid())
+    finally:
+        stop.set()
+        thread.join()
     assert after[thread.native_id][1] in busy_cpus(before, after, 1.0)
+
+
+def test_a_thread_that_ends_during_a_reading_is_left_out(monkeypatch) -> None:
+    """A thread listed, then gone before its stat is read (as the H100's spinner, during a
+    reading slowed by the GIL), is not in the reading, and raises nothing; the threads still
+    alive are."""
+    stop = threading.Event()
+    ending = threading.Thread(target=stop.wait)
+    ending.start()
+
+    class ListThenEnd:
+        def __getattr__(self, name: str) -> object:
+            return getattr(os, name)
+
+        def listdir(self, path: str) -> list[str]:
+            names = os.listdir(path)
+            stop.set()
+            ending.join()
+            while os.path.exists(f"/proc/self/task/{ending.native_id}"):  # the kernel's part
+                time.sleep(0.001)
+            return names
+
+    monkeypatch.setattr(_busy_cores, "os", ListThenEnd())
+    times = _busy_cores.thread_times(os.getpid())
+    assert ending.native_id not in times and threading.get_native_id() in times
+
+
+def test_a_thread_named_with_a_parenthesis_is_read_right() -> None:
+    """The command in /proc/<pid>/task/<tid>/stat may hold ") " and spaces: the fields are
+    counted from its last ")"."""
+    cpu = max(os.sched_getaffinity(0))
+    named, stop = threading.Event(), threading.Event()
+
+    def run_named() -> None:
+        os.sched_setaffinity(0, {cpu})
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm", "w") as f:
+            f.write("a) R 1 2 (b")
+        named.set()
+        stop.wait(5)
+
+    thread = threading.Thread(target=run_named)
+    thread.start()
+    try:
+        assert named.wait(5)
+        with open(f"/proc/self/task/{thread.native_id}/stat", "rb") as f:
+            assert b"(a) R 1 2 (b) " in f.read()
+        assert _busy_cores.thread_times(os.getpid())[thread.native_id][1] == cpu
+    finally:
+        stop.set()
+        thread.join()
 
 
 def test_a_refused_binding_leaves_the_placement_as_it_was(monkeypatch) -> None:
