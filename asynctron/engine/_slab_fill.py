@@ -170,18 +170,26 @@ def _launch_copies(batch: Sequence[_Piece], slab: Slab, copy_streams: CopyStream
     here; CUDA ones are queued on the device's copy stream (after the work queued on its
     current stream now), and their events returned."""
     by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    typed_slabs: dict[torch.dtype, torch.Tensor] = {}
     for piece in batch:
         target = piece.fill.target
-        itemsize = target.dtype.itemsize
-        typed = slab.tensor[piece.at:piece.at + piece.nbytes].view(target.dtype)
-        first = piece.start // itemsize
+        dtype = target.dtype
+        typed = typed_slabs.get(dtype)
+        if typed is None:
+            typed = typed_slabs[dtype] = slab.tensor.view(dtype)
+        itemsize = dtype.itemsize
         destinations, sources = by_device.setdefault(target.device, ([], []))
-        cursor = 0
+        at = piece.at // itemsize  # pieces start aligned for any dtype
+        if piece.whole and target.is_contiguous():  # the common case: one op
+            destinations.append(target)
+            sources.append(typed.as_strided(target.shape, target.stride(), at))
+            continue
+        first = piece.start // itemsize
         for view in flat_range_views(target, first, first + piece.nbytes // itemsize):
             count = view.numel()
             destinations.append(view)
-            sources.append(typed[cursor:cursor + count].view(view.shape))
-            cursor += count
+            sources.append(typed[at:at + count].view(view.shape))
+            at += count
     events: list[torch.cuda.Event] = []
     for device, (destinations, sources) in by_device.items():
         if device.type != "cuda":

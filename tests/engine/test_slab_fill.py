@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asynctron import Engine
-from asynctron.engine._slab_fill import SlabFill, pack
+from asynctron.engine._slab_fill import SlabFill, SlabFiller, pack
 from asynctron.errors import CorruptCheckpointError
 from asynctron.storage._manifest import ItemRecord, parse_manifest
 from tests.conftest import assert_same
@@ -81,3 +81,26 @@ async def test_a_damaged_item_is_named_and_every_slab_returns(shm_path: str, key
         with pytest.raises(CorruptCheckpointError, match=rf"{key}"):
             await engine.load_into(_strided_targets(state), f"{shm_path}/c")
         assert engine.budget.borrowed_bytes == 0
+
+
+async def test_contiguous_targets_take_one_view_each_and_land_exactly(shm_path: str) -> None:
+    """Contiguous targets (CUDA ones on a GPU; CPU ones here, handed to the filler directly):
+    each whole item copied from one view of its slab; a large one in pieces."""
+    state = _strided_state(120)
+    async with Engine(**SMALL) as engine:
+        await engine.save(state, f"{shm_path}/c")
+        resources = engine._resources
+        backend, checkpoint = resources.locate(f"{shm_path}/c")
+        reader = await backend.open_reader(engine.run_blocking, checkpoint, max_files_at_once=2)
+        try:
+            manifest = await reader.open()
+            target = {key: torch.zeros_like(value) for key, value in state.items()}
+            filler = SlabFiller(reader, pool=resources.pool,
+                                copy_streams=resources.copy_streams,
+                                run_blocking=engine.run_blocking, verify=True)
+            await filler.fill([SlabFill(record, target[record.key])
+                               for record in manifest.items])
+        finally:
+            await reader.aclose()
+        assert engine.budget.borrowed_bytes == 0
+    assert_same(state, target)
