@@ -55,6 +55,18 @@ def test_the_staged_copy_is_exact_and_later_changes_do_not_reach_it() -> None:
     assert all(t.device.type == "cpu" for t in staged["model"].values())
 
 
+def test_tensors_copied_with_torch_are_staged_exactly() -> None:
+    """Leaves torch copies (CUDA ones on a GPU; conjugate and strided CPU ones here): each
+    contiguous one into one typed view of its slab, the others through their own views."""
+    g = torch.Generator().manual_seed(1)
+    source = {f"c{i}": torch.randn(3, 4, dtype=torch.complex64, generator=g).conj()
+              for i in range(50)}
+    source["big"] = torch.randn(300, 120, dtype=torch.complex64, generator=g).conj()
+    source["t"] = torch.randn(5, 7, generator=g).t()
+    staged = AsyncStager(**BUDGET).stage(source)
+    assert_same({key: value.resolve_conj() for key, value in source.items()}, staged)
+
+
 def test_slabs_return_to_the_cache_when_the_copy_is_freed() -> None:
     options = {"memory_budget_bytes": 6 << 20, "slab_bytes": 128 << 10}
     stager = AsyncStager(**options)
