@@ -10,6 +10,7 @@ a missing one is named with the extra that installs it (`pip install asynctron[b
 SCENARIOS = {
     "save": "save_throughput",
     "cuda": "cuda_staging",
+    "gpu": "gpu_check",
     "write": "write_sweep",
     "comm": "allreduce_overlap",
     "data": "data_throughput",
