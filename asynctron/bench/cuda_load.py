@@ -17,12 +17,14 @@ plugin >= 0.9x the raw baseline, warm and cold; the plugin >= 1.0x stock `dcp.lo
 `--device` and without CUDA it says so and exits 0.
 
 Run: `asynctron bench cuda --mode load`; `--quick` for a smoke run.
-Results: printed, and written as JSON (`--out`; default ./asynctron-bench/).
+Results: printed, and written as JSON (`--out`; default ./asynctron-bench/), also after each
+timed round (a run stopped by a time budget keeps the rounds it finished).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -121,14 +123,19 @@ class Checkpoints:
                 ((RAW, raw), (OURS, ours), (PLUGIN, plugin), (STOCK, stock))}
 
 
+Samples = dict[str, dict[str, list[float]]]
+
+
 def measure(checkpoints: Checkpoints, state: dict[str, torch.Tensor],
-            target: dict[str, torch.Tensor], *, repeats: int, cold: bool
-            ) -> tuple[dict[str, dict[str, list[float]]], dict[str, bool]]:
+            target: dict[str, torch.Tensor], *, repeats: int, cold: bool,
+            on_round: Callable[[Samples, dict[str, bool]], None]
+            ) -> tuple[Samples, dict[str, bool]]:
     """Per cache state ("cold" if `cold`, "warm") and method, the seconds of each timed round;
-    and per method (not the baseline) whether the warm-up round's read was bit-exact."""
+    and per method (not the baseline) whether the warm-up round's read was bit-exact.
+    `on_round(samples, exact)` after each timed round (a run cut short keeps those)."""
     reads = checkpoints.reads()
     caches = ("cold", "warm") if cold else ("warm",)
-    samples: dict[str, dict[str, list[float]]] = {c: {m: [] for m in METHODS} for c in caches}
+    samples: Samples = {c: {m: [] for m in METHODS} for c in caches}
     exact: dict[str, bool] = {}
     for round_index in range(repeats + 1):  # round 0 warms every method
         for method in round_order(METHODS, round_index):
@@ -144,10 +151,12 @@ def measure(checkpoints: Checkpoints, state: dict[str, torch.Tensor],
                     samples[cache][method].append(time.perf_counter() - started)
             if round_index == 0 and method != RAW:
                 exact[method] = all(torch.equal(target[k], state[k]) for k in state)
+        if round_index:
+            on_round(samples, exact)
     return samples, exact
 
 
-def summarize(samples: dict[str, dict[str, list[float]]], nbytes: int) -> dict[str, Any]:
+def summarize(samples: Samples, nbytes: int) -> dict[str, Any]:
     """Medians, GB/s and the issue's ratios (baseline time / method time) per cache state."""
     medians = {cache: {m: statistics.median(v) for m, v in by.items()}
                for cache, by in samples.items()}
@@ -210,22 +219,34 @@ def main(argv: list[str] | None = None) -> int:
     filesystem = filesystem_type(base)
     cold = filesystem not in _MEMORY_FILESYSTEMS
     budget = (nbytes // (64 * MiB) + 2) * 64 * MiB
+    path = _results.results_path("cuda_load", args.out)
+
+    def result_of(samples: Samples, exact: dict[str, bool]) -> dict[str, Any]:
+        return {"device": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                           else "cpu"),
+                "nbytes": nbytes, "num_tensors": len(state), "target": args.target,
+                "filesystem": filesystem, **summarize(samples, nbytes), "bit_exact": exact,
+                "notes": [] if cold else [f"cold reads: {args.target} is {filesystem}, its "
+                                          "pages cannot be evicted"],
+                "meta": _results.run_meta(started, args, torch=torch.__version__)}
+
+    def write(result: dict[str, Any]) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+
     try:
         with BackgroundEngine(memory_budget_bytes=budget,
                               pin_memory=device.type == "cuda") as engine:
             checkpoints = Checkpoints(engine, state, target, base)
             samples, exact = measure(checkpoints, state, target, repeats=args.repeats,
-                                     cold=cold)
+                                     cold=cold, on_round=lambda s, e: write(result_of(s, e)))
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    result = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "nbytes": nbytes, "num_tensors": len(state), "target": args.target,
-              "filesystem": filesystem, **summarize(samples, nbytes), "bit_exact": exact,
-              "notes": [] if cold else [f"cold reads: {args.target} is {filesystem}, its "
-                                        "pages cannot be evicted"]}
+    result = result_of(samples, exact)
     result["lines"] = report(result)
-    result["meta"] = _results.run_meta(started, args, torch=torch.__version__)
-    _results.write_results("cuda_load", result, out=args.out)
+    write(result)
+    print(f"\nresults: {path}")
     return 0
 
 
