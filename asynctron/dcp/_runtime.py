@@ -75,7 +75,6 @@ class Runtime:
             self._stop_loop()
             raise
         self.run_blocking = self.resources.run_blocking
-        self.pinned = self.resources.pinned
         self.pool = self.resources.pool
         self.copy_streams = self.resources.copy_streams
         self.staging_budget = ByteBudget(config.memory_budget_bytes)

@@ -156,11 +156,12 @@ async def _stage(runtime: Runtime, state_dict: Mapping[str, Any],
             total, budget.total_bytes, budget.borrowed_bytes)
     taken: list[Slab] = []
     taken: list[Slab] = []
+    pinned = runtime.pool.pinned
     try:
-        cached = [SLAB_CACHE.take(size, runtime.pinned) for size in sizes]
+        cached = [SLAB_CACHE.take(size, pinned) for size in sizes]
         taken = [slab for slab in cached if slab is not None]
         missing = [size for size, slab in zip(sizes, cached, strict=True) if slab is None]
-        fresh = iter(await run_blocking(_allocate, missing, runtime.pinned) if missing else [])
+        fresh = iter(await run_blocking(_allocate, missing, pinned) if missing else [])
         slabs = [slab if slab is not None else next(fresh) for slab in cached]
         taken = slabs
         await _copy_all(runtime, leaves, slabs, ready)

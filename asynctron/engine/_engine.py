@@ -63,7 +63,9 @@ class EngineConfig:
     also takes the checkpoints committed under this name before a restart (or by another
     engine of the job). None: only this engine's own commits."""
     pin_memory: bool | None = None
-    """Pin staging slabs (page-locked, for fast D2H/H2D); None: when CUDA is available."""
+    """Pin staging slabs (page-locked, for fast D2H/H2D); None: once this process uses CUDA
+    (`torch.cuda.is_initialized()` when a slab is taken), so saves of a CPU-only trainer on a
+    GPU machine never start a CUDA context."""
     direct_io: bool = True
     """Write whole slabs with O_DIRECT (bypassing the page cache) where the filesystem allows
     it; elsewhere (tmpfs) and for unaligned tails, buffered writes are used."""

@@ -18,8 +18,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
-
 from asynctron._budget import ByteBudget
 from asynctron._concurrency import uncancellable
 from asynctron.engine._slabs import SlabPool
@@ -44,10 +42,9 @@ class SaveResources:
     def __init__(self, config: EngineConfig, backend: Backend | None) -> None:
         self.config = config
         self._backend = backend
-        self.pinned = torch.cuda.is_available() if config.pin_memory is None else (
-            config.pin_memory)
         self.budget = ByteBudget(config.memory_budget_bytes)
-        self.pool = SlabPool(self.budget, config.slab_bytes, self.pinned, self.run_blocking)
+        self.pool = SlabPool(self.budget, config.slab_bytes, config.pin_memory,
+                             self.run_blocking)
         self.copy_streams = CopyStreams()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._executor: ThreadPoolExecutor | None = None

@@ -153,16 +153,22 @@ class SlabPool:
     borrowed by this engine at once.
     """
 
-    def __init__(self, budget: ByteBudget, slab_bytes: int, pinned: bool,
+    def __init__(self, budget: ByteBudget, slab_bytes: int, pin_memory: bool | None,
                  run_blocking: RunBlocking, cache: SlabCache = SLAB_CACHE) -> None:
         self.budget = budget
         self.slab_bytes = slab_bytes
-        self.pinned = pinned
+        self._pin_memory = pin_memory
         self._run_blocking = run_blocking
         self._cache = cache
         cache.admit(budget.total_bytes)
         #: Events set whenever an acquire has to wait: writers holding back start writing.
         self.pressure_listeners: set[asyncio.Event] = set()
+
+    @property
+    def pinned(self) -> bool:
+        """Whether slabs taken now are pinned: `pin_memory`, or (None) once this process uses
+        CUDA, so a CPU-only trainer on a GPU machine never starts a CUDA context."""
+        return torch.cuda.is_initialized() if self._pin_memory is None else self._pin_memory
 
     @property
     def num_waiting(self) -> int:
@@ -195,11 +201,12 @@ class SlabPool:
             except WouldBlock:
                 break
             granted += 1
+        pinned = self.pinned
         slabs = [slab for _ in range(granted)
-                 if (slab := self._cache.take(nbytes, self.pinned)) is not None]
+                 if (slab := self._cache.take(nbytes, pinned)) is not None]
         try:
             if len(slabs) < granted:
-                slabs += await self._run_blocking(self._allocate, granted - len(slabs))
+                slabs += await self._run_blocking(self._allocate, granted - len(slabs), pinned)
         except BaseException:
             for slab in slabs:
                 self._cache.give(slab)
@@ -207,8 +214,8 @@ class SlabPool:
             raise
         return slabs
 
-    def _allocate(self, count: int) -> list[Slab]:
-        return [self._cache.allocate(self.slab_bytes, self.pinned) for _ in range(count)]
+    def _allocate(self, count: int, pinned: bool) -> list[Slab]:
+        return [self._cache.allocate(self.slab_bytes, pinned) for _ in range(count)]
 
     def release(self, slab: Slab) -> None:
         self._cache.give(slab)

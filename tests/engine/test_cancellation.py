@@ -19,8 +19,8 @@ SMALL = {"slab_bytes": 64 << 10, "memory_budget_bytes": 256 << 10}
 def _open_files_under(root: str) -> list[str]:
     """The files and directories under `root` (a test's checkpoint directory) that this
     process holds open. Only those: other descriptors come and go with no checkpoint's doing
-    (on a CUDA machine the engine's first pinned slab starts the CUDA runtime, which opens
-    /dev/nvidia* and more: 20 descriptors more on an H100, 2026-11-26)."""
+    (the CUDA runtime, started by a pinned slab or the test's own CUDA use, opens /dev/nvidia*
+    and more: 20 descriptors more on an H100, 2026-11-26)."""
     root = os.path.realpath(root)
     names = []
     for fd in os.listdir("/proc/self/fd"):

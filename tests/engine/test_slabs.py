@@ -7,8 +7,8 @@ import torch
 
 import asynctron
 from asynctron import Engine
-from asynctron.engine import staging_statistics
-from asynctron.engine._slabs import SlabCache
+from asynctron.engine import ByteBudget, staging_statistics
+from asynctron.engine._slabs import SlabCache, SlabPool
 
 SLAB = 1 << 20
 SMALL = {"slab_bytes": SLAB, "memory_budget_bytes": 4 * SLAB}
@@ -97,3 +97,20 @@ async def test_on_a_device_saves_without_a_snapshot_stage_only_into_warm_slabs(
         for name in ("cold", "warm"):
             loaded = await engine.load(f"{tmp_path}/{name}")
             assert all(torch.equal(loaded[k], v) for k, v in _state().items())
+
+
+def test_slabs_are_pinned_once_the_process_uses_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """pin_memory=None pins only once CUDA is in use (a CPU-only trainer on a GPU machine
+    never starts a CUDA context through its saves); an explicit choice stands."""
+    in_use = False
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: in_use)
+    budget = ByteBudget(4 * SLAB)
+
+    async def never(*_: object) -> None:
+        raise AssertionError("not called")
+
+    auto = SlabPool(budget, SLAB, None, never)
+    fixed = SlabPool(budget, SLAB, False, never)
+    assert not auto.pinned and not fixed.pinned
+    in_use = True
+    assert auto.pinned and not fixed.pinned
