@@ -442,7 +442,16 @@ def gpu_check_note() -> list[str]:
         "before the next optimizer step (as torchtitan does with zero-overhead "
         "checkpointing); every method ends durable, its files fsynced. *Blocking*: what the "
         "save stalls the trainer; *staged* and *durable*: from the request; step time with a "
-        "save in flight against the steps before any save."]
+        "save in flight against the steps before any save.", "",
+        "On a GPU machine lent through the `device` tool (Python 3.12, torch, numpy, uvloop, "
+        "xxhash and pytest there, no network), the check is one call: `bash "
+        "bench/gpu_device.sh` with `carry: [\".whl\"]` and a `timeout_s` of 480, after, "
+        "here, once: `echo /.whl/ >> .git/info/exclude; python3 -m pip download --no-deps "
+        "--only-binary=:all: --python-version 3.12 --implementation cp --platform "
+        "manylinux_2_17_x86_64 -d .whl pytest-asyncio==1.5.0 'setuptools>=77'` (add "
+        "megatron-core's wheel to compare its writer). The script installs the wheels, builds "
+        "the C modules in place, runs `bench gpu --quick` and leaves `gpu_report.md`, "
+        "`gpu_report.json` and `gpu_check.tgz` (every part's results and log) in `$OUT`."]
 
 
 def section_cuda(result: dict[str, Any], docs: str) -> list[str]:
