@@ -12,10 +12,12 @@ written by `asynctron.dcp.StorageWriter` or `Engine.save(format="dcp")`).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import uuid
 from typing import Any
 
+import torch
 from torch.distributed.checkpoint import storage as dcp_storage
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
@@ -32,6 +34,12 @@ from asynctron.storage import (
     MetadataUnpickler,
     paused_gc,
 )
+
+logger = logging.getLogger(__name__)
+
+#: torch 2.9 to 2.11's `dcp.load` catches what `read_metadata` raises and fails on its own
+#: assertion that metadata is not None, the reader's message lost; 2.12's error carries it.
+_DCP_LOAD_DROPS_READ_ERRORS = torch.__version__ < (2, 12)
 
 
 class StorageReader(dcp_storage.StorageReader):
@@ -99,10 +107,20 @@ class StorageReader(dcp_storage.StorageReader):
             CorruptCheckpointError: a damaged or hostile `.metadata` or manifest (a foreign
                 global, an item outside its file, a missing data file), naming file and field.
             ValueError: the checkpoint is in asynctron's format, without DCP's metadata.
+
+        On torch older than 2.12, whose `dcp.load` drops this error and fails on "metadata is
+        None", the error is also logged at WARNING, so the reason and the path reach the user.
         """
         runtime = self._started()
         self._close_checkpoint()
-        checkpoint, metadata = runtime.call(_open(runtime, self._backend, self.path))
+        try:
+            checkpoint, metadata = runtime.call(_open(runtime, self._backend, self.path))
+        except Exception as error:
+            if _DCP_LOAD_DROPS_READ_ERRORS:
+                logger.warning("reading DCP metadata failed (torch %s's dcp.load drops this "
+                               "error and says 'metadata is None'): %s: %s", torch.__version__,
+                               type(error).__name__, error)
+            raise
         self._checkpoint = checkpoint
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
