@@ -16,9 +16,7 @@ _TORCH_NAMES = (
     "complex64", "complex128",
 )  # fmt: skip
 
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    name: getattr(torch, name) for name in _TORCH_NAMES if hasattr(torch, name)
-}
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in _TORCH_NAMES}
 #: torch dtype -> its manifest name (the inverse of `TORCH_DTYPES`).
 TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in TORCH_DTYPES.items()}
 
