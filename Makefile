@@ -1,11 +1,16 @@
-# Two entry points, both from a fresh clone:  `make demo`  and  `make test`.
+# Two entry points, both from a fresh clone:  `make demo`  and  `make test` (CI adds `make test-oldest`).
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 # torch is pinned here (dev/CI only) so pip takes the CPU wheel that lies on this machine's disk.
 TORCH_PIN ?= torch==2.13.0
+# The oldest torch pyproject.toml admits, for `make test-oldest`: PyPI's (CUDA) wheel, run on the
+# CPU, in a venv of its own. Keep it equal to the floor of `torch>=` in pyproject.toml.
+TORCH_OLDEST ?= torch==2.9.0
+VENV_OLDEST  := .venv-oldest
+PY_OLDEST    := $(VENV_OLDEST)/bin/python
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-oldest lint bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py asynctron/_native.c asynctron/storage/_pickle_costs.c \
 		asynctron/datasets/_blending.c
@@ -17,12 +22,26 @@ $(VENV)/.installed: pyproject.toml setup.py asynctron/_native.c asynctron/storag
 
 setup: $(VENV)/.installed
 
+# torch named again with the package, so the extras never lift it
+$(VENV_OLDEST)/.installed: pyproject.toml setup.py asynctron/_native.c \
+		asynctron/storage/_pickle_costs.c asynctron/datasets/_blending.c
+	$(PYTHON) -m venv $(VENV_OLDEST)
+	$(PY_OLDEST) -m pip install -q --upgrade pip
+	$(PY_OLDEST) -m pip install -q $(TORCH_OLDEST)
+	$(PY_OLDEST) -m pip install -q -e '.[test,bench]' $(TORCH_OLDEST)
+	touch $@
+
 demo: setup
 	$(VENV)/bin/asynctron demo
 
 test: setup
 	$(VENV)/bin/ruff check asynctron tests bench examples
 	$(PY) -m pytest -q
+
+# the fast tests on the oldest torch the library declares (the slow ones run on TORCH_PIN)
+test-oldest: $(VENV_OLDEST)/.installed
+	$(PY_OLDEST) -c 'import torch; print("torch", torch.__version__)'
+	$(PY_OLDEST) -m pytest -q -m 'not slow'
 
 # every benchmark into bench/results/, then docs/benchmarks.md from them (bench/report.py)
 RESULTS ?= bench/results/all_$(shell hostname)_$(shell date +%Y%m%d)
@@ -31,4 +50,4 @@ bench: setup
 	$(PY) -m bench.report $(RESULTS) --docs docs
 
 clean:
-	rm -rf $(VENV) demo-out .pytest_cache
+	rm -rf $(VENV) $(VENV_OLDEST) demo-out .pytest_cache
