@@ -412,8 +412,8 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
             after = await group.all_gather_object(rank)
             # A Work without a future (gloo reduce_scatter) waits on the engine's thread.
             out = torch.empty(2)
-            work = dist.reduce_scatter_single(out, torch.arange(2.0 * world) + rank,
-                                              group=dedicated, async_op=True)
+            work = dist.reduce_scatter(out, list((torch.arange(2.0 * world) + rank).chunk(world)),
+                                       group=dedicated, async_op=True)
             assert work is not None
             await wait_work(work, run_blocking=engine.run_blocking)
         return {"blobs": blobs, "gathered": gathered, "broadcast": broadcast,
