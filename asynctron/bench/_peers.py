@@ -163,6 +163,48 @@ def save_dcp_async(
     future.result()
 
 
+@functools.cache
+def default_stager_is_reusable() -> bool:
+    """Whether this torch's `DefaultStager` stages more than once. torch 2.11 and 2.12 close
+    its state-dict stager after every stage (dropping the cached staging memory; the next
+    stage fails with KeyError), so a trainer there makes one per save: the peers do too."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        for _ in range(2):
+            stager.stage({"probe": torch.zeros(1)})
+    except KeyError:
+        return False
+    finally:
+        stager.close()
+    return True
+
+
+class OneStagerPerSave:
+    """The `DefaultStager` a DCP peer hands `async_save`: one kept across saves (its best
+    settings, warm staging memory), or, where this torch's cannot stage twice
+    (`default_stager_is_reusable`), a fresh one per save."""
+
+    def __init__(self, options: Any) -> None:
+        self.options = options
+        self.kept = default_stager_is_reusable()
+        self._stager: Any = None
+
+    def for_save(self) -> Any:
+        from torch.distributed.checkpoint.staging import DefaultStager
+
+        if self._stager is None or not self.kept:
+            self.close()
+            self._stager = DefaultStager(self.options)
+        return self._stager
+
+    def close(self) -> None:
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+
 class DcpAsyncSaver:
     """``dcp.async_save``, kept across saves as a trainer keeps it.
 
@@ -177,7 +219,7 @@ class DcpAsyncSaver:
 
     def __init__(self, *, process: bool, thread_count: int = 4,
                  persistent_stager: bool = True) -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        from torch.distributed.checkpoint.staging import StagingOptions
         from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
         self.thread_count = thread_count
@@ -186,7 +228,7 @@ class DcpAsyncSaver:
             _ensure_single_rank_process_group()
             # The writer process logs every request at INFO on the root logger.
             logging.getLogger().setLevel(max(logging.getLogger().level, logging.WARNING))
-        self._stager = DefaultStager(StagingOptions(
+        self._stagers = OneStagerPerSave(StagingOptions(
             use_pinned_memory=False, use_shared_memory=process, use_async_staging=False,
             use_non_blocking_copy=False)) if persistent_stager else None
         self._no_dist = not process
@@ -194,7 +236,8 @@ class DcpAsyncSaver:
     def start(self, state_dict: StateDict, directory: str) -> Future:
         """Stage (the blocking part) and start the write; the future completes once durable."""
         writer = dcp.FileSystemWriter(directory, thread_count=self.thread_count, sync_files=True)
-        future = dcp.async_save(state_dict, storage_writer=writer, async_stager=self._stager,
+        stager = self._stagers.for_save() if self._stagers is not None else None
+        future = dcp.async_save(state_dict, storage_writer=writer, async_stager=stager,
                                 async_checkpointer_type=self._type, no_dist=self._no_dist)
         if not isinstance(future, Future):
             raise TypeError(f"DcpAsyncSaver: async_save returned {type(future).__name__}, "
@@ -202,8 +245,8 @@ class DcpAsyncSaver:
         return future
 
     def close(self) -> None:
-        if self._stager is not None:
-            self._stager.close()
+        if self._stagers is not None:
+            self._stagers.close()
 
 
 def _safetensors_ready(state_dict: StateDict) -> dict[str, torch.Tensor]:

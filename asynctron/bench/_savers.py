@@ -6,7 +6,8 @@ best settings, each ending with the checkpoint durable (its data files fsynced):
 - `asynctron BackgroundEngine`: the same engine on its own loop thread, called from a
   synchronous trainer;
 - `dcp async_save zoc (thread|process)`: DCP's zero-overhead checkpointing, a persistent
-  `DefaultStager(StagingOptions(True, True, True, True))` (pinned and shared staging memory,
+  `DefaultStager(StagingOptions(True, True, True, True))` (one per save on torch 2.11 and 2.12,
+  whose stager stages once: `_peers.OneStagerPerSave`) (pinned and shared staging memory,
   staged on a background thread with non-blocking copies on a side stream; on a CPU run the two
   CUDA-only options are off), with `AsyncCheckpointerType.THREAD` or `.PROCESS` (torchtitan's
   `async_with_pinned_mem`), `FileSystemWriter(sync_files=True)`;
@@ -22,7 +23,6 @@ measured from the request.
 
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from collections.abc import Callable
@@ -153,23 +153,6 @@ class BackgroundSaver(Saver):
             self._engine.close()
 
 
-def zoc_support() -> str | None:
-    """`None` if this torch has DCP's zero-overhead checkpointing (torch >= 2.9:
-    `DefaultStager`, `StagingOptions`, `async_save(async_stager=, async_checkpointer_type=)`),
-    else what is missing."""
-    try:
-        from torch.distributed.checkpoint import state_dict_saver
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: F401
-    except ImportError as exc:
-        return f"torch {torch.__version__} has no DCP DefaultStager/StagingOptions ({exc})"
-    parameters = inspect.signature(state_dict_saver.async_save).parameters
-    missing = [p for p in ("async_stager", "async_checkpointer_type") if p not in parameters]
-    if missing or not hasattr(state_dict_saver, "AsyncSaveResponse"):
-        return (f"torch {torch.__version__}'s dcp.async_save lacks "
-                f"{missing or ['AsyncSaveResponse']}")
-    return None
-
-
 class _FutureHandle(SaveHandle):
     """DCP's futures: `staging` (None: staged when `async_save` returned) and `upload`; their
     completion times are taken by callbacks, on the thread that completes them."""
@@ -218,26 +201,28 @@ class DcpSaver(Saver):
         self._process = process
         self._type = AsyncCheckpointerType.PROCESS if process else AsyncCheckpointerType.THREAD
         self._thread_count = thread_count
-        self._stager: Any = None
+        self._stagers: _peers.OneStagerPerSave | None = None
         self.options: dict[str, bool] = {}
 
     async def open(self) -> None:
         if self._process:
             _peers._ensure_single_rank_process_group()
         if self._zoc:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from torch.distributed.checkpoint.staging import StagingOptions
 
             cuda = self._device.type == "cuda"  # the two options DCP allows only with CUDA
             self.options = {"use_pinned_memory": cuda, "use_shared_memory": True,
                             "use_async_staging": True, "use_non_blocking_copy": cuda}
-            self._stager = DefaultStager(StagingOptions(**self.options))
+            self._stagers = _peers.OneStagerPerSave(StagingOptions(**self.options))
+            self.options["stager_kept_across_saves"] = self._stagers.kept
 
     async def start(self, state: dict[str, Any], path: str) -> SaveHandle:
         import torch.distributed.checkpoint as dcp
 
         writer = dcp.FileSystemWriter(path, thread_count=self._thread_count, sync_files=True)
         requested = time.perf_counter()
-        response = dcp.async_save(state, storage_writer=writer, async_stager=self._stager,
+        stager = self._stagers.for_save() if self._stagers is not None else None
+        response = dcp.async_save(state, storage_writer=writer, async_stager=stager,
                                   async_checkpointer_type=self._type,
                                   no_dist=not self._process)
         if isinstance(response, Future):
@@ -246,8 +231,8 @@ class DcpSaver(Saver):
                              response.upload_completion)
 
     async def close(self) -> None:
-        if self._stager is not None:
-            self._stager.close()
+        if self._stagers is not None:
+            self._stagers.close()
 
 
 class _MegatronHandle(SaveHandle):
@@ -296,7 +281,6 @@ def make_savers(names: list[str], nbytes: int, device: torch.device, *,
                 dcp_threads: int) -> tuple[list[Saver], dict[str, str]]:
     """The savers named (in `NAMES` order) that this machine can run, and why the others
     cannot."""
-    zoc_missing = zoc_support()
     factories: dict[str, Callable[[], Saver]] = {
         OURS: lambda: AsynctronSaver(nbytes, device),
         OURS_BACKGROUND: lambda: BackgroundSaver(nbytes, device),
@@ -311,9 +295,7 @@ def make_savers(names: list[str], nbytes: int, device: torch.device, *,
     for name in NAMES:
         if name not in names:
             continue
-        if name in (ZOC_THREAD, ZOC_PROCESS) and zoc_missing is not None:
-            not_run[name] = zoc_missing
-        elif name == MEGATRON and (reason := _peers.megatron_available()) is not None:
+        if name == MEGATRON and (reason := _peers.megatron_available()) is not None:
             not_run[name] = reason
         else:
             savers.append(factories[name]())
