@@ -452,7 +452,10 @@ def gpu_check_note() -> list[str]:
         "manylinux_2_17_x86_64 -d .whl pytest-asyncio==1.5.0 'setuptools>=77'` (add "
         "megatron-core's wheel to compare its writer). The script installs the wheels, builds "
         "the C modules in place, runs `bench gpu --quick` and leaves `gpu_report.md`, "
-        "`gpu_report.json` and `gpu_check.tgz` (every part's results and log) in `$OUT`."]
+        "`gpu_report.json` and `gpu_check.tgz` (every part's results and log) in `$OUT`.", "",
+        "Without a GPU, the per-tensor cost of the same staging and load code was measured on "
+        "CPU tensors made to take it: [benchmarks_many_tensors_cpu_vm_20261127.md]"
+        "(benchmarks_many_tensors_cpu_vm_20261127.md)."]
 
 
 def section_cuda(result: dict[str, Any], docs: str) -> list[str]:
