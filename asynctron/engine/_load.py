@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,6 +47,19 @@ class _Decode:
     target: torch.Tensor | None
     region: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     """The [lo, hi) part of the record's chunk (global coordinates) that `target` wants."""
+
+
+@dataclass(slots=True)
+class _Reads:
+    """One load's reads, planned off the loop: straight into their destinations (`jobs`),
+    through slabs (`staged`: CUDA and strided targets), apart then placed (`partial`), blobs
+    to decode (`decodes`); and each key's value (`items`)."""
+
+    items: dict[str, Any] = field(default_factory=dict)
+    jobs: list[ReadJob] = field(default_factory=list)
+    staged: list[SlabFill] = field(default_factory=list)
+    partial: list[_Placement] = field(default_factory=list)
+    decodes: list[_Decode] = field(default_factory=list)
 
 
 def _torch_dtype(record: ItemRecord) -> torch.dtype:
@@ -105,28 +118,30 @@ class Loader:
         self._filler = SlabFiller(reader, pool=pool, copy_streams=copy_streams,
                                   run_blocking=run_blocking, verify=verify)
 
-    async def _read_all(self, jobs: Sequence[ReadJob], staged: Sequence[SlabFill] = ()
-                        ) -> None:
-        """Read `jobs` straight into their destinations and `staged` (CUDA or strided
-        targets) through slabs, at once; raise the first corrupt item."""
+    async def _read_all(self, reads: _Reads) -> None:
+        """Read `reads`: its jobs straight into their destinations and its staged targets
+        through slabs, at once; then place the chunks read apart and decode the blobs (off
+        the loop). Raises the first corrupt item."""
 
         async def read_direct() -> None:
-            errors = await self._reader.read(jobs, verify=self._verify,
+            errors = await self._reader.read(reads.jobs, verify=self._verify,
                                              slab_bytes=self._slab_bytes)
             if errors:
                 raise errors[0]
 
         try:
             async with asyncio.TaskGroup() as group:
-                if jobs:
+                if reads.jobs:
                     group.create_task(read_direct())
-                if staged:
-                    group.create_task(self._filler.fill(staged))
+                if reads.staged:
+                    group.create_task(self._filler.fill(reads.staged))
         except BaseExceptionGroup as error:
             raise first_error(error)  # noqa: B904 (the group stays as __context__)
+        await self._run_blocking(_place_chunks, reads.partial)
+        if reads.decodes:
+            reads.items.update(await self._run_blocking(self._decode_all, reads.decodes))
 
-    def _fresh_jobs(self, records: list[ItemRecord], jobs: list[ReadJob],
-                    partial: list[_Placement], decodes: list[_Decode]) -> Any:
+    def _fresh_jobs(self, records: list[ItemRecord], reads: _Reads) -> Any:
         """A new tensor for the key `records` hold, and the reads that fill it: straight into
         it where a chunk's part of it is contiguous (whole items, row chunks), else into a
         chunk of its own placed afterwards. `torch.save` blobs are read whole and decoded
@@ -134,47 +149,41 @@ class Loader:
         first = records[0]
         if first.encoding == "torch_save" and len(records) == 1 and (
                 first.kind == "object" or _is_whole(first)):
-            decodes.append(_Decode(first, bytearray(first.nbytes), None))
-            jobs.append(ReadJob(first, memoryview(decodes[-1].buffer)))
+            reads.decodes.append(_Decode(first, bytearray(first.nbytes), None))
+            reads.jobs.append(ReadJob(first, memoryview(reads.decodes[-1].buffer)))
             return None
         assert first.global_shape is not None
         tensor = torch.empty(first.global_shape, dtype=_torch_dtype(first))
         for record in records:
             view = tensor if _is_whole(record) else _chunk_view(tensor, record)
             if record.encoding == "torch_save":
-                decodes.append(_Decode(record, bytearray(record.nbytes), view))
-                jobs.append(ReadJob(record, memoryview(decodes[-1].buffer)))
+                reads.decodes.append(_Decode(record, bytearray(record.nbytes), view))
+                reads.jobs.append(ReadJob(record, memoryview(reads.decodes[-1].buffer)))
             elif view.is_contiguous():
-                jobs.append(ReadJob(record, tensor_bytes(view)))
+                reads.jobs.append(ReadJob(record, tensor_bytes(view)))
             else:
                 assert record.shape is not None
                 chunk = torch.empty(record.shape, dtype=_torch_dtype(record))
-                jobs.append(ReadJob(record, tensor_bytes(chunk)))
-                partial.append((view, chunk))
+                reads.jobs.append(ReadJob(record, tensor_bytes(chunk)))
+                reads.partial.append((view, chunk))
         return tensor
 
     async def fresh(self) -> dict[str, Any]:
         """The saved structure with fresh CPU tensors, numpy arrays and bytes."""
-        items: dict[str, Any] = {}
-        jobs: list[ReadJob] = []
-        partial: list[_Placement] = []
-        decodes: list[_Decode] = []
+        reads = await self._run_blocking(self._plan_fresh)
+        await self._read_all(reads)
+        return unflatten(self._manifest.structure, self._finish(reads.items))
+
+    def _plan_fresh(self) -> _Reads:
+        """Blocks: a fresh value for every key, and the reads that fill them."""
+        reads = _Reads()
         for key, records in self._manifest.by_key().items():
             if records[0].kind == "bytes":
-                items[key] = bytearray(records[0].nbytes)
-                jobs.append(ReadJob(records[0], memoryview(items[key])))
+                reads.items[key] = bytearray(records[0].nbytes)
+                reads.jobs.append(ReadJob(records[0], memoryview(reads.items[key])))
             else:
-                items[key] = self._fresh_jobs(records, jobs, partial, decodes)
-        await self._read_all(jobs)
-        await self._finish_reads(items, partial, decodes)
-        return unflatten(self._manifest.structure, self._finish(items))
-
-    async def _finish_reads(self, items: dict[str, Any], partial: Sequence[_Placement],
-                            decodes: Sequence[_Decode]) -> None:
-        """After the reads: place chunks read apart, decode `torch.save` blobs (off the loop)."""
-        await self._run_blocking(_place_chunks, partial)
-        if decodes:
-            items.update(await self._run_blocking(self._decode_all, decodes))
+                reads.items[key] = self._fresh_jobs(records, reads)
+        return reads
 
     def _decode_all(self, decodes: Sequence[_Decode]) -> dict[str, Any]:
         """Blocks: decode every blob; copy tensors into their targets; return the values of
@@ -210,15 +219,13 @@ class Loader:
         An item stored as several chunks (a sharded tensor, or one cut into chunks to spread
         over bins) cannot be one map: it is read into a fresh tensor instead.
         """
-        items: dict[str, Any] = {}
-        jobs: list[ReadJob] = []
-        partial: list[_Placement] = []
-        decodes: list[_Decode] = []
+        reads = _Reads()
+        items = reads.items
         for key, records in self._manifest.by_key().items():
             first = records[0]
             if first.encoding == "torch_save" or (
                     first.kind != "bytes" and (len(records) != 1 or not _is_whole(first))):
-                items[key] = self._fresh_jobs(records, jobs, partial, decodes)
+                items[key] = self._fresh_jobs(records, reads)
                 continue
             view = await self._reader.map(first) if first.nbytes else memoryview(b"")
             if self._verify:
@@ -231,8 +238,7 @@ class Loader:
             else:
                 assert first.shape is not None
                 items[key] = torch.frombuffer(view, dtype=_torch_dtype(first)).view(first.shape)
-        await self._read_all(jobs)
-        await self._finish_reads(items, partial, decodes)
+        await self._read_all(reads)
         return unflatten(self._manifest.structure, self._finish(items))
 
     async def into(self, target: Mapping[str, Any]) -> dict[str, Any]:
@@ -245,6 +251,21 @@ class Loader:
             CorruptCheckpointError: two of the checkpoint's values or items join to one key
                 (names it).
         """
+        structure, saved_values, object_keys, reads = await self._run_blocking(
+            self._plan_into, target)
+        await self._read_all(reads)
+        items = reads.items
+        saved_values.update((key, items.pop(key)) for key in object_keys)
+        for key, value in items.items():
+            if isinstance(value, bytearray):
+                items[key] = bytes(value)
+        return _rebuild(structure, items, saved_values, self._reader.path)
+
+    def _plan_into(self, target: Mapping[str, Any]
+                   ) -> tuple[Structure, dict[str, Any], list[str], _Reads]:
+        """Blocks: check `target` against the checkpoint and plan the reads that fill it;
+        also the target's structure, the checkpoint's values by key, and its pickled ones'
+        keys (raises as `into`)."""
         flat = flatten(target)
         structure = flat.structure
         by_key = self._manifest.by_key()
@@ -259,14 +280,12 @@ class Loader:
         # A stock DCP checkpoint keeps non-tensor values as pickled items: decode them too.
         object_keys = [key for key in _values_by_key(structure)[0]
                        if key in by_key and by_key[key][0].kind == "object"]
-        items: dict[str, Any] = {}
-        jobs: list[ReadJob] = []
-        staged: list[SlabFill] = []
-        partial: list[_Placement] = []
-        decodes: list[_Decode] = []
+        reads = _Reads()
+        items, jobs = reads.items, reads.jobs
         for key in object_keys:
-            decodes.append(_Decode(by_key[key][0], bytearray(by_key[key][0].nbytes), None))
-            jobs.append(ReadJob(by_key[key][0], memoryview(decodes[-1].buffer)))
+            reads.decodes.append(_Decode(by_key[key][0], bytearray(by_key[key][0].nbytes),
+                                         None))
+            jobs.append(ReadJob(by_key[key][0], memoryview(reads.decodes[-1].buffer)))
         for key, value in flat.values.items():
             kind = flat.kinds[key]
             records = by_key.get(key)
@@ -302,34 +321,27 @@ class Loader:
             else:
                 overlaps = ChunkIndex(records).overlapping(origin, tuple(local.shape))
             for overlap in overlaps:
-                self._plan_overlap(overlap, local, origin, jobs, staged, partial, decodes)
+                self._plan_overlap(overlap, local, origin, reads)
             items[key] = flat.original(key)
-        await self._read_all(jobs, staged)
-        await self._finish_reads(items, partial, decodes)
-        saved_values.update((key, items.pop(key)) for key in object_keys)
-        for key, value in items.items():
-            if isinstance(value, bytearray):
-                items[key] = bytes(value)
-        return _rebuild(structure, items, saved_values, self._reader.path)
+        return structure, saved_values, object_keys, reads
 
     def _plan_overlap(self, overlap: Overlap, local: torch.Tensor, origin: tuple[int, ...],
-                      jobs: list[ReadJob], staged: list[SlabFill],
-                      partial: list[_Placement], decodes: list[_Decode]) -> None:
+                      reads: _Reads) -> None:
         """How to read the part of a saved chunk a target wants: straight into the target
         where it can be, else through slabs (CUDA, strided) or a piece read apart."""
         record = overlap.record
         destination = _region(local, overlap.lo, overlap.hi, origin=origin)
         if record.encoding == "torch_save":
             region = None if overlap.covers_record else (overlap.lo, overlap.hi)
-            decodes.append(_Decode(record, bytearray(record.nbytes), destination, region))
-            jobs.append(ReadJob(record, memoryview(decodes[-1].buffer)))
+            reads.decodes.append(_Decode(record, bytearray(record.nbytes), destination, region))
+            reads.jobs.append(ReadJob(record, memoryview(reads.decodes[-1].buffer)))
             return
         if overlap.covers_record:
             if destination.device.type == "cpu" and destination.is_contiguous() and (
                     tuple(destination.shape) == record.shape):
-                jobs.append(ReadJob(record, tensor_bytes(destination)))
+                reads.jobs.append(ReadJob(record, tensor_bytes(destination)))
             else:  # CUDA or strided: through budgeted slabs
-                staged.append(SlabFill(record, destination))
+                reads.staged.append(SlabFill(record, destination))
             return
         runs, lo, hi = overlap.runs(MAX_GAP_BYTES)
         if destination.device.type == "cpu" and destination.is_contiguous() and (
@@ -338,10 +350,10 @@ class Loader:
         else:
             into = torch.empty([h - low for low, h in zip(lo, hi, strict=True)],
                                dtype=_torch_dtype(record))
-            partial.append((destination, _region(into, overlap.lo, overlap.hi, origin=lo)))
+            reads.partial.append((destination, _region(into, overlap.lo, overlap.hi, origin=lo)))
         view, cursor = tensor_bytes(into), 0
         for run in runs:
-            jobs.append(ReadJob(run, view[cursor:cursor + run.nbytes]))
+            reads.jobs.append(ReadJob(run, view[cursor:cursor + run.nbytes]))
             cursor += run.nbytes
 
 

@@ -141,7 +141,9 @@ class LocalCheckpointReader(CheckpointReaderBase):
             path = os.path.join(self.path, name)
             scratch = (memoryview(bytearray(slab_bytes))
                        if any(job.destination is None for job in jobs) else None)
-            for batch in plan_reads([job.record for job in jobs], slab_bytes):
+            batches = await self._run_blocking(plan_reads, [job.record for job in jobs],
+                                               slab_bytes)  # per item: off the loop
+            for batch in batches:
                 await self._run_blocking(read_batch, self._fio, fd, path, batch, jobs,
                                          hashers, scratch)
                 if progress is not None:

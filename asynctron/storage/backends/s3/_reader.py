@@ -138,7 +138,8 @@ class ObjectReader(CheckpointReaderBase):
         Cancellation: the GETs in flight are cancelled; destinations are partly filled.
         """
         url = parse_url(self.path_of(name))
-        batches = plan_reads([job.record for job in jobs], min(slab_bytes, RANGE_BYTES))
+        batches = await self._run_blocking(plan_reads, [job.record for job in jobs],
+                                           min(slab_bytes, RANGE_BYTES))  # off the loop
         turns = [asyncio.Event() for _ in batches]
 
         async def read_batch(number: int) -> None:
