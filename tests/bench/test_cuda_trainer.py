@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from asynctron.bench import _savers, cuda_trainer
+from asynctron.bench import _peers, _savers, cuda_trainer
 from asynctron.bench.cuda_trainer import Run, SaveTiming, Step
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -184,7 +184,8 @@ def test_a_cpu_run_measures_savers_without_a_process_group(tmp_path: object) -> 
     assert result["ratios"]["best_zoc"] == _savers.ZOC_THREAD
     assert result["options"][_savers.ZOC_THREAD] == {
         "use_pinned_memory": False, "use_shared_memory": True, "use_async_staging": True,
-        "use_non_blocking_copy": False}
+        "use_non_blocking_copy": False,
+        "stager_kept_across_saves": _peers.default_stager_is_reusable()}
     assert os.listdir(f"{tmp_path}/ckpt") == []  # checkpoints removed
 
 
