@@ -170,14 +170,10 @@ def _launch_copies(batch: Sequence[_Piece], slab: Slab, copy_streams: CopyStream
     here; CUDA ones are queued on the device's copy stream (after the work queued on its
     current stream now), and their events returned."""
     by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    typed_slabs: dict[torch.dtype, torch.Tensor] = {}
     for piece in batch:
         target = piece.fill.target
-        dtype = target.dtype
-        typed = typed_slabs.get(dtype)
-        if typed is None:
-            typed = typed_slabs[dtype] = slab.tensor.view(dtype)
-        itemsize = dtype.itemsize
+        typed = slab.typed(target.dtype)
+        itemsize = target.dtype.itemsize
         destinations, sources = by_device.setdefault(target.device, ([], []))
         at = piece.at // itemsize  # pieces start aligned for any dtype
         if piece.whole and target.is_contiguous():  # the common case: one op

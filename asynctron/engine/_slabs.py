@@ -30,7 +30,7 @@ class Slab:
     faces and its address. Pinned slabs come from CUDA's host allocator, others from an
     anonymous mmap."""
 
-    __slots__ = ("_mapping", "address", "array", "nbytes", "pinned", "tensor", "view")
+    __slots__ = ("_mapping", "_typed", "address", "array", "nbytes", "pinned", "tensor", "view")
 
     def __init__(self, nbytes: int, pinned: bool) -> None:
         self.nbytes = nbytes
@@ -44,6 +44,15 @@ class Slab:
         self.array = self.tensor.numpy()
         self.view = memoryview(self.array)
         self.address = int(self.array.ctypes.data)
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The slab's bytes as `dtype` elements: one view, made on first use (thread-safe: a
+        race makes the same view twice)."""
+        view = self._typed.get(dtype)
+        if view is None:
+            view = self._typed[dtype] = self.tensor.view(dtype)
+        return view
 
     def prefault(self) -> None:
         """Blocks: touch every page (one numpy call; the GIL is released)."""
