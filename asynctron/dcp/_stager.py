@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from asynctron import _native
 from asynctron._budget import ByteBudget
 from asynctron.dcp._runtime import Runtime, plugin_config, runtime_for
-from asynctron.engine import SLAB_CACHE, Slab, launch_d2h, mark_ready
+from asynctron.engine import SLAB_CACHE, Slab, launch_copies, mark_ready
 from asynctron.errors import WouldBlock
 from asynctron.storage import ALIGN_BYTES, SMALL_ALIGN_BYTES, align_up
 
@@ -300,7 +300,8 @@ def _copy_with_torch(leaves: list[_Leaf], slabs: list[Slab],
             with torch.no_grad():
                 torch._foreach_copy_(destinations, sources)
             continue
-        events.append(launch_d2h(destinations, sources, ready.get(device), copy_streams(device)))
+        events.append(launch_copies(destinations, sources, ready.get(device),
+                                     copy_streams(device)))
     for done in events:
         done.synchronize()
 

@@ -37,5 +37,5 @@ from asynctron.engine._slab_fill import SlabFill as SlabFill
 from asynctron.engine._slab_fill import SlabFiller as SlabFiller
 from asynctron.engine._slabs import SLAB_CACHE as SLAB_CACHE
 from asynctron.engine._slabs import Slab as Slab
-from asynctron.engine._staging import launch_d2h as launch_d2h
+from asynctron.engine._staging import launch_copies as launch_copies
 from asynctron.engine._staging import mark_ready as mark_ready

@@ -20,7 +20,7 @@ import torch
 
 from asynctron._concurrency import RunBlocking, first_error
 from asynctron.engine._slabs import Slab, SlabPool
-from asynctron.engine._staging import CopyStreams, flat_range_views
+from asynctron.engine._staging import CopyStreams, flat_range_views, launch_copies
 from asynctron.storage import CheckpointReader, ReadJob
 from asynctron.storage._checksum import ItemHasher
 from asynctron.storage._manifest import ItemRecord
@@ -123,7 +123,7 @@ class SlabFiller:
                 (slab,) = await self._pool.acquire(1)
                 try:
                     await self._read(batch, slab, hashers)
-                    events = await self._run_blocking(_launch_copies, batch, slab,
+                    events = await self._run_blocking(_copy_out, batch, slab,
                                                       self._copy_streams)
                 except BaseException:
                     self._pool.release(slab)
@@ -164,7 +164,7 @@ class SlabFiller:
             self._pool.release(slab)
 
 
-def _launch_copies(batch: Sequence[_Piece], slab: Slab, copy_streams: CopyStreams
+def _copy_out(batch: Sequence[_Piece], slab: Slab, copy_streams: CopyStreams
                    ) -> list[torch.cuda.Event]:
     """Blocks: copy `batch`'s bytes out of `slab` into their targets. CPU targets are copied
     here; CUDA ones are queued on the device's copy stream (after the work queued on its
@@ -191,12 +191,7 @@ def _launch_copies(batch: Sequence[_Piece], slab: Slab, copy_streams: CopyStream
         if device.type != "cuda":
             torch._foreach_copy_(destinations, sources)
             continue
-        stream = copy_streams(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            torch._foreach_copy_(destinations, sources, non_blocking=True)
-            events.append(torch.cuda.Event())
-            events[-1].record(stream)
+        events.append(launch_copies(destinations, sources, None, copy_streams(device)))
     return events
 
 

@@ -202,7 +202,7 @@ def stage_wave(wave: Sequence[StagedBatch], ready: Mapping[torch.device, torch.c
                   batches.gap_size[gaps].astype(np.uint64)]
         if not copyable.all():
             _add_tensor_copies(staged, np.flatnonzero(~copyable) + segments.start, by_device)
-    events = [launch_d2h(dsts, srcs, ready.get(device), copy_streams(device))
+    events = [launch_copies(dsts, srcs, ready.get(device), copy_streams(device))
               for device, (dsts, srcs) in by_device.items() if device.type == "cuda"]
     if destinations:
         _native.copy_ranges(np.concatenate(destinations), np.concatenate(addresses),
@@ -255,10 +255,12 @@ def _add_tensor_copies(staged: StagedBatch, segment_indices: np.ndarray,
 _CPU = torch.device("cpu")
 
 
-def launch_d2h(destinations: list[torch.Tensor], sources: list[torch.Tensor],
-                ready: torch.cuda.Event | None, stream: torch.cuda.Stream) -> torch.cuda.Event:
-    """Queue the device-to-host copies on `stream` (returns at once); returns their event."""
-    if ready is None:  # a device other than the one current at the request
+def launch_copies(destinations: list[torch.Tensor], sources: list[torch.Tensor],
+                  ready: torch.cuda.Event | None, stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """Queue the copies (device to host, or host to device) on `stream` after `ready` (None:
+    after the work queued on the device's current stream now); returns at once, with their
+    event."""
+    if ready is None:  # e.g. a device other than the one current at the request
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(stream.device))
     with torch.cuda.stream(stream), torch.no_grad():
