@@ -4,6 +4,7 @@
 `await engine.load(path)` reads it back (`await engine.load_into(state_dict, path)`: in place).
 """
 
+from asynctron import comm, datasets, dcp
 from asynctron.engine import (
     BackgroundEngine,
     Engine,
@@ -25,6 +26,7 @@ from asynctron.errors import (
     CorruptCheckpointError,
     CorruptDatasetError,
     LoaderWorkerError,
+    ObjectNotFoundError,
     PeerError,
     PeerTimeoutError,
     RefusedObjectError,
@@ -46,6 +48,7 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "LoaderWorkerError",
+    "ObjectNotFoundError",
     "PeerError",
     "PeerTimeoutError",
     "RefusedObjectError",
@@ -53,6 +56,9 @@ __all__ = [
     "SaveTask",
     "StorageError",
     "WouldBlock",
+    "comm",
+    "datasets",
+    "dcp",
     "free_idle_staging",
     "load",
     "load_into",

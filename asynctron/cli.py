@@ -42,6 +42,7 @@ import uvloop
 from tqdm import tqdm
 
 from asynctron._demo import DemoConfig, DemoReport, run_demo
+from asynctron._knobs import STORE_DEADLINE_S
 from asynctron.bench import SCENARIOS
 from asynctron.datasets import PreprocessConfig, preprocess
 from asynctron.datasets._prepare_cache import PreparedDataset, prepare_cache
@@ -52,15 +53,25 @@ from asynctron.errors import (
     CorruptDatasetError,
     StorageError,
 )
-from asynctron.storage import CheckpointReader, Manifest, ReadJob, backend_for
-from asynctron.storage._dcp import decode_blob, tensor_of
-from asynctron.storage._manifest import ItemRecord
+from asynctron.storage import (
+    CheckpointReader,
+    ItemRecord,
+    Manifest,
+    ReadJob,
+    backend_for,
+    decode_blob,
+    store_operation,
+    tensor_of,
+    value_paths,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the `asynctron` command line with `argv` (default: `sys.argv[1:]`); returns the exit
-    status. Bad usage exits 2 through argparse."""
+    status. Bad usage exits 2 through argparse; a bad path or URL is one line, exit 2."""
     args = _parser().parse_args(argv)
+    if getattr(args, "deadline_s", None) is not None:
+        os.environ[STORE_DEADLINE_S] = repr(args.deadline_s)  # read as the store is opened
     try:
         return args.run(args)
     except CorruptCheckpointError as exc:
@@ -69,9 +80,21 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointNotFoundError, StorageError) as exc:
         print(f"asynctron {args.command}: {exc}", file=sys.stderr)
         return 2
+    except ValueError as exc:  # a path no backend serves, a malformed URL
+        if args.command not in ("inspect", "verify"):
+            raise
+        print(f"asynctron {args.command}: {exc}", file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `asynctron inspect ... | head`: the reader went away
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
         return 1
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, found {text}")
+    return value
 
 
 def _positive_int(text: str) -> int:
@@ -85,14 +108,19 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asynctron", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
-    inspect = commands.add_parser("inspect", help="print a checkpoint's items")
+    inspect = commands.add_parser("inspect", help="print a checkpoint's items and values")
     inspect.add_argument("path", help="a checkpoint directory or a root with a `latest` pointer")
-    inspect.add_argument("--json", action="store_true", help="print the items as JSON")
+    inspect.add_argument("--json", action="store_true",
+                         help="print the checkpoint, its items and values as JSON")
     inspect.set_defaults(run=_inspect)
 
     verify = commands.add_parser("verify", help="check every item's checksum")
     verify.add_argument("path", help="a checkpoint directory or a root with a `latest` pointer")
     verify.set_defaults(run=_verify)
+    for command in (inspect, verify):
+        command.add_argument("--deadline-s", type=_seconds, default=None, metavar="S",
+                             help="on an object store: fail once it has answered nothing "
+                                  f"for S seconds (default: ${STORE_DEADLINE_S}, else 60)")
 
     demo = commands.add_parser("demo", help="train a small GPT on local ranks with async "
                                             "data, gradients and checkpoints; resume it")
@@ -156,9 +184,13 @@ def format_nbytes(nbytes: int) -> str:
 
 def _inspect(args: argparse.Namespace) -> int:
     path, manifest = uvloop.run(_read_manifest(args.path))
-    if args.json:
-        lines = [json.dumps(dataclasses.asdict(item)) for item in manifest.items]
-        print("[\n  " + ",\n  ".join(lines) + "\n]" if lines else "[]")
+    values = value_paths(manifest.structure)
+    if args.json:  # an item a line, so large checkpoints stay readable and greppable
+        head = json.dumps({"checkpoint": path, "requested": args.path,
+                           "created_unix_s": manifest.created_unix_s, "values": values})
+        items = ",\n  ".join(json.dumps(dataclasses.asdict(item)) for item in manifest.items)
+        print(f'{head[:-1]},\n "items": [\n  {items}\n]}}' if items else f'{head[:-1]}, '
+              '"items": []}')
         return 0
     header = ("key", "kind", "dtype", "shape", "nbytes", "file", "offset")
     rows = [(item.key, item.kind, item.dtype or "-",
@@ -167,24 +199,39 @@ def _inspect(args: argparse.Namespace) -> int:
             for item in manifest.items]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     right = {4, 6}  # numbers
-    print(f"checkpoint {path}")
+    followed = "" if _same_path(path, args.path) else f" (named by {args.path}'s latest)"
+    print(f"checkpoint {path}{followed}")
     for row in [header, *rows]:
         print("  ".join(cell.rjust(w) if i in right else cell.ljust(w)
                         for i, (cell, w) in enumerate(zip(row, widths, strict=True))).rstrip())
+    if values:
+        width = max(len(key) for key in values)
+        print("values:")
+        for key, value in values.items():
+            print(f"  {key.ljust(width)}  {json.dumps(value)}")
     created = datetime.datetime.fromtimestamp(manifest.created_unix_s).astimezone()
     print(f"{len(manifest.items)} items, {format_nbytes(manifest.nbytes)} ({manifest.nbytes} "
-          f"bytes) in {len(manifest.files)} files, created {created.isoformat(timespec='seconds')}")
+          f"bytes) in {len(manifest.files)} files, {len(values)} values, created "
+          f"{created.isoformat(timespec='seconds')}")
     return 0
+
+
+def _same_path(resolved: str, requested: str) -> bool:
+    """Whether the checkpoint read is the one asked for (not one its `latest` named)."""
+    if "://" in requested:
+        return resolved.rstrip("/") == requested.rstrip("/")
+    return os.path.abspath(resolved) == os.path.abspath(requested)
 
 
 async def _read_manifest(path: str) -> tuple[str, Manifest]:
     """The checkpoint at `path` (or the one `path/latest` names) and its validated manifest."""
     async with Engine(num_workers=1) as engine:
-        reader = await _open_reader(engine, path)
-        try:
-            return reader.path, await reader.open()
-        finally:
-            await reader.aclose()
+        with store_operation("inspect", path):
+            reader = await _open_reader(engine, path)
+            try:
+                return reader.path, await reader.open()
+            finally:
+                await reader.aclose()
 
 
 async def _open_reader(engine: Engine, path: str) -> CheckpointReader:
@@ -229,20 +276,21 @@ async def verify_checkpoint(path: str) -> tuple[str, Manifest, list[CorruptCheck
     `torch.save` blobs read and decoded about `slab_bytes` at a time (a larger blob alone).
     """
     async with Engine(num_workers=2) as engine:
-        reader = await _open_reader(engine, path)
-        try:
-            manifest = await reader.open()
-            blobs = [record for record in manifest.items if record.encoding == "torch_save"]
-            with tqdm(total=manifest.nbytes, unit="B", unit_scale=True, unit_divisor=1024,
-                      desc="verify", file=sys.stderr, disable=None) as progress:
-                failures = await reader.read(
-                    [ReadJob(record, None) for record in manifest.items
-                     if record.encoding == "raw"], verify=True,
-                    slab_bytes=engine.config.slab_bytes, progress=progress.update)
-                for batch in _batches(blobs, engine.config.slab_bytes):
-                    failures += await _decode_blobs(reader, engine, batch, progress.update)
-        finally:
-            await reader.aclose()
+        with store_operation("verify", path):
+            reader = await _open_reader(engine, path)
+            try:
+                manifest = await reader.open()
+                blobs = [record for record in manifest.items if record.encoding == "torch_save"]
+                with tqdm(total=manifest.nbytes, unit="B", unit_scale=True, unit_divisor=1024,
+                          desc="verify", file=sys.stderr, disable=None) as progress:
+                    failures = await reader.read(
+                        [ReadJob(record, None) for record in manifest.items
+                         if record.encoding == "raw"], verify=True,
+                        slab_bytes=engine.config.slab_bytes, progress=progress.update)
+                    for batch in _batches(blobs, engine.config.slab_bytes):
+                        failures += await _decode_blobs(reader, engine, batch, progress.update)
+            finally:
+                await reader.aclose()
     return reader.path, manifest, failures
 
 

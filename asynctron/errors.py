@@ -2,6 +2,8 @@
 
 - `ClosedError`: you closed the engine; open a new one.
 - `StorageError`: the storage failed (ENOSPC, EIO, ...); `__cause__` is the `OSError`.
+- `ObjectNotFoundError`: an object store holds no such object or bucket (a `StorageError`, and
+  a `FileNotFoundError` as a missing local file is).
 - `BusyError`: two tasks used a one-at-a-time resource (e.g. two saves to one path).
 - `CorruptCheckpointError`: the bytes on disk are not what was committed. Never retried.
 - `CorruptDatasetError`: a dataset file (`.idx`, `.bin`, cached `.npy` index) is not in the
@@ -36,6 +38,7 @@ __all__ = [
     "CorruptCheckpointError",
     "CorruptDatasetError",
     "LoaderWorkerError",
+    "ObjectNotFoundError",
     "PeerError",
     "PeerTimeoutError",
     "RefusedObjectError",
@@ -81,6 +84,19 @@ class StorageError(AsynctronError):
         super().__init__(message)
         self.path = path
         self.errno = errno
+
+
+class ObjectNotFoundError(StorageError, FileNotFoundError):
+    """An object store holds no such object (or bucket). Also a `FileNotFoundError`, as a
+    missing local file is, so `except FileNotFoundError` does the same on every backend; the
+    message names the endpoint, bucket and key."""
+
+    def __init__(self, message: str, *, path: str, errno: int | None = None) -> None:
+        super().__init__(message, path=path, errno=errno)
+        self.filename = path
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 class BusyError(AsynctronError):

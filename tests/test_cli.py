@@ -35,21 +35,48 @@ def root(tmp_path: Path) -> Path:
 def test_inspect_prints_every_key_and_totals(root: Path, capsys: pytest.CaptureFixture[str]):
     assert main(["inspect", str(root)]) == 0
     out = capsys.readouterr().out
-    assert f"checkpoint {root / 'step_3'}" in out
+    assert f"checkpoint {root / 'step_3'} (named by {root}'s latest)\n" in out
     for key in ("model.w", "model.b", "blob"):
         assert re.search(rf"^{re.escape(key)}\s", out, re.MULTILINE), out
     assert "[3, 5]" in out and "16.0 KiB" in out
-    assert re.search(r"^3 items, 16\.1 KiB \(16449 bytes\) in \d files, created ", out,
-                     re.MULTILINE), out
+    assert re.search(r"^values:\n  step  3$", out, re.MULTILINE), out
+    assert re.search(r"^3 items, 16\.1 KiB \(16449 bytes\) in \d files, 1 values, created ",
+                     out, re.MULTILINE), out
 
 
-def test_inspect_json_lists_the_manifest_items(root: Path, capsys: pytest.CaptureFixture[str]):
-    assert main(["inspect", "--json", str(root / "step_3")]) == 0
-    items = json.loads(capsys.readouterr().out)
-    by_key = {item["key"]: item for item in items}
+def test_inspect_names_the_checkpoint_itself_when_asked_for_it(
+        root: Path, capsys: pytest.CaptureFixture[str]):
+    assert main(["inspect", str(root / "step_3")]) == 0
+    assert f"checkpoint {root / 'step_3'}\n" in capsys.readouterr().out
+
+
+def test_inspect_json_lists_the_manifest_items_and_values(
+        root: Path, capsys: pytest.CaptureFixture[str]):
+    assert main(["inspect", "--json", str(root)]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["checkpoint"] == str(root / "step_3") and found["requested"] == str(root)
+    assert found["values"] == {"step": 3}
+    by_key = {item["key"]: item for item in found["items"]}
     assert set(by_key) == {"model.w", "model.b", "blob"}
     assert by_key["model.w"]["shape"] == [4096] and by_key["model.w"]["nbytes"] == 16384
     assert by_key["blob"]["kind"] == "bytes" and by_key["blob"]["dtype"] is None
+
+
+@pytest.mark.parametrize(("path", "message"), [
+    ("s3://", r"expected s3://bucket/key with a non-empty bucket"),
+    ("s3://b//x", r"no empty, '\.' or '\.\.' key parts"),
+    ("s3a://b/x", r"found the scheme 's3a'; did you mean 's3://b/x'\?"),
+    ("s3:/b/x", r"did you mean 's3://b/x'\?"),
+    ("gs://b/x", r"found the scheme 'gs'; a URL is never taken for a local path"),
+])
+@pytest.mark.parametrize("command", ["inspect", "verify"])
+def test_a_bad_url_is_one_line_and_exit_2(command: str, path: str, message: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([command, path]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert re.fullmatch(rf"asynctron {command}: path {re.escape(repr(path))}: [^\n]*"
+                        rf"{message}[^\n]*\n", captured.err), captured.err
 
 
 def test_verify_accepts_a_good_checkpoint(root: Path, capsys: pytest.CaptureFixture[str]):

@@ -16,11 +16,20 @@ def test_top_level() -> None:
     assert set(asynctron.__all__) == {
         "AsynctronError", "BackgroundEngine", "BlendSizeError", "BusyError",
         "CheckpointNotFoundError", "ClosedError", "CorruptCheckpointError",
-        "CorruptDatasetError", "Engine", "EngineConfig", "LoaderWorkerError", "PeerError",
-        "PeerTimeoutError", "RefusedObjectError", "SaveResult", "SaveTask", "StorageError",
-        "WouldBlock",
+        "CorruptDatasetError", "Engine", "EngineConfig", "LoaderWorkerError",
+        "ObjectNotFoundError", "PeerError", "PeerTimeoutError", "RefusedObjectError",
+        "SaveResult", "SaveTask", "StorageError", "WouldBlock",
+        "comm", "datasets", "dcp",
         "free_idle_staging", "load", "load_into", "save", "staging_statistics",
     }
+
+
+def test_import_asynctron_brings_every_part() -> None:
+    import subprocess
+    import sys
+
+    code = "import asynctron; print(asynctron.dcp.StorageWriter, asynctron.datasets.AsyncLoader)"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_subpackages() -> None:
@@ -31,8 +40,8 @@ def test_subpackages() -> None:
     }
     assert set(asynctron.storage.__all__) == {
         "Backend", "Committed", "FileIO", "FileWriter", "ItemRecord", "LocalBackend",
-        "LocalFileIO", "Manifest", "Retention", "SaveArea", "backend_for", "read_manifest",
-        "register_backend", "resolve_checkpoint", "split_by_size_and_type",
+        "LocalFileIO", "Manifest", "Retention", "SaveArea", "StoreStatistics", "backend_for",
+        "read_manifest", "register_backend", "resolve_checkpoint", "split_by_size_and_type",
     }
     assert set(asynctron.comm.__all__) == {
         "AllReduceTask", "Bucket", "BucketConfig", "BucketManager", "CollectiveGroup",
@@ -40,8 +49,9 @@ def test_subpackages() -> None:
     }
     assert set(asynctron.errors.__all__) == {
         "AsynctronError", "BlendSizeError", "BusyError", "CheckpointNotFoundError", "ClosedError",
-        "CorruptCheckpointError", "CorruptDatasetError", "LoaderWorkerError", "PeerError",
-        "PeerTimeoutError", "RefusedObjectError", "StorageError", "WouldBlock",
+        "CorruptCheckpointError", "CorruptDatasetError", "LoaderWorkerError",
+        "ObjectNotFoundError", "PeerError", "PeerTimeoutError", "RefusedObjectError",
+        "StorageError", "WouldBlock",
     }
     assert set(asynctron.datasets.__all__) == {
         "AsyncLoader", "BlendedDataset", "BlendedMegatronDatasetBuilder",

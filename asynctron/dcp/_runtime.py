@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from asynctron._budget import ByteBudget
 from asynctron._loop_thread import LoopThread
 from asynctron.engine import SLAB_CACHE, EngineConfig, SaveResources
-from asynctron.storage import Backend
+from asynctron.storage import Backend, store_operation
 
 T = TypeVar("T")
 
@@ -86,13 +86,14 @@ class Runtime:
         return self._closed
 
     def start(self, coroutine: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
-        """Run `coroutine` on the runtime's loop; returns at once with its future. The runtime
-        owns it: `close` waits for it."""
+        """Run `coroutine` on the runtime's loop, as one store operation (on an object store,
+        one clock for all its requests); returns at once with its future. The runtime owns
+        it: `close` waits for it."""
         with self._lock:
             if self._closed:
                 coroutine.close()
                 raise RuntimeError("asynctron.dcp runtime: closed (the interpreter is exiting)")
-            future = self._loop_thread.submit(coroutine)
+            future = self._loop_thread.submit(_one_operation(coroutine))
             self._in_flight.add(future)
         future.add_done_callback(self._in_flight.discard)
         return future
@@ -160,6 +161,11 @@ def runtime_for(config: EngineConfig, backend: Backend | None = None) -> Runtime
 
 async def _start(resources: SaveResources) -> None:
     resources.start()
+
+
+async def _one_operation(coroutine: Coroutine[Any, Any, T]) -> T:
+    with store_operation("DCP plugin step"):
+        return await coroutine
 
 
 @atexit.register

@@ -216,8 +216,9 @@ class Coordinator:
 
     async def finish(self, report: WriteReport, *, backend: Backend, area: SaveArea, seq: int,
                      publish: Publish, metadata: Metadata | None) -> Committed:
-        """Gather every rank's report; the coordinator commits if all succeeded (else discards
-        the area); every rank learns the outcome.
+        """Gather every rank's report; the coordinator commits if all succeeded; every rank
+        learns the outcome; then the coordinator discards the area of a save that did not
+        commit (whatever failed, even a collective), so no rank waits for that clean-up.
 
         Returns:
             what was pruned after the commit, and the problems that did not undo it (moving
@@ -230,14 +231,14 @@ class Coordinator:
         Cancellation: the collectives run to their end first (a rank cannot leave them half
         done), then the cancellation is raised.
         """
-        reports = await self.finishing.gather_object(report, dst=0)
         outcome = _Outcome(None, Committed())
         commit_error: Exception | None = None
-        if self.is_coordinator:
-            assert reports is not None
-            failed = [r for r in reports if r.error is not None]
-            committed_here = False
-            try:
+        committed_here = False
+        try:
+            reports = await self.finishing.gather_object(report, dst=0)
+            if self.is_coordinator:
+                assert reports is not None
+                failed = [r for r in reports if r.error is not None]
                 if failed:
                     outcome = _Outcome(_Failure(failed[0].rank, failed[0].error or ""),
                                        Committed())
@@ -250,10 +251,10 @@ class Coordinator:
                     except Exception as error:  # every rank must reach the broadcast
                         commit_error = error
                         outcome = _Outcome(_Failure(0, describe(error)), Committed())
-            finally:
-                if not committed_here:
-                    await backend.discard(self._run_blocking, area)
-        outcome = await self.finishing.broadcast_object(outcome, src=0)
+            outcome = await self.finishing.broadcast_object(outcome, src=0)
+        finally:  # after the broadcast: no rank waits for the clean-up
+            if self.is_coordinator and not committed_here:
+                await backend.discard(self._run_blocking, area)
         if commit_error is not None:
             raise commit_error
         failure = outcome.failure

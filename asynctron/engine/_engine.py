@@ -32,7 +32,7 @@ from asynctron.engine._save import SaveJob, SaveOptions
 from asynctron.engine._staging import mark_ready
 from asynctron.engine._task import SaveResult, SaveTask
 from asynctron.errors import BusyError, ClosedError, PeerTimeoutError
-from asynctron.storage import Backend, Committer, Retention
+from asynctron.storage import Backend, Committer, Retention, store_operation
 from asynctron.storage._checksum import ALGORITHMS, XXH3_64
 from asynctron.storage._layout import ALIGN_BYTES
 
@@ -492,9 +492,21 @@ class Engine:
 
     async def _load(self, path: str | os.PathLike[str], verify: bool,
                     read: Callable[[Loader], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
-        """Lease the checkpoint, open its reader, `read` it; close and release on every path."""
+        """`_read` as one store operation (one clock on an object store), counted as a load in
+        flight until it ends."""
         self._num_loads += 1
         self._loads_done.clear()
+        try:
+            with store_operation("load", os.fspath(path)):
+                return await self._read(path, verify, read)
+        finally:
+            self._num_loads -= 1
+            if not self._num_loads:
+                self._loads_done.set()
+
+    async def _read(self, path: str | os.PathLike[str], verify: bool,
+                    read: Callable[[Loader], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        """Lease the checkpoint, open its reader, `read` it; close and release on every path."""
         reader = None
         try:
             backend, checkpoint = self._resources.locate(path)
@@ -507,13 +519,8 @@ class Engine:
                                      run_blocking=self.run_blocking,
                                      slab_bytes=self.config.slab_bytes, verify=verify))
         finally:
-            try:
-                if reader is not None:
-                    await reader.aclose()
-            finally:
-                self._num_loads -= 1
-                if not self._num_loads:
-                    self._loads_done.set()
+            if reader is not None:
+                await reader.aclose()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("running" if self._loop else "not started")

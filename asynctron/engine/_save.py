@@ -47,7 +47,7 @@ from asynctron.engine._save_plan import (
     structure_digest,
 )
 from asynctron.engine._task import SaveResult
-from asynctron.storage import Backend, Committed
+from asynctron.storage import Backend, Committed, StoreOperation, store_operation
 from asynctron.storage._chunking import PlannedItem
 from asynctron.storage._dcp import METADATA_NAME as DCP_METADATA_NAME
 from asynctron.storage._dcp import metadata_bytes
@@ -151,6 +151,8 @@ class SaveJob:
         self._t_request = time.perf_counter()
         self._requested_unix_s = time.time()
         self._t_staged: float | None = None
+        self._store = StoreOperation("save")
+        """The save's requests to an object store: one clock, and what they cost."""
 
     def _mark_staged(self) -> None:
         self._t_staged = time.perf_counter()
@@ -165,16 +167,20 @@ class SaveJob:
         collectives, reporting itself failed (the other ranks wait for them), then the
         cancellation is raised; the area is discarded and nothing commits. A cancellation
         that arrives once every rank has written may find the checkpoint committed.
+
+        On an object store the save is one `store_operation`: it fails once the store has
+        answered none of its requests for the backend's deadline, however many it sends.
         """
-        protocol = asyncio.ensure_future(self._protocol())
-        try:
-            return await asyncio.shield(protocol)
-        except asyncio.CancelledError:
-            self._abort.request()
-            await uncancellable(protocol)
-            if not protocol.cancelled():
-                protocol.exception()  # the cancellation wins; mark the outcome as seen
-            raise
+        with store_operation("save", self.path) as self._store:
+            protocol = asyncio.ensure_future(self._protocol())
+            try:
+                return await asyncio.shield(protocol)
+            except asyncio.CancelledError:
+                self._abort.request()
+                await uncancellable(protocol)
+                if not protocol.cancelled():
+                    protocol.exception()  # the cancellation wins; mark the outcome as seen
+                raise
 
     async def _protocol(self) -> SaveResult:
         planned = await self._plan_phase()
@@ -198,6 +204,7 @@ class SaveJob:
             total_s=t_done - self._t_request,
             pruned=committed.pruned,
             warnings=committed.warnings,
+            store=self._store.statistics(),
         )
 
     # phase 1 ------------------------------------------------------------------------------

@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
+
+from asynctron.storage import StoreStatistics
 
 T = TypeVar("T")
 
@@ -90,6 +92,9 @@ class SaveResult:
     warnings: tuple[str, ...] = ()
     """Problems after the commit that did not undo it: `latest` not moved, older checkpoints
     not pruned (also logged)."""
+    store: StoreStatistics = field(default_factory=StoreStatistics)
+    """What this rank asked of an object store (requests, retries, throttles, bytes, time
+    waiting on it), to tell a slow store from a slow client; zeros on local files."""
 
     @property
     def throughput_bytes_per_s(self) -> float:

@@ -17,6 +17,7 @@ from asynctron.storage.backends import (
     LocalBackend,
     Retention,
     SaveArea,
+    StoreStatistics,
     backend_for,
     register_backend,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "Manifest",
     "Retention",
     "SaveArea",
+    "StoreStatistics",
     "backend_for",
     "read_manifest",
     "register_backend",
@@ -62,7 +64,10 @@ from asynctron.storage._manifest import paused_gc as paused_gc
 from asynctron.storage._plan import FlatStateDict as FlatStateDict
 from asynctron.storage._plan import ItemKind as ItemKind
 from asynctron.storage._plan import SavePlan as SavePlan
+from asynctron.storage._plan import value_paths as value_paths
 from asynctron.storage._read_plan import MAX_GAP_BYTES as MAX_GAP_BYTES
 from asynctron.storage._read_plan import ReadJob as ReadJob
 from asynctron.storage.backends._backend import CheckpointReader as CheckpointReader
+from asynctron.storage.backends._operation import StoreOperation as StoreOperation
+from asynctron.storage.backends._operation import store_operation as store_operation
 from asynctron.storage.backends.local._writer import WriteBatch as WriteBatch

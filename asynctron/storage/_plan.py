@@ -254,6 +254,26 @@ def item_paths(structure: Structure) -> dict[str, tuple[str | int, ...]]:
     return paths
 
 
+def value_paths(structure: Structure) -> dict[str, Any]:
+    """Every JSON value leaf (a step, a learning rate, a name) by its dotted key, as items are
+    keyed, in the saved order."""
+    values: dict[str, Any] = {}
+
+    def visit(prefix: str, node: Structure) -> None:
+        (tag, body), = node.items()
+        if tag == "value":
+            values[prefix] = body
+        elif tag == "dict":
+            for key, child in body:
+                visit(f"{prefix}.{key}" if prefix else str(key), child)
+        elif tag in ("list", "tuple"):
+            for i, child in enumerate(body):
+                visit(f"{prefix}.{i}" if prefix else str(i), child)
+
+    visit("", structure)
+    return values
+
+
 def merge_structures(structures: list[str]) -> str:
     """One structure (JSON text) for several ranks' state dicts: the first's, plus, at every
     depth, the dict keys only later ones have. Values and lists come from the first rank that

@@ -5,11 +5,12 @@
         proxy.drop_after(8 << 20)                  # the server dies 8 MiB into the upload
         ...
 
-Faults switch from any thread: `pass_through` (the default), `reset`, `refuse`, `stall` and
-`drop_after`. Each switch returns once the proxy has applied it, so the next byte either side
-sends already meets the new fault. The counters (`connections_opened`, `bytes_up`,
-`bytes_down`) and `wait_for_bytes_up` let a test act at an exact point of a transfer without
-sleeping. The counters keep the names the tests use rather than a `num_` prefix.
+Faults switch from any thread: `pass_through` (the default), `reset`, `refuse`, `stall`,
+`drop_after` and `reset_each_after`. Each switch returns once the proxy has applied it, so
+the next byte either side sends already meets the new fault. The counters
+(`connections_opened`, `bytes_up`, `bytes_down`) and `wait_for_bytes_up` let a test act at
+an exact point of a transfer without sleeping. The counters keep the names the tests use
+rather than a `num_` prefix.
 
 Mechanism: one plain thread runs a `selectors` loop over non-blocking sockets. It does not use
 an asyncio loop. The code under test owns the test's loop and may block it, so the proxy needs
@@ -39,7 +40,7 @@ from asynctron.errors import ClosedError
 
 __all__ = ["Fault", "TcpFaultProxy"]
 
-Fault = Literal["pass_through", "reset", "refuse", "stall", "drop_after"]
+Fault = Literal["pass_through", "reset", "refuse", "stall", "drop_after", "reset_each_after"]
 """What the proxy does now; each is the `TcpFaultProxy` method of that name."""
 
 _HOST = "127.0.0.1"
@@ -74,6 +75,8 @@ class _Connection:
     up: _Pipe = field(init=False)
     down: _Pipe = field(init=False)
     closed: bool = False
+    bytes_up: int = 0
+    """Client-to-server bytes forwarded on this connection."""
 
     def __post_init__(self) -> None:
         self.up = _Pipe(self.client, self.upstream, up=True)
@@ -117,6 +120,7 @@ class TcpFaultProxy:
         self._view = memoryview(self._buffer)
         self._connections: set[_Connection] = set()
         self._budget_bytes: int | None = None
+        self._per_connection_bytes: int | None = None
         self._then: Fault = "reset"
         self._running = True
         # Shared with other threads, under `_cond`:
@@ -219,6 +223,18 @@ class TcpFaultProxy:
                              f"{then!r}")
         self._switch("drop_after", nbytes, then)
 
+    def reset_each_after(self, nbytes: int) -> None:
+        """Reset every connection, open or new, once it has forwarded `nbytes` client-to-server
+        bytes (counted from its start): a store, or a path to it, that breaks every long
+        upload while short requests still get through. Lasts until another fault.
+
+        Raises:
+            ValueError: `nbytes` is negative.
+        """
+        if nbytes < 0:
+            raise ValueError(f"reset_each_after nbytes: expected >= 0, found {nbytes!r}")
+        self._switch("reset_each_after", nbytes)
+
     def stop(self) -> None:
         """Reset every connection, close every socket and join the thread (within about 2 s).
         Stopping again does nothing.
@@ -315,6 +331,7 @@ class TcpFaultProxy:
         with self._cond:
             self._fault = fault
         self._budget_bytes = budget_bytes if fault == "drop_after" else None
+        self._per_connection_bytes = budget_bytes if fault == "reset_each_after" else None
         self._then = then
         self._set_listening(fault != "refuse")
         if fault == "reset":
@@ -323,6 +340,10 @@ class TcpFaultProxy:
         if self._budget_bytes == 0:
             self._cut()
             return
+        if self._per_connection_bytes is not None:
+            for connection in list(self._connections):
+                if connection.bytes_up >= self._per_connection_bytes:
+                    self._close(connection, reset=True)
         for connection in self._connections:
             self._watch(connection)
 
@@ -432,6 +453,9 @@ class TcpFaultProxy:
         data = pipe.pending
         assert data is not None
         budget = self._budget_bytes if pipe.up else None
+        limit = self._per_connection_bytes if pipe.up else None
+        if limit is not None:
+            budget = max(0, limit - connection.bytes_up)
         try:
             sent = pipe.dst.send(data if budget is None else data[:budget])
         except BlockingIOError:
@@ -446,7 +470,13 @@ class TcpFaultProxy:
                     self._cond.notify_all()
                 else:
                     self._bytes_down += sent
-        if budget is not None:
+        if pipe.up:
+            connection.bytes_up += sent
+        if limit is not None:
+            if connection.bytes_up >= limit:
+                self._close(connection, reset=True)
+                return
+        elif budget is not None:
             self._budget_bytes = budget - sent
             if self._budget_bytes == 0:
                 self._cut()

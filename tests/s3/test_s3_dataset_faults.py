@@ -10,6 +10,7 @@ import errno
 import fcntl
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -108,7 +109,9 @@ def test_a_store_gone_mid_epoch_fails_a_miss_clearly_and_serves_what_is_cached(
     assert time.monotonic() - started < 20
     message = str(caught.value)
     assert f"{url}.bin bytes [{start}, {end})" in message, message
-    assert proxy.endpoint in message and "no answer for 3 s" in message, message
+    assert proxy.endpoint in message, message
+    assert re.search(r"(answered none of this read's requests|connection refused) for [23]\.\d "
+                     r"s", message), message
     for i in range(50):  # the store is still gone: the cache serves what it holds
         assert np.array_equal(ds[i], local[i])
     proxy.pass_through()

@@ -5,12 +5,16 @@ Each time: no partial checkpoint visible, the previous one intact, nothing left 
 from __future__ import annotations
 
 import asyncio
+import http.server
 import os
 import random
+import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,8 +23,11 @@ import pytest
 import torch
 
 from asynctron import Engine
+from asynctron._knobs import STORE_DEADLINE_S
 from asynctron.errors import StorageError
+from asynctron.storage import StoreStatistics
 from asynctron.storage.backends.s3 import S3Backend, S3Config
+from asynctron.storage.backends.s3._client import REFUSED_GRACE_S
 from asynctron.testing.seaweedfs import SeaweedFS
 from asynctron.testing.tcp_proxy import TcpFaultProxy
 from tests.conftest import assert_same
@@ -147,8 +154,158 @@ async def test_a_stalled_store_fails_a_load_within_the_deadline_naming_the_objec
         await engine.save(_state(4), f"{s3_root}/step_4")
         proxy.stall()
         started = time.monotonic()
-        with pytest.raises(StorageError, match=r"step_4.*no answer for 3 s"):
+        with pytest.raises(StorageError, match=r"step_4.* at http://127\.0\.0\.1:\d+: the store "
+                           r"answered none of this load's requests for 3\.\d s"):
             await engine.load(f"{s3_root}/step_4")
         assert time.monotonic() - started < 20
         proxy.pass_through()
         assert_same(_state(4), await engine.load(f"{s3_root}/step_4"))
+
+
+async def test_a_save_whose_every_upload_is_reset_fails_within_one_deadline(
+        s3_root: str, s3_env: SeaweedFS, proxy: TcpFaultProxy, s3_objects: Any) -> None:
+    """A save is parts, the upload's abort, the deletes and the claim's removal: each used to
+    wait a deadline of its own (238.6 s for a 60 s deadline). One clock now: the save fails
+    once the store answered none of its requests for `deadline_s`; clean-up that cannot reach
+    the store is left to the next commit's sweep, never waited for."""
+    deadline_s = 3.0
+    backend = _through(proxy, s3_env, deadline_s=deadline_s)
+    async with Engine(backend=backend, slab_bytes=8 << 20) as engine:
+        await engine.save(_state(0), f"{s3_root}/step_0")
+        proxy.reset_each_after(6 << 20)  # every part breaks; small requests still get through
+        started = time.monotonic()
+        with pytest.raises(StorageError) as caught:
+            await engine.save(_state(1), f"{s3_root}/step_1")
+        waited_s = time.monotonic() - started
+        message = str(caught.value)
+        assert re.search(rf"step_1/__0_\d\.distcp part \d+ at {re.escape(proxy.endpoint)}: .*"
+                         r"for \d\.\d s", message), message
+        assert waited_s < deadline_s + 4, (waited_s, message)  # the bug: 4 deadlines and more
+        proxy.pass_through()
+        assert_same(_state(0), await engine.load(s3_root))
+        await engine.save(_state(2), f"{s3_root}/step_2")  # its commit sweeps step_1's debris
+    names = {key.split("/")[0] for key in keys_under(s3_objects, s3_root)}
+    assert names == {"latest", "step_0", "step_2"}
+    assert uploads_under(s3_objects, s3_root) == []
+
+
+async def test_a_dead_store_fails_every_request_of_the_operation_at_once(
+        s3_root: str, s3_env: SeaweedFS, proxy: TcpFaultProxy) -> None:
+    """Once the clock ran out, the operation asks nothing more of the store: the writers'
+    aborts and the claim's removal fail at once (logged), they do not each wait again."""
+    backend = _through(proxy, s3_env, deadline_s=2)
+    async with Engine(backend=backend, slab_bytes=8 << 20, num_bins=4) as engine:
+        await engine.save(_state(0), f"{s3_root}/step_0")
+        opened = proxy.connections_opened
+        proxy.stall()
+        started = time.monotonic()
+        with pytest.raises(StorageError, match="answered none of this save's requests"):
+            await engine.save(_state(1), f"{s3_root}/step_1")
+        assert time.monotonic() - started < 2 + 4
+        assert proxy.connections_opened - opened < 40  # no retry storm after the clock ran out
+        proxy.pass_through()
+
+
+async def test_a_save_reports_what_it_asked_of_the_store(
+        s3_root: str, s3_env: SeaweedFS, proxy: TcpFaultProxy) -> None:
+    """`SaveResult.store`: requests, retries, bytes and the time spent waiting on the store,
+    so a slow save can be blamed on the store or on us."""
+    backend = _through(proxy, s3_env, deadline_s=10)
+    state = {"w": torch.randn(24 << 20)}
+    async with Engine(backend=backend, slab_bytes=8 << 20) as engine:
+        proxy.reset_each_after(1 << 20)  # every part breaks, until 16 MiB have gone up
+        task = engine.save(state, f"{s3_root}/step_0")
+        assert await asyncio.to_thread(proxy.wait_for_bytes_up, proxy.bytes_up + (16 << 20), 30)
+        proxy.pass_through()
+        store = (await task).store
+        assert store.num_retries >= 1 and store.num_requests > store.num_retries + 4
+        assert store.sent_bytes >= 96 << 20 and store.received_bytes == 0
+        assert store.num_throttled == 0 and store.waiting_s > 0
+        assert_same(state, await engine.load(f"{s3_root}/step_0"))
+    local = await _save_locally(state)
+    assert local.store == StoreStatistics()
+
+
+async def _save_locally(state: dict[str, Any]) -> Any:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as directory:
+        async with Engine() as engine:
+            return await engine.save(state, f"{directory}/step_0")
+
+
+def _unreachable(endpoint: str) -> S3Backend:
+    return S3Backend(S3Config(endpoint_url=endpoint, access_key_id="k", secret_access_key="s",
+                              deadline_s=60, connect_timeout_s=2))
+
+
+async def test_nothing_listening_at_the_endpoint_fails_after_a_short_grace(
+        tmp_path: Any) -> None:
+    """A typo'd port used to cost the whole deadline (60 s) per call."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = time.monotonic()
+    async with Engine(backend=_unreachable(f"http://127.0.0.1:{port}")) as engine:
+        with pytest.raises(StorageError, match=rf"connection refused for \d\.\d s .*nothing "
+                                               rf"listens at 127\.0\.0\.1:{port}; is the store up"):
+            await engine.load("s3://bucket/run")
+    assert time.monotonic() - started < REFUSED_GRACE_S + 5
+
+
+async def test_an_unknown_host_fails_at_once() -> None:
+    started = time.monotonic()
+    async with Engine(backend=_unreachable("http://no-such-host.invalid:9000")) as engine:
+        with pytest.raises(StorageError, match=r"the host 'no-such-host\.invalid:9000' was not "
+                                               r"found .*fix the endpoint's host"):
+            await engine.load("s3://bucket/run")
+    assert time.monotonic() - started < 5
+
+
+@pytest.fixture
+def plain_http_port() -> Iterator[int]:
+    """A plain HTTP server that is not S3 (every path: 404 Not Found)."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotFound)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+class _NotFound(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_error(404)
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+async def test_tls_against_a_plain_http_port_fails_at_once(plain_http_port: int) -> None:
+    started = time.monotonic()
+    async with Engine(backend=_unreachable(f"https://127.0.0.1:{plain_http_port}")) as engine:
+        with pytest.raises(StorageError, match=r"TLS handshake with 127\.0\.0\.1:\d+ failed .*"
+                                               r"make the endpoint URL http://"):
+            await engine.load("s3://bucket/run")
+    assert time.monotonic() - started < 5
+
+
+async def test_an_endpoint_that_is_not_s3_is_named(plain_http_port: int) -> None:
+    async with Engine(backend=_unreachable(f"http://127.0.0.1:{plain_http_port}")) as engine:
+        with pytest.raises(FileNotFoundError, match=r"answered 404 without an S3 error document; "
+                                                     r"is http://127\.0\.0\.1:\d+ an S3 endpoint"):
+            await engine.load("s3://bucket/run")
+
+
+def test_the_cli_takes_the_deadline(s3_env: SeaweedFS, proxy: TcpFaultProxy,
+                                    s3_root: str) -> None:
+    proxy.stall()
+    env = os.environ | s3_env.environment() | {"AWS_ENDPOINT_URL": proxy.endpoint,
+                                               STORE_DEADLINE_S: "60"}
+    done = subprocess.run([sys.executable, "-m", "asynctron", "verify", "--deadline-s", "1.5",
+                           s3_root], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert re.fullmatch(r"asynctron verify: list_objects_v2 \S+ at http://\S+: the store "
+                        r"answered none of this verify's requests for 1\.5 s [^\n]*\n",
+                        done.stderr), done.stderr
+    proxy.pass_through()

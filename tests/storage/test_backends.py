@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import pathlib
+import re
 
 import pytest
 
@@ -46,6 +48,49 @@ def test_a_one_call_save_to_a_url_no_backend_serves_writes_nothing(
     monkeypatch.chdir(tmp_path)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="scheme 'gs'"):
         asynctron.save({"w": 1}, "gs://bucket/run/step_1")
+    assert os.listdir(".") == []
+
+
+@pytest.mark.parametrize(("path", "meant"), [
+    ("s3:/bucket/x", "s3://bucket/x"), ("s3:bucket/x", "s3://bucket/x"),
+    ("gs:/b/run", "gs://b/run"), ("run:1", "run://1")])
+def test_a_path_that_looks_like_a_mistyped_url_is_refused(path: str, meant: str) -> None:
+    """`pathlib.Path("s3://b/x")` is `s3:/b/x`: saved as a local directory `./s3:/b/x`, the
+    save would succeed and `verify` would then say "ok" on the local copy."""
+    with pytest.raises(ValueError, match=rf"^path {re.escape(repr(path))}: .* did you mean "
+                                         rf"{re.escape(repr(meant))}\?.* is written "
+                                         rf"{re.escape(repr('./' + path))}$"):
+        backend_for(path)
+    with pytest.raises(ValueError, match="did you mean"):
+        backend_for(pathlib.Path(path))
+
+
+@pytest.mark.parametrize("path", ["./s3:/bucket/x", "/abs/s3:/x", "ckpt/step:1", "a_b/c"])
+def test_a_colon_past_the_first_name_is_a_plain_local_path(path: str) -> None:
+    assert isinstance(backend_for(path), LocalBackend)
+
+
+def test_hadoop_s3_schemes_are_refused_naming_s3() -> None:
+    with pytest.raises(ValueError, match=r"found the scheme 's3a'; did you mean 's3://b/x'\?$"):
+        backend_for("s3a://b/x")
+
+
+async def test_a_save_to_a_mistyped_url_writes_nothing(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # type: ignore[arg-type]
+    async with asynctron.Engine() as engine:
+        with pytest.raises(ValueError, match="did you mean 's3://bucket/x'"):
+            engine.save({"w": 1}, "s3:/bucket/x")
+    with pytest.raises(ValueError, match="did you mean 's3://bucket/x'"):
+        asynctron.dcp.StorageWriter("s3:/bucket/x")
+    assert os.listdir(".") == []
+
+
+def test_a_one_call_save_to_a_pathlib_url_writes_nothing(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="did you mean 's3://bucket/x'"):
+        asynctron.save({"w": 1}, pathlib.Path("s3://bucket/x"))
     assert os.listdir(".") == []
 
 

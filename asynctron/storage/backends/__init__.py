@@ -20,14 +20,20 @@ from asynctron.storage.backends._backend import (
     Retention,
     SaveArea,
 )
+from asynctron.storage.backends._operation import StoreStatistics
 from asynctron.storage.backends.local import LocalBackend
 
 __all__ = ["Backend", "Committed", "FileWriter", "LocalBackend", "Retention", "SaveArea",
-           "backend_for", "register_backend"]
+           "StoreStatistics", "backend_for", "register_backend"]
 
 _FACTORIES: dict[str, Callable[[], Backend]] = {}
 _SHARED: dict[str, Backend] = {}
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_MISTYPED_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/*([^/].*)?$")
+"""A first path component that ends in `:`-something, as `s3:/bucket/x` or `s3:bucket/x`
+(`pathlib.Path("s3://b/x")` gives the first): a URL mistyped, never taken for a local path."""
+_ALIASES = {"s3a": "s3", "s3n": "s3"}
+"""Schemes other tools use for a scheme served here (Hadoop's for S3)."""
 _LOCAL = "file"
 """The key of plain paths (no URL scheme): the local filesystem. A `file://` URL is refused
 (pass the path itself), so that no backend ever sees one."""
@@ -46,7 +52,8 @@ def backend_for(path: str | os.PathLike[str]) -> Backend:
 
     Raises:
         TypeError: `path` is not a str or os.PathLike.
-        ValueError: a URL whose scheme no backend serves (never taken for a local path).
+        ValueError: a URL whose scheme no backend serves, or a path that looks like a mistyped
+            URL (`s3:/bucket/x`): never taken for a local path.
     """
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"path: expected a str or os.PathLike, found {type(path).__name__}")
@@ -55,12 +62,24 @@ def backend_for(path: str | os.PathLike[str]) -> Backend:
         raise TypeError(f"path: expected a str path, found {type(text).__name__}")
     match = _SCHEME.match(text)
     scheme = match[1].lower() if match else _LOCAL
+    served = ", ".join(f"{known}://" for known in sorted(_FACTORIES) if known != _LOCAL)
     if match and (scheme == _LOCAL or scheme not in _FACTORIES):
-        served = ", ".join(f"{known}://" for known in sorted(_FACTORIES) if known != _LOCAL)
+        alias = _ALIASES.get(scheme)
+        hint = (f"; did you mean {alias + text[len(scheme):]!r}?" if alias in _FACTORIES
+                else "; a URL is never taken for a local path")
         raise ValueError(
             f"path {text!r}: expected a local path or a URL a storage backend serves "
-            f"({served or 'none registered'}), found the scheme {scheme!r}; a URL is never "
-            "taken for a local path")
+            f"({served or 'none registered'}), found the scheme {scheme!r}{hint}")
+    mistyped = None if match else _MISTYPED_SCHEME.match(text)
+    if mistyped:
+        meant = f"{mistyped[1]}://{(mistyped[2] or '')}"
+        pathlib_hint = (" (pathlib.Path turns 's3://b' into 's3:/b': pass URLs as str)"
+                        if text.startswith(f"{mistyped[1]}:/") else "")
+        raise ValueError(
+            f"path {text!r}: expected a local path or a URL ({served or 'none registered'}), "
+            f"found what looks like a URL missing its '://'; did you mean {meant!r}?"
+            f"{pathlib_hint} A local path whose first name has a ':' is written "
+            f"{'./' + text!r}")
     backend = _SHARED.get(scheme)
     if backend is None:
         backend = _SHARED[scheme] = _FACTORIES[scheme]()

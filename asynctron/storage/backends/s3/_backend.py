@@ -42,7 +42,7 @@ from asynctron.storage.backends._ledger import (
     parse_ledger,
 )
 from asynctron.storage.backends.s3._client import (
-    NoSuchObjectError,
+    ObjectNotFoundError,
     PreconditionFailedError,
     S3Client,
 )
@@ -232,7 +232,7 @@ class S3Backend:
     async def _read_ledger(self, ledger: ObjectUrl) -> tuple[list[LedgerEntry], str | None]:
         try:
             data, etag, _ = await self.client.get_small(ledger, MAX_LEDGER_BYTES)
-        except NoSuchObjectError:
+        except ObjectNotFoundError:
             return [], None
         if data is None:
             logger.warning("ledger %s: larger than %d bytes; ignored (nothing is pruned)",
@@ -282,7 +282,7 @@ class S3Backend:
         try:
             head = await self.client.call("head_object", manifest, Bucket=manifest.bucket,
                                           Key=manifest.key)
-        except NoSuchObjectError:
+        except ObjectNotFoundError:
             return None
         return head.get("Metadata", {}).get(_SAVE_TOKEN)
 
@@ -353,7 +353,7 @@ class S3Backend:
             params.update(KeyMarker=page.get("NextKeyMarker", ""),
                           UploadIdMarker=page.get("NextUploadIdMarker", ""))
         for key, upload_id in aborts:
-            with contextlib.suppress(NoSuchObjectError):  # completed or aborted meanwhile
+            with contextlib.suppress(ObjectNotFoundError):  # completed or aborted meanwhile
                 await self.client.call("abort_multipart_upload", f"s3://{bucket}/{key}",
                                        Bucket=bucket, Key=key, UploadId=upload_id)
 
@@ -367,7 +367,7 @@ class S3Backend:
         """The small object `url`, or None if there is none (or it is larger: not ours)."""
         try:
             data, _, _ = await self.client.get_small(url, max_bytes)
-        except NoSuchObjectError:
+        except ObjectNotFoundError:
             return None
         return data
 

@@ -7,9 +7,15 @@ awaits each request's outcome and its heartbeat never waits on a socket copy; a 
 caller waits until its request is cancelled there, so no buffer it lends is touched after.
 One aiobotocore client per store on that loop, made on first use, closed at exit. Every
 request holds one slot of the request budget (`S3Config.max_requests`) while in flight.
-Connection resets, timeouts, 5xx and SlowDown are retried with exponential backoff and
-jitter until the operation's deadline (`S3Config.deadline_s`); everything else fails at once.
-botocore's own retries are off, so the deadline is the only clock.
+
+Connection resets, timeouts, 5xx, SlowDown and 429 are retried with exponential backoff and
+jitter while the store answers the operation the request is part of (a save, a load, a read:
+`store_operation`): one clock for all of its requests, which runs out once the store has
+answered none of them for `S3Config.deadline_s`; then every request of the operation stops.
+botocore's own retries are off, so that clock is the only one. What retrying cannot fix fails
+at once: a host that does not exist, TLS against a plain-HTTP port, wrong credentials, an
+endpoint that is not S3; a refused connection is retried for `REFUSED_GRACE_S` only, unless
+the store answered this client before (then it is likely restarting: the whole deadline).
 """
 
 from __future__ import annotations
@@ -18,12 +24,16 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextlib
+import enum
 import io
 import logging
 import os
 import random
 import re
+import socket
+import ssl
 import threading
+import urllib.parse
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -38,16 +48,37 @@ from aiobotocore.session import AioSession
 
 from asynctron._concurrency import uncancellable
 from asynctron._loop_thread import LoopThread
-from asynctron.errors import AsynctronError, CorruptCheckpointError, StorageError
+from asynctron.errors import (
+    AsynctronError,
+    CorruptCheckpointError,
+    ObjectNotFoundError,
+    StorageError,
+)
+from asynctron.storage.backends._operation import (
+    StoreExpired,
+    StoreOperation,
+    current_operation,
+)
 from asynctron.storage.backends.s3._config import S3Config
 from asynctron.storage.backends.s3._layout import ObjectUrl
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+E = TypeVar("E", bound=BaseException)
 
+REFUSED_GRACE_S = 5.0
+"""How long a refused connection is retried when the store never answered this client: a
+wrong port fails in seconds, not after the whole deadline."""
+_THROTTLE_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "RequestLimitExceeded",
+    "503", "429"})
 _RETRIED_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
-    "InternalError", "ServiceUnavailable", "503", "500", "502", "504"})
+    "RequestTimeout", "RequestTimeTooSkewed", "InternalError", "ServiceUnavailable", "500",
+    "502", "504"})
+_ANSWER_HAS_BODY = frozenset({"list_objects_v2", "get_object", "list_multipart_uploads"})
+"""Requests whose 404 carries an S3 error document (`NoSuchKey`, `NoSuchBucket`) from a real
+store: a bare 404 there comes from something that is not S3."""
+_DEADLINE_HINT = ("raise S3Config.deadline_s (or ASYNCTRON_STORE_DEADLINE_S) to wait longer")
 _CREDENTIAL_CODES = frozenset({
     "InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "InvalidToken",
     "ExpiredToken", "403"})
@@ -85,10 +116,6 @@ class _BufferPayload(aiohttp.payload.BytesPayload):
         view = self._value if content_length is None else self._value[:content_length]
         for start in range(0, view.nbytes, _SEND_SLICE_BYTES):
             await writer.write(view[start:start + _SEND_SLICE_BYTES])
-
-
-class NoSuchObjectError(StorageError):
-    """The object (or its bucket) does not exist."""
 
 
 class PreconditionFailedError(StorageError):
@@ -140,6 +167,9 @@ class S3Client:
         self.config = config
         self.endpoint = config.resolved_endpoint() or "AWS S3"
         self._session = AioSession(profile=config.profile)
+        self._answered = False
+        """Whether the store answered this client yet (a refused connection is then likely a
+        restart, retried to the deadline)."""
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopClient] = (
             weakref.WeakKeyDictionary())
         self._opening: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
@@ -200,21 +230,22 @@ class S3Client:
         retried inside the deadline; `url` names the object in errors.
 
         Raises:
-            NoSuchObjectError: the object or bucket does not exist (404).
+            ObjectNotFoundError: the object or bucket does not exist (404).
             PreconditionFailedError: a conditional write's condition failed (412).
             StorageError: any other failure, naming endpoint, object and what to set.
         """
         async def attempt(client: Any) -> Any:
             return await getattr(client, operation)(**params)
 
-        return await self.retried(operation, url, attempt)
+        return await self.retried(operation, url, attempt,
+                                  sent_bytes=params.get("ContentLength", 0))
 
     async def get_small(self, url: ObjectUrl, max_bytes: int) -> tuple[bytes | None, str, int]:
         """The whole object `url` if it holds at most `max_bytes` (else None, unread), its
         ETag and its size.
 
         Raises:
-            NoSuchObjectError, StorageError: as `call`.
+            ObjectNotFoundError, StorageError: as `call`.
         """
         async def attempt(client: Any) -> tuple[bytes | None, str, int]:
             response = await client.get_object(Bucket=url.bucket, Key=url.key)
@@ -223,7 +254,8 @@ class S3Client:
                 data = await body.read() if size <= max_bytes else None
             return data, response.get("ETag", ""), size
 
-        return await self.retried("get_object", url, attempt)
+        return await self.retried("get_object", url, attempt,
+                                  received_bytes=lambda found: len(found[0] or b""))
 
     async def get_into(self, url: ObjectUrl, offset: int, buffers: Sequence[memoryview],
                        *, key: str | None = None, if_match: str | None = None) -> None:
@@ -234,7 +266,7 @@ class S3Client:
         Raises:
             CorruptCheckpointError: the object ends before the buffers are full (names `key`,
                 the item being read, when given).
-            NoSuchObjectError, PreconditionFailedError, StorageError: as `call`.
+            ObjectNotFoundError, PreconditionFailedError, StorageError: as `call`.
         """
         nbytes = sum(buffer.nbytes for buffer in buffers)
         if not nbytes:
@@ -259,7 +291,7 @@ class S3Client:
                     f"{done}; the object is shorter than its manifest says (truncated or "
                     "replaced after commit)", path=str(url), key=key, offset=offset + done)
 
-        await self.retried("get_object", url, attempt)
+        await self.retried("get_object", url, attempt, received_bytes=nbytes)
 
     async def presign_get(self, url: ObjectUrl, expires_s: int) -> str:
         """A URL that GETs the object `url` for `expires_s` seconds, signed once: its ranged
@@ -280,7 +312,7 @@ class S3Client:
         retries and errors.
 
         Raises:
-            NoSuchObjectError, PreconditionFailedError, StorageError: as `get_into`.
+            ObjectNotFoundError, PreconditionFailedError, StorageError: as `get_into`.
         """
         nbytes = sum(buffer.nbytes for buffer in buffers)
         if not nbytes:
@@ -305,48 +337,93 @@ class S3Client:
                     f"object {url}: expected {nbytes} bytes from offset {offset}, found {done}",
                     path=str(url), errno=None)
 
-        await self.retried("get_object", url, attempt)
+        await self.retried("get_object", url, attempt, received_bytes=nbytes)
 
     async def retried(self, operation: str, url: ObjectUrl | str,
-                      attempt: Callable[[Any], Awaitable[T]]) -> T:
+                      attempt: Callable[[Any], Awaitable[T]], *, sent_bytes: int = 0,
+                      received_bytes: int | Callable[[T], int] = 0) -> T:
         """`attempt(client)` on the I/O loop, holding a request slot, retried on transient
-        failures until the deadline; failures translated as `call` says.
+        failures while the caller's store operation (`store_operation`; else this request
+        alone) has heard from the store within `deadline_s`; failures translated as `call`
+        says. `sent_bytes`/`received_bytes` (or a function of the result): what the request
+        moves, for the operation's statistics.
 
         Cancellation: the request is cancelled on the I/O loop, and this returns (raising
         CancelledError) only once it has stopped."""
-        return await on_io_loop(self._retried(operation, url, attempt))
+        return await on_io_loop(self._retried(operation, url, attempt,
+                                              current_operation(operation),
+                                              sent_bytes, received_bytes))
 
     async def _retried(self, operation: str, url: ObjectUrl | str,
-                       attempt: Callable[[Any], Awaitable[T]]) -> T:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.config.deadline_s
+                       attempt: Callable[[Any], Awaitable[T]], clock: StoreOperation,
+                       sent_bytes: int, received_bytes: int | Callable[[T], int]) -> T:
+        deadline_s = self.config.deadline_s
+        clock.begin(deadline_s)
         tries = 0
-        while True:
-            tries += 1
-            loop_client = await self._loop_client()
-            try:
-                async with loop_client.budget:
-                    loop_client.in_flight += 1
-                    loop_client.most_in_flight = max(loop_client.most_in_flight,
-                                                     loop_client.in_flight)
-                    try:
-                        return await attempt(loop_client.client)
-                    finally:
-                        loop_client.in_flight -= 1
-            except AsynctronError:
-                raise  # ours (an object shorter than its manifest says): final
-            except Exception as error:
-                if not _is_transient(error):
-                    raise self._translate(operation, url, error, tries) from error
-                backoff = min(_MAX_BACKOFF_S, _FIRST_BACKOFF_S * 2 ** (tries - 1))
-                backoff *= random.uniform(0.5, 1.0)
-                if loop.time() + backoff > deadline:
-                    raise self._translate(operation, url, error, tries) from error
-                logger.debug("%s %s: %s; retrying in %.2f s", operation, url, error, backoff)
-                await asyncio.sleep(backoff)
+        try:
+            while True:
+                tries += 1
+                try:
+                    async with clock.watch():
+                        loop_client = await self._loop_client()
+                        async with loop_client.budget:
+                            clock.count_try(retry=tries > 1)
+                            loop_client.in_flight += 1
+                            loop_client.most_in_flight = max(loop_client.most_in_flight,
+                                                             loop_client.in_flight)
+                            try:
+                                result = await attempt(loop_client.client)
+                            finally:
+                                loop_client.in_flight -= 1
+                except StoreExpired as expired:
+                    raise self._expired(operation, url, clock, tries) from expired
+                except AsynctronError:
+                    clock.answered()
+                    raise  # ours (an object shorter than its manifest says): final
+                except Exception as error:
+                    failure = _failure_of(error)
+                    if failure is _Failure.THROTTLED:
+                        clock.count_throttled()
+                    if failure is _Failure.REFUSED and not self._answered and (
+                            clock.quiet_s() >= min(REFUSED_GRACE_S, deadline_s)):
+                        failure = _Failure.FINAL  # nothing ever listened there
+                    if failure in (_Failure.FINAL, _Failure.ANSWERED):
+                        if failure is _Failure.ANSWERED:
+                            self._answered = True
+                            clock.answered()
+                        raise self._translate(operation, url, error, clock,
+                                              tries) from error
+                    backoff = min(_MAX_BACKOFF_S, _FIRST_BACKOFF_S * 2 ** (tries - 1))
+                    backoff *= random.uniform(0.5, 1.0)
+                    if clock.quiet_s() + backoff > deadline_s:
+                        clock.expire()
+                        raise self._translate(operation, url, error, clock, tries) from error
+                    logger.debug("%s %s: %s; retrying in %.2f s", operation, url, error,
+                                 backoff)
+                    await asyncio.sleep(backoff)
+                    if clock.expired:
+                        raise self._expired(operation, url, clock, tries, error) from error
+                else:
+                    self._answered = True
+                    clock.answered(sent_bytes=sent_bytes, received_bytes=(
+                        received_bytes(result) if callable(received_bytes) else received_bytes))
+                    return result
+        finally:
+            clock.end()
+
+    def _expired(self, operation: str, url: ObjectUrl | str, clock: StoreOperation,
+                 tries: int, last: Exception | None = None) -> StorageError:
+        """The error of a request whose operation's clock ran out (on it or another)."""
+        waited_s = clock.expired_after_s if clock.expired else clock.quiet_s()
+        what = f"; last: {type(last).__name__}: {last}" if last is not None else ""
+        return StorageError(
+            f"{operation} {url} at {self.endpoint}: the store answered none of this "
+            f"{clock.what}'s requests for {waited_s:.1f} s ({_tries(tries)} of this one{what}); "
+            "is the store up, and AWS_ENDPOINT_URL (or S3Config.endpoint_url) right? "
+            f"{_DEADLINE_HINT} (now {self.config.deadline_s:g} s)", path=str(url), errno=None)
 
     def _translate(self, operation: str, url: ObjectUrl | str, error: Exception,
-                   tries: int) -> StorageError:
+                   clock: StoreOperation, tries: int) -> StorageError:
         where = f"{operation} {url} at {self.endpoint}"
         if isinstance(error, botocore.exceptions.NoCredentialsError | (
                 botocore.exceptions.PartialCredentialsError)):
@@ -359,12 +436,17 @@ class S3Client:
             message = info.get("Message") or code
             if code == "NoSuchBucket":
                 bucket = url.bucket if isinstance(url, ObjectUrl) else url
-                return NoSuchObjectError(
+                return ObjectNotFoundError(
                     f"{where}: the bucket {bucket!r} does not exist; create it, or fix the "
                     "URL's bucket (and AWS_ENDPOINT_URL if this is the wrong store)",
                     path=str(url), errno=None)
+            if code == "404" and operation in _ANSWER_HAS_BODY:
+                return ObjectNotFoundError(
+                    f"{where}: the endpoint answered 404 without an S3 error document; is "
+                    f"{self.endpoint} an S3 endpoint (not a web, admin or filer port)? Fix "
+                    "AWS_ENDPOINT_URL (or S3Config.endpoint_url)", path=str(url), errno=None)
             if code in ("NoSuchKey", "NoSuchUpload", "404") or status == 404:
-                return NoSuchObjectError(f"{where}: no such object ({code})", path=str(url),
+                return ObjectNotFoundError(f"{where}: no such object ({code})", path=str(url),
                                          errno=None)
             if code == "PreconditionFailed" or status == 412:
                 return PreconditionFailedError(f"{where}: the condition failed ({message})",
@@ -373,17 +455,37 @@ class S3Client:
                 return RefusedCredentialsError(
                     f"{where}: the store refused our credentials ({code}: {message}); "
                     f"{_SET_CREDENTIALS}", path=str(url), errno=None)
-            if code in _RETRIED_CODES or (status or 0) >= 500:
+            if status in (405, 501):
                 return StorageError(
-                    f"{where}: the store kept failing ({code}: {message}) for "
-                    f"{self.config.deadline_s:g} s ({tries} tries); raise "
-                    "S3Config.deadline_s to wait longer", path=str(url), errno=None)
+                    f"{where}: the endpoint does not implement this request ({status}: "
+                    f"{message}); is {self.endpoint} an S3 endpoint? Fix AWS_ENDPOINT_URL (or "
+                    "S3Config.endpoint_url)", path=str(url), errno=None)
+            if _failure_of(error) in (_Failure.THROTTLED, _Failure.TRANSIENT):
+                return StorageError(
+                    f"{where}: the store kept failing this {clock.what}'s requests ({code}: "
+                    f"{message}) for {clock.quiet_s():.1f} s ({_tries(tries)} of this one); "
+                    f"{_DEADLINE_HINT} (now {self.config.deadline_s:g} s)", path=str(url),
+                    errno=None)
             return StorageError(f"{where}: {code}: {message}", path=str(url), errno=None)
-        if _is_transient(error):
+        host = _host_of(self.endpoint)
+        if _caused_by(error, ssl.SSLError):
             return StorageError(
-                f"{where}: no answer for {self.config.deadline_s:g} s ({tries} tries; last: "
-                f"{type(error).__name__}: {error}); is the store up and AWS_ENDPOINT_URL (or "
-                "S3Config.endpoint_url) right?", path=str(url), errno=None)
+                f"{where}: the TLS handshake with {host} failed ({_root_cause(error)}); if the "
+                "store serves plain HTTP on that port, make the endpoint URL http://, else "
+                "check its certificate (AWS_CA_BUNDLE)", path=str(url), errno=None)
+        if _caused_by(error, socket.gaierror) and _failure_of(error) is _Failure.FINAL:
+            return StorageError(
+                f"{where}: the host {host!r} was not found ({_root_cause(error)}); fix the "
+                "endpoint's host in AWS_ENDPOINT_URL (or S3Config.endpoint_url)",
+                path=str(url), errno=None)
+        if _caused_by(error, ConnectionRefusedError):
+            return StorageError(
+                f"{where}: connection refused for {clock.quiet_s():.1f} s ({_tries(tries)}): "
+                f"nothing listens at {host}; is the store up, and the port in "
+                "AWS_ENDPOINT_URL (or S3Config.endpoint_url) its S3 port?", path=str(url),
+                errno=None)
+        if _failure_of(error) is _Failure.TRANSIENT:
+            return self._expired(operation, url, clock, tries, error)
         return StorageError(f"{where}: {type(error).__name__}: {error}", path=str(url),
                             errno=None)
 
@@ -522,9 +624,71 @@ def _client_error(status: int, body: bytes) -> botocore.exceptions.ClientError:
          "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
 
 
-def _is_transient(error: Exception) -> bool:
+class _Failure(enum.Enum):
+    """What a failed try says about trying again."""
+
+    FINAL = "final"
+    """Trying again cannot help (a bad request, wrong credentials, a host that does not
+    exist, TLS against a plain port)."""
+    ANSWERED = "answered"
+    """The store answered, and the answer is final (no such object, a failed condition)."""
+    TRANSIENT = "transient"
+    """A reset, a timeout, a 5xx: the store may answer the next try."""
+    THROTTLED = "throttled"
+    """The store asked us to slow down (503 SlowDown, 429)."""
+    REFUSED = "refused"
+    """Nothing listens at the endpoint: a store restarting, or a wrong port."""
+
+
+def _failure_of(error: Exception) -> _Failure:
     if isinstance(error, botocore.exceptions.ClientError):
         info = error.response.get("Error", {})
+        code = str(info.get("Code", ""))
         status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0
-        return str(info.get("Code", "")) in _RETRIED_CODES or status >= 500
-    return isinstance(error, _TRANSPORT_ERRORS)
+        if code in _THROTTLE_CODES or status in (429, 503):
+            return _Failure.THROTTLED
+        if code in _RETRIED_CODES or (status >= 500 and status != 501):
+            return _Failure.TRANSIENT
+        return _Failure.ANSWERED if status else _Failure.FINAL
+    if _caused_by(error, ssl.SSLError):
+        return _Failure.FINAL
+    dns = _cause(error, socket.gaierror)
+    if dns is not None:
+        return _Failure.TRANSIENT if dns.errno == socket.EAI_AGAIN else _Failure.FINAL
+    if _caused_by(error, ConnectionRefusedError):
+        return _Failure.REFUSED
+    return _Failure.TRANSIENT if isinstance(error, _TRANSPORT_ERRORS) else _Failure.FINAL
+
+
+def _cause(error: BaseException, kind: type[E]) -> E | None:
+    """The first error of type `kind` in `error`'s chain of causes, or None."""
+    seen: set[int] = set()
+    found: BaseException | None = error
+    while found is not None and id(found) not in seen:
+        if isinstance(found, kind):
+            return found
+        seen.add(id(found))
+        found = found.__cause__ or found.__context__
+    return None
+
+
+def _caused_by(error: BaseException, kind: type[BaseException]) -> bool:
+    return _cause(error, kind) is not None
+
+
+def _root_cause(error: BaseException) -> str:
+    """The innermost error of `error`'s chain, as one line."""
+    seen: set[int] = set()
+    while (error.__cause__ or error.__context__) is not None and id(error) not in seen:
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__  # type: ignore[assignment]
+    return f"{type(error).__name__}: {error}"
+
+
+def _tries(tries: int) -> str:
+    return "1 try" if tries == 1 else f"{tries} tries"
+
+
+def _host_of(endpoint: str) -> str:
+    """`host:port` of an endpoint URL (the URL itself if it has none)."""
+    return urllib.parse.urlsplit(endpoint).netloc or endpoint

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
+
+from asynctron._knobs import store_deadline_s
 
 MiB = 1 << 20
 #: S3's own bounds on a multipart upload's parts (every part but the last at least the min).
@@ -48,8 +50,10 @@ class S3Config:
     """Most requests to the store in flight at once (the request budget)."""
     single_put_bytes: int = 8 * MiB
     """Files up to this size go as one PUT, larger ones as a multipart upload."""
-    deadline_s: float = 60.0
-    """How long one operation retries resets, 5xx and SlowDown (with backoff) before failing."""
+    deadline_s: float = field(default_factory=store_deadline_s)
+    """How long an operation (a save, a load, a dataset read) goes on while the store answers
+    none of its requests (resets, timeouts, 5xx and SlowDown retried with backoff meanwhile);
+    then it fails, and so do all its requests. Default: `ASYNCTRON_STORE_DEADLINE_S`, else 60."""
     connect_timeout_s: float = 10.0
     read_timeout_s: float = 60.0
     abandoned_after_s: float = 3600.0
@@ -67,6 +71,8 @@ class S3Config:
             if isinstance(value, bool) or not isinstance(value, int | float) or not (
                     math.isfinite(value) and value >= 0):
                 raise ValueError(f"S3Config.{name}: expected seconds >= 0, found {value!r}")
+        if self.deadline_s == 0:
+            raise ValueError("S3Config.deadline_s: expected seconds > 0, found 0")
         if self.addressing_style not in (None, "path", "virtual", "auto"):
             raise ValueError("S3Config.addressing_style: expected 'path', 'virtual', 'auto' "
                              f"or None, found {self.addressing_style!r}")

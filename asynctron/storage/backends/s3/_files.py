@@ -16,8 +16,9 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import IO, Any, TypeVar
 
 from asynctron.errors import StorageError
+from asynctron.storage.backends._operation import store_operation
 from asynctron.storage.backends.s3._client import (
-    NoSuchObjectError,
+    ObjectNotFoundError,
     PreconditionFailedError,
     RefusedCredentialsError,
     S3Client,
@@ -39,8 +40,16 @@ _PARTS_IN_FLIGHT = 4
 
 
 def blocking(coroutine: Coroutine[Any, Any, T]) -> T:
-    """Run `coroutine` on the S3 I/O loop and wait for its outcome on this thread."""
-    return io_loop().call(coroutine, "s3 file call")
+    """Run `coroutine` on the S3 I/O loop, as one store operation (one clock for its
+    requests), and wait for its outcome on this thread."""
+    return io_loop().call(one_operation(coroutine), "s3 file call")
+
+
+async def one_operation(coroutine: Coroutine[Any, Any, T]) -> T:
+    """`coroutine`'s requests as one store operation: a dataset call fails once the store
+    has answered none of them for the deadline, however many ranges it reads."""
+    with store_operation("read"):
+        return await coroutine
 
 
 def object_url(path: str) -> ObjectUrl:
@@ -84,17 +93,18 @@ class ObjectFile:
         """Blocks: the object `path`, its size and ETag from one HEAD.
 
         Raises:
-            FileNotFoundError: no such object or bucket (the message names endpoint, bucket
-                and key).
+            ObjectNotFoundError: no such object or bucket (a FileNotFoundError; the message
+                names endpoint, bucket and key).
             IsADirectoryError: `path` names a bucket or a folder.
             StorageError: any other failure.
         """
         url = object_url(path)
         try:
             head = blocking(client.call("head_object", url, Bucket=url.bucket, Key=url.key))
-        except NoSuchObjectError as error:
-            raise FileNotFoundError(f"{error}; expected an object at {path}"
-                                    f"{_missing_bucket(client, url)}") from error
+        except ObjectNotFoundError as error:
+            raise ObjectNotFoundError(f"{error}; expected an object at {path}"
+                                      f"{_missing_bucket(client, url)}",
+                                      path=str(url)) from error
         return cls(client, url, int(head["ContentLength"]), head.get("ETag", ""))
 
     def _where(self, offset: int, nbytes: int) -> str:
@@ -139,7 +149,7 @@ class ObjectFile:
                 for offset, buffer in ranges:
                     group.create_task(self._get_into(offset, buffer))
 
-        return io_loop().submit(_first_error_of(fetch_all()))
+        return io_loop().submit(one_operation(_first_error_of(fetch_all())))
 
     def close(self) -> None:
         """Nothing to release (connections belong to the client)."""
@@ -155,7 +165,7 @@ def _missing_bucket(client: S3Client, url: ObjectUrl) -> str:
     """", and the bucket ... does not exist" when that is why (a HEAD's 404 does not say)."""
     try:
         blocking(client.call("head_bucket", url.bucket, Bucket=url.bucket))
-    except NoSuchObjectError:
+    except ObjectNotFoundError:
         return (f", and the bucket {url.bucket!r} does not exist (create it, or fix the URL's "
                 "bucket, and AWS_ENDPOINT_URL if this is the wrong store)")
     except StorageError:
@@ -283,13 +293,14 @@ def read_whole(client: S3Client, path: str) -> bytes:
     """Blocks: the whole object `path`.
 
     Raises:
-        FileNotFoundError: no such object or bucket.
+        ObjectNotFoundError: no such object or bucket (a FileNotFoundError).
     """
     url = object_url(path)
     try:
         data, _, _ = blocking(client.get_small(url, max_bytes=1 << 62))
-    except NoSuchObjectError as error:
-        raise FileNotFoundError(f"{error}; expected an object at {path}") from error
+    except ObjectNotFoundError as error:
+        raise ObjectNotFoundError(f"{error}; expected an object at {path}",
+                                  path=str(url)) from error
     return data or b""
 
 

@@ -31,7 +31,7 @@ from asynctron.storage._read_plan import (
     check_no_overlap,
     plan_reads,
 )
-from asynctron.storage.backends.s3._client import NoSuchObjectError, S3Client, touch_pages
+from asynctron.storage.backends.s3._client import ObjectNotFoundError, S3Client, touch_pages
 from asynctron.storage.backends.s3._layout import LATEST_NAME, ObjectUrl, list_objects, parse_url
 
 #: The most bytes one ranged GET asks for: enough GETs in flight to fill the link.
@@ -62,7 +62,11 @@ class ObjectReader(CheckpointReaderBase):
             CorruptCheckpointError: a bad manifest, or an object missing or of another size.
         """
         url = parse_url(self.requested_path)
-        sizes = await list_objects(self._client, url)
+        try:
+            sizes = await list_objects(self._client, url)
+        except ObjectNotFoundError as error:  # no bucket: nothing committed, as locally
+            raise CheckpointNotFoundError(f"checkpoint {self.requested_path}: {error}",
+                                          path=str(url)) from error
         if MANIFEST_NAME not in sizes and METADATA_NAME not in sizes:
             url = await self._follow_latest(url, sizes)
             sizes = await list_objects(self._client, url)
@@ -198,7 +202,7 @@ class ObjectReader(CheckpointReaderBase):
         """
         try:
             return await self._get_small(name, max_bytes)
-        except NoSuchObjectError as error:
+        except ObjectNotFoundError as error:
             raise StorageError(f"object {self.path_of(name)}: expected it in the checkpoint, "
                                f"found none ({error})", path=self.path_of(name),
                                errno=None) from error
