@@ -378,8 +378,9 @@ def demo_summary(report: DemoReport) -> list[str]:
             f"{run.checkpoint_s:.3f} s in flight (request -> committed)")
     worst = max(r[n].worst_loop_delay_s for r in runs for n in ("first", "resumed"))
     longest = max(r[n].longest_step_s for r in runs for n in ("first", "resumed"))
-    lines.append(f"loop worst delay: {worst * 1e3:.1f} ms (training steps run on the loop; "
-                 f"the longest took {longest * 1e3:.1f} ms)")
+    lines.append(f"loop worst delay: {worst * 1e3:.1f} ms (the longest the event loop went "
+                 f"without a turn; training steps run on it, and the longest step took "
+                 f"{longest * 1e3:.1f} ms)")
     mismatch = report.mismatch
     if mismatch is not None:
         lines.append(f"resume: FAILED: {mismatch}")

@@ -278,6 +278,7 @@ class AsyncLoader:
             RuntimeError: called outside `async with` (the loader is not started).
             ClosedError: the loader is closed.
         Cancellation: no batch is lost; the next call returns the batch this one would have.
+        Every call gives the loop at least one turn, even when its batch is ready.
         """
         if not self._entered:
             raise RuntimeError("loader: iterate inside `async with AsyncLoader(...) as loader`")
@@ -290,6 +291,11 @@ class AsyncLoader:
         future = self._pending[0]
         if self._workers is not None and not future.done():
             self._workers.poll()
+        if future.done():
+            # A checkpoint (as every trio await is): a trainer whose batches are always ready
+            # still gives the loop one turn a step, so saves and collectives in flight go on
+            # (without it, steps ran back to back and the loop stalled for several of them).
+            await asyncio.sleep(0)
         while not future.done():  # a cancelled wait leaves the batch coming
             if self._workers is None:
                 await asyncio.wait((future,))

@@ -127,6 +127,29 @@ async def test_the_loop_never_blocks(blended) -> None:
     assert dog.report().worst_delay_s < 0.5, dog.report()
 
 
+async def test_every_batch_gives_the_loop_a_turn_even_when_ready() -> None:
+    """A trainer whose batches are always ready still lets the loop run once a step (saves in
+    flight go on): before, steps ran back to back and the demo's loop stalled for several."""
+    turns = 0
+
+    def count() -> None:
+        nonlocal turns
+        turns += 1
+
+    data = [{"x": torch.tensor([i])} for i in range(10)]
+    async with Engine(num_workers=1) as engine, AsyncLoader(
+            data, micro_batch_size=1, run_blocking=engine.run_blocking,
+            prefetch_budget=1 << 20, num_ready_batches=8) as loader:
+        batches = aiter(loader)
+        await anext(batches)
+        await asyncio.wait(list(loader._pending))  # every next batch ready before asked for
+        for _ in range(3):
+            before = turns
+            asyncio.get_running_loop().call_soon(count)
+            await anext(batches)
+            assert turns == before + 1
+
+
 async def test_plain_datasets_are_read_without_prefetch() -> None:
     data = [{"x": torch.tensor([i])} for i in range(10)]
     async with Engine(num_workers=1) as engine:
