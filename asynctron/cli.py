@@ -229,7 +229,8 @@ async def _read_manifest(path: str) -> tuple[str, Manifest]:
         with store_operation("inspect", path):
             reader = await _open_reader(engine, path)
             try:
-                return reader.path, await reader.open()
+                manifest = await reader.open()  # first: it follows `latest`
+                return reader.path, manifest
             finally:
                 await reader.aclose()
 

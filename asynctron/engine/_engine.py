@@ -447,8 +447,12 @@ class Engine:
                 naming file, key and offset.
 
         Cancellation: reads in flight finish; nothing is returned.
-        Concurrency: no `keep_last` pruning (of any process) deletes the checkpoint while it
-        loads; `mmap` tensors stay valid after a later pruning (the maps keep the files).
+        Concurrency: on a local path, no `keep_last` pruning (of any process) deletes the
+        checkpoint while it loads, and `mmap` tensors stay valid after a later pruning (the
+        maps keep the files). An object store has no lease: a checkpoint pruned meanwhile
+        fails the load clearly (a missing object), never with wrong bytes.
+        On an object store the load is one operation: it fails once the store has answered
+        none of its requests for the backend's deadline.
         Memory: fresh tensors as saved (none with `mmap`, for single-chunk items).
         """
         self._check_open()
@@ -479,8 +483,9 @@ class Engine:
                 naming file, key and offset; tensors may be partly overwritten.
 
         Cancellation: reads in flight finish; the tensors may be partly filled.
-        Concurrency: no `keep_last` pruning (of any process) deletes the checkpoint while it
-        loads.
+        Concurrency: on a local path, no `keep_last` pruning (of any process) deletes the
+        checkpoint while it loads; on an object store (no lease) a checkpoint pruned meanwhile
+        fails the load clearly, never with wrong bytes.
         Memory: none for contiguous CPU targets; CUDA and strided targets stage through slabs
         under `memory_budget_bytes`.
         """

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from typing import Any
@@ -45,3 +46,12 @@ def test_format_dcp_and_the_cli(s3_root: str) -> None:
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         assert says in done.stdout
+
+
+def test_inspect_names_the_checkpoint_latest_named_and_its_values(s3_root: str) -> None:
+    asynctron.save({**_state(), "step": 7, "sched": {"lr": 0.5}}, f"{s3_root}/step_7")
+    done = subprocess.run([sys.executable, "-m", "asynctron", "inspect", s3_root],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"checkpoint {s3_root}/step_7 (named by {s3_root}'s latest)\n")
+    assert re.search(r"^values:\n  step      7\n  sched\.lr  0\.5$", done.stdout, re.MULTILINE)
