@@ -3,6 +3,9 @@ configures is built, checked, and logged when set.
 
 - `ASYNCTRON_STORE_DEADLINE_S`: the default `deadline_s` of object-store clients (how long an
   operation waits while the store answers none of its requests), where the code sets none.
+- `ASYNCTRON_RANKS_PER_NODE`: how many consecutive ranks share a node (its local checkpoint
+  tier), over torchrun's `LOCAL_WORLD_SIZE`: several "nodes" on one machine, for tests and
+  benchmarks.
 """
 
 from __future__ import annotations
@@ -36,3 +39,30 @@ def store_deadline_s() -> float:
     logger.info("%s=%g: object-store operations fail after %g s without an answer",
                 STORE_DEADLINE_S, value, value)
     return value
+
+
+RANKS_PER_NODE = "ASYNCTRON_RANKS_PER_NODE"
+
+
+def ranks_per_node(world_size: int) -> tuple[int, bool]:
+    """How many consecutive ranks share a node: `ASYNCTRON_RANKS_PER_NODE`, else torchrun's
+    `LOCAL_WORLD_SIZE`, else every rank (one node); and whether the override set it.
+
+    Raises:
+        ValueError: a variable that is not an int >= 1 (naming it and its value).
+    """
+    for name in (RANKS_PER_NODE, "LOCAL_WORLD_SIZE"):
+        text = os.environ.get(name)
+        if text is None or not text.strip():
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise ValueError(f"{name}: expected an int >= 1 (ranks per node), found {text!r}; "
+                             "fix or unset it")
+        if name == RANKS_PER_NODE:
+            logger.info("%s=%d: every %d consecutive ranks are one node", name, value, value)
+        return value, name == RANKS_PER_NODE
+    return world_size, False

@@ -18,7 +18,7 @@ def test_top_level() -> None:
         "CheckpointNotFoundError", "ClosedError", "CorruptCheckpointError",
         "CorruptDatasetError", "Engine", "EngineConfig", "LoaderWorkerError",
         "ObjectNotFoundError", "PeerError", "PeerTimeoutError", "RefusedObjectError",
-        "SaveResult", "SaveTask", "StorageError", "WouldBlock",
+        "RestoreResult", "SaveResult", "SaveTask", "StorageError", "Tiers", "WouldBlock",
         "comm", "datasets", "dcp",
         "free_idle_staging", "load", "load_into", "save", "staging_statistics",
     }
@@ -35,8 +35,8 @@ def test_import_asynctron_brings_every_part() -> None:
 def test_subpackages() -> None:
     assert set(asynctron.engine.__all__) == {
         "BackgroundEngine", "BudgetStatistics", "ByteBudget", "Engine", "EngineConfig",
-        "Milestone", "SaveResult", "SaveTask", "SlabCacheStatistics", "free_idle_staging",
-        "load", "load_into", "save", "staging_statistics",
+        "Milestone", "RestoreResult", "SaveResult", "SaveTask", "SlabCacheStatistics", "Tiers",
+        "free_idle_staging", "load", "load_into", "save", "staging_statistics",
     }
     assert set(asynctron.storage.__all__) == {
         "Backend", "Committed", "FileIO", "FileWriter", "ItemRecord", "LocalBackend",
@@ -45,7 +45,8 @@ def test_subpackages() -> None:
     }
     assert set(asynctron.comm.__all__) == {
         "AllReduceTask", "Bucket", "BucketConfig", "BucketManager", "CollectiveGroup",
-        "AsyncDataParallel", "StepTimings", "new_gloo_group", "wait_future", "wait_work",
+        "AsyncDataParallel", "PeerChannel", "StepTimings", "new_gloo_group", "wait_future",
+        "wait_work",
     }
     assert set(asynctron.errors.__all__) == {
         "AsynctronError", "BlendSizeError", "BusyError", "CheckpointNotFoundError", "ClosedError",

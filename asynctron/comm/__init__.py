@@ -6,6 +6,8 @@ and awaitable object collectives for coordination.
 - `wait_work` / `wait_future`: any torch.distributed `Work` or `torch.futures.Future`, awaited.
 - `CollectiveGroup` / `new_gloo_group`: all-gather, gather, broadcast of objects and barriers
   on a dedicated gloo group, with a timeout that turns a dead peer into `PeerError`.
+- `PeerChannel`: point-to-point messages (a header, then payload buffers sent from where they
+  lie) between two ranks of such a group: checkpoint replicas.
 
 Nothing here imports `asynctron.engine`; blocking waits go through a `RunBlocking` door the
 caller passes in (`engine.run_blocking`).
@@ -16,6 +18,7 @@ from asynctron.comm._bucket import AllReduceTask, Bucket
 from asynctron.comm._collectives import CollectiveGroup, new_gloo_group
 from asynctron.comm._data_parallel import AsyncDataParallel
 from asynctron.comm._manager import BucketConfig, BucketManager, StepTimings
+from asynctron.comm._p2p import PeerChannel
 
 __all__ = [
     "AllReduceTask",
@@ -24,6 +27,7 @@ __all__ = [
     "BucketConfig",
     "BucketManager",
     "CollectiveGroup",
+    "PeerChannel",
     "StepTimings",
     "new_gloo_group",
     "wait_future",

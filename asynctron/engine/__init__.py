@@ -7,6 +7,7 @@ from asynctron.engine._oneshot import load, load_into, save
 from asynctron.engine._runner import BackgroundEngine
 from asynctron.engine._slabs import SlabCacheStatistics, free_idle_staging, staging_statistics
 from asynctron.engine._task import Milestone, SaveResult, SaveTask
+from asynctron.engine.tiers import RestoreResult, Tiers
 
 __all__ = [
     "BackgroundEngine",
@@ -15,9 +16,11 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "Milestone",
+    "RestoreResult",
     "SaveResult",
     "SaveTask",
     "SlabCacheStatistics",
+    "Tiers",
     "free_idle_staging",
     "load",
     "load_into",

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,36 +34,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 from asynctron._concurrency import RunBlocking
 from asynctron.engine._collectives import Collectives
 from asynctron.engine._report import WriteReport
+from asynctron.engine._turns import Turns
 from asynctron.errors import PeerError
 from asynctron.storage import Committed, Committer, SaveArea, digest
 from asynctron.storage.backends import Backend
-
-
-class _Turns:
-    """Lets saves through one phase of the protocol one at a time, in request order (seq 1, 2,
-    ...), so every rank issues that phase's collectives in the same order, however many saves
-    are in flight. Every save passes each phase exactly once: `take` it or `skip` it."""
-
-    def __init__(self) -> None:
-        self._passed = 0
-        self._changed = asyncio.Condition()
-
-    @contextlib.asynccontextmanager
-    async def take(self, seq: int) -> AsyncIterator[None]:
-        """Wait for the saves before `seq` to pass, run the body, pass."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._passed == seq - 1)
-        try:
-            yield
-        finally:
-            await self.skip(seq)
-
-    async def skip(self, seq: int) -> None:
-        """Pass without running anything (every rank skips the same phase of the same save)."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._passed >= seq - 1)
-            self._passed = max(self._passed, seq)
-            self._changed.notify_all()
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +82,8 @@ class Coordinator:
         self.finishing = finishing
         self._run_blocking = run_blocking
         self._committer = committer
-        self._planning_turns = _Turns()
-        self._finishing_turns = _Turns()
+        self._planning_turns = Turns()
+        self._finishing_turns = Turns()
 
     @property
     def rank(self) -> int:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from asynctron._budget import ByteBudget
 from asynctron._concurrency import uncancellable
 from asynctron._config import resolve_config
-from asynctron.comm import CollectiveGroup, new_gloo_group
+from asynctron.comm import CollectiveGroup, PeerChannel, new_gloo_group
 from asynctron.engine._collectives import Collectives, SoloCollectives
 from asynctron.engine._coordinator import Coordinator
 from asynctron.engine._load import Loader
@@ -31,8 +31,9 @@ from asynctron.engine._resources import SaveResources
 from asynctron.engine._save import SaveJob, SaveOptions
 from asynctron.engine._staging import mark_ready
 from asynctron.engine._task import SaveResult, SaveTask
+from asynctron.engine.tiers import RestoreResult, TierManager, Tiers, job_nodes
 from asynctron.errors import BusyError, ClosedError, PeerTimeoutError
-from asynctron.storage import Backend, Committer, Retention, store_operation
+from asynctron.storage import Backend, Committer, Retention, backend_for, store_operation
 from asynctron.storage._checksum import ALGORITHMS, XXH3_64
 from asynctron.storage._layout import ALIGN_BYTES
 
@@ -80,6 +81,9 @@ class EngineConfig:
     """How much lower the CPU priority of the executor's threads is than the thread that
     starts the engine (added to its nice value, Linux only): when the event loop or training
     wakes up, it gets a core before checkpoint copies and writes do. 0 leaves it alone."""
+    tiers: Tiers | None = None
+    """Save to tiers (`save(state, step=N)`: the node's local tier, replicas on other nodes,
+    a store in the background) and `restore` from the nearest that verifies; see `Tiers`."""
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "num_bins"):
@@ -114,6 +118,13 @@ class EngineConfig:
                                          and self.job.isprintable()):
             raise ValueError(f"job: expected None or a printable name of 1 to 256 characters, "
                              f"found {self.job!r}")
+        if self.tiers is not None and not isinstance(self.tiers, Tiers):
+            raise TypeError(f"tiers: expected asynctron.Tiers or None, found "
+                            f"{type(self.tiers).__name__}")
+        if self.tiers is not None and self.num_workers <= 2 * self.tiers.replicas:
+            raise ValueError(f"num_workers: expected more than 2 x Tiers.replicas "
+                             f"({2 * self.tiers.replicas}: a thread waits on each replica sent "
+                             f"and received), found {self.num_workers}; raise num_workers")
 
 
 class EngineOptions(TypedDict, total=False):
@@ -131,6 +142,7 @@ class EngineOptions(TypedDict, total=False):
     checksum: str | None
     coordination_timeout_s: float
     worker_nice_increment: int
+    tiers: Tiers | None
 
 
 class Engine:
@@ -147,14 +159,26 @@ class Engine:
     groups (made on entry, of all ranks or of `process_group`'s: entering is collective, like
     `dist.new_group`), never on the training group.
 
+    With `tiers` (`Engine(tiers=Tiers(local=..., store=...))`), `save(state, step=N)` saves to
+    the tiers and `restore(state)` restores from the nearest that verifies; `store_backend`
+    is the store's backend (default: the one `tiers.store`'s URL names), and `backend`, when
+    given, is the local tier's.
+
     Concurrency: any number of saves and loads may be in flight; two saves to one path raise
     BusyError.
     """
 
     def __init__(self, config: EngineConfig | None = None, *, backend: Backend | None = None,
                  process_group: dist.ProcessGroup | None = None,
+                 store_backend: Backend | None = None,
                  **options: Unpack[EngineOptions]) -> None:
         self.config = resolve_config("Engine", EngineConfig, config, options)
+        if store_backend is not None and (self.config.tiers is None
+                                          or self.config.tiers.store is None):
+            raise ValueError("store_backend: expected with tiers that have a store "
+                             "(Engine(tiers=Tiers(..., store=...))), found no store")
+        self._store_backend = store_backend
+        self._tiers: TierManager | None = None
         if process_group is not None and dist.get_backend(process_group) != "gloo":
             raise ValueError(f"process_group: expected a gloo group for coordination, found "
                              f"{dist.get_backend(process_group)!r}; create one with "
@@ -213,6 +237,13 @@ class Engine:
             raise
         self._coordinator = Coordinator(planning, finishing, self.run_blocking,
                                         Committer(self.run_blocking, self._retention()))
+        if self.config.tiers is not None:
+            try:
+                self._tiers = await self._tier_manager(self.config.tiers)
+            except BaseException:
+                self._loop = None
+                self._resources.shutdown(unbind=True)
+                raise
         logger.debug("engine started: %s, rank %d of %d", self.config,
                      self._coordinator.rank, self._coordinator.world_size)
 
@@ -222,6 +253,35 @@ class Engine:
         engine = secrets.token_hex(8)
         return Retention(job=self.config.job or f"engine-{engine}", engine=engine,
                          keep_last=self.config.keep_last)
+
+    async def _tier_manager(self, tiers: Tiers) -> TierManager:
+        """The tiers on this rank: its node, its local tier and the store, and (across ranks)
+        three more gloo groups: the steps' agreement, the replicas' streams, the drains."""
+        coordinator = self._started()
+        nodes = job_nodes(tiers, coordinator.rank, coordinator.world_size)
+        local, _ = self._resources.locate(tiers.local_root(nodes.node))
+        store = None
+        if tiers.store is not None:
+            store = self._store_backend or backend_for(tiers.store)
+        agree: Collectives = SoloCollectives()
+        drains: Collectives = SoloCollectives()
+        channel = None
+        if coordinator.world_size > 1:
+            timeout_s = self.config.coordination_timeout_s
+            ranks = (None if self._process_group is None
+                     else dist.get_process_group_ranks(self._process_group))
+            new_group = functools.partial(new_gloo_group, timeout_s=timeout_s, ranks=ranks)
+            groups = [await self.run_blocking(new_group) for _ in range(3)]
+            agree, drains = (CollectiveGroup(group, run_blocking=self.run_blocking,
+                                             timeout_s=timeout_s) for group in groups[:2])
+            channel = PeerChannel(groups[2], run_blocking=self.run_blocking)
+        retention = None
+        if tiers.keep_store is not None:
+            retention = Retention(job=self.config.job or "asynctron-tiers",
+                                  engine=secrets.token_hex(8), keep_last=tiers.keep_store)
+        return TierManager(tiers, nodes, resources=self._resources, local=local, store=store,
+                           agree=agree, drains=drains, channel=channel,
+                           plan_cache=self.plan_cache, store_retention=retention)
 
     async def _collectives(self) -> tuple[Collectives, Collectives]:
         """The save protocol's two groups (planning, finishing): gloo groups across ranks."""
@@ -270,6 +330,8 @@ class Engine:
             its result), unless `raise_unobserved` is False: a failed checkpoint is never
             silent (every failure is also logged when it happens).
 
+        With tiers, the drain to the store in flight is waited for too.
+
         Cancellation: the saves in flight are cancelled (their tmp dirs removed) and the
         executor still shuts down.
         """
@@ -286,6 +348,8 @@ class Engine:
             await uncancellable(asyncio.ensure_future(asyncio.wait(list(self._saves.values()))))
             raise
         else:
+            if self._tiers is not None:
+                await self._tiers.aclose()
             unobserved = [handle for handle in self._failed if not handle.observed]
             if unobserved and raise_unobserved:
                 raise unobserved[0].failure()
@@ -329,11 +393,12 @@ class Engine:
         """
         return await self._resources.run_blocking(fn, *args)
 
-    def save(self, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
-             snapshot: bool = True, format: Literal["asynctron", "dcp"] = "asynctron"
-             ) -> SaveTask:
-        """Start saving `state_dict` to the new directory `path`; returns at once (whatever
-        the state dict's size: it is read on the executor, never on the loop).
+    def save(self, state_dict: Mapping[str, Any], path: str | os.PathLike[str] | None = None,
+             *, step: int | None = None, snapshot: bool = True,
+             format: Literal["asynctron", "dcp"] = "asynctron") -> SaveTask:
+        """Start saving `state_dict` to the new directory `path` (or, with `step`, to the
+        engine's tiers); returns at once (whatever the state dict's size: it is read on the
+        executor, never on the loop).
 
         The state dict and its tensors must not change until `await task.staged`: the
         snapshot is their value then, and for CUDA tensors the value after the work queued on
@@ -343,9 +408,15 @@ class Engine:
             state_dict: nested dicts/lists/tuples of tensors (CPU or CUDA), numpy arrays,
                 bytes, and JSON values (str, int, float, bool, None).
             path: the checkpoint directory to create; its parent gets a `latest` pointer.
+            step: instead of `path`, with `Engine(tiers=...)`: this rank's shard of step
+                `step`, committed into its node's local tier and the replicas' (collective:
+                every rank saves the same step); every `store_every`-th complete step is then
+                drained to the store in the background. `await task` resolves once the step
+                is complete on every rank (its `SaveResult.step` set).
             snapshot: copy tensors out (True), so they may change after `await task.staged`;
                 False writes CPU tensors in place, and they must not change until `await task`
                 (no copy: the fastest save for a caller that waits for the commit anyway).
+                A save to the tiers always copies (its replicas are sent from the copy).
             format: `"asynctron"`; or `"dcp"`: also readable by stock
                 `torch.distributed.checkpoint.load` (and Megatron's torch_dist loader): tensors
                 as `torch.save` blobs, other values pickled as DCP pickles them, a `.metadata`
@@ -356,26 +427,33 @@ class Engine:
             a `SaveTask`: `await task.staged`, then `await task` for the `SaveResult`.
 
         Raises:
-            ValueError: an unknown `format`.
+            ValueError: an unknown `format`; neither or both of `path` and `step`; `step`
+                without tiers, or with `format="dcp"` or `snapshot=False`.
             TypeError: `state_dict` is not a dict.
-            BusyError: a save to the same path is already in flight.
+            BusyError: a save to the same path (or step) is already in flight.
             ClosedError: the engine is closed.
         The task (and `task.staged`) raises TypeError or ValueError for bad keys, leaves or
         dtypes (naming the key; nothing is written), FileExistsError if `path` exists,
-        StorageError on I/O failure.
+        StorageError on I/O failure, PeerError when another rank failed.
 
         Memory: staging holds at most `memory_budget_bytes` (shared by all saves).
         """
         loop = self._check_open()
-        backend, target = self._resources.locate(path)
-        if target in self._saves:
-            raise BusyError(f"checkpoint {target}: a save to this path is already in flight; "
-                            "await it first or save to another path")
         if format not in ("asynctron", "dcp"):
             raise ValueError(f"format: expected 'asynctron' or 'dcp', found {format!r}")
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict: expected a dict, found {type(state_dict).__name__}; "
                             "wrap the value in a dict")
+        tiers = self._check_step(path, step, snapshot=snapshot, format=format)
+        if tiers is not None:
+            assert step is not None
+            backend, target = tiers.local, tiers.shard_path(step)
+        else:
+            assert path is not None
+            backend, target = self._resources.locate(path)
+        if target in self._saves:
+            raise BusyError(f"checkpoint {target}: a save to this path is already in flight; "
+                            "await it first or save to another path")
         options = SaveOptions(num_bins=self.config.num_bins, snapshot=snapshot,
                               slab_bytes=self.config.slab_bytes,
                               direct_io=self.config.direct_io, checksum=self.config.checksum,
@@ -387,15 +465,50 @@ class Engine:
             if not staged.done():
                 staged.set_result(None)
 
-        job = SaveJob(state_dict, target, seq=self._seq, options=options, ready=mark_ready(),
-                      backend=backend, resources=self._resources,
-                      coordinator=self._started(), plan_cache=self.plan_cache,
-                      on_staged=on_staged)
-        task = loop.create_task(self._run_save(job, staged), name=f"asynctron-save:{target}")
+        work: Callable[[], Awaitable[SaveResult]]
+        if tiers is not None:
+            assert step is not None
+            work = functools.partial(tiers.save, state_dict, step, options=options,
+                                     ready=mark_ready(), on_staged=on_staged)
+        else:
+            work = SaveJob(state_dict, target, seq=self._seq, options=options,
+                           ready=mark_ready(), backend=backend, resources=self._resources,
+                           coordinator=self._started(), plan_cache=self.plan_cache,
+                           on_staged=on_staged).run
+        task = loop.create_task(self._run_save(work, target, staged),
+                                name=f"asynctron-save:{target}")
         self._saves[target] = task
         handle = SaveTask(task, staged, loop, target)
         task.add_done_callback(lambda _: self._settled(handle))
         return handle
+
+    def _check_step(self, path: str | os.PathLike[str] | None, step: int | None, *,
+                    snapshot: bool, format: str) -> TierManager | None:
+        """The tiers a save goes to (with `step`), or None (to `path`).
+
+        Raises:
+            ValueError: neither or both of `path` and `step`, or a `step` the tiers cannot
+                take (naming why).
+        """
+        if step is None:
+            if path is None:
+                raise ValueError("save: expected a path (or, with Engine(tiers=...), step=), "
+                                 "found neither")
+            return None
+        if path is not None:
+            raise ValueError(f"save: expected a path or step=, found both ({path!r}, "
+                             f"step={step!r}); the tiers choose a step's path")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"step: expected an int >= 0, found {step!r}")
+        if self._tiers is None:
+            raise ValueError(f"save step={step}: expected an engine with tiers "
+                             "(Engine(tiers=asynctron.Tiers(local=...))), found none; pass "
+                             "a path instead")
+        if format != "asynctron" or not snapshot:
+            raise ValueError(f"save step={step}: expected format='asynctron' and snapshot=True "
+                             f"(a tier's replicas are sent from the staged copy), found "
+                             f"format={format!r}, snapshot={snapshot!r}")
+        return self._tiers
 
     def _settled(self, handle: SaveTask) -> None:
         if handle.failed():
@@ -409,12 +522,13 @@ class Engine:
             logger.error("%s", message)
             warnings.warn(message, RuntimeWarning, stacklevel=1)
 
-    async def _run_save(self, job: SaveJob, staged: asyncio.Future[None]) -> SaveResult:
+    async def _run_save(self, work: Callable[[], Awaitable[SaveResult]], target: str,
+                        staged: asyncio.Future[None]) -> SaveResult:
         try:
-            return await job.run()
+            return await work()
         except BaseException as error:
             if not isinstance(error, asyncio.CancelledError):
-                logger.error("checkpoint %s: save failed: %s: %s", job.path,
+                logger.error("checkpoint %s: save failed: %s: %s", target,
                              type(error).__name__, error)
             if not staged.done():
                 if isinstance(error, asyncio.CancelledError):
@@ -424,7 +538,7 @@ class Engine:
                     staged.exception()  # retrieved here; the SaveTask carries it to the caller
             raise
         finally:
-            del self._saves[job.path]
+            del self._saves[target]
 
     async def load(self, path: str | os.PathLike[str], *, mmap: bool = False,
                    verify: bool | None = None) -> dict[str, Any]:
@@ -495,29 +609,74 @@ class Engine:
                             "pass the state dict to fill")
         return await self._load(path, verify, lambda loader: loader.into(state_dict))
 
+    async def restore(self, state_dict: Mapping[str, Any], *,
+                      step: int | None = None) -> RestoreResult:
+        """Restore `state_dict` in place from the engine's tiers: the newest step (or `step`)
+        that is complete for every rank, each rank's shard from the nearest tier that
+        verifies: its node's local tier, else a replica on another node (streamed over
+        torch.distributed into its own tier), else the store. Collective: every rank calls it,
+        before training resumes (no save to the tiers in flight).
+
+        Returns:
+            a `RestoreResult`: the `step` (the same on every rank), this rank's `source`
+            (`"local"`, `"replica"` or `"store"`) and every rank's, the restored `state`
+            (`load_into`'s value: the tensors filled in place, the saved values of the other
+            leaves), and the copies `skipped`.
+
+        Raises:
+            ValueError: the engine has no tiers.
+            CheckpointNotFoundError: no step verifies for every rank on any tier; the message
+                names what each tier held.
+            PeerError: another rank failed or is gone. A state that does not match the
+                checkpoint (a key or shape) raises its `ValueError` on its rank.
+
+        Cancellation: the tensors may be partly filled; the collectives of the round in
+        flight run to their end first.
+        """
+        self._check_open()
+        if self._tiers is None:
+            raise ValueError("restore: expected an engine with tiers (Engine(tiers="
+                             "asynctron.Tiers(local=...))), found none; use load_into(state, "
+                             "path)")
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict: expected a dict, found {type(state_dict).__name__}; "
+                            "pass the state dict to fill")
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)
+                                 or step < 0):
+            raise ValueError(f"step: expected None or an int >= 0, found {step!r}")
+        return await self._tiers.restore(state_dict, self._load_into_verified, step=step)
+
+    async def _load_into_verified(self, state_dict: Mapping[str, Any], path: str,
+                                  view: str | None) -> dict[str, Any]:
+        """`load_into` with every digest checked, reading the manifest `view` if given (a
+        rank's view of a drained step)."""
+        return await self._load(path, True, lambda loader: loader.into(state_dict), view=view)
+
     async def _load(self, path: str | os.PathLike[str], verify: bool,
-                    read: Callable[[Loader], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+                    read: Callable[[Loader], Awaitable[dict[str, Any]]], *,
+                    view: str | None = None) -> dict[str, Any]:
         """`_read` as one store operation (one clock on an object store), counted as a load in
         flight until it ends."""
         self._num_loads += 1
         self._loads_done.clear()
         try:
             with store_operation("load", os.fspath(path)):
-                return await self._read(path, verify, read)
+                return await self._read(path, verify, read, view)
         finally:
             self._num_loads -= 1
             if not self._num_loads:
                 self._loads_done.set()
 
     async def _read(self, path: str | os.PathLike[str], verify: bool,
-                    read: Callable[[Loader], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+                    read: Callable[[Loader], Awaitable[dict[str, Any]]],
+                    view: str | None) -> dict[str, Any]:
         """Lease the checkpoint, open its reader, `read` it; close and release on every path."""
         reader = None
         try:
             backend, checkpoint = self._resources.locate(path)
             reader = await backend.open_reader(self.run_blocking, checkpoint,
                                                max_files_at_once=self.config.num_workers)
-            manifest = await reader.open()
+            manifest = await reader.open(view=view)
             resources = self._resources
             return await read(Loader(reader, manifest, pool=resources.pool,
                                      copy_streams=resources.copy_streams,

@@ -13,13 +13,16 @@ Tasks (one `TaskGroup`):
   and closes it.
 So the loop wakes a few times per save, not per batch. A slab goes back to the pool when its
 batch is written: at the end of the writer's call, or, when another acquire is waiting for
-budget, right after that batch.
+budget, right after that batch. With a `Mirror` (a tier's replicas), each run of batches is
+also sent to it from the same slabs, while it is written; the slabs go back once both are
+done.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import torch
 
@@ -28,6 +31,19 @@ from asynctron.engine._resources import SaveResources
 from asynctron.engine._save_plan import SaveRequest
 from asynctron.engine._staging import StagedBatch, in_place, stage_wave
 from asynctron.storage import Backend, FileWriter, SaveArea, WriteBatch
+
+
+class Mirror(Protocol):
+    """Where a save's files also go, from the same staged bytes (a tier's replicas)."""
+
+    async def send(self, name: str, file_nbytes: int, batches: Sequence[WriteBatch]) -> None:
+        """Send `batches` (consecutive, continuing the file `name` of `file_nbytes`; none for
+        an empty file); returns once their memory may be reused.
+
+        Raises:
+            PeerError: a receiver is gone; the save fails.
+        """
+        ...
 
 
 class _ReadyBatches:
@@ -63,10 +79,10 @@ class _ReadyBatches:
 async def stage_and_write(request: SaveRequest, backend: Backend, area: SaveArea,
                           resources: SaveResources, *, snapshot: bool, direct_io: bool,
                           ready: Mapping[torch.device, torch.cuda.Event],
-                          on_staged: Callable[[], None]) -> None:
+                          on_staged: Callable[[], None], mirror: Mirror | None = None) -> None:
     """Stage and write every bin of `request` into `area`, durable; `on_staged()` once
     nothing of the caller's is needed any more (with `snapshot`, once every batch is staged;
-    without, once every file is written).
+    without, once every file is written). With `mirror`, every batch is also sent to it.
 
     Raises the first error of any task (the others are cancelled).
     Cancellation: copies and writes in flight finish; every slab goes back to the pool and
@@ -88,7 +104,7 @@ async def stage_and_write(request: SaveRequest, backend: Backend, area: SaveArea
             batch.slab = None
 
     def on_written(batch: WriteBatch) -> None:  # on the writer's executor thread
-        if pool.num_waiting:
+        if pool.num_waiting and mirror is None:  # a mirror may still be sending it
             loop.call_soon_threadsafe(release, batch)
 
     async def stage() -> None:
@@ -126,14 +142,19 @@ async def stage_and_write(request: SaveRequest, backend: Backend, area: SaveArea
         if snapshot:
             on_staged()
 
-    async def write(writer: FileWriter, queue: _ReadyBatches) -> None:
+    async def write(writer: FileWriter, queue: _ReadyBatches, name: str, nbytes: int) -> None:
         try:
             await writer.open()
             await gate.wait()
             while not writer.done:
                 run = await queue.take() if queue.next_index < queue.num_batches else []
                 try:
-                    await writer.write(run, on_written)  # the last call fsyncs and closes
+                    if mirror is None:
+                        await writer.write(run, on_written)  # the last call fsyncs and closes
+                    else:
+                        async with asyncio.TaskGroup() as both:
+                            both.create_task(writer.write(run, on_written))
+                            both.create_task(mirror.send(name, nbytes, run))
                 finally:
                     for batch in run:
                         release(batch)
@@ -143,8 +164,8 @@ async def stage_and_write(request: SaveRequest, backend: Backend, area: SaveArea
     try:
         async with asyncio.TaskGroup() as group:
             group.create_task(stage())
-            for writer, queue in zip(writers, queues, strict=True):
-                group.create_task(write(writer, queue))
+            for writer, queue, bin in zip(writers, queues, request.bins, strict=True):
+                group.create_task(write(writer, queue, bin.layout.file_name, bin.layout.nbytes))
     except BaseExceptionGroup as group_error:
         raise first_error(group_error)  # noqa: B904 (the group stays as __context__)
     finally:

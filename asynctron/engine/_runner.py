@@ -19,6 +19,7 @@ import torch.distributed as dist
 from asynctron._loop_thread import LoopThread
 from asynctron.engine._engine import Engine, EngineConfig, EngineOptions
 from asynctron.engine._task import SaveTask
+from asynctron.engine.tiers import RestoreResult
 from asynctron.errors import ClosedError
 from asynctron.storage import Backend
 
@@ -47,9 +48,11 @@ class BackgroundEngine:
 
     def __init__(self, config: EngineConfig | None = None, *, backend: Backend | None = None,
                  process_group: dist.ProcessGroup | None = None,
+                 store_backend: Backend | None = None,
                  **options: Unpack[EngineOptions]) -> None:
         # built (and its config validated) here, on the caller
-        self._engine = Engine(config, backend=backend, process_group=process_group, **options)
+        self._engine = Engine(config, backend=backend, process_group=process_group,
+                              store_backend=store_backend, **options)
         self._loop_thread = LoopThread("asynctron-loop")
         self._closed = False
         try:
@@ -143,11 +146,11 @@ class BackgroundEngine:
         calling thread. See `Engine.run_blocking`."""
         return self._call(self._engine.run_blocking(fn, *args))
 
-    def save(self, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
-             snapshot: bool = True, format: Literal["asynctron", "dcp"] = "asynctron"
-             ) -> SaveTask:
-        """Start a save; returns once it is validated (planning and writing go on in the
-        background). See `Engine.save`.
+    def save(self, state_dict: Mapping[str, Any], path: str | os.PathLike[str] | None = None,
+             *, step: int | None = None, snapshot: bool = True,
+             format: Literal["asynctron", "dcp"] = "asynctron") -> SaveTask:
+        """Start a save (to `path`, or with `step` to the engine's tiers); returns once it is
+        validated (planning and writing go on in the background). See `Engine.save`.
 
         `task.staged.result()` blocks until the tensors may be mutated; `task.result()` until
         the checkpoint is committed. A one-shot save that waits for the commit anyway is
@@ -156,9 +159,16 @@ class BackgroundEngine:
         """
 
         async def start() -> SaveTask:
-            return self._engine.save(state_dict, path, snapshot=snapshot, format=format)
+            return self._engine.save(state_dict, path, step=step, snapshot=snapshot,
+                                     format=format)
 
         return self._call(start())
+
+    def restore(self, state_dict: Mapping[str, Any], *, step: int | None = None
+                ) -> RestoreResult:
+        """Restore `state_dict` in place from the tiers, blocking the calling thread. See
+        `Engine.restore`."""
+        return self._call(self._engine.restore(state_dict, step=step))
 
     def load(self, path: str | os.PathLike[str], *, mmap: bool = False,
              verify: bool | None = None) -> dict[str, Any]:

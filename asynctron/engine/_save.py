@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from asynctron._concurrency import uncancellable
 from asynctron.engine._coordinator import Coordinator, Start, describe
-from asynctron.engine._pipeline import stage_and_write
+from asynctron.engine._pipeline import Mirror, stage_and_write
 from asynctron.engine._plan_cache import FilePlan, PlanCache
 from asynctron.engine._report import WriteReport
 from asynctron.engine._resources import SaveResources
@@ -135,9 +135,14 @@ class SaveJob:
     def __init__(self, state_dict: Mapping[str, Any], path: str, *, seq: int,
                  options: SaveOptions, ready: Mapping[torch.device, torch.cuda.Event],
                  backend: Backend, resources: SaveResources, coordinator: Coordinator,
-                 plan_cache: PlanCache, on_staged: Callable[[], None]) -> None:
+                 plan_cache: PlanCache, on_staged: Callable[[], None],
+                 file_rank: int | None = None, mirror: Mirror | None = None) -> None:
         self.path = path
         self.seq = seq
+        self._file_rank = coordinator.rank if file_rank is None else file_rank
+        """The rank in this save's file names (`__<rank>_<bin>.distcp`): the coordination
+        group's, or a tier shard's global rank (saved by a solo coordinator)."""
+        self._mirror = mirror
         self._state_dict = state_dict
         self._options = options
         self._ready = ready
@@ -153,6 +158,11 @@ class SaveJob:
         self._t_staged: float | None = None
         self._store = StoreOperation("save")
         """The save's requests to an object store: one clock, and what they cost."""
+
+    def abort(self) -> None:
+        """Stop this rank's own work (planning, staging, writing) at once; `run` then raises
+        CancelledError, having taken part in the protocol's collectives."""
+        self._abort.request()
 
     def _mark_staged(self) -> None:
         self._t_staged = time.perf_counter()
@@ -246,7 +256,7 @@ class SaveJob:
         if options.format == "dcp":
             return flat, None
         return flat, structure_digest(flat, num_bins=options.num_bins,
-                                      rank=self._coordinator.rank, slab_bytes=options.slab_bytes)
+                                      rank=self._file_rank, slab_bytes=options.slab_bytes)
 
     async def _plan(self, flat: FlatStateDict | BaseException, start: Start,
                     held: Mapping[Hashable, FilePlan]) -> tuple[SaveRequest, Metadata | None]:
@@ -289,7 +299,7 @@ class SaveJob:
         """The file plan of this rank's items (kept in the cache), and the request."""
         options = self._options
         plan, sources = await self._abort.run(self._run_blocking(functools.partial(
-            file_plan, flat, items, num_bins=options.num_bins, rank=self._coordinator.rank,
+            file_plan, flat, items, num_bins=options.num_bins, rank=self._file_rank,
             slab_bytes=options.slab_bytes, torch_save_frames=options.format == "dcp")))
         if start.plan_key is not None:
             self._plan_cache.store(start.plan_key, plan)
@@ -302,14 +312,14 @@ class SaveJob:
 
     async def _write_phase(self, planned: _Planned) -> WriteReport:
         """Stage and write this rank's bins (unless phase 1 failed); this rank's report."""
-        options, rank, request = self._options, self._coordinator.rank, planned.request
+        options, rank, request = self._options, self._file_rank, planned.request
         if planned.error is None:
             assert request is not None and planned.start is not None
             try:
                 await self._abort.run(stage_and_write(
                     request, self._backend, planned.start.area, self._resources,
                     snapshot=options.snapshot, direct_io=options.direct_io, ready=self._ready,
-                    on_staged=self._mark_staged))
+                    on_staged=self._mark_staged, mirror=self._mirror))
                 return await self._abort.run(self._run_blocking(request.report, rank))
             except BaseException as error:  # reported to the others, then raised at finish
                 planned.error = error

@@ -92,6 +92,9 @@ class SaveResult:
     warnings: tuple[str, ...] = ()
     """Problems after the commit that did not undo it: `latest` not moved, older checkpoints
     not pruned (also logged)."""
+    step: int | None = None
+    """The step of a save to the tiers (`Engine(tiers=...)`, `save(state, step=N)`); its
+    `path` is then this rank's shard in its node's local tier."""
     store: StoreStatistics = field(default_factory=StoreStatistics)
     """What this rank asked of an object store (requests, retries, throttles, bytes, time
     waiting on it), to tell a slow store from a slow client; zeros on local files."""

@@ -44,12 +44,15 @@ async def commit_checkpoint(backend: Backend, run_blocking: RunBlocking, area: S
 
 
 class Committer:
-    """Commits an engine's saves: one per root at a time; `latest` only ever moves forward.
-    Used on the coordinator."""
+    """Commits an engine's saves: one per root at a time; `latest` only ever moves forward
+    (or, with `points_latest=False`, is never written: a tier's shards). Used on the
+    coordinator."""
 
-    def __init__(self, run_blocking: RunBlocking, retention: Retention | None) -> None:
+    def __init__(self, run_blocking: RunBlocking, retention: Retention | None, *,
+                 points_latest: bool = True) -> None:
         self._run_blocking = run_blocking
         self._retention = retention
+        self._points_latest = points_latest
         self._locks: dict[str, asyncio.Lock] = {}
         self._newest: dict[str, int] = {}
 
@@ -67,7 +70,7 @@ class Committer:
         async with lock:
             committed = await commit_checkpoint(
                 backend, self._run_blocking, area, files, retention=self._retention,
-                seq=seq, move_latest=seq > self._newest.get(root, -1))
+                seq=seq, move_latest=self._points_latest and seq > self._newest.get(root, -1))
             if committed.moved_latest:
                 self._newest[root] = seq
         return committed

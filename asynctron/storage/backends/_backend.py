@@ -108,9 +108,11 @@ class CheckpointReader(Protocol):
     """The checkpoint read (after `open`: the one `latest` named, if it was followed)."""
     manifest: Manifest | None
 
-    async def open(self) -> Manifest:
+    async def open(self, *, view: str | None = None) -> Manifest:
         """Find the checkpoint (following `latest`), read and validate its manifest against
-        its files (each present, with its recorded size).
+        its files (each present, with its recorded size). With `view`, read that file of the
+        checkpoint as its manifest instead (a tier's drained step: one rank's view of the
+        step's files).
 
         Raises:
             CheckpointNotFoundError: nothing committed at the path.
@@ -256,6 +258,26 @@ class CheckpointStorage(Protocol):
         """
         ...
 
+    async def list_checkpoints(self, run_blocking: RunBlocking, root: str) -> list[str]:
+        """The names of the committed checkpoints directly under `root` (none if `root` does
+        not exist), in one listing of the storage.
+
+        Raises:
+            StorageError: the listing failed.
+        """
+        ...
+
+    async def remove_checkpoint(self, run_blocking: RunBlocking, path: str) -> bool:
+        """Delete the committed checkpoint at `path`: it stops being a checkpoint at once (a
+        reader never finds it half there), then its files go. Returns whether it was removed:
+        False when nothing is committed there, or (where the backend leases) a load holds it.
+
+        Raises:
+            StorageError: the removal failed (what is left is debris the next commit beside
+                it removes, never a checkpoint).
+        """
+        ...
+
 
 
 class FileStorage(Protocol):
@@ -338,6 +360,11 @@ class ReadableFile(Protocol):
     def pread(self, nbytes: int, offset: int) -> bytes:
         """Blocks: up to `nbytes` bytes from `offset`; fewer only at the end of the file or
         beyond what the storage returns in one call (2 GiB - 4 KiB on Linux)."""
+        ...
+
+    def pread_into(self, buffer: memoryview, offset: int) -> int:
+        """Blocks: fill `buffer` with the bytes from `offset`; returns how many were read
+        (fewer only at the end of the file)."""
         ...
 
     def close(self) -> None:

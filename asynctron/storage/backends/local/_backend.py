@@ -88,6 +88,12 @@ class LocalBackend(LocalFiles):
         return LocalCheckpointReader(self.file_io, checkpoint, run_blocking,
                                 max_files_at_once=max_files_at_once, lease=lease)
 
+    async def list_checkpoints(self, run_blocking: RunBlocking, root: str) -> list[str]:
+        return await run_blocking(_retention.committed_names, root)
+
+    async def remove_checkpoint(self, run_blocking: RunBlocking, path: str) -> bool:
+        return await run_blocking(_retention.remove_committed, path)
+
     def __repr__(self) -> str:
         return f"<LocalBackend {type(self.file_io).__name__}, {len(self._live)} saves live>"
 

@@ -163,6 +163,18 @@ class LocalReadableFile:
         self.nbytes = status.st_size  # the size when opened
         self.pread = types.MethodType(os.pread, fd)
 
+    def pread_into(self, buffer: memoryview, offset: int) -> int:
+        """Blocks: fill `buffer` from `offset` (looping over short reads); returns the bytes
+        read, fewer only at the end of the file."""
+        view = buffer.cast("B") if buffer.format != "B" else buffer
+        done = 0
+        while done < view.nbytes:
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if not got:
+                break
+            done += got
+        return done
+
     def close(self) -> None:
         """Release the descriptor (again: nothing)."""
         fd, self._fd = self._fd, -1

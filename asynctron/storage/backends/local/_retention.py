@@ -241,6 +241,51 @@ def lease_checkpoint(path: str) -> tuple[str, DirLock]:
         f"({_MAX_LEASE_ATTEMPTS} times); is another job pruning this directory?", path=path)
 
 
+def committed_names(root: str) -> list[str]:
+    """Blocks: the names of the committed checkpoints directly under `root` (real
+    directories, never through a symlink), sorted; none if `root` does not exist."""
+    if not _is_real_dir(root):
+        return []
+    return sorted(name for name in _sysio.list_dir(root)
+                  if _is_checkpoint_name(name) and _is_real_dir(os.path.join(root, name))
+                  and is_committed(os.path.join(root, name)))
+
+
+def remove_committed(path: str) -> bool:
+    """Blocks: delete the committed checkpoint `path`: under its root's exclusive lock it is
+    renamed to a tmp name (it stops being a checkpoint at once), then deleted once the lock is
+    released. Returns False, removing nothing, if nothing is committed there or a load holds
+    it (its lease).
+
+    Raises:
+        StorageError: the rename or the deletion failed (a tmp dir left is debris).
+    """
+    root = os.path.dirname(os.path.abspath(path))
+    if not _is_real_dir(path):
+        return False
+    removal = Removal()
+    with DirLock.take(os.path.realpath(root), exclusive=True):
+        if not is_committed(path):
+            return False
+        lock = DirLock.try_take(path, exclusive=True)
+        if lock is None:
+            logger.info("checkpoint %s: kept while it is being loaded", path)
+            return False
+        graveyard = tmp_dir_for(path)
+        try:
+            _sysio.replace_file(path, graveyard)
+        except BaseException:
+            lock.release()
+            raise
+        removal.doomed.append((graveyard, lock))
+        _sysio.fsync_dir(root)
+    failures = removal.run()
+    if failures:
+        raise StorageError(f"checkpoint {path}: removed, but {failures[0]}", path=path,
+                           errno=None)
+    return True
+
+
 def _manifest_identity(checkpoint: str) -> tuple[int, int] | None:
     """(inode, mtime ns) of the manifest of `checkpoint`, if it is a real directory."""
     if not _is_real_dir(checkpoint):

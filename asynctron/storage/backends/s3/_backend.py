@@ -210,6 +210,34 @@ class S3Backend:
         return ObjectReader(self.client, path, run_blocking,
                             max_files_at_once=max_files_at_once)
 
+    async def list_checkpoints(self, run_blocking: RunBlocking, root: str) -> list[str]:
+        """One listing of every object under `root` (paged), kept to the checkpoints whose
+        commit point is there."""
+        folder = parse_url(root)
+        names: set[str] = set()
+        params = {"Bucket": folder.bucket, "Prefix": folder.prefix}
+        while True:
+            page = await self.client.call("list_objects_v2", folder, **params)
+            for entry in page.get("Contents", ()):
+                name, _, rest = entry["Key"][len(folder.prefix):].partition("/")
+                if rest in _COMMIT_POINTS and is_checkpoint_name(name):
+                    names.add(name)
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return sorted(names)
+            params["ContinuationToken"] = token
+
+    async def remove_checkpoint(self, run_blocking: RunBlocking, path: str) -> bool:
+        """Its commit points first (it stops being a checkpoint), then every object in it.
+        No lease on a store: a load reading it fails clearly (a missing object)."""
+        checkpoint = _checkpoint_url(path)
+        found = await list_folder(self.client, checkpoint)
+        if not any(name in found.sizes for name in _COMMIT_POINTS):
+            return False
+        await self._delete([checkpoint.child(name) for name in _COMMIT_POINTS])
+        await self._remove_debris(checkpoint)
+        return True
+
     # -- retention and debris ---------------------------------------------------------------
 
     async def _update_ledger(self, root: ObjectUrl,

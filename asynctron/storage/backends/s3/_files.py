@@ -139,6 +139,14 @@ class ObjectFile:
         blocking(self._get_into(offset, memoryview(buffer)))
         return bytes(buffer)
 
+    def pread_into(self, buffer: memoryview, offset: int) -> int:
+        """Blocks: fill `buffer` from `offset` (one GET); returns the bytes read, fewer only
+        at the object's end."""
+        nbytes = max(0, min(buffer.nbytes, self.nbytes - offset))
+        if nbytes:
+            blocking(self._get_into(offset, buffer.cast("B")[:nbytes]))
+        return nbytes
+
     def fetch(self, ranges: Sequence[tuple[int, memoryview]]
               ) -> concurrent.futures.Future[None]:
         """Start filling each `buffer` with the bytes from its `offset` (one GET each, all in

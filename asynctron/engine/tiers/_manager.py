@@ -1,0 +1,297 @@
+"""`TierManager`: an engine's tiers, owned by the engine: the saves to them, their retention,
+the drains to the store, the restore.
+
+One save to the tiers, on every rank at once (`Engine.save(state, step=N)`):
+1. this rank's state is saved as its own shard into its node's local tier: an ordinary
+   asynctron save (plan, stage, write, atomic commit) of one rank, its files named by its
+   rank; every batch written is also streamed, from the same staged slab, to the ranks that
+   keep its replicas (`ShardSender`, a `Mirror` of the pipeline), while this rank receives the
+   replicas it keeps into its own local tier (`receive_shard`);
+2. every rank tells every other whether its shard and the replicas it keeps are committed
+   (one all-gather, in save order): the step is complete when all are;
+3. then each rank prunes its local tier beyond `keep_local` complete steps, and on a
+   `store_every`-th step the drain to the store starts in the background (skipped, on every
+   rank alike, while an earlier drain still runs on any; a failed drain is tried again at
+   the next complete step).
+The trainer blocks only for the staging (`task.staged`); `await task` is step 2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from asynctron._concurrency import uncancellable
+from asynctron.comm import PeerChannel
+from asynctron.engine._collectives import Collectives, SoloCollectives
+from asynctron.engine._coordinator import Coordinator, describe
+from asynctron.engine._plan_cache import PlanCache
+from asynctron.engine._resources import SaveResources
+from asynctron.engine._save import SaveJob, SaveOptions
+from asynctron.engine._task import SaveResult
+from asynctron.engine._turns import Turns
+from asynctron.engine.tiers._config import Nodes, Tiers
+from asynctron.engine.tiers._drain import drain_step
+from asynctron.engine.tiers._layout import join, parse_shard, shard_name
+from asynctron.engine.tiers._restore import LoadInto, RestoreContext, RestoreResult, restore
+from asynctron.engine.tiers._stream import (
+    ReceiveBuffers,
+    ShardReceived,
+    ShardSender,
+    receive_shard,
+    shard_files,
+)
+from asynctron.errors import PeerError
+from asynctron.storage import Backend, Committer, Retention
+
+logger = logging.getLogger(__name__)
+
+_TAGS = 1 << 20
+"""Save streams' tags cycle through this many (restore streams use tags above)."""
+
+
+class TierManager:
+    """The tiers of one engine on one rank. Not constructed directly; `Engine` makes one when
+    given `tiers`.
+
+    Memory: besides the staging budget, `2 * (replicas + 1)` buffers of `slab_bytes` that
+    replicas are received into (and, at restore, streamed from): a receiver never waits for
+    staging memory its own save holds.
+    Concurrency: saves to the tiers may overlap; each step's agreement runs in save order.
+    """
+
+    def __init__(self, tiers: Tiers, nodes: Nodes, *, resources: SaveResources,
+                 local: Backend, store: Backend | None, agree: Collectives,
+                 drains: Collectives, channel: PeerChannel | None, plan_cache: PlanCache,
+                 store_retention: Retention | None) -> None:
+        self.tiers = tiers
+        self.nodes = nodes
+        self.local = local
+        self.store = store
+        self.local_root = local.locate(tiers.local_root(nodes.node))
+        self.store_root = None if store is None or tiers.store is None else (
+            store.locate(tiers.store))
+        self._resources = resources
+        self._agree = agree
+        self._drains = drains
+        self._channel = channel
+        self._plan_cache = plan_cache
+        self._store_retention = store_retention
+        run_blocking = resources.run_blocking
+        self._solo = Coordinator(SoloCollectives(), SoloCollectives(), run_blocking,
+                                 Committer(run_blocking, None, points_latest=False))
+        self._turns = Turns()
+        self._seq = 0
+        self._job_seq = 0
+        """Shard saves started: the solo coordinator's turns count them."""
+        self._buffers = ReceiveBuffers(2 * (tiers.replicas + 1), resources.config.slab_bytes)
+        self._complete: list[int] = []
+        """The steps known complete for every rank (saved, or restored), oldest first."""
+        self._drain: asyncio.Task[None] | None = None
+        self._drain_failed = False
+        self._draining: int | None = None
+        """The step the drain in flight reads (never pruned meanwhile)."""
+
+    @property
+    def holders(self) -> list[int]:
+        return self.nodes.holders(self.nodes.rank, self.tiers.replicas)
+
+    @property
+    def sources(self) -> list[int]:
+        return self.nodes.sources(self.nodes.rank, self.tiers.replicas)
+
+    def shard_path(self, step: int) -> str:
+        """This rank's shard of `step` in its node's local tier."""
+        return join(self.local_root, shard_name(step, self.nodes.rank))
+
+    # -- save -----------------------------------------------------------------------------
+
+    async def save(self, state_dict: Mapping[str, Any], step: int, *, options: SaveOptions,
+                   ready: Mapping[torch.device, torch.cuda.Event],
+                   on_staged: Callable[[], None]) -> SaveResult:
+        """Save this rank's shard of `step` to the tiers (collective: every rank saves the
+        same step).
+
+        Raises:
+            this rank's own error (its shard not committed), or PeerError naming the rank
+            whose shard or replica failed; the step is then not complete (nothing older is
+            pruned), and a restore uses an older one.
+
+        Cancellation: this rank's work stops, but its streams are ended and it takes part
+        in the agreement (reporting itself failed), then the cancellation is raised.
+        """
+        self._seq += 1
+        jobs: list[SaveJob] = []
+        protocol = asyncio.ensure_future(self._save(state_dict, step, self._seq, options,
+                                                    ready, on_staged, jobs))
+        try:
+            return await asyncio.shield(protocol)
+        except asyncio.CancelledError:
+            for job in jobs:
+                job.abort()
+            await uncancellable(protocol)
+            if not protocol.cancelled():
+                protocol.exception()  # the cancellation wins; mark the outcome as seen
+            raise
+
+    async def _save(self, state_dict: Mapping[str, Any], step: int, seq: int,
+                    options: SaveOptions, ready: Mapping[torch.device, torch.cuda.Event],
+                    on_staged: Callable[[], None], jobs: list[SaveJob]) -> SaveResult:
+        run_blocking = self._resources.run_blocking
+        tag = seq % _TAGS
+        path = self.shard_path(step)
+        sender = None
+        if self.holders:
+            assert self._channel is not None
+            sender = ShardSender(self._channel, self.holders, tag=tag)
+        receiving = [asyncio.ensure_future(self._receive(src, tag)) for src in self.sources]
+        result: SaveResult | None = None
+        error: BaseException | None = None
+        try:
+            await self.local.remove_checkpoint(run_blocking, path)  # an earlier life's
+            if sender is not None:
+                await sender.begin(step, self.nodes.rank)
+            self._job_seq += 1
+            job = SaveJob(state_dict, path, seq=self._job_seq, options=options, ready=ready,
+                          backend=self.local, resources=self._resources,
+                          coordinator=self._solo, plan_cache=self._plan_cache,
+                          on_staged=on_staged, file_rank=self.nodes.rank, mirror=sender)
+            jobs.append(job)
+            result = await job.run()
+        except (Exception, asyncio.CancelledError) as failure:  # reported, then raised
+            error = failure
+        if sender is not None:
+            await self._end_stream(sender, result)
+        received = await asyncio.gather(*receiving, return_exceptions=True)
+        kept = [src for src, got in zip(self.sources, received, strict=True)
+                if isinstance(got, ShardReceived)]
+        for src, got in zip(self.sources, received, strict=True):
+            if isinstance(got, BaseException):
+                logger.warning("step %d: the replica of rank %d's shard was not kept here: %s",
+                               step, src, got)
+        async with self._turns.take(seq):
+            reports = await self._agree.all_gather_object({
+                "ok": result is not None, "error": None if error is None else describe(error),
+                "kept": kept, "draining": self._drain is not None and not self._drain.done()})
+        await self._after(step, reports)
+        if error is not None:
+            raise error
+        assert result is not None
+        culprit = _culprit(reports, self.nodes, self.tiers.replicas)
+        if culprit is not None:
+            rank, what = culprit
+            raise PeerError(f"step {step}: expected every rank's shard and replicas committed, "
+                            f"found rank {rank} {what}; the step is not complete (a restore "
+                            "uses an older one)", rank=rank)
+        return dataclasses.replace(result, step=step)
+
+    async def _receive(self, src: int, tag: int) -> ShardReceived | None:
+        assert self._channel is not None
+        return await receive_shard(self._channel, src, tag=tag, backend=self.local,
+                                   root=self.local_root,
+                                   run_blocking=self._resources.run_blocking,
+                                   buffers=self._buffers)
+
+    async def _end_stream(self, sender: ShardSender, result: SaveResult | None) -> None:
+        """End the replicas' streams: committed (with the shard's manifest) or not."""
+        manifest = None
+        if result is not None:
+            _, manifest = await shard_files(self.local, self._resources.run_blocking,
+                                            result.path)
+        try:
+            await sender.end(manifest)
+        except PeerError as error:  # a holder gone: it reports itself at the agreement
+            logger.warning("step's replica stream to %s broke: %s", sorted(sender.failed),
+                           error)
+
+    async def _after(self, step: int, reports: list[dict[str, Any]]) -> None:
+        """Once every rank reported: prune and drain if the step is complete (on every rank
+        alike: the decisions are made from the same reports)."""
+        if _culprit(reports, self.nodes, self.tiers.replicas) is not None:
+            return
+        self._complete = sorted({*self._complete, step})
+        await self._prune()
+        if self.store_root is None or not (step % self.tiers.store_every == 0
+                                           or self._drain_failed):
+            return
+        if any(report["draining"] for report in reports):
+            logger.info("drain of step %d to %s skipped: an earlier drain is still running "
+                        "(the next complete step is drained once it ends)", step,
+                        self.store_root)
+            self._drain_failed = True
+            return
+        self._draining = step
+        self._drain = asyncio.ensure_future(self._run_drain(step))
+
+    async def _run_drain(self, step: int) -> None:
+        """The drain of `step`, in the background; a failure is logged (every rank learns it)
+        and the next complete step is drained instead."""
+        assert self.store is not None and self.store_root is not None
+        try:
+            committed = await drain_step(step, shard=self.shard_path(step),
+                                         collectives=self._drains, local=self.local,
+                                         store=self.store, store_root=self.store_root,
+                                         resources=self._resources,
+                                         retention=self._store_retention)
+            self._drain_failed = False
+            logger.info("step %d drained to %s%s", step, self.store_root,
+                        f"; pruned {list(committed.pruned)}" if committed.pruned else "")
+        except Exception as error:
+            self._drain_failed = True
+            logger.warning("drain of step %d to %s failed (the next complete step is drained "
+                           "instead): %s", step, self.store_root, describe(error))
+        finally:
+            self._draining = None
+
+    async def _prune(self) -> None:
+        """Remove this rank's shards (its own, and the replicas it keeps) of steps older than
+        the `keep_local` newest complete ones; never the step being drained."""
+        if len(self._complete) < self.tiers.keep_local:
+            return
+        cutoff = self._complete[-self.tiers.keep_local]
+        self._complete = self._complete[-self.tiers.keep_local:]
+        mine = {self.nodes.rank, *self.sources}
+        run_blocking = self._resources.run_blocking
+        for name in await self.local.list_checkpoints(run_blocking, self.local_root):
+            shard = parse_shard(name)
+            if shard is not None and shard[0] < cutoff and shard[1] in mine and (
+                    shard[0] != self._draining):
+                await self.local.remove_checkpoint(run_blocking, join(self.local_root, name))
+
+    # -- restore ---------------------------------------------------------------------------
+
+    async def restore(self, state_dict: Mapping[str, Any], load_into: LoadInto, *,
+                      step: int | None) -> RestoreResult:
+        """See `Engine.restore`."""
+        context = RestoreContext(
+            nodes=self.nodes, replicas=self.tiers.replicas, local=self.local,
+            local_root=self.local_root, store=self.store, store_root=self.store_root,
+            agree=self._agree, channel=self._channel, resources=self._resources,
+            buffers=self._buffers, load_into=load_into)
+        result = await restore(state_dict, context, step=step)
+        self._complete = [result.step]
+        return result
+
+    async def aclose(self) -> None:
+        """Wait for the drain in flight."""
+        if self._drain is not None:
+            await uncancellable(self._drain)
+
+
+def _culprit(reports: list[dict[str, Any]], nodes: Nodes, replicas: int
+             ) -> tuple[int, str] | None:
+    """The first rank whose shard, or a replica it should keep, is not committed (and what
+    failed), or None when the step is complete."""
+    for rank, report in enumerate(reports):
+        if not report["ok"]:
+            return rank, f"failing: {report['error']}"
+    for rank in range(nodes.world_size):
+        for holder in nodes.holders(rank, replicas):
+            if rank not in reports[holder]["kept"]:
+                return holder, f"not keeping rank {rank}'s replica"
+    return None

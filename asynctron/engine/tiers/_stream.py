@@ -1,0 +1,276 @@
+"""A shard's files sent to other ranks' local tiers over torch.distributed, and received there:
+replicas at save time (from the staged slabs, as they are written), and a lost shard at
+restore (from a holder's files).
+
+The stream from one rank to another, on a `PeerChannel` (one tag per save):
+
+    begin {step, rank}                      a shard of `rank`'s, at `step`, follows
+    data {file, file_nbytes, offset, sizes} + payload buffers      (any order across files,
+                                                                    in order within one)
+    end {ok, manifest_nbytes} + the shard's manifest                (ok: commit; else discard)
+
+The receiver writes each file as it comes into a save area of its local tier, and commits the
+shard (the same atomic commit as a save: fsynced files, manifest last, rename) only once `end`
+says the sender committed it too; anything else leaves no shard. Nothing is verified here:
+a restore verifies every item's digest before it uses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+import torch
+
+from asynctron._concurrency import RunBlocking, first_error
+from asynctron.comm import PeerChannel
+from asynctron.engine.tiers._layout import join, shard_name
+from asynctron.storage import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    Backend,
+    FileWriter,
+    SaveArea,
+    WriteBatch,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class ShardSender:
+    """Sends one shard to `destinations` (ranks of `channel`'s group): a save's `Mirror`.
+
+    Concurrency: `send` may be called by several writers at once (one per file); each message
+    reaches every destination whole.
+    """
+
+    def __init__(self, channel: PeerChannel, destinations: Sequence[int], *, tag: int) -> None:
+        self.destinations = list(destinations)
+        self._channel = channel
+        self._tag = tag
+        self.failed: dict[int, BaseException] = {}
+        """Destinations whose stream broke (a peer gone), with the error."""
+
+    async def _to_all(self, header: dict[str, object],
+                      payload: Sequence[memoryview] = ()) -> None:
+        async def one(dst: int) -> None:
+            try:
+                await self._channel.send(dst, header, payload, tag=self._tag)
+            except BaseException as error:
+                self.failed.setdefault(dst, error)
+                raise
+
+        live = [dst for dst in self.destinations if dst not in self.failed]
+        try:
+            async with asyncio.TaskGroup() as group:
+                for dst in live:
+                    group.create_task(one(dst))
+        except BaseExceptionGroup as error:
+            raise first_error(error) from None
+
+    async def begin(self, step: int, rank: int) -> None:
+        await self._to_all({"kind": "begin", "step": step, "rank": rank})
+
+    async def send(self, name: str, file_nbytes: int, batches: Sequence[WriteBatch]) -> None:
+        """`batches` of the file `name` to every destination, from where they lie."""
+        for batch in batches:
+            buffers = list(batch.buffers())
+            await self._to_all({"kind": "data", "file": name, "file_nbytes": file_nbytes,
+                                "offset": batch.file_offset,
+                                "sizes": [buffer.nbytes for buffer in buffers]}, buffers)
+        if not batches and file_nbytes == 0:
+            await self._to_all({"kind": "data", "file": name, "file_nbytes": 0, "offset": 0,
+                                "sizes": []})
+
+    async def end(self, manifest: bytes | None) -> None:
+        """Close the stream: the shard committed (`manifest`), or not (None: the receivers
+        discard it). A destination whose stream broke is skipped."""
+        payload = [] if manifest is None else [memoryview(manifest)]
+        await self._to_all({"kind": "end", "ok": manifest is not None,
+                            "manifest_nbytes": 0 if manifest is None else len(manifest)},
+                           payload)
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A run of one file's bytes in a buffer (received, or read from a shard's file): a
+    `WriteBatch` for writers that take no digests (the shard's manifest has them)."""
+
+    file_offset: int
+    nbytes: int
+    view: memoryview
+
+    def buffers(self) -> list[memoryview]:
+        return [self.view]
+
+    def bodies(self) -> NoReturn:
+        raise AssertionError("a shard's chunks are written without digests")
+
+
+class ReceiveBuffers:
+    """The buffers a rank receives shard bytes into, its own (never the staging budget: a
+    receiver waiting for memory its own save holds would stall the ring of senders).
+
+    Memory: `count` buffers of `nbytes`, allocated on first use and kept.
+    """
+
+    def __init__(self, count: int, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self._count = count
+        self._free: asyncio.Queue[memoryview] | None = None
+
+    async def take(self) -> memoryview:
+        if self._free is None:
+            self._free = asyncio.Queue()
+            for _ in range(self._count):
+                self._free.put_nowait(memoryview(torch.empty(self.nbytes,
+                                                             dtype=torch.uint8).numpy()))
+        return await self._free.get()
+
+    def give(self, buffer: memoryview) -> None:
+        assert self._free is not None
+        self._free.put_nowait(buffer)
+
+
+async def shard_files(backend: Backend, run_blocking: RunBlocking, shard: str
+                      ) -> tuple[dict[str, int], bytes]:
+    """The committed `shard`'s data files (name -> size, checked against the disk) and its
+    manifest's bytes.
+
+    Raises:
+        CheckpointNotFoundError, CorruptCheckpointError: no such shard, or a damaged one.
+    """
+    reader = await backend.open_reader(run_blocking, shard, max_files_at_once=1)
+    try:
+        files = (await reader.open()).files
+        return files, await reader.read_file(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+    finally:
+        await reader.aclose()
+
+
+@dataclass(frozen=True, slots=True)
+class ShardReceived:
+    """A shard a receiver committed: whose, which step, where."""
+
+    step: int
+    rank: int
+    path: str
+
+
+async def receive_shard(channel: PeerChannel, src: int, *, tag: int, backend: Backend,
+                        root: str, run_blocking: RunBlocking,
+                        buffers: ReceiveBuffers) -> ShardReceived | None:
+    """Receive the shard rank `src` streams (`ShardSender`) into the local tier `root`, and
+    commit it there; None if the sender ended without committing its own.
+
+    Raises:
+        PeerError: the sender is gone (the area is discarded).
+        FileExistsError: the shard is already there.
+        StorageError: writing it failed (the area is discarded; the stream is drained first,
+            so the sender is never left waiting).
+
+    Cancellation: the area is discarded; the sender's next message then fails on its side.
+    """
+    begin = await channel.receive_header(src, tag=tag)
+    if begin.get("kind") != "begin":
+        raise ValueError(f"shard stream from rank {src}: expected 'begin', found {begin!r}")
+    step, rank = int(begin["step"]), int(begin["rank"])  # type: ignore[arg-type]
+    path = join(root, shard_name(step, rank))
+    await backend.remove_checkpoint(run_blocking, path)  # an earlier life's: replaced
+    area = backend.area_of(path)
+    writers: dict[str, FileWriter] = {}
+    writes: dict[str, asyncio.Task[None]] = {}
+    failure: BaseException | None = None
+    try:
+        try:
+            await backend.start_save(run_blocking, area)
+        except BaseException as error:  # drain the stream all the same
+            failure = error
+        while True:
+            header = await channel.receive_header(src, tag=tag)
+            if header["kind"] == "end":
+                manifest = bytearray(int(header["manifest_nbytes"]))  # type: ignore[arg-type]
+                await channel.receive_into(src, memoryview(manifest), tag=tag)
+                break
+            await _receive_data(channel, src, tag, header, buffers, writers, writes, area,
+                                backend, run_blocking, failed=failure is not None)
+            if failure is None:
+                failure = _first_failure(writes)
+        await asyncio.gather(*writes.values(), return_exceptions=True)
+        failure = failure or _first_failure(writes)
+        if failure is not None:
+            raise failure
+        if not header["ok"]:
+            logger.info("replica of rank %d's shard of step %d: its sender did not commit it; "
+                        "discarded", rank, step)
+            await backend.discard(run_blocking, area)
+            return None
+        if not all(writer.done for writer in writers.values()):
+            raise ValueError(f"shard stream from rank {src}: 'end' before every file was whole")
+        await backend.commit(run_blocking, area, lambda: {MANIFEST_NAME: bytes(manifest)},
+                             retention=None, seq=0, move_latest=False)
+        return ShardReceived(step, rank, area.final_path)
+    except BaseException:
+        for task in writes.values():
+            task.cancel()
+        await asyncio.gather(*writes.values(), return_exceptions=True)
+        for writer in writers.values():
+            await writer.aclose()
+        await backend.discard(run_blocking, area)
+        raise
+
+
+async def _receive_data(channel: PeerChannel, src: int, tag: int, header: dict[str, object],
+                        buffers: ReceiveBuffers, writers: dict[str, FileWriter],
+                        writes: dict[str, asyncio.Task[None]], area: SaveArea,
+                        backend: Backend, run_blocking: RunBlocking, *, failed: bool) -> None:
+    """Receive one data message's payload into a buffer, and write it (after the same file's
+    previous write, as a task) unless the save already `failed` (then only drain it)."""
+    name = str(header["file"])
+    sizes = [int(size) for size in header["sizes"]]  # type: ignore[attr-defined]
+    nbytes = sum(sizes)
+    if nbytes > buffers.nbytes:
+        raise ValueError(f"shard stream from rank {src}: a message of {nbytes} bytes, over "
+                         f"the {buffers.nbytes}-byte buffers")
+    buffer = await buffers.take()
+    at = 0
+    try:
+        for size in sizes:
+            await channel.receive_into(src, buffer[at:at + size], tag=tag)
+            at += size
+    except BaseException:
+        buffers.give(buffer)
+        raise
+    if failed:
+        buffers.give(buffer)
+        return
+    writer = writers.get(name)
+    if writer is None:
+        writer = writers[name] = backend.open_writer(
+            run_blocking, area, name, int(header["file_nbytes"]),  # type: ignore[arg-type]
+            direct_io=False, checksums=None)
+    batch = Chunk(int(header["offset"]), nbytes, buffer[:nbytes])  # type: ignore[arg-type]
+    writes[name] = asyncio.ensure_future(_write_after(writes.get(name), writer, batch,
+                                                      buffers, buffer))
+
+
+async def _write_after(before: asyncio.Task[None] | None, writer: FileWriter,
+                       batch: Chunk, buffers: ReceiveBuffers, buffer: memoryview) -> None:
+    try:
+        if before is None:
+            await writer.open()
+        else:
+            await before
+        await writer.write([batch] if batch.nbytes else [], lambda _: None)
+    finally:
+        buffers.give(buffer)
+
+
+def _first_failure(writes: dict[str, asyncio.Task[None]]) -> BaseException | None:
+    for task in writes.values():
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            return task.exception()
+    return None
