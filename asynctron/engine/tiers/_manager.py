@@ -94,6 +94,9 @@ class TierManager:
         """The steps known complete for every rank (saved, or restored), oldest first."""
         self._drain: asyncio.Task[None] | None = None
         self._drain_failed = False
+        self._due: int | None = None
+        """The newest complete step whose drain was skipped while another ran: drained next
+        (rank 0's decides, for every rank)."""
         self._draining: int | None = None
         """The step the drain in flight reads (never pruned meanwhile)."""
 
@@ -220,33 +223,40 @@ class TierManager:
                                            or self._drain_failed):
             return
         if any(report["draining"] for report in reports):
-            logger.info("drain of step %d to %s skipped: an earlier drain is still running "
-                        "(the next complete step is drained once it ends)", step,
+            logger.info("drain of step %d to %s deferred: an earlier drain is still running; "
+                        "the newest complete step is drained once it ends", step,
                         self.store_root)
-            self._drain_failed = True
+            self._due = step
             return
-        self._draining = step
-        self._drain = asyncio.ensure_future(self._run_drain(step))
+        self._drain = asyncio.ensure_future(self._run_drains(step))
 
-    async def _run_drain(self, step: int) -> None:
-        """The drain of `step`, in the background; a failure is logged (every rank learns it)
-        and the next complete step is drained instead."""
+    async def _run_drains(self, step: int | None) -> None:
+        """Drain `step` in the background, then, while steps were deferred meanwhile, the
+        newest of them (rank 0 says which, on the drains' collectives, so every rank drains
+        the same). A failure is logged (every rank learns it), and the next complete step is
+        drained instead."""
         assert self.store is not None and self.store_root is not None
-        try:
-            committed = await drain_step(step, shard=self.shard_path(step),
-                                         collectives=self._drains, local=self.local,
-                                         store=self.store, store_root=self.store_root,
-                                         resources=self._resources,
-                                         retention=self._store_retention)
-            self._drain_failed = False
-            logger.info("step %d drained to %s%s", step, self.store_root,
-                        f"; pruned {list(committed.pruned)}" if committed.pruned else "")
-        except Exception as error:
-            self._drain_failed = True
-            logger.warning("drain of step %d to %s failed (the next complete step is drained "
-                           "instead): %s", step, self.store_root, describe(error))
-        finally:
-            self._draining = None
+        while step is not None:
+            self._draining = step
+            try:
+                committed = await drain_step(step, shard=self.shard_path(step),
+                                             collectives=self._drains, local=self.local,
+                                             store=self.store, store_root=self.store_root,
+                                             resources=self._resources,
+                                             retention=self._store_retention)
+                self._drain_failed = False
+                logger.info("step %d drained to %s%s", step, self.store_root,
+                            f"; pruned {list(committed.pruned)}" if committed.pruned else "")
+            except Exception as error:
+                self._drain_failed = True
+                logger.warning("drain of step %d to %s failed (the next complete step is "
+                               "drained instead): %s", step, self.store_root, describe(error))
+            finally:
+                self._draining = None
+            due = self._due if self._due is not None and self._due > step else None
+            step = await self._drains.broadcast_object(due, src=0)
+            if step is not None and self._due is not None and self._due <= step:
+                self._due = None
 
     async def _prune(self) -> None:
         """Remove this rank's shards (its own, and the replicas it keeps) of steps older than
