@@ -137,6 +137,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--batch", type=_positive_int, default=8, help="samples per rank per step")
     demo.add_argument("--keep-last", type=_positive_int, default=None, metavar="N",
                       help="keep only the N newest checkpoints (default: all)")
+    demo.add_argument("--nodes", type=int, default=2,
+                      help="nodes of the node-loss run, whose last node is lost mid-run and "
+                           "its ranks restored from replicas (0: skip that run)")
+    demo.add_argument("--ranks-per-node", type=_positive_int, default=2,
+                      help="ranks per node in the node-loss run")
     demo.set_defaults(run=_demo)
 
     prep = commands.add_parser("preprocess", help="tokenize JSON lines into .bin/.idx files")
@@ -349,7 +354,8 @@ def _demo(args: argparse.Namespace) -> int:
         config = DemoConfig(out=out, num_ranks=args.nproc, num_steps=args.steps,
                             save_every=args.save_every, hidden=args.hidden,
                             num_layers=args.layers, sequence_length=args.seq_len,
-                            micro_batch_size=args.batch, keep_last=args.keep_last)
+                            micro_batch_size=args.batch, keep_last=args.keep_last,
+                            num_nodes=args.nodes, ranks_per_node=args.ranks_per_node)
     except ValueError as exc:
         print(f"asynctron demo: {exc}", file=sys.stderr)
         return 2
@@ -390,7 +396,33 @@ def demo_summary(report: DemoReport) -> list[str]:
         lines.append(f"resume: bit-identical: steps {resumed.first_step}-{config.num_steps} "
                      f"repeat the uninterrupted run's losses exactly on all {config.num_ranks} "
                      f"ranks (loss {losses[0]:.3f} -> {losses[-1]:.3f})")
+    if report.node_loss:
+        lines.extend(_node_loss_summary(report, mismatch is None))
     lines.append(f"done in {report.total_s:.1f} s")
+    return lines
+
+
+def _node_loss_summary(report: DemoReport, exact: bool) -> list[str]:
+    """The node-loss run, for people: what was lost, where each rank restored from, whether the
+    resumed run repeats the uninterrupted one."""
+    config, runs = report.config, report.node_loss
+    resumed = runs[0]["resumed"]
+    world = config.num_nodes * config.ranks_per_node
+    lost = config.num_nodes - 1
+    sources = resumed.restored_from
+    groups = {source: [str(r) for r, s in enumerate(sources) if s == source]
+              for source in dict.fromkeys(sources)}
+    by_source = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)} from "
+                          f"{source}" for source, ranks in groups.items())
+    lines = [f"node loss: {world} ranks as {config.num_nodes} nodes of {config.ranks_per_node}, "
+             f"saving to tiers (each node's local tier, a replica on the next node, a store); "
+             f"node {lost} lost after step {config.lost_at_step} (its ranks SIGKILLed, its "
+             f"local tier deleted); restarted on a fresh node: restored step "
+             f"{resumed.first_step - 1} in {resumed.restore_s:.2f} s ({by_source})"]
+    if exact:
+        lines.append(f"node loss: bit-identical: steps {resumed.first_step}-{config.num_steps} "
+                     f"repeat the uninterrupted {world}-rank run's losses exactly on all "
+                     f"{world} ranks")
     return lines
 
 

@@ -128,11 +128,16 @@ def test_demo_resumes_bit_identically_on_two_ranks(tmp_path: Path,
     out_dir = tmp_path / "demo"
     argv = ["demo", "--out", str(out_dir), "--nproc", "2", "--steps", "8", "--save-every", "2",
             "--hidden", "32", "--layers", "1", "--seq-len", "16", "--batch", "2",
-            "--keep-last", "2"]
+            "--keep-last", "2", "--nodes", "2", "--ranks-per-node", "1"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert ("resume: bit-identical: steps 5-8 repeat the uninterrupted run's losses exactly on "
             "all 2 ranks") in out
+    assert ("node 1 lost after step 5 (its ranks SIGKILLed, its local tier deleted); restarted "
+            "on a fresh node: restored step 4") in out
+    assert "(rank 0 from local; rank 1 from replica)" in out
+    assert ("node loss: bit-identical: steps 5-8 repeat the uninterrupted 2-rank run's losses "
+            "exactly on all 2 ranks") in out
     assert "first run (steps 1-4)" in out and "2 checkpoints" in out
     checkpoints = out_dir / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step_8"
@@ -153,6 +158,13 @@ def test_demo_report_names_the_first_step_that_differs(tmp_path: Path) -> None:
     assert DemoReport(config, [good, good], 0.0, 0.0).mismatch is None
     assert DemoReport(config, [good, bad], 0.0, 0.0).mismatch == (
         "rank 1 step 4: expected loss 2.0 (uninterrupted), found 2.0000001 (resumed)")
+    # the node-loss run: a lost rank has no first run; a survivor's goes past the restore
+    lost = {"resumed": run("resumed", 3, [2.5, 2.0]), "reference": good["reference"]}
+    survivor = dict(good, first=run("first", 1, [4.0, 3.0, 2.5]))
+    assert DemoReport(config, [good], 0.0, 0.0, [survivor, lost]).mismatch is None
+    early = dict(survivor, first=run("first", 1, [4.0, 3.5]))
+    assert DemoReport(config, [good], 0.0, 0.0, [early, lost]).mismatch == (
+        "node-loss run rank 0 step 2: expected loss 3.0 (uninterrupted), found 3.5 (first)")
 
 
 def test_demo_refuses_a_non_empty_out_dir_and_bad_settings(
@@ -162,6 +174,9 @@ def test_demo_refuses_a_non_empty_out_dir_and_bad_settings(
     assert main(["demo", "--out", str(tmp_path / "d"), "--steps", "10", "--save-every",
                  "6"]) == 2
     assert "num_steps: expected at least 2 * save_every (12), found 10" in (
+        capsys.readouterr().err)
+    assert main(["demo", "--out", str(tmp_path / "e"), "--nodes", "1"]) == 2
+    assert "num_nodes: expected 0 (no node-loss run) or an int >= 2, found 1" in (
         capsys.readouterr().err)
 
 

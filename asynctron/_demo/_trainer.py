@@ -11,20 +11,24 @@ engine writes.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import signal
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from asynctron.comm import AsyncDataParallel
 from asynctron.datasets import AsyncLoader, ByteTokenizer, GPTDatasetConfig, build_gpt_datasets
-from asynctron.engine import Engine, SaveTask
+from asynctron.engine import Engine, SaveResult, SaveTask, Tiers
+from asynctron.errors import PeerError
 from asynctron.testing import LoopWatchdog
 
 from ._model import TinyGPT, language_model_loss
 
 MiB = 1 << 20
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -53,12 +57,17 @@ class DemoConfig:
     """Documents in the generated corpus."""
     keep_last: int | None = None
     """Keep only this many newest checkpoints (None: all)."""
+    num_nodes: int = 2
+    """Nodes of the node-loss run (0: no such run); its last node is lost mid-run."""
+    ranks_per_node: int = 2
+    """Ranks per node in the node-loss run, which runs `num_nodes * ranks_per_node` ranks."""
     seed: int = 0
     """Seed of the corpus, the model's initial weights and the data order."""
 
     def __post_init__(self) -> None:
         for name in ("num_ranks", "num_steps", "save_every", "hidden", "num_layers",
-                     "num_heads", "sequence_length", "micro_batch_size", "num_documents"):
+                     "num_heads", "sequence_length", "micro_batch_size", "num_documents",
+                     "ranks_per_node"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected an int >= 1, found {value!r}")
@@ -66,6 +75,10 @@ class DemoConfig:
             raise ValueError(f"num_steps: expected at least 2 * save_every "
                              f"({2 * self.save_every}), found {self.num_steps}; the first run "
                              "must stop on a save half-way")
+        if isinstance(self.num_nodes, bool) or not isinstance(self.num_nodes, int) or (
+                self.num_nodes == 1 or self.num_nodes < 0):
+            raise ValueError(f"num_nodes: expected 0 (no node-loss run) or an int >= 2, found "
+                             f"{self.num_nodes!r}")
         if self.hidden % self.num_heads:
             raise ValueError(f"hidden: expected a multiple of num_heads ({self.num_heads}), "
                              f"found {self.hidden}")
@@ -74,6 +87,12 @@ class DemoConfig:
     def stop_step(self) -> int:
         """Where the first run stops: the last save at or before half-way."""
         return self.num_steps // 2 // self.save_every * self.save_every
+
+    @property
+    def lost_at_step(self) -> int:
+        """In the node-loss run, the step after which the last node is lost: between two
+        saves, after half-way."""
+        return self.stop_step + max(1, self.save_every // 2)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -97,12 +116,15 @@ class RunReport:
     saved_bytes: int
     worst_loop_delay_s: float
     num_params: int
+    restored_from: tuple[str, ...] = ()
+    """Where each rank's state came from, for a run resumed from the tiers."""
+    restore_s: float = 0.0
 
 
-def dataset(config: DemoConfig, prefix: str) -> Any:
-    """The training samples every run reads, in Megatron's order (the index cache is built by
-    rank 0, once)."""
-    samples = config.num_steps * config.micro_batch_size * config.num_ranks
+def dataset(config: DemoConfig, prefix: str, world_size: int) -> Any:
+    """The training samples every run of `world_size` ranks reads, in Megatron's order (the
+    index cache is built by rank 0, once)."""
+    samples = config.num_steps * config.micro_batch_size * world_size
     gpt = GPTDatasetConfig(random_seed=config.seed, sequence_length=config.sequence_length,
                            blend=([prefix], None), split="100,0,0",
                            path_to_cache=os.path.join(config.out, "index-cache"),
@@ -111,64 +133,187 @@ def dataset(config: DemoConfig, prefix: str) -> Any:
     return train
 
 
+class Checkpoints(Protocol):
+    """Where a run saves and resumes: a directory (`Directory`) or the engine's tiers
+    (`TieredCheckpoints`)."""
+
+    def engine_options(self) -> dict[str, Any]:
+        """The `Engine`'s keywords for this way of saving."""
+        ...
+
+    def save(self, engine: Engine, state: dict[str, Any], step: int) -> SaveTask:
+        """Start saving `state` of `step`."""
+        ...
+
+    async def resume(self, engine: Engine, state: dict[str, Any]) -> dict[str, Any]:
+        """The newest state saved: `state`'s tensors filled in place, and the saved values."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Directory:
+    """Checkpoints in one directory, `step_<N>` each, `latest` naming the newest."""
+
+    path: str
+    keep_last: int | None
+
+    def engine_options(self) -> dict[str, Any]:
+        # One job name for the first run and the resumed one: `keep_last` prunes across both.
+        return {"keep_last": self.keep_last, "job": "asynctron-demo"}
+
+    def save(self, engine: Engine, state: dict[str, Any], step: int) -> SaveTask:
+        return engine.save(state, os.path.join(self.path, f"step_{step}"))
+
+    async def resume(self, engine: Engine, state: dict[str, Any]) -> dict[str, Any]:
+        return await engine.load_into(state, self.path)  # the newest commit (`latest`)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TieredCheckpoints:
+    """Checkpoints in the engine's tiers: each node's local tier, a replica on the next node,
+    a store; resumed from the nearest tier that verifies."""
+
+    tiers: Tiers
+
+    def engine_options(self) -> dict[str, Any]:
+        return {"tiers": self.tiers}
+
+    def save(self, engine: Engine, state: dict[str, Any], step: int) -> SaveTask:
+        return engine.save(state, step=step)
+
+    async def resume(self, engine: Engine, state: dict[str, Any]) -> dict[str, Any]:
+        result = await engine.restore(state)
+        sources = ", ".join(f"rank {r}: {s}" for r, s in enumerate(result.sources))
+        logger.info("restored step %d (%s) in %.2f s", result.step, sources, result.restore_s)
+        return {**result.state, "sources": result.sources, "restore_s": result.restore_s}
+
+
+@dataclasses.dataclass(slots=True)
+class _Progress:
+    """A run's figures as it goes (a run cut short by a lost peer reports them as they are)."""
+
+    first_step: int = 1
+    losses: list[float] = dataclasses.field(default_factory=list)
+    train_s: float = 0.0
+    data_wait_s: float = 0.0
+    longest_step_s: float = 0.0
+    blocked_s: float = 0.0
+    results: list[SaveResult] = dataclasses.field(default_factory=list)
+    worst_loop_delay_s: float = 0.0
+    restored: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
 async def train(config: DemoConfig, rank: int, samples: Any, name: str, *, stop_step: int,
-                checkpoints: str | None, resume: bool) -> RunReport:
-    """Train from step 1 (or, with `resume`, from the newest checkpoint in `checkpoints`) up to
-    `stop_step`, saving to `checkpoints` after every `save_every`-th step (if given)."""
+                checkpoints: Checkpoints | None, resume: bool, world_size: int,
+                die_at: int | None = None) -> RunReport:
+    """Train from step 1 (or, with `resume`, from the newest checkpoint) up to `stop_step`,
+    saving after every `save_every`-th step (if `checkpoints` are given).
+
+    With `die_at`, this rank's process is SIGKILLed right after that step, as when its node
+    is lost; a rank that then finds a peer gone (`PeerError`) stops there and reports the
+    steps it made, as a trainer's log would keep them."""
     torch.manual_seed(config.seed)
     model = TinyGPT(vocab_size=ByteTokenizer.vocab_size, sequence_length=config.sequence_length,
                     hidden=config.hidden, num_layers=config.num_layers,
                     num_heads=config.num_heads)
+    progress = _Progress()
+    try:
+        await _run(config, rank, samples, model, progress, stop_step=stop_step,
+                   checkpoints=checkpoints, resume=resume, world_size=world_size,
+                   die_at=die_at)
+    except PeerError as error:
+        if checkpoints is None or not isinstance(checkpoints, TieredCheckpoints):
+            raise
+        logger.info("rank %d: a peer was lost after step %d (%s)", rank,
+                    progress.first_step + len(progress.losses) - 1, error)
+    results = progress.results
+    return RunReport(name=name, first_step=progress.first_step, losses=progress.losses,
+                     train_s=progress.train_s, data_wait_s=progress.data_wait_s,
+                     longest_step_s=progress.longest_step_s, blocked_s=progress.blocked_s,
+                     checkpoint_s=sum(r.total_s for r in results), num_saves=len(results),
+                     saved_bytes=sum(r.nbytes for r in results),
+                     worst_loop_delay_s=progress.worst_loop_delay_s,
+                     num_params=sum(p.numel() for p in model.parameters()),
+                     restored_from=tuple(progress.restored.get("sources", ())),
+                     restore_s=progress.restored.get("restore_s", 0.0))
+
+
+async def _run(config: DemoConfig, rank: int, samples: Any, model: TinyGPT,
+               progress: _Progress, *, stop_step: int, checkpoints: Checkpoints | None,
+               resume: bool, world_size: int, die_at: int | None) -> None:
     parallel = AsyncDataParallel(model, bucket_size_bytes=1 * MiB)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     tasks: list[SaveTask] = []
-    losses: list[float] = []
-    blocked_s = data_wait_s = longest_step_s = 0.0
-    first_step = 1
-    # One job name for the first run and the resumed one: `keep_last` prunes across both.
-    async with Engine(keep_last=config.keep_last, job="asynctron-demo",
-                      memory_budget_bytes=256 * MiB, slab_bytes=16 * MiB) as engine:
+    options = {} if checkpoints is None else checkpoints.engine_options()
+    async with Engine(memory_budget_bytes=256 * MiB, slab_bytes=16 * MiB,
+                      **options) as engine:
         loader = AsyncLoader(samples, micro_batch_size=config.micro_batch_size,
                              run_blocking=engine.run_blocking, prefetch_budget=16 * MiB,
                              num_ready_batches=2, data_parallel_rank=rank,
-                             data_parallel_size=config.num_ranks,
+                             data_parallel_size=world_size,
                              num_workers=1)  # one per rank: the demo's batches are small
         if resume:
             assert checkpoints is not None
-            state = await engine.load(checkpoints)  # the newest commit (`latest`)
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            loader.load_state_dict(state["loader"])
-            first_step = state["step"] + 1
+            _init_optimizer_state(optimizer)  # the tensors the checkpoint fills in place
+            restored = await checkpoints.resume(engine, _state(model, optimizer, loader, 0))
+            model.load_state_dict(restored["model"])
+            optimizer.load_state_dict(restored["optimizer"])
+            loader.load_state_dict(restored["loader"])
+            torch.set_rng_state(restored["rng"])
+            progress.restored = restored
+            progress.first_step = restored["step"] + 1
         else:
             await parallel.broadcast_parameters()
         async with loader, LoopWatchdog() as watchdog:
             batches = aiter(loader)
             started = time.perf_counter()
-            for step in range(first_step, stop_step + 1):
-                waited = time.perf_counter()
-                batch = await anext(batches)
-                computing = time.perf_counter()
-                data_wait_s += computing - waited
-                loss = language_model_loss(parallel, batch)
-                loss.backward()
-                await parallel.step(optimizer)
-                longest_step_s = max(longest_step_s, time.perf_counter() - computing)
-                losses.append(loss.item())
-                if checkpoints is not None and step % config.save_every == 0:
-                    requested = time.perf_counter()
-                    task = engine.save({"model": model.state_dict(),
-                                        "optimizer": optimizer.state_dict(),
-                                        "loader": loader.state_dict(), "step": step},
-                                       os.path.join(checkpoints, f"step_{step}"))
-                    await task.staged  # the next optimizer step may now change the tensors
-                    blocked_s += time.perf_counter() - requested
-                    tasks.append(task)
-            train_s = time.perf_counter() - started
-            results = [await task for task in tasks]
-    return RunReport(name=name, first_step=first_step, losses=losses, train_s=train_s,
-                     data_wait_s=data_wait_s, longest_step_s=longest_step_s,
-                     blocked_s=blocked_s, checkpoint_s=sum(r.total_s for r in results),
-                     num_saves=len(results), saved_bytes=sum(r.nbytes for r in results),
-                     worst_loop_delay_s=watchdog.report().worst_delay_s,
-                     num_params=sum(p.numel() for p in model.parameters()))
+            try:
+                for step in range(progress.first_step, stop_step + 1):
+                    waited = time.perf_counter()
+                    batch = await anext(batches)
+                    computing = time.perf_counter()
+                    progress.data_wait_s += computing - waited
+                    loss = language_model_loss(parallel, batch)
+                    loss.backward()
+                    await parallel.step(optimizer)
+                    progress.longest_step_s = max(progress.longest_step_s,
+                                                  time.perf_counter() - computing)
+                    progress.losses.append(loss.item())
+                    if step == die_at:  # the node is lost, its last checkpoint long done
+                        for task in tasks:
+                            await task
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    if checkpoints is not None and step % config.save_every == 0:
+                        requested = time.perf_counter()
+                        task = checkpoints.save(engine, _state(model, optimizer, loader, step),
+                                                step)
+                        await task.staged  # the next optimizer step may now change them
+                        progress.blocked_s += time.perf_counter() - requested
+                        tasks.append(task)
+                progress.train_s = time.perf_counter() - started
+                progress.results = [await task for task in tasks]
+            finally:
+                progress.worst_loop_delay_s = watchdog.report().worst_delay_s
+
+
+def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: AsyncLoader,
+           step: int) -> dict[str, Any]:
+    """Everything a resume needs, in one commit: the model, the optimizer, the loader's
+    position, the RNG state and the step."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "loader": loader.state_dict(), "rng": torch.get_rng_state(), "step": step}
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state tensors (a step of zero gradients at lr 0, as DCP's
+    `_init_optim_state`), so a restore can fill them in place."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    optimizer.zero_grad(set_to_none=True)

@@ -86,6 +86,12 @@ class TierManager:
         self._solo = Coordinator(SoloCollectives(), SoloCollectives(), run_blocking,
                                  Committer(run_blocking, None, points_latest=False))
         self._turns = Turns()
+        """The steps' agreements, in save order."""
+        self._send_turns = Turns()
+        self._receive_turns = {src: Turns() for src in nodes.sources(nodes.rank,
+                                                                     tiers.replicas)}
+        """One replica stream to (and one from) each peer at a time, in save order: a thread
+        waits on each transfer, so overlapping saves must not multiply them."""
         self._seq = 0
         self._job_seq = 0
         """Shard saves started: the solo coordinator's turns count them."""
@@ -151,14 +157,14 @@ class TierManager:
         sender = None
         if self.holders:
             assert self._channel is not None
-            sender = ShardSender(self._channel, self.holders, tag=tag)
-        receiving = [asyncio.ensure_future(self._receive(src, tag)) for src in self.sources]
+            sender = ShardSender(self._channel, self.holders, tag=tag, step=step,
+                                 rank=self.nodes.rank, turn=self._send_turns.take(seq))
+        receiving = [asyncio.ensure_future(self._receive(src, tag, seq))
+                     for src in self.sources]
         result: SaveResult | None = None
         error: BaseException | None = None
         try:
             await self.local.remove_checkpoint(run_blocking, path)  # an earlier life's
-            if sender is not None:
-                await sender.begin(step, self.nodes.rank)
             self._job_seq += 1
             job = SaveJob(state_dict, path, seq=self._job_seq, options=options, ready=ready,
                           backend=self.local, resources=self._resources,
@@ -193,19 +199,24 @@ class TierManager:
                             "uses an older one)", rank=rank)
         return dataclasses.replace(result, step=step)
 
-    async def _receive(self, src: int, tag: int) -> ShardReceived | None:
+    async def _receive(self, src: int, tag: int, seq: int) -> ShardReceived | None:
         assert self._channel is not None
-        return await receive_shard(self._channel, src, tag=tag, backend=self.local,
-                                   root=self.local_root,
-                                   run_blocking=self._resources.run_blocking,
-                                   buffers=self._buffers)
+        async with self._receive_turns[src].take(seq):
+            return await receive_shard(self._channel, src, tag=tag, backend=self.local,
+                                       root=self.local_root,
+                                       run_blocking=self._resources.run_blocking,
+                                       buffers=self._buffers)
 
     async def _end_stream(self, sender: ShardSender, result: SaveResult | None) -> None:
         """End the replicas' streams: committed (with the shard's manifest) or not."""
         manifest = None
         if result is not None:
-            _, manifest = await shard_files(self.local, self._resources.run_blocking,
-                                            result.path)
+            try:
+                _, manifest = await shard_files(self.local, self._resources.run_blocking,
+                                                result.path)
+            except Exception as error:  # the stream must end all the same
+                logger.warning("step's shard %s could not be read back for its replicas: %s",
+                               result.path, describe(error))
         try:
             await sender.end(manifest)
         except PeerError as error:  # a holder gone: it reports itself at the agreement

@@ -15,6 +15,7 @@ listed once, by one rank, only then); with none left, the error names what each 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -279,8 +280,8 @@ async def send_shard(channel: PeerChannel, dst: int, step: int, rank: int, shard
     """Stream the committed `shard` (rank `rank`'s of `step`, from this node's local tier)
     to `dst`, file by file from its bytes on disk; a copy that cannot be read here is sent as
     not committed (the receiver skips it)."""
-    sender = ShardSender(channel, [dst], tag=tag)
-    await sender.begin(step, rank)
+    sender = ShardSender(channel, [dst], tag=tag, step=step, rank=rank,
+                         turn=contextlib.nullcontext())
     run_blocking = ctx.resources.run_blocking
     manifest: bytes | None = None
     try:

@@ -18,6 +18,7 @@ a restore verifies every item's digest before it uses it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -43,14 +44,25 @@ logger = logging.getLogger(__name__)
 class ShardSender:
     """Sends one shard to `destinations` (ranks of `channel`'s group): a save's `Mirror`.
 
+    The stream begins with its first message (so waiting for `turn`, one stream to a peer at
+    a time, never delays the staging before it) and `end` ends it; a sender that is ended
+    without any data still sends `begin` and `end`, which its receivers wait for.
+
     Concurrency: `send` may be called by several writers at once (one per file); each message
     reaches every destination whole.
     """
 
-    def __init__(self, channel: PeerChannel, destinations: Sequence[int], *, tag: int) -> None:
+    def __init__(self, channel: PeerChannel, destinations: Sequence[int], *, tag: int,
+                 step: int, rank: int,
+                 turn: contextlib.AbstractAsyncContextManager[None]) -> None:
         self.destinations = list(destinations)
         self._channel = channel
         self._tag = tag
+        self._step = step
+        self._rank = rank
+        self._turn = turn
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._begun: asyncio.Lock = asyncio.Lock()
         self.failed: dict[int, BaseException] = {}
         """Destinations whose stream broke (a peer gone), with the error."""
 
@@ -71,11 +83,19 @@ class ShardSender:
         except BaseExceptionGroup as error:
             raise first_error(error) from None
 
-    async def begin(self, step: int, rank: int) -> None:
-        await self._to_all({"kind": "begin", "step": step, "rank": rank})
+    async def _begin(self) -> None:
+        """Wait for this stream's turn, then say which shard follows (once)."""
+        async with self._begun:
+            if self._stack is not None:
+                return
+            stack = contextlib.AsyncExitStack()
+            await stack.enter_async_context(self._turn)
+            self._stack = stack
+            await self._to_all({"kind": "begin", "step": self._step, "rank": self._rank})
 
     async def send(self, name: str, file_nbytes: int, batches: Sequence[WriteBatch]) -> None:
         """`batches` of the file `name` to every destination, from where they lie."""
+        await self._begin()
         for batch in batches:
             buffers = list(batch.buffers())
             await self._to_all({"kind": "data", "file": name, "file_nbytes": file_nbytes,
@@ -87,11 +107,17 @@ class ShardSender:
 
     async def end(self, manifest: bytes | None) -> None:
         """Close the stream: the shard committed (`manifest`), or not (None: the receivers
-        discard it). A destination whose stream broke is skipped."""
-        payload = [] if manifest is None else [memoryview(manifest)]
-        await self._to_all({"kind": "end", "ok": manifest is not None,
-                            "manifest_nbytes": 0 if manifest is None else len(manifest)},
-                           payload)
+        discard it); then the next stream's turn comes. A destination whose stream broke is
+        skipped."""
+        try:
+            await self._begin()
+            payload = [] if manifest is None else [memoryview(manifest)]
+            await self._to_all({"kind": "end", "ok": manifest is not None,
+                                "manifest_nbytes": 0 if manifest is None else len(manifest)},
+                               payload)
+        finally:
+            if self._stack is not None:
+                await self._stack.aclose()
 
 
 @dataclass(frozen=True, slots=True)
