@@ -45,6 +45,8 @@ COMMANDS = {
     "hostile": "asynctron bench hostile",
     "dcp": "asynctron bench dcp --target /dev/shm --target $PWD/.benchtmp",
     "s3": "asynctron bench s3 --size-gib 0.25 --repeats 2",
+    "tiers": "asynctron bench tiers --target $PWD/.benchtmp",
+    "tiers_shm": "asynctron bench tiers --target /dev/shm",
     "data_s3": "asynctron bench data --source s3 --corpus-mib 512 --megatron-limit-s 20 "
                "--repeats 2",
 }
@@ -405,6 +407,61 @@ def section_data_s3(result: dict[str, Any], docs: str) -> list[str]:
     return lines
 
 
+def section_tiers(result: dict[str, Any], docs: str) -> list[str]:
+    """Tiered checkpoints: saves, replication, restores and drains against their baselines
+    and peers (issue 35)."""
+    from asynctron.bench.tiers import TARGETS
+
+    median, world = result["median_s"], result["world_size"]
+    nbytes = result["nbytes_per_rank"]
+    rows = [[name, f"{value:.3f} s", "" if name.startswith("trainer")
+             else f"{nbytes / value / 1e9:.2f}"] for name, value in median.items()]
+    plot = f"benchmarks_{'tiers_shm' if result['target'] == '/dev/shm' else 'tiers'}.png"
+    _plot_tiers(result, os.path.join(docs, plot))
+    lines = [f"{world} ranks as {world // result['ranks_per_node']} nodes of "
+             f"{result['ranks_per_node']}, {nbytes * world / GiB:.2f} GiB in all, local tiers "
+             f"on {result['target']}, a local SeaweedFS as the store; medians of "
+             f"{result['meta']['args']['repeats']} rounds, each the slowest rank's.", "",
+             *_table(["measure", "median", "GB/s per rank"], rows), "",
+             f"![restores and saves, tiers against their peers]({plot})", ""]
+    for name, ratio in result["ratios"].items():
+        target = TARGETS.get(name)
+        if target is None:
+            lines.append(f"- {name}: {ratio:.2f}x")
+            continue
+        sign, bound = target
+        met = ratio <= bound if sign == "<=" else ratio >= bound
+        lines.append(f"- {name}: {ratio:.2f}x {_ok(met)} (target {sign} {bound:g}x)")
+    return lines
+
+
+def _plot_tiers(result: dict[str, Any], path: str) -> None:
+    """Where a restart's time goes, by tier, beside the peers; and the saves."""
+    median = result["median_s"]
+    groups = {
+        "restore": ["restore local", "restore replica", "restore store",
+                    "nvidia-resiliency-ext restore local", "dcp.load (s3torchconnector)",
+                    "dcp.load (FsspecReader, s3fs)", "raw read", "raw send"],
+        "save": ["tiers blocking", "plain blocking", "nvidia-resiliency-ext save (blocking)",
+                 "tiers committed", "plain committed"],
+    }
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for axis, (title, names) in zip(axes, groups.items(), strict=True):
+        names = [name for name in names if name in median]
+        colors = ["tab:gray" if name.startswith("raw") else "tab:orange"
+                  if name.startswith(("restore", "tiers", "plain")) else "tab:blue" for name in names]
+        axis.barh(names, [median[name] for name in names], color=colors)
+        axis.invert_yaxis()
+        axis.set_xlabel("seconds (median; the slowest rank)")
+        axis.set_title(title, fontsize=10)
+        axis.tick_params(axis="y", labelsize=8)
+    figure.suptitle(f"tiered checkpoints, local tiers on {result['target']} (orange: asynctron, "
+                    "blue: peers, gray: raw transfers)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
 def gpu_check_note() -> list[str]:
     """What the prepared GPU check runs and against which targets (issue 30)."""
     return [
@@ -656,6 +713,8 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any], str], list[str]]]] = {
     "dcp": ("Stock DCP through asynctron's plugin (issue 14)", section_dcp),
     "s3": ("Checkpoints on object storage (issue 28)", section_s3),
     "data_s3": ("Datasets on object storage (issue 29)", section_data_s3),
+    "tiers": ("Tiered checkpoints, local tiers on the disk (issue 35)", section_tiers),
+    "tiers_shm": ("Tiered checkpoints, local tiers in memory (issue 35)", section_tiers),
 }
 
 

@@ -1,8 +1,9 @@
 """Every benchmark of the engine in one command: save (one process and across 2 and 4 ranks),
 datasets, comm (idle and beside a GIL-busy, a dispatch-like or a torch-busy thread), the
 write sweep, CUDA staging where there is a GPU, saves and data inside a busy trainer, many
-small tensors, hostile checkpoint metadata, stock DCP through asynctron's plugin, and
-checkpoints and datasets on a local S3 server.
+small tensors, hostile checkpoint metadata, stock DCP through asynctron's plugin,
+checkpoints and datasets on a local S3 server, and tiered checkpoints (local tiers on the disk
+and in memory, a local S3 server as the store).
 Each scenario runs in its own process (fresh memory), writing JSON into one results directory
 (a source checkout's `bench/report.py` renders `docs/benchmarks.md` from it).
 
@@ -58,6 +59,8 @@ RUNS = {
     "s3": Run("s3", ("--size-gib", "0.25", "--repeats", "2", "--dir", "{disk}"), "s3.json"),
     "data_s3": Run("data_s3", ("--source", "s3", "--corpus-mib", "512", "--megatron-limit-s",
                                "20", "--repeats", "2", "--dir", "{disk}"), "data_s3.json"),
+    "tiers": Run("tiers", ("--target", "{disk}"), "tiers.json"),
+    "tiers_shm": Run("tiers", ("--target", "/dev/shm"), "tiers_shm.json"),
 }
 
 

@@ -274,7 +274,7 @@ class Engine:
             groups = [await self.run_blocking(new_group) for _ in range(3)]
             agree, drains = (CollectiveGroup(group, run_blocking=self.run_blocking,
                                              timeout_s=timeout_s) for group in groups[:2])
-            channel = PeerChannel(groups[2], run_blocking=self.run_blocking)
+            channel = PeerChannel(groups[2])
         retention = None
         if tiers.keep_store is not None:
             retention = Retention(job=self.config.job or "asynctron-tiers",

@@ -153,6 +153,8 @@ class SaveJob:
         self._plan_cache = plan_cache
         self._on_staged = on_staged
         self._abort = Abort()
+        self.published: Mapping[str, bytes] = {}
+        """On the coordinator, once committed: the files it published (the manifest)."""
         self._t_request = time.perf_counter()
         self._requested_unix_s = time.time()
         self._t_staged: float | None = None
@@ -362,6 +364,7 @@ class SaveJob:
             published[DCP_METADATA_NAME] = metadata_bytes(
                 records, [frame for r in reports for frame in r.frames],
                 item_paths(json.loads(structure)), self.path)
+        self.published = published
         return published
 
 

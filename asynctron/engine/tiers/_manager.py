@@ -44,10 +44,9 @@ from asynctron.engine.tiers._stream import (
     ShardReceived,
     ShardSender,
     receive_shard,
-    shard_files,
 )
 from asynctron.errors import PeerError
-from asynctron.storage import Backend, Committer, Retention
+from asynctron.storage import MANIFEST_NAME, Backend, Committer, Retention
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +102,10 @@ class TierManager:
         self._due: int | None = None
         """The newest complete step whose drain was skipped while another ran: drained next
         (rank 0's decides, for every rank)."""
+        self._held: set[tuple[int, int]] | None = None
+        """The shards this rank keeps in its node's tier, (step, rank): its own and the
+        replicas of its sources; listed once, at the first save (an earlier life's are
+        replaced by a save of their step), then kept up to date."""
         self._draining: int | None = None
         """The step the drain in flight reads (never pruned meanwhile)."""
 
@@ -151,7 +154,6 @@ class TierManager:
     async def _save(self, state_dict: Mapping[str, Any], step: int, seq: int,
                     options: SaveOptions, ready: Mapping[torch.device, torch.cuda.Event],
                     on_staged: Callable[[], None], jobs: list[SaveJob]) -> SaveResult:
-        run_blocking = self._resources.run_blocking
         tag = seq % _TAGS
         path = self.shard_path(step)
         sender = None
@@ -162,9 +164,10 @@ class TierManager:
         receiving = [asyncio.ensure_future(self._receive(src, tag, seq))
                      for src in self.sources]
         result: SaveResult | None = None
+        job: SaveJob | None = None
         error: BaseException | None = None
         try:
-            await self.local.remove_checkpoint(run_blocking, path)  # an earlier life's
+            await self._replace_earlier(step)
             self._job_seq += 1
             job = SaveJob(state_dict, path, seq=self._job_seq, options=options, ready=ready,
                           backend=self.local, resources=self._resources,
@@ -175,10 +178,15 @@ class TierManager:
         except (Exception, asyncio.CancelledError) as failure:  # reported, then raised
             error = failure
         if sender is not None:
-            await self._end_stream(sender, result)
+            await self._end_stream(sender, None if result is None or job is None
+                                   else job.published.get(MANIFEST_NAME))
         received = await asyncio.gather(*receiving, return_exceptions=True)
         kept = [src for src, got in zip(self.sources, received, strict=True)
                 if isinstance(got, ShardReceived)]
+        if self._held is not None:
+            self._held.update((step, src) for src in kept)
+            if result is not None:
+                self._held.add((step, self.nodes.rank))
         for src, got in zip(self.sources, received, strict=True):
             if isinstance(got, BaseException):
                 logger.warning("step %d: the replica of rank %d's shard was not kept here: %s",
@@ -199,6 +207,19 @@ class TierManager:
                             "uses an older one)", rank=rank)
         return dataclasses.replace(result, step=step)
 
+    async def _replace_earlier(self, step: int) -> None:
+        """Remove this rank's shard of `step` if an earlier life left one (the first save
+        lists the tier once; later ones know what they wrote)."""
+        run_blocking = self._resources.run_blocking
+        if self._held is None:
+            names = await self.local.list_checkpoints(run_blocking, self.local_root)
+            mine = {self.nodes.rank, *self.sources}
+            self._held = {shard for name in names if (shard := parse_shard(name)) is not None
+                          and shard[1] in mine}
+        if (step, self.nodes.rank) in self._held:
+            await self.local.remove_checkpoint(run_blocking, self.shard_path(step))
+            self._held.discard((step, self.nodes.rank))
+
     async def _receive(self, src: int, tag: int, seq: int) -> ShardReceived | None:
         assert self._channel is not None
         async with self._receive_turns[src].take(seq):
@@ -207,16 +228,8 @@ class TierManager:
                                        run_blocking=self._resources.run_blocking,
                                        buffers=self._buffers)
 
-    async def _end_stream(self, sender: ShardSender, result: SaveResult | None) -> None:
+    async def _end_stream(self, sender: ShardSender, manifest: bytes | None) -> None:
         """End the replicas' streams: committed (with the shard's manifest) or not."""
-        manifest = None
-        if result is not None:
-            try:
-                _, manifest = await shard_files(self.local, self._resources.run_blocking,
-                                                result.path)
-            except Exception as error:  # the stream must end all the same
-                logger.warning("step's shard %s could not be read back for its replicas: %s",
-                               result.path, describe(error))
         try:
             await sender.end(manifest)
         except PeerError as error:  # a holder gone: it reports itself at the agreement
@@ -272,17 +285,16 @@ class TierManager:
     async def _prune(self) -> None:
         """Remove this rank's shards (its own, and the replicas it keeps) of steps older than
         the `keep_local` newest complete ones; never the step being drained."""
-        if len(self._complete) < self.tiers.keep_local:
+        if len(self._complete) < self.tiers.keep_local or self._held is None:
             return
         cutoff = self._complete[-self.tiers.keep_local]
         self._complete = self._complete[-self.tiers.keep_local:]
-        mine = {self.nodes.rank, *self.sources}
+        doomed = [shard for shard in self._held if shard[0] < cutoff
+                  and shard[0] != self._draining]
         run_blocking = self._resources.run_blocking
-        for name in await self.local.list_checkpoints(run_blocking, self.local_root):
-            shard = parse_shard(name)
-            if shard is not None and shard[0] < cutoff and shard[1] in mine and (
-                    shard[0] != self._draining):
-                await self.local.remove_checkpoint(run_blocking, join(self.local_root, name))
+        await asyncio.gather(*(self.local.remove_checkpoint(
+            run_blocking, join(self.local_root, shard_name(*shard))) for shard in doomed))
+        self._held.difference_update(doomed)
 
     # -- restore ---------------------------------------------------------------------------
 
@@ -296,12 +308,17 @@ class TierManager:
             buffers=self._buffers, load_into=load_into)
         result = await restore(state_dict, context, step=step)
         self._complete = [result.step]
+        self._held = None  # listed again at the next save
         return result
 
     async def aclose(self) -> None:
-        """Wait for the drain in flight."""
-        if self._drain is not None:
-            await uncancellable(self._drain)
+        """Wait for the drain in flight; let the replica channel's threads go."""
+        try:
+            if self._drain is not None:
+                await uncancellable(self._drain)
+        finally:
+            if self._channel is not None:
+                self._channel.close()
 
 
 def _culprit(reports: list[dict[str, Any]], nodes: Nodes, replicas: int

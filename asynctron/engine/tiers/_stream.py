@@ -7,7 +7,7 @@ The stream from one rank to another, on a `PeerChannel` (one tag per save):
     begin {step, rank}                      a shard of `rank`'s, at `step`, follows
     data {file, file_nbytes, offset, sizes} + payload buffers      (any order across files,
                                                                     in order within one)
-    end {ok, manifest_nbytes} + the shard's manifest                (ok: commit; else discard)
+    end {ok, sizes} + the shard's manifest                          (ok: commit; else discard)
 
 The receiver writes each file as it comes into a save area of its local tier, and commits the
 shard (the same atomic commit as a save: fsynced files, manifest last, rename) only once `end`
@@ -22,7 +22,7 @@ import contextlib
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -101,7 +101,7 @@ class ShardSender:
             await self._to_all({"kind": "data", "file": name, "file_nbytes": file_nbytes,
                                 "offset": batch.file_offset,
                                 "sizes": [buffer.nbytes for buffer in buffers]}, buffers)
-        if not batches and file_nbytes == 0:
+        if not batches and file_nbytes == 0:  # an empty file: made all the same
             await self._to_all({"kind": "data", "file": name, "file_nbytes": 0, "offset": 0,
                                 "sizes": []})
 
@@ -113,8 +113,7 @@ class ShardSender:
             await self._begin()
             payload = [] if manifest is None else [memoryview(manifest)]
             await self._to_all({"kind": "end", "ok": manifest is not None,
-                                "manifest_nbytes": 0 if manifest is None else len(manifest)},
-                               payload)
+                                "sizes": [len(manifest)] if manifest else []}, payload)
         finally:
             if self._stack is not None:
                 await self._stack.aclose()
@@ -200,31 +199,42 @@ async def receive_shard(channel: PeerChannel, src: int, *, tag: int, backend: Ba
 
     Cancellation: the area is discarded; the sender's next message then fails on its side.
     """
-    begin = await channel.receive_header(src, tag=tag)
+    begin, _ = await channel.receive(src, memoryview(b""), tag=tag)
     if begin.get("kind") != "begin":
         raise ValueError(f"shard stream from rank {src}: expected 'begin', found {begin!r}")
-    step, rank = int(begin["step"]), int(begin["rank"])  # type: ignore[arg-type]
+    step, rank = int(begin["step"]), int(begin["rank"])
     path = join(root, shard_name(step, rank))
-    await backend.remove_checkpoint(run_blocking, path)  # an earlier life's: replaced
     area = backend.area_of(path)
     writers: dict[str, FileWriter] = {}
     writes: dict[str, asyncio.Task[None]] = {}
     failure: BaseException | None = None
     try:
         try:
-            await backend.start_save(run_blocking, area)
+            try:
+                await backend.start_save(run_blocking, area)
+            except FileExistsError:  # an earlier life's copy of this step: replaced
+                await backend.remove_checkpoint(run_blocking, path)
+                await backend.start_save(run_blocking, area)
         except BaseException as error:  # drain the stream all the same
             failure = error
         while True:
-            header = await channel.receive_header(src, tag=tag)
+            buffer = await buffers.take()
+            try:
+                header, got = await channel.receive(src, buffer, tag=tag)
+                payload = await _whole(channel, src, tag, header, buffer, got)
+            except BaseException:
+                buffers.give(buffer)
+                raise
             if header["kind"] == "end":
-                manifest = bytearray(int(header["manifest_nbytes"]))  # type: ignore[arg-type]
-                await channel.receive_into(src, memoryview(manifest), tag=tag)
+                manifest = bytes(payload)
+                buffers.give(buffer)
                 break
-            await _receive_data(channel, src, tag, header, buffers, writers, writes, area,
-                                backend, run_blocking, failed=failure is not None)
-            if failure is None:
-                failure = _first_failure(writes)
+            if failure is not None:  # only drained
+                buffers.give(buffer)
+                continue
+            _write(header, payload, buffer, buffers, writers, writes, area, backend,
+                   run_blocking)
+            failure = _first_failure(writes)
         await asyncio.gather(*writes.values(), return_exceptions=True)
         failure = failure or _first_failure(writes)
         if failure is not None:
@@ -232,11 +242,13 @@ async def receive_shard(channel: PeerChannel, src: int, *, tag: int, backend: Ba
         if not header["ok"]:
             logger.info("replica of rank %d's shard of step %d: its sender did not commit it; "
                         "discarded", rank, step)
+            for writer in writers.values():
+                await writer.aclose()
             await backend.discard(run_blocking, area)
             return None
         if not all(writer.done for writer in writers.values()):
             raise ValueError(f"shard stream from rank {src}: 'end' before every file was whole")
-        await backend.commit(run_blocking, area, lambda: {MANIFEST_NAME: bytes(manifest)},
+        await backend.commit(run_blocking, area, lambda: {MANIFEST_NAME: manifest},
                              retention=None, seq=0, move_latest=False)
         return ShardReceived(step, rank, area.final_path)
     except BaseException:
@@ -249,36 +261,35 @@ async def receive_shard(channel: PeerChannel, src: int, *, tag: int, backend: Ba
         raise
 
 
-async def _receive_data(channel: PeerChannel, src: int, tag: int, header: dict[str, object],
-                        buffers: ReceiveBuffers, writers: dict[str, FileWriter],
-                        writes: dict[str, asyncio.Task[None]], area: SaveArea,
-                        backend: Backend, run_blocking: RunBlocking, *, failed: bool) -> None:
-    """Receive one data message's payload into a buffer, and write it (after the same file's
-    previous write, as a task) unless the save already `failed` (then only drain it)."""
-    name = str(header["file"])
-    sizes = [int(size) for size in header["sizes"]]  # type: ignore[attr-defined]
-    nbytes = sum(sizes)
-    if nbytes > buffers.nbytes:
+async def _whole(channel: PeerChannel, src: int, tag: int, header: dict[str, Any],
+                 buffer: memoryview, got: int) -> memoryview:
+    """A message's payload: what landed in `buffer`, or (too large for it: a large shard's
+    manifest) received now into memory of its own."""
+    nbytes = sum(int(size) for size in header.get("sizes", ()))
+    if got == nbytes:
+        return buffer[:nbytes]
+    if header["kind"] != "end":
         raise ValueError(f"shard stream from rank {src}: a message of {nbytes} bytes, over "
-                         f"the {buffers.nbytes}-byte buffers")
-    buffer = await buffers.take()
-    at = 0
-    try:
-        for size in sizes:
-            await channel.receive_into(src, buffer[at:at + size], tag=tag)
-            at += size
-    except BaseException:
-        buffers.give(buffer)
-        raise
-    if failed:
-        buffers.give(buffer)
-        return
+                         f"the {buffer.nbytes}-byte buffers (is slab_bytes the same on every "
+                         "rank?)")
+    whole = memoryview(bytearray(nbytes))
+    await channel.receive_into(src, [whole], tag=tag)
+    return whole
+
+
+def _write(header: dict[str, Any], payload: memoryview, buffer: memoryview,
+           buffers: ReceiveBuffers, writers: dict[str, FileWriter],
+           writes: dict[str, asyncio.Task[None]], area: SaveArea, backend: Backend,
+           run_blocking: RunBlocking) -> None:
+    """Write a data message's payload (after the same file's previous write, as a task); the
+    buffer goes back once written."""
+    name = str(header["file"])
     writer = writers.get(name)
     if writer is None:
         writer = writers[name] = backend.open_writer(
-            run_blocking, area, name, int(header["file_nbytes"]),  # type: ignore[arg-type]
-            direct_io=False, checksums=None)
-    batch = Chunk(int(header["offset"]), nbytes, buffer[:nbytes])  # type: ignore[arg-type]
+            run_blocking, area, name, int(header["file_nbytes"]), direct_io=False,
+            checksums=None)
+    batch = Chunk(int(header["offset"]), payload.nbytes, payload)
     writes[name] = asyncio.ensure_future(_write_after(writes.get(name), writer, batch,
                                                       buffers, buffer))
 
