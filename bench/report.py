@@ -448,8 +448,9 @@ def _plot_tiers(result: dict[str, Any], path: str) -> None:
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for axis, (title, names) in zip(axes, groups.items(), strict=True):
         names = [name for name in names if name in median]
+        ours = ("restore", "tiers", "plain")
         colors = ["tab:gray" if name.startswith("raw") else "tab:orange"
-                  if name.startswith(("restore", "tiers", "plain")) else "tab:blue" for name in names]
+                  if name.startswith(ours) else "tab:blue" for name in names]
         axis.barh(names, [median[name] for name in names], color=colors)
         axis.invert_yaxis()
         axis.set_xlabel("seconds (median; the slowest rank)")
