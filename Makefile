@@ -8,6 +8,8 @@ TORCH_PIN ?= torch==2.13.0
 # CPU, in a venv of its own. Keep it equal to the floor of `torch>=` in pyproject.toml.
 TORCH_OLDEST ?= torch==2.9.0
 VENV_OLDEST  := .venv-oldest
+# pytest-xdist workers: most slow tests wait on child processes and servers, not the CPU
+TEST_WORKERS ?= 2
 PY_OLDEST    := $(VENV_OLDEST)/bin/python
 
 .PHONY: setup demo test test-oldest lint bench clean
@@ -36,12 +38,12 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check asynctron tests bench examples
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 # the fast tests on the oldest torch the library declares (the slow ones run on TORCH_PIN)
 test-oldest: $(VENV_OLDEST)/.installed
 	$(PY_OLDEST) -c 'import torch; print("torch", torch.__version__)'
-	$(PY_OLDEST) -m pytest -q -m 'not slow'
+	$(PY_OLDEST) -m pytest -q -n $(TEST_WORKERS) -m 'not slow'
 
 # every benchmark into bench/results/, then docs/benchmarks.md from them (bench/report.py)
 RESULTS ?= bench/results/all_$(shell hostname)_$(shell date +%Y%m%d)
