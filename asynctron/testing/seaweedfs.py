@@ -29,6 +29,7 @@ SECRET_KEY = "asynctron-test-secret"
 REGION = "us-east-1"
 _READY_TIMEOUT_S = 60.0
 _STOP_TIMEOUT_S = 15.0
+_LIMIT_SETTLE_S = 1.0
 
 
 def weed_binary() -> str:
@@ -123,6 +124,31 @@ class SeaweedFS:
         """The variables that point the standard AWS chain at this server."""
         return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
                 "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": REGION}
+
+    def limit_in_flight(self, **counts: int) -> None:
+        """Throttle as a busy store does: the server's own S3 circuit breaker answers 503 to
+        every request of an action (`Read`, `Write`, `List`, `Tagging`, `Admin`) beyond
+        `counts[action]` of them in flight; with no arguments, lift every limit. The server
+        takes the setting from its filer's metadata stream, in well under a second here;
+        this waits `_LIMIT_SETTLE_S` for it.
+
+        Raises:
+            RuntimeError: `weed shell` failed (its output is named).
+        """
+        if counts:
+            command = (f"s3.circuitBreaker -global -type Count -actions {','.join(counts)} "
+                       f"-values {','.join(str(count) for count in counts.values())} -apply")
+        else:
+            command = "s3.circuitBreaker -global -delete -apply"
+        master = next(arg.partition("=")[2] for arg in self.process.args
+                      if isinstance(arg, str) and arg.startswith("-master.port="))
+        done = subprocess.run([weed_binary(), "shell", f"-master=127.0.0.1:{master}"],
+                              input=command.encode() + b"\n", capture_output=True,
+                              timeout=_READY_TIMEOUT_S, check=False)
+        if done.returncode != 0 or b'"global"' not in done.stdout:
+            raise RuntimeError(f"weed shell {command!r}: exit {done.returncode}; "
+                               f"{(done.stdout + done.stderr).decode(errors='replace')[-500:]}")
+        time.sleep(_LIMIT_SETTLE_S)
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + _READY_TIMEOUT_S

@@ -5,17 +5,23 @@ Requests run on the process's S3 I/O loop, a uvloop on a thread of its own (`io_
 byte a request sends or receives is handled there, so the caller's loop (a trainer's) only
 awaits each request's outcome and its heartbeat never waits on a socket copy; a cancelled
 caller waits until its request is cancelled there, so no buffer it lends is touched after.
-One aiobotocore client per store on that loop, made on first use, closed at exit. Every
-request holds one slot of the request budget (`S3Config.max_requests`) while in flight.
+One aiobotocore client per store on that loop, made on first use, closed at exit; ranged
+GETs go to each object's presigned URL through `RangeClient` (the body lands in the caller's
+buffers, no copy on the loop). Every
+request holds a place in the request budget (at most `S3Config.max_requests`) while in
+flight.
 
 Connection resets, timeouts, 5xx, SlowDown and 429 are retried with exponential backoff and
 jitter while the store answers the operation the request is part of (a save, a load, a read:
 `store_operation`): one clock for all of its requests, which runs out once the store has
 answered none of them for `S3Config.deadline_s`; then every request of the operation stops.
-botocore's own retries are off, so that clock is the only one. What retrying cannot fix fails
-at once: a host that does not exist, TLS against a plain-HTTP port, wrong credentials, an
-endpoint that is not S3; a refused connection is retried for `REFUSED_GRACE_S` only, unless
-the store answered this client before (then it is likely restarting: the whole deadline).
+botocore's own retries are off, so that clock is the only one. A throttled request (503
+SlowDown, 429) shrinks the request budget's window (`RequestBudget`): the client slows to
+the rate the store serves, and grows back while the store keeps answering. What retrying
+cannot fix fails at once: a host that does not exist, TLS against a plain-HTTP port, wrong
+credentials, an endpoint that is not S3; a refused connection is retried for
+`REFUSED_GRACE_S` only, unless the store answered this client before (then it is likely
+restarting: the whole deadline).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import re
 import socket
 import ssl
 import threading
+import time
 import urllib.parse
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -54,11 +61,13 @@ from asynctron.errors import (
     ObjectNotFoundError,
     StorageError,
 )
+from asynctron.storage.backends._http_ranges import RangeClient
 from asynctron.storage.backends._operation import (
     StoreExpired,
     StoreOperation,
     current_operation,
 )
+from asynctron.storage.backends._request_budget import RequestBudget
 from asynctron.storage.backends.s3._config import S3Config
 from asynctron.storage.backends.s3._layout import ObjectUrl
 
@@ -66,6 +75,10 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 E = TypeVar("E", bound=BaseException)
 
+PRESIGNED_S = 3600
+"""How long a presigned GET URL is valid (one is made again at half of it)."""
+_MOST_PRESIGNED = 4096
+"""Presigned URLs kept per client (all are dropped beyond it)."""
 REFUSED_GRACE_S = 5.0
 """How long a refused connection is retried when the store never answered this client: a
 wrong port fails in seconds, not after the whole deadline."""
@@ -127,32 +140,31 @@ class RefusedCredentialsError(StorageError):
 
 
 class _LoopClient:
-    """An aiobotocore client, a plain HTTP session (presigned GETs) and the request budget of
-    one event loop."""
+    """An aiobotocore client, a client for presigned GETs and the request budget of one
+    event loop."""
 
     def __init__(self, client: Any, config: S3Config) -> None:
         self.client = client
-        self.budget = asyncio.Semaphore(config.max_requests)
-        self.in_flight = 0
-        self.most_in_flight = 0
-        self._config = config
-        self._http: aiohttp.ClientSession | None = None
+        self.budget = RequestBudget(config.max_requests)
+        self.ranges = RangeClient(connect_timeout_s=config.connect_timeout_s,
+                                  read_timeout_s=config.read_timeout_s)
+        self.presigned: dict[ObjectUrl, tuple[str, float]] = {}
+        """Each object's presigned GET URL, and when it was made."""
 
-    @property
-    def http(self) -> aiohttp.ClientSession:
-        """The session presigned GETs go through, made on first use."""
-        if self._http is None:
-            config = self._config
-            self._http = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=config.max_requests, keepalive_timeout=30),
-                timeout=aiohttp.ClientTimeout(sock_connect=config.connect_timeout_s,
-                                              sock_read=config.read_timeout_s),
-                auto_decompress=False)
-        return self._http
+    async def presigned_url(self, url: ObjectUrl) -> str:
+        """`url`'s presigned GET URL, made again when half its life is gone."""
+        found = self.presigned.get(url)
+        now = time.monotonic()
+        if found is None or now - found[1] > PRESIGNED_S / 2:
+            if len(self.presigned) >= _MOST_PRESIGNED:
+                self.presigned.clear()
+            found = self.presigned[url] = (await self.client.generate_presigned_url(
+                "get_object", Params={"Bucket": url.bucket, "Key": url.key},
+                ExpiresIn=PRESIGNED_S), now)
+        return found[0]
 
     async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http.close()
+        await self.ranges.aclose()
         await self.client.__aexit__(None, None, None)
 
 
@@ -223,7 +235,8 @@ class S3Client:
     @property
     def most_in_flight(self) -> int:
         """The most requests this client had in flight at once (0 before any)."""
-        return max((found.most_in_flight for found in list(self._clients.values())), default=0)
+        return max((found.budget.most_in_flight for found in list(self._clients.values())),
+                   default=0)
 
     async def call(self, operation: str, url: ObjectUrl | str, /, **params: Any) -> Any:
         """`operation` (a client method: `put_object`, `upload_part`, ...) with `params`,
@@ -259,60 +272,15 @@ class S3Client:
 
     async def get_into(self, url: ObjectUrl, offset: int, buffers: Sequence[memoryview],
                        *, key: str | None = None, if_match: str | None = None) -> None:
-        """Fill `buffers`, one after another, with the object's bytes from `offset` (one
-        ranged GET, retried whole inside the deadline); with `if_match`, only from the
-        version whose ETag it is.
+        """Fill `buffers`, one after another, with the object's bytes from `offset`: one
+        ranged GET of the object's presigned URL (signed once per object, then a plain HTTP
+        request whose body the kernel copies straight into the buffers), retried whole inside
+        the deadline; with `if_match`, only from the version whose ETag it is.
 
         Raises:
             CorruptCheckpointError: the object ends before the buffers are full (names `key`,
-                the item being read, when given).
+                the item being read; without one, a StorageError).
             ObjectNotFoundError, PreconditionFailedError, StorageError: as `call`.
-        """
-        nbytes = sum(buffer.nbytes for buffer in buffers)
-        if not nbytes:
-            return
-        condition = {} if if_match is None else {"IfMatch": if_match}
-
-        async def attempt(client: Any) -> None:
-            response = await client.get_object(Bucket=url.bucket, Key=url.key,
-                                               Range=f"bytes={offset}-{offset + nbytes - 1}",
-                                               **condition)
-            async with response["Body"] as body:
-                found = response.get("ContentLength")
-                if found is not None and found > nbytes:
-                    raise StorageError(
-                        f"get_object {url} at {self.endpoint}: asked for bytes [{offset}, "
-                        f"+{nbytes}), sent {found}: the store ignored the range",
-                        path=str(url), errno=None)
-                done = await _fill(body.raw_stream.content, buffers)
-            if done < nbytes:
-                raise CorruptCheckpointError(
-                    f"object {url}: expected {nbytes} bytes from offset {offset}, found "
-                    f"{done}; the object is shorter than its manifest says (truncated or "
-                    "replaced after commit)", path=str(url), key=key, offset=offset + done)
-
-        await self.retried("get_object", url, attempt, received_bytes=nbytes)
-
-    async def presign_get(self, url: ObjectUrl, expires_s: int) -> str:
-        """A URL that GETs the object `url` for `expires_s` seconds, signed once: its ranged
-        reads (`get_presigned_into`) then cost the store's work and a plain HTTP request, not
-        botocore's per-request signing and parsing (about 4x the reads per second here)."""
-        async def presign() -> str:
-            found = await self._loop_client()
-            return await found.client.generate_presigned_url(
-                "get_object", Params={"Bucket": url.bucket, "Key": url.key},
-                ExpiresIn=expires_s)
-
-        return await on_io_loop(presign())
-
-    async def get_presigned_into(self, presigned: str, url: ObjectUrl, offset: int,
-                                 buffers: Sequence[memoryview], *,
-                                 if_match: str | None = None) -> None:
-        """`get_into` through `presigned` (from `presign_get` for `url`): the same bytes,
-        retries and errors.
-
-        Raises:
-            ObjectNotFoundError, PreconditionFailedError, StorageError: as `get_into`.
         """
         nbytes = sum(buffer.nbytes for buffer in buffers)
         if not nbytes:
@@ -323,21 +291,35 @@ class S3Client:
 
         async def attempt(_: Any) -> None:
             found = await self._loop_client()
-            async with found.http.get(presigned, headers=headers) as response:
-                if response.status not in (200, 206):
-                    raise _client_error(response.status, await response.read())
-                if response.status == 200 and (response.content_length or 0) > nbytes:
-                    raise StorageError(
-                        f"get_object {url} at {self.endpoint}: asked for bytes [{offset}, "
-                        f"+{nbytes}), sent {response.content_length}: the store ignored the "
-                        "range", path=str(url), errno=None)
-                done = await _fill(response.content, buffers)
-            if done < nbytes:
+            answer = await found.ranges.get_into(await found.presigned_url(url), headers,
+                                                 buffers)
+            if answer.status not in (200, 206):
+                raise _client_error(answer.status, answer.body)
+            if answer.status == 200 and (answer.content_length or 0) > nbytes:
                 raise StorageError(
-                    f"object {url}: expected {nbytes} bytes from offset {offset}, found {done}",
+                    f"get_object {url} at {self.endpoint}: asked for bytes [{offset}, "
+                    f"+{nbytes}), sent {answer.content_length}: the store ignored the range",
                     path=str(url), errno=None)
+            if answer.received < nbytes:
+                message = (f"object {url}: expected {nbytes} bytes from offset {offset}, "
+                           f"found {answer.received}")
+                if key is None:
+                    raise StorageError(message, path=str(url), errno=None)
+                raise CorruptCheckpointError(
+                    f"{message}; the object is shorter than its manifest says (truncated or "
+                    "replaced after commit)", path=str(url), key=key,
+                    offset=offset + answer.received)
 
-        await self.retried("get_object", url, attempt, received_bytes=nbytes)
+        try:
+            await self.retried("get_object", url, attempt, received_bytes=nbytes)
+        except RefusedCredentialsError:  # signed by credentials since rotated: once more
+            await on_io_loop(self._forget_presigned(url))
+            await self.retried("get_object", url, attempt, received_bytes=nbytes)
+
+    async def _forget_presigned(self, url: ObjectUrl) -> None:
+        found = self._clients.get(asyncio.get_running_loop())
+        if found is not None:
+            found.presigned.pop(url, None)
 
     async def retried(self, operation: str, url: ObjectUrl | str,
                       attempt: Callable[[Any], Awaitable[T]], *, sent_bytes: int = 0,
@@ -363,18 +345,20 @@ class S3Client:
         try:
             while True:
                 tries += 1
+                slowed = False  # this try's throttling cut the budget's window
                 try:
                     async with clock.watch():
                         loop_client = await self._loop_client()
-                        async with loop_client.budget:
+                        budget = loop_client.budget
+                        async with budget.slot() as slot:
                             clock.count_try(retry=tries > 1)
-                            loop_client.in_flight += 1
-                            loop_client.most_in_flight = max(loop_client.most_in_flight,
-                                                             loop_client.in_flight)
                             try:
                                 result = await attempt(loop_client.client)
-                            finally:
-                                loop_client.in_flight -= 1
+                            except Exception as error:
+                                if _failure_of(error) is _Failure.THROTTLED:
+                                    slowed = budget.throttled(slot)  # before the slot frees
+                                raise
+                            budget.answered(slot)
                 except StoreExpired as expired:
                     raise self._expired(operation, url, clock, tries) from expired
                 except AsynctronError:
@@ -393,8 +377,10 @@ class S3Client:
                             clock.answered()
                         raise self._translate(operation, url, error, clock,
                                               tries) from error
-                    backoff = min(_MAX_BACKOFF_S, _FIRST_BACKOFF_S * 2 ** (tries - 1))
+                    backoff = min(_MAX_BACKOFF_S, _FIRST_BACKOFF_S * 2 ** min(tries - 1, 8))
                     backoff *= random.uniform(0.5, 1.0)
+                    if slowed:
+                        backoff = 0.0  # the smaller window slows the client down
                     if clock.quiet_s() + backoff > deadline_s:
                         clock.expire()
                         raise self._translate(operation, url, error, clock, tries) from error
@@ -575,30 +561,6 @@ def _close_io_loop() -> None:
     with contextlib.suppress(Exception):
         io.submit(close()).result(timeout=5)
     io.stop()
-
-
-async def _fill(stream: aiohttp.StreamReader, buffers: Sequence[memoryview]) -> int:
-    """Copy the response body `stream` into `buffers`, one after another, each chunk as it
-    arrived (one copy per byte on the loop; the buffers' pages should already be touched, see
-    `touch_pages`); returns the bytes copied (fewer: the body ended early)."""
-    views = [buffer.cast("B") if buffer.format != "B" else buffer for buffer in buffers]
-    index, at, done = 0, 0, 0
-    while index < len(views):
-        data, _ = await stream.readchunk()
-        if not data:
-            break
-        chunk = memoryview(data)
-        taken = 0
-        while taken < len(chunk) and index < len(views):
-            view = views[index]
-            n = min(len(chunk) - taken, view.nbytes - at)
-            view[at:at + n] = chunk[taken:taken + n]
-            taken += n
-            at += n
-            if at == view.nbytes:
-                index, at = index + 1, 0
-        done += taken
-    return done
 
 
 def touch_pages(buffers: Sequence[memoryview]) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import io
-import time
 from collections.abc import Callable, Coroutine, Sequence
 from typing import IO, Any, TypeVar
 
@@ -20,16 +19,12 @@ from asynctron.storage.backends._operation import store_operation
 from asynctron.storage.backends.s3._client import (
     ObjectNotFoundError,
     PreconditionFailedError,
-    RefusedCredentialsError,
     S3Client,
     io_loop,
 )
 from asynctron.storage.backends.s3._layout import ObjectUrl, parse_url
 
 T = TypeVar("T")
-
-#: how long a presigned GET URL is valid (one is made again at half of it)
-_PRESIGNED_S = 3600
 
 MiB = 1 << 20
 #: the parts of an object written piece by piece (`open_new_file`): the first 1000 are this
@@ -74,19 +69,6 @@ class ObjectFile:
         self.url = url
         self.nbytes = nbytes
         self.etag = etag
-        self._presigned: tuple[str, float] | None = None  # a GET URL, and when it was made
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_presigned": None}
-
-    async def _presigned_url(self, *, fresh: bool = False) -> str:
-        """The object's presigned GET URL, made again when half its life is gone."""
-        found = self._presigned
-        now = time.monotonic()
-        if fresh or found is None or now - found[1] > _PRESIGNED_S / 2:
-            found = self._presigned = (
-                await self.client.presign_get(self.url, _PRESIGNED_S), now)
-        return found[0]
 
     @classmethod
     def open(cls, client: S3Client, path: str) -> ObjectFile:
@@ -113,14 +95,7 @@ class ObjectFile:
     async def _get_into(self, offset: int, buffer: memoryview) -> None:
         where = self._where(offset, buffer.nbytes)
         try:
-            presigned = await self._presigned_url()
-            try:
-                await self.client.get_presigned_into(presigned, self.url, offset, [buffer],
-                                                     if_match=self.etag)
-            except RefusedCredentialsError:  # signed by credentials since rotated: once more
-                await self.client.get_presigned_into(
-                    await self._presigned_url(fresh=True), self.url, offset, [buffer],
-                    if_match=self.etag)
+            await self.client.get_into(self.url, offset, [buffer], if_match=self.etag)
         except PreconditionFailedError as error:
             raise ObjectChangedError(
                 f"{where}: the object was replaced since it was opened (ETag {self.etag} no "
