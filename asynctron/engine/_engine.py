@@ -29,11 +29,19 @@ from asynctron.engine._load import Loader
 from asynctron.engine._plan_cache import PlanCache
 from asynctron.engine._resources import SaveResources
 from asynctron.engine._save import SaveJob, SaveOptions
+from asynctron.engine._shared_loads import Located, SharedLoads
 from asynctron.engine._staging import mark_ready
 from asynctron.engine._task import SaveResult, SaveTask
 from asynctron.engine.tiers import RestoreResult, TierManager, Tiers, job_nodes
 from asynctron.errors import BusyError, ClosedError, PeerTimeoutError
-from asynctron.storage import Backend, Committer, Retention, backend_for, store_operation
+from asynctron.storage import (
+    Backend,
+    CheckpointReader,
+    Committer,
+    Retention,
+    backend_for,
+    store_operation,
+)
 from asynctron.storage._checksum import ALGORITHMS, XXH3_64
 from asynctron.storage._layout import ALIGN_BYTES
 
@@ -198,6 +206,7 @@ class Engine:
         self._closed = False
         self.budget: ByteBudget = self._resources.budget
         self._coordinator: Coordinator | None = None
+        self._shared_loads: SharedLoads | None = None
         self.plan_cache = PlanCache(max_entries=8)
 
     async def __aenter__(self) -> Engine:
@@ -230,13 +239,14 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._resources.start()
         try:
-            planning, finishing = await self._collectives()
+            planning, finishing, loads = await self._collectives()
         except BaseException:  # e.g. a rank never joined: leave nothing running
             self._loop = None
             self._resources.shutdown(unbind=True)
             raise
         self._coordinator = Coordinator(planning, finishing, self.run_blocking,
                                         Committer(self.run_blocking, self._retention()))
+        self._shared_loads = SharedLoads(loads)
         if self.config.tiers is not None:
             try:
                 self._tiers = await self._tier_manager(self.config.tiers)
@@ -283,11 +293,12 @@ class Engine:
                            agree=agree, drains=drains, channel=channel,
                            plan_cache=self.plan_cache, store_retention=retention)
 
-    async def _collectives(self) -> tuple[Collectives, Collectives]:
-        """The save protocol's two groups (planning, finishing): gloo groups across ranks."""
+    async def _collectives(self) -> tuple[Collectives, Collectives, Collectives]:
+        """The save protocol's two groups (planning, finishing) and the collective loads':
+        gloo groups across ranks."""
         if self._process_group is None and not (dist.is_available() and dist.is_initialized()
                                                 and dist.get_world_size() > 1):
-            return SoloCollectives(), SoloCollectives()
+            return SoloCollectives(), SoloCollectives(), SoloCollectives()
         timeout_s = self.config.coordination_timeout_s
         ranks = (None if self._process_group is None
                  else dist.get_process_group_ranks(self._process_group))
@@ -295,14 +306,15 @@ class Engine:
         try:
             planning = self._process_group or await self.run_blocking(new_group)
             finishing = await self.run_blocking(new_group)
+            loads = await self.run_blocking(new_group)
         except RuntimeError as error:  # dist.DistError: a rank never came
             raise PeerTimeoutError(
                 "engine start: expected every rank to start its Engine (creating the "
                 f"coordination groups), found a rank absent within {timeout_s:g} s "
                 f"({type(error).__name__}: {error}); start an Engine on every rank, in the same "
                 "order relative to other process-group creations", rank=None) from error
-        return (CollectiveGroup(planning, run_blocking=self.run_blocking, timeout_s=timeout_s),
-                CollectiveGroup(finishing, run_blocking=self.run_blocking, timeout_s=timeout_s))
+        return tuple(CollectiveGroup(group, run_blocking=self.run_blocking, timeout_s=timeout_s)
+                     for group in (planning, finishing, loads))  # type: ignore[return-value]
 
     @property
     def rank(self) -> int:
@@ -541,7 +553,7 @@ class Engine:
             del self._saves[target]
 
     async def load(self, path: str | os.PathLike[str], *, mmap: bool = False,
-                   verify: bool | None = None) -> dict[str, Any]:
+                   verify: bool | None = None, collective: bool = False) -> dict[str, Any]:
         """Load the checkpoint at `path` (or the one `path/latest` names) into new objects.
 
         Args:
@@ -550,6 +562,10 @@ class Engine:
                 (sharded, or cut to spread over bins) are read instead.
             verify: check every item's checksum; default True, but False with `mmap` (checking
                 would read every byte). A checkpoint saved without checksums has none to check.
+            collective: every rank of the engine's job calls this load (in the same order as
+                its other collective loads): rank 0 finds the checkpoint (on a store: one
+                listing for the job, not one per rank) and every rank reads that one; a
+                failure on any rank raises on every rank. No effect on one process.
 
         Returns:
             the saved state dict: fresh CPU tensors (or mapped ones), numpy arrays, bytes and
@@ -559,6 +575,7 @@ class Engine:
             CheckpointNotFoundError: nothing committed at `path`.
             CorruptCheckpointError: a bad manifest, a short file or a checksum mismatch,
                 naming file, key and offset.
+            PeerError: (`collective`) another rank's load failed.
 
         Cancellation: reads in flight finish; nothing is returned.
         Concurrency: on a local path, no `keep_last` pruning (of any process) deletes the
@@ -571,10 +588,10 @@ class Engine:
         """
         self._check_open()
         return await self._load(path, (not mmap) if verify is None else verify,
-                                Loader.mapped if mmap else Loader.fresh)
+                                Loader.mapped if mmap else Loader.fresh, collective=collective)
 
     async def load_into(self, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
-                        verify: bool = True) -> dict[str, Any]:
+                        verify: bool = True, collective: bool = False) -> dict[str, Any]:
         """Load the checkpoint at `path` (or the one `path/latest` names) into the tensors and
         arrays of `state_dict`, in place (CPU, CUDA or DTensor shards, resharding as needed).
 
@@ -583,6 +600,7 @@ class Engine:
                 match a saved one by key, dtype and (global) shape.
             verify: check every item's checksum (a checkpoint saved without checksums has none
                 to check).
+            collective: every rank calls it together, as for `load`.
 
         Returns:
             `state_dict`'s structure holding its own tensors and arrays (now filled), and the
@@ -595,6 +613,7 @@ class Engine:
             CheckpointNotFoundError: nothing committed at `path`.
             CorruptCheckpointError: a bad manifest, a short file or a checksum mismatch,
                 naming file, key and offset; tensors may be partly overwritten.
+            PeerError: (`collective`) another rank's load failed.
 
         Cancellation: reads in flight finish; the tensors may be partly filled.
         Concurrency: on a local path, no `keep_last` pruning (of any process) deletes the
@@ -607,7 +626,8 @@ class Engine:
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict: expected a dict, found {type(state_dict).__name__}; "
                             "pass the state dict to fill")
-        return await self._load(path, verify, lambda loader: loader.into(state_dict))
+        return await self._load(path, verify, lambda loader: loader.into(state_dict),
+                                collective=collective)
 
     async def restore(self, state_dict: Mapping[str, Any], *,
                       step: int | None = None) -> RestoreResult:
@@ -654,36 +674,72 @@ class Engine:
 
     async def _load(self, path: str | os.PathLike[str], verify: bool,
                     read: Callable[[Loader], Awaitable[dict[str, Any]]], *,
-                    view: str | None = None) -> dict[str, Any]:
+                    view: str | None = None, collective: bool = False) -> dict[str, Any]:
         """`_read` as one store operation (one clock on an object store), counted as a load in
-        flight until it ends."""
+        flight until it ends; with `collective`, one of every rank's loads together
+        (`SharedLoads`)."""
+        backend, checkpoint = self._resources.locate(path)
         self._num_loads += 1
         self._loads_done.clear()
         try:
             with store_operation("load", os.fspath(path)):
-                return await self._read(path, verify, read, view)
+                if not collective:
+                    return await self._read(backend, checkpoint, verify, read, view, None)
+                return await self._read_together(backend, checkpoint, verify, read, view)
         finally:
             self._num_loads -= 1
             if not self._num_loads:
                 self._loads_done.set()
 
-    async def _read(self, path: str | os.PathLike[str], verify: bool,
-                    read: Callable[[Loader], Awaitable[dict[str, Any]]],
-                    view: str | None) -> dict[str, Any]:
-        """Lease the checkpoint, open its reader, `read` it; close and release on every path."""
-        reader = None
+    async def _read_together(self, backend: Backend, checkpoint: str, verify: bool,
+                             read: Callable[[Loader], Awaitable[dict[str, Any]]],
+                             view: str | None) -> dict[str, Any]:
+        """`_read` with the checkpoint found once for every rank, and every rank's outcome
+        learned by all at the end."""
+        shared = self._shared_loads
+        assert shared is not None
+        seq = shared.next_seq()
+        error: BaseException | None = None
         try:
-            backend, checkpoint = self._resources.locate(path)
+            result = await self._read(backend, checkpoint, verify, read, view,
+                                      functools.partial(shared.locate, seq))
+        except BaseException as failure:  # told to every rank before it is raised
+            error = failure
+        await shared.finish(seq, error)
+        if error is not None:
+            raise error
+        return result
+
+    async def _read(self, backend: Backend, checkpoint: str, verify: bool,
+                    read: Callable[[Loader], Awaitable[dict[str, Any]]], view: str | None,
+                    locate: Callable[[Callable[[], Awaitable[Located]]], Awaitable[Located]]
+                    | None) -> dict[str, Any]:
+        """Lease the checkpoint, open its reader, `read` it; close and release on every path.
+        With `locate`, rank 0's reader finds the checkpoint and the other ranks adopt it."""
+        readers: list[CheckpointReader] = []
+        max_files = self.config.num_workers
+
+        async def find() -> Located:
             reader = await backend.open_reader(self.run_blocking, checkpoint,
-                                               max_files_at_once=self.config.num_workers)
+                                               max_files_at_once=max_files)
+            readers.append(reader)
             manifest = await reader.open(view=view)
+            return Located(reader.path, manifest)
+
+        try:
+            located = await (find() if locate is None else locate(find))
+            if not readers:  # found by rank 0: read it as it found it
+                reader = await backend.open_reader(self.run_blocking, located.path,
+                                                   max_files_at_once=max_files)
+                readers.append(reader)
+                reader.adopt(located.path, located.manifest)
             resources = self._resources
-            return await read(Loader(reader, manifest, pool=resources.pool,
+            return await read(Loader(readers[0], located.manifest, pool=resources.pool,
                                      copy_streams=resources.copy_streams,
                                      run_blocking=self.run_blocking,
                                      slab_bytes=self.config.slab_bytes, verify=verify))
         finally:
-            if reader is not None:
+            for reader in readers:
                 await reader.aclose()
 
     def __repr__(self) -> str:

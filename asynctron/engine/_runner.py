@@ -171,15 +171,17 @@ class BackgroundEngine:
         return self._call(self._engine.restore(state_dict, step=step))
 
     def load(self, path: str | os.PathLike[str], *, mmap: bool = False,
-             verify: bool | None = None) -> dict[str, Any]:
+             verify: bool | None = None, collective: bool = False) -> dict[str, Any]:
         """Load a checkpoint into new objects, blocking the calling thread. See `Engine.load`."""
-        return self._call(self._engine.load(path, mmap=mmap, verify=verify))
+        return self._call(self._engine.load(path, mmap=mmap, verify=verify,
+                                            collective=collective))
 
     def load_into(self, state_dict: Mapping[str, Any], path: str | os.PathLike[str], *,
-                  verify: bool = True) -> dict[str, Any]:
+                  verify: bool = True, collective: bool = False) -> dict[str, Any]:
         """Load a checkpoint into `state_dict`'s tensors and arrays in place, blocking the
         calling thread. See `Engine.load_into`."""
-        return self._call(self._engine.load_into(state_dict, path, verify=verify))
+        return self._call(self._engine.load_into(state_dict, path, verify=verify,
+                                                 collective=collective))
 
     def prefault_staging(self, nbytes: int | None = None) -> int:
         """Make staging memory ready now, blocking the calling thread. See

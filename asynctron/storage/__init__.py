@@ -20,6 +20,7 @@ from asynctron.storage.backends import (
     StoreStatistics,
     backend_for,
     register_backend,
+    store_operation,
 )
 from asynctron.storage.backends.local._publish import resolve_checkpoint
 from asynctron.storage.backends.local._reader import read_manifest
@@ -42,6 +43,7 @@ __all__ = [
     "register_backend",
     "resolve_checkpoint",
     "split_by_size_and_type",
+    "store_operation",
 ]
 
 from asynctron.storage._checksum import digest as digest
@@ -73,5 +75,4 @@ from asynctron.storage._read_plan import ReadJob as ReadJob
 from asynctron.storage.backends._backend import CheckpointReader as CheckpointReader
 from asynctron.storage.backends._backend import ReadableFile as ReadableFile
 from asynctron.storage.backends._operation import StoreOperation as StoreOperation
-from asynctron.storage.backends._operation import store_operation as store_operation
 from asynctron.storage.backends.local._writer import WriteBatch as WriteBatch

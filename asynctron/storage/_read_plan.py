@@ -167,6 +167,10 @@ class CheckpointReaderBase:
         """The checkpoint read (after `open`: the one `latest` named, if it was followed)."""
         self.manifest: Manifest | None = None
 
+    def adopt(self, path: str, manifest: Manifest) -> None:
+        """Read the checkpoint `path` by `manifest`, found by another process's `open`."""
+        self.path, self.manifest = path, manifest
+
     @property
     def verifiable(self) -> bool:
         """Whether the checkpoint carries checksums to verify."""

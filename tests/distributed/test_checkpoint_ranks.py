@@ -1,6 +1,7 @@
 """Checkpoints across real gloo ranks: every rank writes its share, the coordinator commits only
 if all succeeded, replicated tensors are written once, DTensor shards reshard N → M on load, an
-unchanged structure skips the plan collectives, and stock DCP reads and writes with asynctron.
+unchanged structure skips the plan collectives, collective loads share one look-up and fail
+together, and stock DCP reads and writes with asynctron.
 
 Three spawned runs keep the suite fast: 4 ranks save a sharded checkpoint; 2 ranks run every
 scenario (and load the 4-rank checkpoint); 2 ranks test a rank SIGKILLed mid-save.
@@ -84,6 +85,22 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
                                and torch.equal(loaded["own0"], torch.zeros(3))
                                and torch.equal(loaded["own1"], torch.ones(3))
                                and loaded["step"] == 7)
+
+            # Collective loads: rank 0 finds the checkpoint for both; its error is both
+            # ranks' own; a rank whose load fails makes the other raise.
+            outcomes = []
+            for path, template in ((f"{root}/nothing", None),
+                                   (f"{root}/plain", {f"own{rank}": torch.zeros(3 + rank)}),
+                                   (f"{root}/plain", {f"own{rank}": torch.zeros(3)})):
+                try:
+                    if template is None:
+                        await engine.load(path, collective=True)
+                    else:
+                        await engine.load_into(template, path, collective=True)
+                    outcomes.append("ok")
+                except Exception as error:
+                    outcomes.append((type(error).__name__, getattr(error, "rank", None)))
+            out["collective"] = outcomes
 
             # DTensor shards saved with their global offsets; resharded on load.
             await engine.save({"dt": _dtensor(mesh, Shard(0))}, f"{root}/dt")
@@ -205,6 +222,15 @@ def test_each_rank_writes_its_own_files_and_replicated_tensors_once(
     assert sorted(i["key"] for i in shared) == sorted(f"shared.{k}" for k in _shared())
     writers = {i["file"].split("_")[2] for i in shared}
     assert writers == {"0", "1"}  # deduplicated, and spread over both ranks
+
+
+def test_collective_loads_share_the_checkpoint_and_fail_together(
+        two_rank_results: tuple[str, list[dict[str, Any]]]) -> None:
+    _, results = two_rank_results
+    assert results[0]["collective"] == [("CheckpointNotFoundError", None),
+                                        ("PeerError", 1), "ok"]
+    assert results[1]["collective"] == [("CheckpointNotFoundError", None),
+                                        ("ValueError", None), "ok"]
 
 
 def test_dtensor_shards_reshard_n_to_m(two_rank_results: tuple[str, list[dict[str, Any]]],

@@ -305,7 +305,7 @@ def test_the_cli_takes_the_deadline(s3_env: SeaweedFS, proxy: TcpFaultProxy,
     done = subprocess.run([sys.executable, "-m", "asynctron", "verify", "--deadline-s", "1.5",
                            s3_root], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
-    assert re.fullmatch(r"asynctron verify: list_objects_v2 \S+ at http://\S+: the store "
+    assert re.fullmatch(r"asynctron verify: get_object \S+/latest at http://\S+: the store "
                         r"answered none of this verify's requests for 1\.5 s [^\n]*\n",
                         done.stderr), done.stderr
     proxy.pass_through()

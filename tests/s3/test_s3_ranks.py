@@ -1,5 +1,6 @@
-"""Two real gloo ranks on s3://: each rank uploads its own objects and the coordinator commits;
-DTensor shards reshard on load through ranged reads of the parts each rank needs."""
+"""Real gloo ranks on s3://: each rank uploads its own objects and the coordinator commits;
+DTensor shards reshard on load through ranged reads of the parts each rank needs; 8 ranks on
+one store list it once per collective load and fail together within the deadline."""
 
 from __future__ import annotations
 
@@ -57,51 +58,75 @@ def test_ranks_upload_their_own_objects_and_reshard_on_load(s3_root: str,
     assert "step_9/manifest.json" in keys
 
 
-def one_rank_loses_the_store(rank: int, world: int, root: str, endpoint: str,
+def eight_ranks_on_one_store(rank: int, world: int, root: str, endpoint: str,
                              deadline_s: float) -> dict[str, Any]:
-    """Rank 1 reaches the store through a proxy that breaks every upload; rank 0 directly."""
+    """Every rank saves and loads collectively; rank 5 reaches the store through a proxy that
+    breaks its uploads, then stalls, then lets everything through; the others directly."""
+    from asynctron.storage import store_operation
     from asynctron.storage.backends.s3 import S3Backend, S3Config
     from asynctron.testing.tcp_proxy import TcpFaultProxy
 
     host, _, port = endpoint.removeprefix("http://").partition(":")
     out: dict[str, Any] = {}
 
+    async def timed(what: str, work: Any) -> None:
+        started = time.monotonic()
+        try:
+            await work
+        except Exception as error:
+            out[f"{what}_error"] = f"{type(error).__name__}: {error}"
+        out[f"{what}_after_s"] = time.monotonic() - started
+
     async def run(proxy: TcpFaultProxy) -> None:
-        backend = S3Backend(S3Config(endpoint_url=proxy.endpoint if rank else endpoint,
+        backend = S3Backend(S3Config(endpoint_url=proxy.endpoint if rank == 5 else endpoint,
                                      deadline_s=deadline_s, read_timeout_s=2))
-        state = {f"w{rank}": torch.full((4 << 20,), float(rank)), "step": 0}
-        async with Engine(backend=backend, slab_bytes=8 << 20) as engine:
+        state = {f"w{rank}": torch.full((1 << 20,), float(rank)), "step": 0}
+        template = {f"w{rank}": torch.zeros(1 << 20)}
+        async with Engine(backend=backend, slab_bytes=4 << 20) as engine:
             await engine.save(state, f"{root}/step_0")
-            if rank == 1:
-                proxy.reset_each_after(1 << 20)
-            started = time.monotonic()
-            try:
-                await engine.save(state, f"{root}/step_1")
-            except Exception as error:
-                out["error"] = f"{type(error).__name__}: {error}"
-            out["failed_after_s"] = time.monotonic() - started
+            with store_operation("load") as load:
+                loaded = await engine.load_into(template, root, collective=True)
+            out["lists"] = load.statistics().num_lists
+            out["loaded"] = torch.equal(loaded[f"w{rank}"], state[f"w{rank}"])
+            if rank == 5:
+                proxy.reset_each_after(256 << 10)
+            await timed("save", engine.save({**state, "step": 1}, f"{root}/step_1"))
+            if rank == 5:
+                proxy.stall()
+            await timed("load", engine.load_into(template, root, collective=True))
             proxy.pass_through()
-            out["previous"] = (await engine.load(root))["step"]
+            out["previous"] = (await engine.load(root, collective=True))["step"]
             await engine.save({**state, "step": 2}, f"{root}/step_2")
-            out["again"] = (await engine.load(root))["step"]
+            out["again"] = (await engine.load(root, collective=True))["step"]
 
     with TcpFaultProxy.start(host, int(port)) as proxy:
         uvloop.run(run(proxy))
     return out
 
 
-def test_one_ranks_store_failure_fails_every_rank_within_the_deadline(
+def test_eight_ranks_list_once_per_load_and_fail_together_within_the_deadline(
         s3_root: str, s3_env: Any, s3_objects: Any) -> None:
-    """Rank 1's connections reset mid-save: rank 1 fails once its store was silent for the
-    deadline, rank 0 learns it at the commit (nobody waits for a clean-up or a watchdog);
-    nothing of step_1 is visible, and the same engines save again."""
+    """8 ranks, one store: a collective load lists the store once for the whole job. Rank 5's
+    connections reset mid-save: rank 5 fails once its store was silent for the deadline, the
+    others learn it at the commit; a collective load while rank 5's store stalls fails on
+    every rank within the deadline too. Nothing of step_1 is visible, and the same
+    engines save and load again."""
     deadline_s = 3.0
     results = [r.unwrap() for r in run_local_ranks(
-        one_rank_loses_the_store, 2, s3_root, s3_env.endpoint, deadline_s, timeout_s=240)]
-    assert "StorageError" in results[1]["error"] and "step_1/__1_" in results[1]["error"]
-    assert "PeerError" in results[0]["error"] and "rank 1 failing" in results[0]["error"]
-    for result in results:
-        assert result["failed_after_s"] < deadline_s + 4, results
+        eight_ranks_on_one_store, 8, s3_root, s3_env.endpoint, deadline_s, timeout_s=300)]
+    assert sum(result["lists"] for result in results) == 1
+    assert all(result["loaded"] for result in results)
+    assert "StorageError" in results[5]["save_error"], results[5]
+    assert "step_1/__5_" in results[5]["save_error"]
+    assert "StorageError" in results[5]["load_error"], results[5]
+    for rank, result in enumerate(results):
+        if rank != 5:
+            assert "PeerError" in result["save_error"] and "rank 5 failing" in result[
+                "save_error"], result
+            assert "PeerError" in result["load_error"] and "rank 5 failing" in result[
+                "load_error"], result
+        for what in ("save", "load"):  # the deadline, its 10%, and the ranks' own turns
+            assert result[f"{what}_after_s"] < deadline_s * 1.1 + 2, (rank, result)
         assert result["previous"] == 0 and result["again"] == 2
     names = {key.split("/")[0] for key in keys_under(s3_objects, s3_root)}
     assert names == {"latest", "step_0", "step_2"}

@@ -120,6 +120,11 @@ class CheckpointReader(Protocol):
         """
         ...
 
+    def adopt(self, path: str, manifest: Manifest) -> None:
+        """Read the checkpoint `path` (committed, `latest` already followed) by `manifest`, as
+        another process's `open` found them: nothing is asked of the storage."""
+        ...
+
     @property
     def verifiable(self) -> bool:
         """Whether the checkpoint carries checksums to verify."""

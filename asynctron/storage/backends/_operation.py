@@ -45,6 +45,8 @@ class StoreStatistics:
     """Tries that failed and were tried again (resets, timeouts, 5xx, throttling)."""
     num_throttled: int = 0
     """Answers that asked the client to slow down (503 SlowDown, 429)."""
+    num_lists: int = 0
+    """Listings sent (LIST requests: each page, each try): what many ranks multiply."""
     sent_bytes: int = 0
     """Request bodies stored (parts, objects), counted once each."""
     received_bytes: int = 0
@@ -55,7 +57,8 @@ class StoreStatistics:
 
     def __str__(self) -> str:
         return (f"{self.num_requests} requests ({self.num_retries} retried, "
-                f"{self.num_throttled} throttled), {self.sent_bytes} bytes sent, "
+                f"{self.num_throttled} throttled, {self.num_lists} lists), "
+                f"{self.sent_bytes} bytes sent, "
                 f"{self.received_bytes} received, {self.waiting_s:.3f} s waiting on the store")
 
 
@@ -88,6 +91,7 @@ class StoreOperation:
         self._num_requests = 0
         self._num_retries = 0
         self._num_throttled = 0
+        self._num_lists = 0
         self._sent_bytes = 0
         self._received_bytes = 0
 
@@ -126,10 +130,12 @@ class StoreOperation:
         assert self._loop is not None
         return self._loop.time() - self._quiet_since
 
-    def count_try(self, *, retry: bool) -> None:
-        """A try of a request is sent (`retry`: a request's second or later)."""
+    def count_try(self, *, retry: bool, listing: bool = False) -> None:
+        """A try of a request is sent (`retry`: a request's second or later; `listing`: a
+        LIST)."""
         self._num_requests += 1
         self._num_retries += retry
+        self._num_lists += listing
 
     def count_throttled(self) -> None:
         """The store asked the client to slow down."""
@@ -193,6 +199,7 @@ class StoreOperation:
             waiting_s += self._loop.time() - self._busy_since
         return StoreStatistics(num_requests=self._num_requests, num_retries=self._num_retries,
                                num_throttled=self._num_throttled,
+                               num_lists=self._num_lists,
                                sent_bytes=self._sent_bytes,
                                received_bytes=self._received_bytes, waiting_s=waiting_s)
 
@@ -205,7 +212,14 @@ class StoreOperation:
 def store_operation(what: str, target: str = "") -> Iterator[StoreOperation]:
     """Make every store request in this block (and in the tasks it spawns) one operation
     `what` (of `target`, for the log): one clock, one set of counters, logged at DEBUG at the
-    end. Inside another operation, the outer one goes on (a save's reads are the save's)."""
+    end. Inside another operation, the outer one goes on (a save's reads are the save's).
+
+    What a load asked of the store (a save reports it in `SaveResult.store`):
+
+        with store_operation("load") as operation:
+            state = await engine.load("s3://bucket/run")
+        operation.statistics()      # StoreStatistics: requests, lists, retries, bytes, wait
+    """
     outer = _CURRENT.get()
     if outer is not None:
         yield outer

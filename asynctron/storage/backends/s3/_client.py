@@ -106,6 +106,8 @@ _TRANSPORT_ERRORS = (
 _SEND_SLICE_BYTES = 256 << 10
 _PAGE_BYTES = 4096
 _FIRST_BACKOFF_S = 0.05
+_LAST_TRY_S = 0.05
+"""The last try is sent this long before the deadline at the latest."""
 _MAX_BACKOFF_S = 2.0
 _SET_CREDENTIALS = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE), or pass "
                     "S3Config(access_key_id=..., secret_access_key=...)")
@@ -351,7 +353,8 @@ class S3Client:
                         loop_client = await self._loop_client()
                         budget = loop_client.budget
                         async with budget.slot() as slot:
-                            clock.count_try(retry=tries > 1)
+                            clock.count_try(retry=tries > 1,
+                                            listing=operation.startswith("list_"))
                             try:
                                 result = await attempt(loop_client.client)
                             except Exception as error:
@@ -381,9 +384,11 @@ class S3Client:
                     backoff *= random.uniform(0.5, 1.0)
                     if slowed:
                         backoff = 0.0  # the smaller window slows the client down
-                    if clock.quiet_s() + backoff > deadline_s:
+                    left_s = deadline_s - clock.quiet_s() - _LAST_TRY_S
+                    if left_s <= 0:
                         clock.expire()
                         raise self._translate(operation, url, error, clock, tries) from error
+                    backoff = min(backoff, left_s)  # a last try just before the deadline
                     logger.debug("%s %s: %s; retrying in %.2f s", operation, url, error,
                                  backoff)
                     await asyncio.sleep(backoff)

@@ -1,7 +1,8 @@
 """`ObjectReader`: a committed checkpoint on a store, read by parallel ranged GETs straight into
 the destinations.
 
-`open` lists the checkpoint's objects once (their sizes), reads its manifest (asynctron's, or a
+`open` reads `latest` (if the URL is a root), lists the checkpoint's objects once (their
+sizes), reads its manifest (asynctron's, or a
 stock DCP `.metadata`) with the bounds of a local one, and checks every file's size before any
 item is read. `read` plans the same read batches as a local read, cut to at most
 `range_bytes`, and sends every GET at once (the client's request budget bounds them); digests
@@ -65,20 +66,25 @@ class ObjectReader(CheckpointReaderBase):
         """
         check_view_name(view, self.requested_path)
         url = parse_url(self.requested_path)
+        named = await self._latest_name(url)
+        if named is not None:
+            url = url.child(named)
         try:
             sizes = await list_objects(self._client, url)
         except ObjectNotFoundError as error:  # no bucket: nothing committed, as locally
             raise CheckpointNotFoundError(f"checkpoint {self.requested_path}: {error}",
                                           path=str(url)) from error
         if MANIFEST_NAME not in sizes and METADATA_NAME not in sizes:
-            url = await self._follow_latest(url, sizes)
-            sizes = await list_objects(self._client, url)
-            if MANIFEST_NAME not in sizes and METADATA_NAME not in sizes:
+            if named is not None:
                 raise CheckpointNotFoundError(
                     f"checkpoint {self.requested_path}: its '{LATEST_NAME}' names {url}, which "
                     f"holds no committed checkpoint ({MANIFEST_NAME} or DCP's "
                     f"{METADATA_NAME}); it was pruned, or its save never committed",
                     path=str(url))
+            raise CheckpointNotFoundError(
+                f"checkpoint {url}: expected a committed checkpoint ({MANIFEST_NAME} or DCP's "
+                f"{METADATA_NAME}) or a '{LATEST_NAME}' object, found neither; the save may not "
+                "have committed, or the URL is wrong", path=str(url))
         self.path = str(url)
         self._sizes = sizes
         if view is not None or MANIFEST_NAME in sizes:
@@ -99,23 +105,29 @@ class ObjectReader(CheckpointReaderBase):
         self.manifest = manifest
         return manifest
 
-    async def _follow_latest(self, url: ObjectUrl, sizes: dict[str, int]) -> ObjectUrl:
-        if LATEST_NAME not in sizes:
-            raise CheckpointNotFoundError(
-                f"checkpoint {url}: expected a committed checkpoint ({MANIFEST_NAME} or DCP's "
-                f"{METADATA_NAME}) or a '{LATEST_NAME}' object, found neither; the save may not "
-                "have committed, or the URL is wrong", path=str(url))
-        name = (await self._get(url.child(LATEST_NAME), 4096)).decode(errors="replace").strip()
+    async def _latest_name(self, url: ObjectUrl) -> str | None:
+        """The checkpoint `url/latest` names, or None if there is no such object (`url` is a
+        checkpoint, or nothing): one GET, so that a load lists the store once."""
+        latest = url.child(LATEST_NAME)
+        try:
+            raw = await self._get(latest, 4096)
+        except ObjectNotFoundError:
+            return None
+        name = raw.decode(errors="replace").strip()
         if not name or "/" in name or name in (".", ".."):
             raise CorruptCheckpointError(
-                f"object {url.child(LATEST_NAME)}: expected the name of a checkpoint beside it, "
-                f"found {name[:80]!r}", path=str(url.child(LATEST_NAME)))
-        return url.child(name)
+                f"object {latest}: expected the name of a checkpoint beside it, found "
+                f"{name[:80]!r}", path=str(latest))
+        return name
 
     async def _get_small(self, name: str, max_bytes: int) -> bytes:
+        """The checkpoint's small object `name`, checked against the listing first (when this
+        reader listed the checkpoint; an adopted one did not)."""
         size = self._sizes.get(name)
         url = parse_url(self.path_of(name))
         if size is None:
+            if not self._sizes:
+                return await self._get(url, max_bytes)
             raise StorageError(f"object {url}: expected it in the checkpoint, found none",
                                path=str(url), errno=None)
         if size > max_bytes:
