@@ -3,6 +3,8 @@ configures is built, checked, and logged when set.
 
 - `ASYNCTRON_STORE_DEADLINE_S`: the default `deadline_s` of object-store clients (how long an
   operation waits while the store answers none of its requests), where the code sets none.
+- `ASYNCTRON_STORE_JOB_REQUESTS`: the default `job_max_requests` of object-store clients (the
+  requests the whole job keeps in flight at one store; each process takes its share).
 - `ASYNCTRON_RANKS_PER_NODE`: how many consecutive ranks share a node (its local checkpoint
   tier), over torchrun's `LOCAL_WORLD_SIZE`: several "nodes" on one machine, for tests and
   benchmarks.
@@ -38,6 +40,30 @@ def store_deadline_s() -> float:
                          f"{text!r}; fix or unset it")
     logger.info("%s=%g: object-store operations fail after %g s without an answer",
                 STORE_DEADLINE_S, value, value)
+    return value
+
+
+STORE_JOB_REQUESTS = "ASYNCTRON_STORE_JOB_REQUESTS"
+
+
+def store_job_requests() -> int | None:
+    """`ASYNCTRON_STORE_JOB_REQUESTS` if set, else None (no job-wide bound).
+
+    Raises:
+        ValueError: the variable is not an int >= 1 (naming it and its value).
+    """
+    text = os.environ.get(STORE_JOB_REQUESTS)
+    if text is None or not text.strip():
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{STORE_JOB_REQUESTS}: expected an int >= 1 (requests in flight for "
+                         f"the whole job), found {text!r}; fix or unset it")
+    logger.info("%s=%d: the job keeps at most %d requests in flight at a store", STORE_JOB_REQUESTS,
+                value, value)
     return value
 
 

@@ -154,3 +154,18 @@ def test_s3_urls_go_to_the_s3_backend_and_never_to_a_local_path(tmp_path: Any,
     with pytest.raises(ValueError, match="expected object_storage_config"):
         IndexedDataset("s3://bucket/corpus", mmap=False)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_jobs_request_budget_is_shared_by_its_processes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert S3Config(max_requests=64).process_requests(8) == 64
+    assert S3Config(max_requests=64, job_max_requests=100).process_requests(8) == 12
+    assert S3Config(max_requests=8, job_max_requests=100).process_requests(2) == 8
+    assert S3Config(job_max_requests=4).process_requests(16) == 1  # never none
+    monkeypatch.setenv("ASYNCTRON_STORE_JOB_REQUESTS", "32")
+    assert S3Config().process_requests(4) == 8
+    monkeypatch.setenv("ASYNCTRON_STORE_JOB_REQUESTS", "lots")
+    with pytest.raises(ValueError, match=r"ASYNCTRON_STORE_JOB_REQUESTS.*'lots'"):
+        S3Config()
+    with pytest.raises(ValueError, match="job_max_requests: expected a positive int"):
+        S3Config(job_max_requests=0)

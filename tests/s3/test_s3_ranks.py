@@ -79,7 +79,8 @@ def eight_ranks_on_one_store(rank: int, world: int, root: str, endpoint: str,
 
     async def run(proxy: TcpFaultProxy) -> None:
         backend = S3Backend(S3Config(endpoint_url=proxy.endpoint if rank == 5 else endpoint,
-                                     deadline_s=deadline_s, read_timeout_s=2))
+                                     deadline_s=deadline_s, read_timeout_s=2,
+                                     job_max_requests=16))
         state = {f"w{rank}": torch.full((1 << 20,), float(rank)), "step": 0}
         template = {f"w{rank}": torch.zeros(1 << 20)}
         async with Engine(backend=backend, slab_bytes=4 << 20) as engine:
@@ -98,6 +99,7 @@ def eight_ranks_on_one_store(rank: int, world: int, root: str, endpoint: str,
             out["previous"] = (await engine.load(root, collective=True))["step"]
             await engine.save({**state, "step": 2}, f"{root}/step_2")
             out["again"] = (await engine.load(root, collective=True))["step"]
+            out["most_in_flight"] = backend.client.most_in_flight
 
     with TcpFaultProxy.start(host, int(port)) as proxy:
         uvloop.run(run(proxy))
@@ -106,7 +108,8 @@ def eight_ranks_on_one_store(rank: int, world: int, root: str, endpoint: str,
 
 def test_eight_ranks_list_once_per_load_and_fail_together_within_the_deadline(
         s3_root: str, s3_env: Any, s3_objects: Any) -> None:
-    """8 ranks, one store: a collective load lists the store once for the whole job. Rank 5's
+    """8 ranks, one store: a collective load lists the store once for the whole job, and each
+    process keeps its share of the job's request budget in flight. Rank 5's
     connections reset mid-save: rank 5 fails once its store was silent for the deadline, the
     others learn it at the commit; a collective load while rank 5's store stalls fails on
     every rank within the deadline too. Nothing of step_1 is visible, and the same
@@ -115,6 +118,7 @@ def test_eight_ranks_list_once_per_load_and_fail_together_within_the_deadline(
     results = [r.unwrap() for r in run_local_ranks(
         eight_ranks_on_one_store, 8, s3_root, s3_env.endpoint, deadline_s, timeout_s=300)]
     assert sum(result["lists"] for result in results) == 1
+    assert all(1 <= result["most_in_flight"] <= 16 // 8 for result in results)  # the job's 16
     assert all(result["loaded"] for result in results)
     assert "StorageError" in results[5]["save_error"], results[5]
     assert "step_1/__5_" in results[5]["save_error"]

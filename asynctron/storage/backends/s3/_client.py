@@ -147,7 +147,7 @@ class _LoopClient:
 
     def __init__(self, client: Any, config: S3Config) -> None:
         self.client = client
-        self.budget = RequestBudget(config.max_requests)
+        self.budget = RequestBudget(config.process_requests(_world_size()))
         self.ranges = RangeClient(connect_timeout_s=config.connect_timeout_s,
                                   read_timeout_s=config.read_timeout_s)
         self.presigned: dict[ObjectUrl, tuple[str, float]] = {}
@@ -566,6 +566,17 @@ def _close_io_loop() -> None:
     with contextlib.suppress(Exception):
         io.submit(close()).result(timeout=5)
     io.stop()
+
+
+def _world_size() -> int:
+    """How many processes the job has: torch.distributed's world, else torchrun's
+    `WORLD_SIZE`, else 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    text = os.environ.get("WORLD_SIZE", "")
+    return int(text) if text.isdigit() and int(text) > 0 else 1
 
 
 def touch_pages(buffers: Sequence[memoryview]) -> None:

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
-from asynctron._knobs import store_deadline_s
+from asynctron._knobs import store_deadline_s, store_job_requests
 
 MiB = 1 << 20
 #: S3's own bounds on a multipart upload's parts (every part but the last at least the min).
@@ -47,7 +47,13 @@ class S3Config:
     store_checksums: bool = False
     """Have the client send, and the store check, a CRC of every request body."""
     max_requests: int = 64
-    """Most requests to the store in flight at once (the request budget)."""
+    """Most requests to the store in flight at once from this process (the request budget;
+    throttling shrinks it while the store asks, see `RequestBudget`)."""
+    job_max_requests: int | None = field(default_factory=store_job_requests)
+    """Most requests in flight at this store from the whole job: each process takes its share
+    (`job_max_requests // world size`, at least 1, at most `max_requests`; the world size is
+    torch.distributed's, else `WORLD_SIZE`'s, when the client starts). Default:
+    `ASYNCTRON_STORE_JOB_REQUESTS`, else None (each process `max_requests`)."""
     single_put_bytes: int = 8 * MiB
     """Files up to this size go as one PUT, larger ones as a multipart upload."""
     deadline_s: float = field(default_factory=store_deadline_s)
@@ -62,8 +68,10 @@ class S3Config:
     is found at once (its process is gone)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_requests", "single_put_bytes"):
+        for name in ("max_requests", "single_put_bytes", "job_max_requests"):
             value = getattr(self, name)
+            if value is None and name == "job_max_requests":
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"S3Config.{name}: expected a positive int, found {value!r}")
         for name in ("deadline_s", "connect_timeout_s", "read_timeout_s", "abandoned_after_s"):
@@ -76,6 +84,12 @@ class S3Config:
         if self.addressing_style not in (None, "path", "virtual", "auto"):
             raise ValueError("S3Config.addressing_style: expected 'path', 'virtual', 'auto' "
                              f"or None, found {self.addressing_style!r}")
+
+    def process_requests(self, world_size: int) -> int:
+        """The most requests this process keeps in flight, one of `world_size` processes."""
+        if self.job_max_requests is None:
+            return self.max_requests
+        return max(1, min(self.max_requests, self.job_max_requests // max(1, world_size)))
 
     def resolved_endpoint(self) -> str | None:
         """The endpoint requests go to: this config's, else the environment's (None: the one
