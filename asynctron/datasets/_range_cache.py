@@ -6,7 +6,9 @@ directory, beside the object's key:
 - `<key>`: a sparse file the object's size, each cached block at its own offset (so a warm
   read is a copy out of a local file, as reading the object locally would be);
 - `<key>.blocks`: the block table, mapped by every process on the node: a count of evictions
-  and of blocks cached, then per block an entry (`version << 1 | cached`) and a last-use tick;
+  and of blocks cached, then per block an entry (`version << 1 | cached`), a last-use tick
+  and a claim (`pid << 32 | tick << 1 | started`: the process fetching it, since when, and
+  whether the fetch started or is queued ahead);
   its header names the object's size and ETag and the machine's boot (a table of another
   version of the object, or from before a reboot, whose pages may not all have reached the
   disk, is replaced);
@@ -20,7 +22,13 @@ check once every block is), copy, and check the count again; an eviction in betw
 lock) makes them read again, so a read never returns bytes of a block evicted under it. A
 fetch marks its blocks cached only if their versions are those it started with.
 Missing blocks are fetched by runs (consecutive blocks, at most `request_bytes` per GET, all
-in flight at once); a block being fetched by this process is waited for, not fetched twice.
+in flight at once). A block is fetched once on the node: a process claims the blocks it will
+fetch (under the lock) and releases them once stored or failed; a block being fetched by this
+process is waited for, one another process is fetching is watched until it is cached or its
+claim released (then fetched here), and prefetching skips it. A read takes over the blocks
+another process only queued to fetch ahead (that queued fetch is then dropped), so a read
+never waits behind someone else's prefetch. A claim whose process is gone, or older than
+`_CLAIM_STALE_S`, counts for nothing.
 Beyond the budget, the least recently used blocks of the object being stored are evicted. A
 cache that cannot take a block (its disk full even after eviction) is bypassed: the read is
 served from the store directly, never failed.
@@ -56,7 +64,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-_TABLE_MAGIC = b"ATRBLK03"
+_TABLE_MAGIC = b"ATRBLK04"
+_ANY_TABLE = b"ATRBLK"  # every version's entries lie where this one's do
 #: magic, block bytes, object bytes, ETag, the boot the table was made in
 _TABLE_HEADER = struct.Struct("<8sQQ88s16s")
 #: after the header, uint64 counters: evictions so far (readers check it did not move while
@@ -80,6 +89,11 @@ _AHEAD_IN_FLIGHT = 16
 #: fetches ahead queued at most, per object and process (~30 batches of 8 GPT samples); a
 #: horizon beyond it is fetched when read
 _MAX_QUEUED = 512
+
+#: a claim this old is taken for abandoned (far beyond any store's deadline)
+_CLAIM_STALE_S = 600.0
+#: how often a reader looks at blocks another process is fetching: from the first to the most
+_WATCH_FIRST_S, _WATCH_MOST_S = 0.0005, 0.01
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02
@@ -120,6 +134,7 @@ class _Run:
     stored: concurrent.futures.Future[bool] = field(default_factory=concurrent.futures.Future)
     started: bool = False
     ahead: bool = False  # started from the queue of fetches ahead
+    claimed_started: bool = False  # its blocks' claims say it is being fetched
 
 
 def _boot_id() -> bytes:
@@ -134,6 +149,24 @@ def _boot_id() -> bytes:
 
 def _now() -> int:
     return int(time.monotonic() * 100) & 0xFFFFFFFF
+
+
+_TICK_MASK = 0x7FFFFFFF
+
+
+def _claim_of(started: bool) -> int:
+    """This process's claim: `pid << 32 | tick << 1 | started`."""
+    return (os.getpid() << 32) | ((_now() & _TICK_MASK) << 1) | int(started)
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # alive, another user's
+    return True
 
 
 def blocks_of(offsets: np.ndarray, nbytes: np.ndarray, block_bytes: int) -> np.ndarray:
@@ -209,7 +242,8 @@ class RangeCache:
                                     self.source.etag.encode()[:88], _boot_id())
         n = self._num_blocks
         ticks_at = _ENTRIES_AT + 2 * n + (-(2 * n) % 8)
-        table_bytes = ticks_at + 4 * n
+        claims_at = ticks_at + 4 * n + (-(4 * n) % 8)
+        table_bytes = claims_at + 8 * n
         with self._locked():
             self._ensure_totals()
             table_path = self.path + ".blocks"
@@ -229,6 +263,7 @@ class RangeCache:
         self._counters = np.frombuffer(self._table, np.uint64, 2, _TABLE_HEADER.size)
         self._entries = np.frombuffer(self._table, np.uint16, n, _ENTRIES_AT)
         self._ticks = np.frombuffer(self._table, np.uint32, n, ticks_at)
+        self._claims = np.frombuffer(self._table, np.uint64, n, claims_at)
         self._data = (mmap.mmap(self._data_fd, self.nbytes, prot=mmap.PROT_READ)
                       if self.nbytes else b"")
         self._bytes = np.frombuffer(self._data, np.uint8)
@@ -240,7 +275,7 @@ class RangeCache:
     def _replace(self, table_path: str, header: bytes, table_bytes: int, old: bytes) -> None:
         """Under the lock: a fresh, empty cache file and table for this version of the object
         (processes still reading the old ones keep them until they close)."""
-        if old.startswith(_TABLE_MAGIC):  # forget what the old table counted as cached
+        if old.startswith(_ANY_TABLE):  # forget what the old table counted as cached
             with contextlib.suppress(OSError, ValueError):
                 with open(table_path, "rb") as f:
                     block_bytes, nbytes = struct.unpack_from("<QQ", old, 8)
@@ -336,7 +371,7 @@ class RangeCache:
         blocks = blocks_of(offsets, nbytes, self.block_bytes)
         missing = blocks[(self._entries[blocks] & 1) == 0]
         if missing.size:
-            self._fetch(np.unique(missing), ahead=True)
+            self._fetch(np.unique(missing), ahead=True)  # others' claims: theirs to fetch
 
     def _serve(self, offsets: np.ndarray, nbytes: np.ndarray, from_cache: Callable[[], T],
                from_store: Callable[[], T]) -> T:
@@ -350,9 +385,10 @@ class RangeCache:
                     blocks = blocks_of(offsets, nbytes, self.block_bytes)
                 missing = blocks[(self._entries[blocks] & 1) == 0]
                 if missing.size:
-                    fetches = self._fetch(np.unique(missing))
+                    fetches, others = self._fetch(np.unique(missing))
                     if not all(fetch.result() for fetch in fetches):
                         return from_store()  # the cache could not take them: disk full
+                    self._watch(others)
                     continue
             result = from_cache()
             if int(counters[_EVICTIONS]) == evictions:  # nothing evicted while we copied
@@ -364,12 +400,14 @@ class RangeCache:
     # -- fetches -----------------------------------------------------------------------------
 
     def _fetch(self, missing: np.ndarray, *, ahead: bool = False
-               ) -> set[concurrent.futures.Future[bool]]:
-        """Futures (True: stored) covering every block of `missing`. A read's blocks are
+               ) -> tuple[set[concurrent.futures.Future[bool]], np.ndarray]:
+        """Futures (True: stored) covering the blocks of `missing` this process fetches, and
+        the blocks another process is fetching (claimed: see `_watch`). A read's blocks are
         fetched at once, jumping the queue of fetches ahead (`ahead`), which run at most
         `_AHEAD_IN_FLIGHT` at a time, oldest first."""
         waits: set[concurrent.futures.Future[bool]] = set()
         starting: list[_Run] = []
+        others = np.empty(0, np.int64)
         with self._thread_lock:
             new = []
             for block in missing.tolist():
@@ -381,7 +419,10 @@ class RangeCache:
                 if not ahead and not run.started:  # queued ahead, needed now
                     run.started = True
                     starting.append(run)
-            for first, count in _runs(np.asarray(new, np.int64), self._request_blocks):
+            claimed = np.asarray(new, np.int64)
+            if claimed.size:
+                claimed, others = self._claim(claimed, started=not ahead)
+            for first, count in _runs(claimed, self._request_blocks):
                 run = _Run(first, count)
                 for block in range(first, first + count):
                     self._in_flight[block] = run
@@ -391,15 +432,71 @@ class RangeCache:
                         for block in range(first, first + count):
                             del self._in_flight[block]
                         waits.discard(run.stored)
+                        self._release(first, count)
                         continue
                     self._queued.append(run)
                 else:
-                    run.started = True
+                    run.started = run.claimed_started = True
                     starting.append(run)
             starting += self._take_queued()
         for run in starting:
             self._start(run)
-        return waits
+        return waits, others
+
+    def _claim(self, blocks: np.ndarray, *, started: bool) -> tuple[np.ndarray, np.ndarray]:
+        """Under the thread lock: claim for this process those of `blocks` (sorted) that are
+        not cached and that no other live process is fetching (`started`: a read's, fetched
+        now, which also takes blocks others only queued to fetch ahead); returns (claimed,
+        being fetched by others)."""
+        with self._locked():
+            uncached = blocks[(self._entries[blocks] & 1) == 0]
+            claims = self._claims[uncached]
+            theirs = self._live_claims(claims, started_only=started) & (
+                (claims >> 32) != os.getpid())
+            mine = uncached[~theirs]
+            self._claims[mine] = _claim_of(started)
+        return mine, uncached[theirs]
+
+    def _start_claims(self, run: _Run) -> bool:
+        """Mark `run`'s claims started (it is about to be fetched); False if another process's
+        read took any of its blocks meanwhile (the run is then dropped)."""
+        with self._locked():
+            claims = self._claims[run.first:run.first + run.count]
+            if not bool(((claims >> 32) == os.getpid()).all()):
+                return False
+            claims[:] = _claim_of(started=True)
+        return True
+
+    def _live_claims(self, claims: np.ndarray, *, started_only: bool) -> np.ndarray:
+        """Which of `claims` stand: made (and `started`, if asked), by a process still alive,
+        within `_CLAIM_STALE_S`."""
+        live = claims != 0
+        if started_only:
+            live &= (claims & 1) == 1
+        if live.any():
+            age = (_now() - ((claims >> 1) & _TICK_MASK)) & _TICK_MASK
+            live &= age < int(_CLAIM_STALE_S * 100)
+            for pid in np.unique(claims[live] >> 32).tolist():
+                if not _process_exists(int(pid)):
+                    live &= (claims >> 32) != pid
+        return live
+
+    def _release(self, first: int, count: int) -> None:
+        """Drop this process's claims on blocks `first : first + count` (stored or failed)."""
+        with self._locked():
+            claims = self._claims[first:first + count]
+            claims[(claims >> 32) == os.getpid()] = 0
+
+    def _watch(self, blocks: np.ndarray) -> None:
+        """Blocks: until each of `blocks` (claimed by other processes) is cached, or its claim
+        released or abandoned (the caller then fetches it)."""
+        delay = _WATCH_FIRST_S
+        while blocks.size:
+            blocks = blocks[(self._entries[blocks] & 1) == 0]
+            blocks = blocks[self._live_claims(self._claims[blocks], started_only=True)]
+            if blocks.size:
+                time.sleep(delay)
+                delay = min(2 * delay, _WATCH_MOST_S)
 
     def _take_queued(self) -> list[_Run]:
         """Under the lock: the queued runs that may start now."""
@@ -413,6 +510,10 @@ class RangeCache:
         return taken
 
     def _start(self, run: _Run) -> None:
+        if not run.claimed_started and not self._start_claims(run):
+            run.stored.set_result(True)  # another process's read is fetching them
+            self._forget(run)
+            return
         offset = run.first * self.block_bytes
         buffer = np.empty(min(run.count * self.block_bytes, self.nbytes - offset), np.uint8)
         versions = self._entries[run.first:run.first + run.count] >> 1
@@ -439,8 +540,11 @@ class RangeCache:
         return self._storer
 
     def _forget(self, run: _Run) -> None:
-        """`run` is over: its blocks are no longer in flight; queued runs may start."""
+        """`run` is over: its blocks are no longer in flight (nor claimed); queued runs may
+        start."""
         with self._thread_lock:
+            if self._lock_fd >= 0:
+                self._release(run.first, run.count)
             for block in range(run.first, run.first + run.count):
                 if self._in_flight.get(block) is run:
                     del self._in_flight[block]

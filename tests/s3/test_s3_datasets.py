@@ -174,25 +174,34 @@ def test_gpt_samples_through_the_loader_equal_the_local_ones(
     assert object_cache_usage(str(tmp_path / "objects")).requests > before
 
 
-def _read_all(url: str, cache: str, seed: int) -> int:
+def _read_all(url: str, cache: str, seed: int, start: Any, results: Any) -> None:
     ds = IndexedDataset(url, mmap=False, object_storage_config=ObjectStorageConfig(
         cache, cache_budget_bytes=16 * MiB))
+    start.wait()  # every process reads the cold corpus at once
     total = 0
     for i in np.random.default_rng(seed).permutation(len(ds)).tolist():
         total += int(ds[i].astype(np.int64).sum())
-    return total
+    results.put(total)
 
 
-def test_processes_sharing_one_cache_read_right(corpus: tuple[IndexedDataset, str],
-                                                tmp_path: Any) -> None:
+@pytest.mark.slow
+def test_eight_processes_sharing_one_cache_read_right_and_fetch_each_block_once(
+        corpus: tuple[IndexedDataset, str], tmp_path: Any) -> None:
     local, url = corpus
     expected = sum(int(local[i].astype(np.int64).sum()) for i in range(len(local)))
     cache = str(tmp_path / "shared")
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
-        totals = pool.starmap(_read_all, [(url, cache, seed) for seed in range(2)])
-    assert totals == [expected] * 2
+    context = multiprocessing.get_context("spawn")
+    start, results = context.Barrier(8), context.Queue()
+    readers = [context.Process(target=_read_all, args=(url, cache, seed, start, results))
+               for seed in range(8)]
+    for reader in readers:
+        reader.start()
+    totals = [results.get(timeout=240) for _ in readers]
+    for reader in readers:
+        reader.join(timeout=60)
+    assert totals == [expected] * 8
     usage = object_cache_usage(cache)
-    assert usage.bytes_fetched <= 2 * os.path.getsize(local.bin_path)
+    assert usage.bytes_fetched == os.path.getsize(local.bin_path)  # every block once
 
 
 def test_a_builder_publishes_both_files_only_when_complete(
