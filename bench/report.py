@@ -343,33 +343,66 @@ def section_dcp(result: dict[str, Any], docs: str) -> list[str]:
 
 
 def section_s3(result: dict[str, Any], docs: str) -> list[str]:
-    """Checkpoints on one local S3 server: asynctron against the raw client and the peers."""
+    """Checkpoints on one local S3 server: asynctron against the raw client and the peers;
+    the client's CPU per GB; a throttling store (issue 36) where the run measured one."""
+    ratios = result["ratios"]
+    raw, fastest = ratios["asynctron_over_raw"], ratios["asynctron_over_fastest_peer"]
+    lines = [f"{result['nbytes'] / GiB:.2f} GiB state dict ({result['num_tensors']} tensors "
+             f"per rank), {result['world_size']} rank(s), one local SeaweedFS; medians of "
+             f"{result['meta']['args']['repeats']} rounds, each method in fresh processes. "
+             "CPU: the client process's time (every thread) per GB moved.", "",
+             *_s3_table(result["methods"]), "",
+             f"- save vs raw multipart PUT: {raw['save']:.2f}x {_ok(raw['save'] >= 0.9)} "
+             "(target >= 0.9x)",
+             f"- save vs fastest peer ({fastest['save']['peer']}): "
+             f"{fastest['save']['ratio']:.2f}x {_ok(fastest['save']['ratio'] >= 1.0)} "
+             "(target >= 1.0x)",
+             f"- load vs raw ranged GET: {raw['load']:.2f}x {_ok(raw['load'] >= 0.9)} "
+             "(target >= 0.9x)",
+             f"- load vs fastest peer ({fastest['load']['peer']}): "
+             f"{fastest['load']['ratio']:.2f}x {_ok(fastest['load']['ratio'] >= 1.5)} "
+             "(target >= 1.5x)"]
+    ours = result["methods"].get("asynctron", {})
+    if "load_cpu_s_per_gb" in ours:
+        lines += [f"- client CPU per GB, load: {ours['load_cpu_s_per_gb']:.2f} s "
+                  f"{_ok(ours['load_cpu_s_per_gb'] <= 1.0)} (target <= 1.0 s); save: "
+                  f"{ours['save_cpu_s_per_gb']:.2f} s {_ok(ours['save_cpu_s_per_gb'] <= 0.65)} "
+                  "(target <= 0.65 s)"]
+    if "asynctron_over_raw_one_process" in ratios:
+        one = ratios["asynctron_over_raw_one_process"]
+        lines += [f"- {result['world_size']} ranks vs one process's raw parallel PUT/GET of the "
+                  f"same bytes: save {one['save']:.2f}x {_ok(one['save'] >= 0.9)}, load "
+                  f"{one['load']:.2f}x {_ok(one['load'] >= 0.9)} (target >= 0.9x); LIST "
+                  f"requests per load, all ranks: {max(ours['load_lists_per_round'])}"]
+    if "throttle" in result:
+        throttle = result["throttle"]
+        cost = throttle["ratios"]["throttled_over_budget_4"]
+        lines += ["", f"A throttling store: {throttle['nbytes'] / GiB:.2f} GiB, one process; "
+                  f"the server's own S3 circuit breaker answers 503 to every read and write "
+                  f"beyond {throttle['limit']} in flight, against the same save with a "
+                  f"request budget of {throttle['limit']} and no throttle.", "",
+                  *_s3_table(throttle["methods"]), "",
+                  f"- throttled save vs budget {throttle['limit']}: {cost['save']:.2f}x "
+                  f"{_ok(cost['save'] >= 0.8)} (target >= 0.8x); load {cost['load']:.2f}x"]
+    return lines
+
+
+def _s3_table(methods: dict[str, Any]) -> list[str]:
     rows = []
-    for name, m in result["methods"].items():
+    for name, m in methods.items():
         in_flight = m.get("most_in_flight")
-        rows.append([name, f"{m['save_gb_per_s']:.3f}", f"{m['load_gb_per_s']:.3f}",
-                     f"{m['blocking_median_s']:.3f} s",
-                     f"{m['loop_worst_delay_median_s'] * 1e3:.1f} ms",
+        cpu = (f"{m['save_cpu_s_per_gb']:.2f} / {m['load_cpu_s_per_gb']:.2f}"
+               if "save_cpu_s_per_gb" in m else "-")
+        loop = f"{m['loop_worst_delay_median_s'] * 1e3:.1f}"
+        if "load_loop_worst_delay_median_s" in m:
+            loop += f" / {m['load_loop_worst_delay_median_s'] * 1e3:.1f}"
+        rows.append([name, f"{m['save_gb_per_s']:.3f}", f"{m['load_gb_per_s']:.3f}", cpu,
+                     f"{m['blocking_median_s']:.3f} s", f"{loop} ms",
                      f"{m['save_peak_rss_growth_median_bytes'] / MiB:.0f} MiB",
                      f"{m['load_peak_rss_growth_median_bytes'] / MiB:.0f} MiB",
                      "-" if in_flight is None else str(in_flight)])
-    ratios = result["ratios"]
-    raw, fastest = ratios["asynctron_over_raw"], ratios["asynctron_over_fastest_peer"]
-    return [f"{result['nbytes'] / GiB:.2f} GiB state dict ({result['num_tensors']} tensors per "
-            f"rank), {result['world_size']} rank(s), one local SeaweedFS; medians of "
-            f"{result['meta']['args']['repeats']} rounds, each method in fresh processes.", "",
-            *_table(["method", "save GB/s", "load GB/s", "blocking", "loop worst",
-                     "save RSS+", "load RSS+", "in flight"], rows), "",
-            f"- save vs raw multipart PUT: {raw['save']:.2f}x {_ok(raw['save'] >= 0.9)} "
-            "(target >= 0.9x)",
-            f"- save vs fastest peer ({fastest['save']['peer']}): "
-            f"{fastest['save']['ratio']:.2f}x {_ok(fastest['save']['ratio'] >= 1.0)} "
-            "(target >= 1.0x)",
-            f"- load vs raw ranged GET: {raw['load']:.2f}x {_ok(raw['load'] >= 0.9)} "
-            "(target >= 0.9x)",
-            f"- load vs fastest peer ({fastest['load']['peer']}): "
-            f"{fastest['load']['ratio']:.2f}x {_ok(fastest['load']['ratio'] >= 1.5)} "
-            "(target >= 1.5x)"]
+    return _table(["method", "save GB/s", "load GB/s", "CPU s/GB save / load", "blocking",
+                   "loop worst save / load", "save RSS+", "load RSS+", "in flight"], rows)
 
 
 def section_data_s3(result: dict[str, Any], docs: str) -> list[str]:

@@ -50,6 +50,7 @@ import importlib
 import importlib.metadata
 import io
 import os
+import resource
 import shutil
 import statistics
 import time
@@ -73,6 +74,15 @@ FSSPEC = "DCP FsspecWriter (s3fs)"
 TORCH_SAVE = "torch.save + upload"
 OURS = "asynctron"
 METHODS = (RAW, RAW_SIGNED, S3TORCH, FSSPEC, TORCH_SAVE, OURS)
+RAW_ONE = "raw multipart, one process"
+"""With several ranks: the raw baseline moving every rank's bytes from one process."""
+BUDGET_4 = "asynctron, request budget 4"
+THROTTLED = "asynctron, store throttles beyond 4"
+THROTTLE_METHODS = (BUDGET_4, THROTTLED)
+"""The throttled scenario (`--throttle-gib`): the store's own circuit breaker answers 503 to
+every read and write beyond 4 in flight, against the same save with a budget of 4 and no
+throttle."""
+THROTTLE_LIMIT = 4
 PEERS = (S3TORCH, FSSPEC, TORCH_SAVE)
 _NEEDS = {S3TORCH: "s3torchconnector.dcp", FSSPEC: "s3fs"}
 _CHECKSUM_KEYS = ("ChecksumCRC32", "ChecksumCRC32C", "ChecksumCRC64NVME", "ChecksumSHA1",
@@ -92,6 +102,10 @@ class Job:
     part_bytes: int
     num_requests: int
     num_threads: int
+    max_requests: int | None = None
+    """asynctron's request budget (None: its default)."""
+    collective: bool = False
+    """asynctron loads with `collective=True` (every rank, one listing)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -377,12 +391,14 @@ class DcpMethod(Method):
 
 
 class AsynctronMethod(Method):
-    """One Engine (default settings) for the process's saves and loads."""
+    """One Engine (default settings, but the request budget `max_requests` when given) for the
+    process's saves and loads; the store's statistics of each."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, client: Any, *, collective: bool) -> None:
         super().__init__()
         self.engine = engine
-        self._url = ""
+        self.client = client
+        self.collective = collective
 
     async def prepare(self, state: dict[str, torch.Tensor]) -> None:
         started = time.perf_counter()
@@ -390,25 +406,29 @@ class AsynctronMethod(Method):
         self.extra["prefault_s"] = time.perf_counter() - started
 
     async def save(self, state: dict[str, torch.Tensor], url: str) -> float | None:
-        self._url = url
         started = time.perf_counter()
         task = self.engine.save(state, f"{url}/step_1")
         self.extra["call_s"] = time.perf_counter() - started
         await task.staged
         blocking = time.perf_counter() - started
-        await task
+        store = (await task).store
+        self.extra.update(save_requests=store.num_requests, save_throttled=store.num_throttled)
         return blocking
 
     async def load(self, template: dict[str, torch.Tensor], url: str
                    ) -> dict[str, torch.Tensor]:
-        await self.engine.load_into(template, f"{url}/step_1")
+        from asynctron.storage import store_operation
+
+        with store_operation("load") as operation:
+            await self.engine.load_into(template, f"{url}/step_1",
+                                        collective=self.collective)
+        store = operation.statistics()
+        self.extra.update(load_requests=store.num_requests, load_throttled=store.num_throttled,
+                          load_lists=store.num_lists)
         return template
 
     def most_in_flight(self) -> int | None:
-        from asynctron.storage.backends import backend_for
-
-        client = getattr(backend_for(f"{self._url}/step_1"), "client", None)
-        return getattr(client, "most_in_flight", None)
+        return self.client.most_in_flight
 
 
 # --------------------------------------------------------------------------------------
@@ -419,6 +439,13 @@ class AsynctronMethod(Method):
 def _rank_state(rank: int, nbytes: int, seed: int) -> dict[str, torch.Tensor]:
     state = _baselines.make_state_dict(nbytes, seed=seed + rank)
     return {f"rank{rank}.{key}": tensor for key, tensor in state.items()}
+
+
+def _cpu_s() -> float:
+    """This process's CPU time so far (every thread: the loop's, the executor's, a native
+    client's), user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _status_bytes(field: str) -> int:
@@ -461,22 +488,25 @@ async def _measure(rank: int, job: Job, state: dict[str, torch.Tensor],
         rss_before = _reset_peak_rss()
         await method.prepare(state)
         prepare_rss = _status_bytes("VmRSS") - rss_before
-        async with LoopWatchdog() as dog:
-            started = time.perf_counter()
+        async with LoopWatchdog() as save_dog:
+            started, cpu = time.perf_counter(), _cpu_s()
             blocking_s = await method.save(state, job.url)
-            save_s = time.perf_counter() - started
+            save_s, save_cpu_s = time.perf_counter() - started, _cpu_s() - cpu
         save_rss = _status_bytes("VmHWM") - rss_before
         dist.barrier()
         rss_before = _reset_peak_rss()
-        started = time.perf_counter()
-        loaded = await method.load(template, job.url)
-        load_s = time.perf_counter() - started
+        async with LoopWatchdog() as load_dog:
+            started, cpu = time.perf_counter(), _cpu_s()
+            loaded = await method.load(template, job.url)
+            load_s, load_cpu_s = time.perf_counter() - started, _cpu_s() - cpu
         load_rss = _status_bytes("VmHWM") - rss_before
         dist.barrier()
         return {"rank": rank, "nbytes": sum(t.nbytes for t in state.values()),
                 "num_tensors": len(state), "save_s": save_s,
                 "blocking_s": save_s if blocking_s is None else blocking_s, "load_s": load_s,
-                "loop_worst_delay_s": dog.report().worst_delay_s,
+                "save_cpu_s": save_cpu_s, "load_cpu_s": load_cpu_s,
+                "loop_worst_delay_s": save_dog.report().worst_delay_s,
+                "load_loop_worst_delay_s": load_dog.report().worst_delay_s,
                 "save_peak_rss_growth_bytes": save_rss, "prepare_rss_growth_bytes": prepare_rss,
                 "load_peak_rss_growth_bytes": load_rss,
                 "most_in_flight": method.most_in_flight(), "verified": _same(state, loaded),
@@ -484,9 +514,15 @@ async def _measure(rank: int, job: Job, state: dict[str, torch.Tensor],
 
     if job.method in (S3TORCH, FSSPEC):
         return await run(DcpMethod(job, job.method))
-    if job.method == OURS:
-        async with Engine() as engine:
-            return await run(AsynctronMethod(engine))
+    if job.method in (OURS, *THROTTLE_METHODS):
+        from asynctron.storage.backends.s3 import S3Backend, S3Config
+
+        config = (S3Config() if job.max_requests is None
+                  else S3Config(max_requests=job.max_requests))
+        backend = S3Backend(config)
+        async with Engine(backend=backend) as engine:
+            return await run(AsynctronMethod(engine, backend.client,
+                                             collective=job.collective))
     signed = job.method == RAW_SIGNED
     async with get_session().create_client(
             "s3", config=_client_config(signed=signed, num_requests=job.num_requests)) as client:
@@ -569,29 +605,37 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def run_rounds(server: Any, methods: list[str], args: argparse.Namespace
+def run_rounds(server: Any, methods: list[str], args: argparse.Namespace, *, size_gib: float
                ) -> dict[str, list[dict[str, Any]]]:
     """Every method in fresh ranks each round (round 0 untimed, but with `--quick`); per
-    method, each timed round's per-rank results."""
+    method, each timed round's per-rank results. `RAW_ONE` runs as one process, the others
+    on `--nproc` ranks; `THROTTLED` while the server throttles beyond `THROTTLE_LIMIT`."""
     from asynctron._launch import run_local_ranks
 
     buckets = Buckets(server)
-    state_bytes = int(args.size_gib * GiB) // args.nproc
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
     try:
         for round_index in range(int(args.quick), args.repeats + 1):
             for name in round_order(methods, round_index):
-                bucket = f"bench-{round_index}-{METHODS.index(name)}"
+                nproc = 1 if name == RAW_ONE else args.nproc
+                state_bytes = int(size_gib * GiB) // nproc
+                bucket = f"bench-{round_index}-{_method_index(name)}"
                 buckets.create(bucket)
                 job = Job(method=name, url=f"s3://{bucket}/run", state_bytes=state_bytes,
                           warmup_bytes=min(16 * MiB, max(MiB, state_bytes // 8)),
                           part_bytes=args.part_mib * MiB, num_requests=args.requests,
-                          num_threads=args.threads)
+                          num_threads=args.threads,
+                          max_requests=THROTTLE_LIMIT if name == BUDGET_4 else None,
+                          collective=args.nproc > 1)
                 started = time.perf_counter()
                 try:
-                    outcomes = run_local_ranks(_run_rank, args.nproc, job,
+                    if name == THROTTLED:
+                        server.limit_in_flight(Write=THROTTLE_LIMIT, Read=THROTTLE_LIMIT)
+                    outcomes = run_local_ranks(_run_rank, nproc, job,
                                                timeout_s=300 + state_bytes / 2e6)
                 finally:
+                    if name == THROTTLED:
+                        server.limit_in_flight()
                     buckets.delete(bucket)
                 failed = [r for r in outcomes if r.error is not None or r.exitcode]
                 if failed:
@@ -611,40 +655,62 @@ def run_rounds(server: Any, methods: list[str], args: argparse.Namespace
     return rounds
 
 
-def summarize(rounds: dict[str, list[dict[str, Any]]], nbytes: int) -> dict[str, Any]:
+def _method_index(name: str) -> int:
+    every = (*METHODS, RAW_ONE, *THROTTLE_METHODS)
+    return every.index(name)
+
+
+def summarize(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Per method: medians over rounds of each round's slowest rank (worst rank for delays,
-    memory and requests); the ratios."""
+    memory and requests; all ranks' CPU over all their bytes); the ratios."""
     summary: dict[str, Any] = {}
     for name, runs in rounds.items():
+        nbytes = sum(rank["nbytes"] for rank in runs[0]["ranks"])
         def worst(field: str, runs: list[dict[str, Any]] = runs) -> list[float]:
             values = [[r[field] for r in run["ranks"] if r.get(field) is not None]
                       for run in runs]
             return [max(v) for v in values if v]
 
+        def total(field: str, runs: list[dict[str, Any]] = runs) -> list[float]:
+            return [sum(r[field] for r in run["ranks"]) for run in runs
+                    if all(field in r for r in run["ranks"])]
+
         save_s, load_s = _median(worst("save_s")), _median(worst("load_s"))
         summary[name] = {
             "save_median_s": save_s, "load_median_s": load_s,
+            "nbytes": nbytes,
             "save_gb_per_s": nbytes / save_s / 1e9, "load_gb_per_s": nbytes / load_s / 1e9,
+            "save_cpu_s_per_gb": _median(total("save_cpu_s")) / (nbytes / 1e9),
+            "load_cpu_s_per_gb": _median(total("load_cpu_s")) / (nbytes / 1e9),
             "blocking_median_s": _median(worst("blocking_s")),
             "loop_worst_delay_median_s": _median(worst("loop_worst_delay_s")),
+            "load_loop_worst_delay_median_s": _median(worst("load_loop_worst_delay_s")),
             "save_peak_rss_growth_median_bytes": _median(worst("save_peak_rss_growth_bytes")),
             "load_peak_rss_growth_median_bytes": _median(worst("load_peak_rss_growth_bytes")),
             "most_in_flight": max(worst("most_in_flight"), default=None),
             **{f"{field}_median_s": _median(worst(field)) for field in ("call_s", "prefault_s")
                if worst(field)},
+            **{f"{field}_per_round": total(field) for field in (
+                "save_requests", "save_throttled", "load_requests", "load_throttled",
+                "load_lists") if total(field)},
             "rounds": runs}
     ratios: dict[str, Any] = {}
     peers = [name for name in PEERS if name in summary]
+
+    def over(mine: str, theirs: str) -> dict[str, float]:
+        return {what: summary[mine][f"{what}_gb_per_s"] / summary[theirs][f"{what}_gb_per_s"]
+                for what in ("save", "load")}
+
     if RAW in summary and RAW_SIGNED in summary:
-        ratios["signed_over_unsigned"] = {
-            what: summary[RAW_SIGNED][f"{what}_gb_per_s"] / summary[RAW][f"{what}_gb_per_s"]
-            for what in ("save", "load")}
+        ratios["signed_over_unsigned"] = over(RAW_SIGNED, RAW)
+    if THROTTLED in summary and BUDGET_4 in summary:
+        ratios["throttled_over_budget_4"] = over(THROTTLED, BUDGET_4)
     if OURS in summary:
         ours = summary[OURS]
         if RAW in summary:
-            ratios["asynctron_over_raw"] = {
-                what: ours[f"{what}_gb_per_s"] / summary[RAW][f"{what}_gb_per_s"]
-                for what in ("save", "load")}
+            ratios["asynctron_over_raw"] = over(OURS, RAW)
+        if RAW_ONE in summary:
+            ratios["asynctron_over_raw_one_process"] = over(OURS, RAW_ONE)
         for what in ("save", "load") if peers else ():
             best = max(peers, key=lambda name: summary[name][f"{what}_gb_per_s"])
             ratios.setdefault("asynctron_over_fastest_peer", {})[what] = {
@@ -659,38 +725,65 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], nbytes: int) -> dict[str,
 
 
 def report(result: dict[str, Any]) -> None:
-    methods, ratios = result["methods"], result["ratios"]
-    first = next(iter(methods.values()))
-    print(f"\n== S3 checkpoints: {result['nbytes'] / GiB:.2f} GiB state "
-          f"({result['num_tensors']} tensors per rank), {result['world_size']} rank(s), one "
-          f"local SeaweedFS; medians of {len(first['rounds'])} rounds ==")
-    print(f"{'method':<36}{'save GB/s':>10}{'load GB/s':>10}{'blocks s':>10}"
-          f"{'loop ms':>9}{'save RSS+':>11}{'load RSS+':>11}{'in flight':>10}")
-    for name, m in methods.items():
-        in_flight = "-" if m["most_in_flight"] is None else f"{m['most_in_flight']:.0f}"
-        print(f"{name:<36}{m['save_gb_per_s']:>10.3f}{m['load_gb_per_s']:>10.3f}"
-              f"{m['blocking_median_s']:>10.3f}{m['loop_worst_delay_median_s'] * 1e3:>9.1f}"
-              f"{m['save_peak_rss_growth_median_bytes'] / MiB:>7.0f} MiB"
-              f"{m['load_peak_rss_growth_median_bytes'] / MiB:>7.0f} MiB{in_flight:>10}")
-    print("blocks: until the caller may go on (asynctron: `await task.staged`); loop: worst "
-          "heartbeat delay during the save; RSS+: peak growth (asynctron's save includes its "
-          "staging slabs); in flight: most requests at once")
+    _table(result["methods"], f"S3 checkpoints: {result['nbytes'] / GiB:.2f} GiB state "
+           f"({result['num_tensors']} tensors per rank), {result['world_size']} rank(s), one "
+           "local SeaweedFS")
+    print("blocks: until the caller may go on (asynctron: `await task.staged`); CPU: client "
+          "process time (every thread) per GB moved; loop: worst heartbeat delay during the "
+          "save / the load; RSS+: peak growth (asynctron's save includes its staging slabs); "
+          "in flight: most requests at once")
+    ratios = result["ratios"]
     if "signed_over_unsigned" in ratios:
         cost = ratios["signed_over_unsigned"]
         print(f"raw signed + checksums / raw unsigned: save {cost['save']:.2f}x, "
               f"load {cost['load']:.2f}x")
-    if "asynctron_over_raw" in ratios:
-        vs_raw = ratios["asynctron_over_raw"]
-        print(f"asynctron / raw (unsigned): save {vs_raw['save']:.2f}x, "
-              f"load {vs_raw['load']:.2f}x")
+    for key, what in (("asynctron_over_raw", "raw (unsigned)"),
+                      ("asynctron_over_raw_one_process", RAW_ONE)):
+        if key in ratios:
+            print(f"asynctron / {what}: save {ratios[key]['save']:.2f}x, "
+                  f"load {ratios[key]['load']:.2f}x")
     for what, best in ratios.get("asynctron_over_fastest_peer", {}).items():
         print(f"asynctron / fastest peer, {what}: {best['ratio']:.2f}x ({best['peer']})")
     if "asynctron_blocking_over_least_peer" in ratios:
         least = ratios["asynctron_blocking_over_least_peer"]
+        methods = result["methods"]
         print(f"asynctron blocking / shortest peer's: {least['ratio']:.3f}x ({least['peer']}); "
               f"engine.save returned in {methods[OURS].get('call_s_median_s', 0) * 1e3:.1f} ms")
+    if OURS in result["methods"] and "load_lists_per_round" in result["methods"][OURS]:
+        print(f"asynctron: LIST requests per load, all ranks: "
+              f"{max(result['methods'][OURS]['load_lists_per_round'])}")
+    if "throttle" in result:
+        throttle = result["throttle"]
+        _table(throttle["methods"], f"throttled store: {throttle['nbytes'] / GiB:.2f} GiB, the "
+               f"server answering 503 beyond {THROTTLE_LIMIT} reads or writes in flight")
+        for name in THROTTLE_METHODS:
+            m = throttle["methods"].get(name, {})
+            if "save_throttled_per_round" in m:
+                print(f"{name}: answered 503 per save {m['save_throttled_per_round']} of "
+                      f"{m['save_requests_per_round']} requests, per load "
+                      f"{m['load_throttled_per_round']} of {m['load_requests_per_round']}")
+        if "throttled_over_budget_4" in throttle["ratios"]:
+            cost = throttle["ratios"]["throttled_over_budget_4"]
+            print(f"throttled / budget 4, no throttle: save {cost['save']:.2f}x, "
+                  f"load {cost['load']:.2f}x")
     for name, reason in result["skipped"].items():
         print(f"not run: {name}: {reason}")
+
+
+def _table(methods: dict[str, Any], title: str) -> None:
+    first = next(iter(methods.values()))
+    print(f"\n== {title}; medians of {len(first['rounds'])} rounds ==")
+    print(f"{'method':<36}{'save GB/s':>10}{'load GB/s':>10}{'save CPU':>9}{'load CPU':>9}"
+          f"{'blocks s':>9}{'loop ms':>14}{'save RSS+':>11}{'load RSS+':>11}{'in flight':>10}")
+    for name, m in methods.items():
+        in_flight = "-" if m["most_in_flight"] is None else f"{m['most_in_flight']:.0f}"
+        loops = (f"{m['loop_worst_delay_median_s'] * 1e3:.1f}/"
+                 f"{m['load_loop_worst_delay_median_s'] * 1e3:.1f}")
+        print(f"{name:<36}{m['save_gb_per_s']:>10.3f}{m['load_gb_per_s']:>10.3f}"
+              f"{m['save_cpu_s_per_gb']:>9.2f}{m['load_cpu_s_per_gb']:>9.2f}"
+              f"{m['blocking_median_s']:>9.3f}{loops:>14}"
+              f"{m['save_peak_rss_growth_median_bytes'] / MiB:>7.0f} MiB"
+              f"{m['load_peak_rss_growth_median_bytes'] / MiB:>7.0f} MiB{in_flight:>10}")
 
 
 def _versions() -> dict[str, str]:
@@ -719,11 +812,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=",".join(METHODS),
                         help="comma-separated subset of the methods")
     parser.add_argument("--dir", default=os.getcwd(), help="where the server keeps its data")
+    parser.add_argument("--throttle-gib", type=float, default=0.5,
+                        help="state size of the throttled scenario (one process; 0: skip it)")
     parser.add_argument("--quick", action="store_true", help="tiny state, one round (smoke)")
     parser.add_argument("--out", default=None, help=_results.OUT_HELP)
     args = parser.parse_args(argv)
     if args.quick:
         args.size_gib, args.repeats, args.part_mib = min(args.size_gib, 0.008), 1, 5
+        args.throttle_gib = min(args.throttle_gib, 0.008)
     wanted = [name.strip() for name in args.only.split(",") if name.strip()]
     if unknown := sorted(set(wanted) - set(METHODS)):
         parser.error(f"--only: expected names from {list(METHODS)}, found {unknown}")
@@ -735,6 +831,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, reason in skipped.items():
         print(f"asynctron bench s3: skipping {name}: {reason}", flush=True)
     methods = [name for name in wanted if name not in skipped]
+    if args.nproc > 1 and RAW in methods:
+        methods.append(RAW_ONE)
     if not methods:
         print("asynctron bench s3: no method left to run", flush=True)
         return 1
@@ -744,7 +842,12 @@ def main(argv: list[str] | None = None) -> int:
         server = SeaweedFS.start(os.path.join(base, "seaweedfs"))
         try:
             os.environ.update(server.environment())  # the spawned ranks inherit it
-            rounds = run_rounds(server, methods, args)
+            rounds = run_rounds(server, methods, args, size_gib=args.size_gib)
+            throttled = None
+            if args.throttle_gib > 0 and OURS in methods:
+                throttled = run_rounds(server, list(THROTTLE_METHODS),
+                                       argparse.Namespace(**{**vars(args), "nproc": 1}),
+                                       size_gib=args.throttle_gib)
         finally:
             server.stop()
     except (FileNotFoundError, RuntimeError) as error:  # no `weed`; a failed start or run
@@ -757,8 +860,12 @@ def main(argv: list[str] | None = None) -> int:
     first_rank = next(iter(rounds.values()))[0]["ranks"]
     nbytes = sum(r["nbytes"] for r in first_rank)
     result = {"nbytes": nbytes, "world_size": args.nproc,
-              "num_tensors": first_rank[0]["num_tensors"], **summarize(rounds, nbytes),
+              "num_tensors": first_rank[0]["num_tensors"], **summarize(rounds),
               "skipped": skipped}
+    if throttled is not None:
+        throttled_bytes = next(iter(throttled.values()))[0]["ranks"][0]["nbytes"]
+        result["throttle"] = {"nbytes": throttled_bytes, "limit": THROTTLE_LIMIT,
+                              **summarize(throttled)}
     report(result)
     result["meta"] = _results.run_meta(started, args, versions=_versions(),
                                        warmed_guest_memory_bytes=warmed,

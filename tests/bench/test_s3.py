@@ -45,6 +45,8 @@ def test_quick_run_round_trips_every_method_and_writes_a_complete_report(
         assert method["save_gb_per_s"] > 0 and method["load_gb_per_s"] > 0, name
         assert 0 < method["blocking_median_s"] <= method["save_median_s"], name
         assert method["save_peak_rss_growth_median_bytes"] >= 0, name
+        assert method["save_cpu_s_per_gb"] > 0 and method["load_cpu_s_per_gb"] > 0, name
+        assert method["load_loop_worst_delay_median_s"] >= 0, name
     for name in (s3.RAW, s3.RAW_SIGNED, s3.TORCH_SAVE):
         assert results["methods"][name]["most_in_flight"] >= 1
     printed = capsys.readouterr().out
@@ -53,5 +55,12 @@ def test_quick_run_round_trips_every_method_and_writes_a_complete_report(
         assert results["methods"][s3.OURS]["most_in_flight"] >= 1
         assert set(results["ratios"]) >= {"asynctron_over_raw", "asynctron_over_fastest_peer"}
         assert "asynctron / fastest peer, save" in printed
+        assert results["methods"][s3.OURS]["load_lists_per_round"] == [1]
+        throttle = results["throttle"]
+        assert set(throttle["methods"]) == set(s3.THROTTLE_METHODS)
+        assert all(rank["verified"] for method in throttle["methods"].values()
+                   for rank in method["rounds"][0]["ranks"])
+        assert "throttled_over_budget_4" in throttle["ratios"]
+        assert "throttled / budget 4, no throttle: save" in printed
     else:
         assert f"not run: {s3.OURS}" in printed
