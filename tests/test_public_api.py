@@ -42,6 +42,7 @@ def test_subpackages() -> None:
         "Backend", "Committed", "FileIO", "FileWriter", "ItemRecord", "LocalBackend",
         "LocalFileIO", "Manifest", "Retention", "SaveArea", "StoreStatistics", "backend_for",
         "read_manifest", "register_backend", "resolve_checkpoint", "split_by_size_and_type",
+        "store_operation",
     }
     assert set(asynctron.comm.__all__) == {
         "AllReduceTask", "Bucket", "BucketConfig", "BucketManager", "CollectiveGroup",

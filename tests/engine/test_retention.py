@@ -213,8 +213,10 @@ def test_a_reader_of_latest_never_fails_while_a_writer_prunes(shm_path: str) -> 
     assert reader.returncode == 0, err
     assert int(out) > 0
     assert writer.returncode == 0, writer_err
-    # The last pruning may have been deferred by a load in progress: at most one left over.
-    assert _checkpoints(shm_path) in (["s_39", "s_init"], ["s_38", "s_39", "s_init"])
+    # The last pruning may have been deferred by a load in progress (one the reader began any
+    # number of commits earlier, on a loaded machine): at most one left over.
+    left = _checkpoints(shm_path)
+    assert {"s_39", "s_init"} <= set(left) and len(left) <= 3, left
 
 
 async def test_a_pointer_moved_and_pruned_between_its_read_and_the_check_is_read_again(
