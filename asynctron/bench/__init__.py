@@ -21,6 +21,7 @@ SCENARIOS = {
     "dcp": "dcp_plugin",
     "s3": "s3",
     "s3_kills": "s3_kills",
+    "s3_down": "store_down",
     "tiers": "tiers",
     "all": "all",
 }
