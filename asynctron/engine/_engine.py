@@ -163,9 +163,10 @@ class Engine:
 
     Across ranks: when torch.distributed is initialized with several ranks, every rank saves
     its share of the same checkpoint (its own files, replicated tensors written once) and the
-    checkpoint commits only if every rank succeeded. Coordination runs on two dedicated gloo
-    groups (made on entry, of all ranks or of `process_group`'s: entering is collective, like
-    `dist.new_group`), never on the training group.
+    checkpoint commits only if every rank succeeded. Coordination runs on dedicated gloo
+    groups (two for saves, one for collective loads; made on entry, of all ranks or of
+    `process_group`'s: entering is collective, like `dist.new_group`), never on the training
+    group.
 
     With `tiers` (`Engine(tiers=Tiers(local=..., store=...))`), `save(state, step=N)` saves to
     the tiers and `restore(state)` restores from the nearest that verifies; `store_backend`
@@ -228,9 +229,9 @@ class Engine:
             PeerTimeoutError: a rank did not start its engine within `coordination_timeout_s`;
                 this engine is left unstarted, with nothing running.
 
-        Concurrency: across ranks this is collective (a gloo group for finishing saves is
-        created, and one for planning unless `process_group` was given): every rank starts its
-        engine, in the same order relative to its other group creations.
+        Concurrency: across ranks this is collective (gloo groups for finishing saves and for
+        collective loads are created, and one for planning unless `process_group` was given):
+        every rank starts its engine, in the same order relative to its other group creations.
         """
         if self._closed:
             raise ClosedError("engine: closed; create a new Engine")
