@@ -16,6 +16,8 @@ bit, step_1 was never committed, and a new save commits. Target: each fails with
 `deadline_s` + 10%.
 
 Run: `asynctron bench s3_down` (`--deadline-s 60`, the default); `--quick` for a smoke run.
+Run it in a fresh process (the CLI does): a process reads the store's endpoint and deadline
+from the environment once, at its first s3:// URL.
 Results: printed, and written as JSON (`--out`; default ./asynctron-bench/).
 """
 
