@@ -70,6 +70,7 @@ from asynctron.storage.backends._operation import (
 from asynctron.storage.backends._request_budget import RequestBudget
 from asynctron.storage.backends.s3._config import S3Config
 from asynctron.storage.backends.s3._layout import ObjectUrl
+from asynctron.storage.backends.s3._service_models import use_service_model_loader
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -181,6 +182,7 @@ class S3Client:
         self.config = config
         self.endpoint = config.resolved_endpoint() or "AWS S3"
         self._session = AioSession(profile=config.profile)
+        use_service_model_loader(self._session)
         self._answered = False
         """Whether the store answered this client yet (a refused connection is then likely a
         restart, retried to the deadline)."""
