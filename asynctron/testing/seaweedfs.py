@@ -28,7 +28,7 @@ ACCESS_KEY = "asynctron-test"
 SECRET_KEY = "asynctron-test-secret"
 REGION = "us-east-1"
 _READY_TIMEOUT_S = 60.0
-_STOP_TIMEOUT_S = 15.0
+_STOP_TIMEOUT_S = 5.0
 _LIMIT_SETTLE_S = 1.0
 
 
@@ -191,7 +191,8 @@ class SeaweedFS:
                 time.sleep(0.2)
 
     def stop(self) -> None:
-        """SIGTERM, wait for the exit (SIGKILL after 15 s); stopping again does nothing."""
+        """SIGTERM, wait for the exit (SIGKILL after 5 s: a server that throttled can hang
+        there); stopping again does nothing."""
         if self.process.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):

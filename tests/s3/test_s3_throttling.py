@@ -83,7 +83,7 @@ async def test_a_store_that_throttles_every_write_fails_the_save_within_the_dead
         started = time.monotonic()
         with pytest.raises(StorageError, match=r"kept failing.*SlowDown|ErrTooManyRequest|503"):
             await engine.save(_state(2), f"{root}/step_2")
-        assert time.monotonic() - started < 2.0 * 1.1 + 1.0  # the deadline, and its margin
+        assert time.monotonic() - started < 2.0 + 4  # one clock (each request its own: far more)
         limits.limit_in_flight()
         assert_same(await engine.load(root), _state(1))  # latest still names step 1
         await engine.save(_state(3), f"{root}/step_3")  # the same engine saves again
