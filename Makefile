@@ -38,7 +38,7 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check asynctron tests bench examples
-	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
 
 # the fast tests on the oldest torch the library declares (the slow ones run on TORCH_PIN)
 test-oldest: $(VENV_OLDEST)/.installed

@@ -24,6 +24,9 @@ import uvloop
 
 METHODS = ("asynctron", "asynctron prefaulted", "asynctron.save", "torch.save",
            "dcp (4 threads)", "dcp async_save", "safetensors")
+QUICK_METHODS = ("asynctron", "asynctron prefaulted", "asynctron.save", "torch.save")
+"""A smoke run's (`bench save --quick`): each of our paths, and one peer (a fresh process each
+costs ~4 s of imports)."""
 
 
 def run(method: str, state: dict[str, torch.Tensor], path: str) -> dict[str, float]:

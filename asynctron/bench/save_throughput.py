@@ -31,7 +31,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -342,16 +342,16 @@ def _targets(s: Scenario, saves: dict[str, float], budget_bytes: int) -> list[st
     return lines
 
 
-def run_first_saves(targets: list[str], size_gib: float, repeats: int
+def run_first_saves(targets: list[str], size_gib: float, repeats: int, methods: Sequence[str]
                     ) -> dict[str, dict[str, dict[str, list[float]]]]:
-    """Each method's first save in a fresh process (`first_save`), `repeats` processes
+    """Each of `methods`' first save in a fresh process (`first_save`), `repeats` processes
     per method and target, methods taking turns."""
     results: dict[str, dict[str, dict[str, list[float]]]] = {}
     for target in targets:
         kind = "disk" if not target.startswith("/dev/shm") else "shm"
         by_method = results.setdefault(kind, {})
         for round_index in range(repeats):
-            for method in first_save.METHODS:
+            for method in methods:
                 done = subprocess.run(
                     [sys.executable, "-m", "asynctron.bench.first_save", method, target,
                      "--size-gib", str(size_gib)], capture_output=True, text=True, check=True)
@@ -481,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ours.close()
         loop.close()
-    first = run_first_saves(targets, min(args.size_gib, 1.0), args.repeats)
+    first = run_first_saves(targets, min(args.size_gib, 1.0), args.repeats,
+                            first_save.QUICK_METHODS if args.quick else first_save.METHODS)
     results = report(scenarios, budget, budget_bytes)
     results["first_save"] = report_first_saves(first, min(args.size_gib, 1.0))
     results["meta"] = _results.run_meta(
