@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from asynctron import _native
+from asynctron._processes import process_exists
 
 if TYPE_CHECKING:
     from asynctron.storage.backends._backend import RangedFile
@@ -157,16 +158,6 @@ _TICK_MASK = 0x7FFFFFFF
 def _claim_of(started: bool) -> int:
     """This process's claim: `pid << 32 | tick << 1 | started`."""
     return (os.getpid() << 32) | ((_now() & _TICK_MASK) << 1) | int(started)
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # alive, another user's
-    return True
 
 
 def blocks_of(offsets: np.ndarray, nbytes: np.ndarray, block_bytes: int) -> np.ndarray:
@@ -477,7 +468,7 @@ class RangeCache:
             age = (_now() - ((claims >> 1) & _TICK_MASK)) & _TICK_MASK
             live &= age < int(_CLAIM_STALE_S * 100)
             for pid in np.unique(claims[live] >> 32).tolist():
-                if not _process_exists(int(pid)):
+                if not process_exists(int(pid)):
                     live &= (claims >> 32) != pid
         return live
 

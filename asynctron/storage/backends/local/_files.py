@@ -35,6 +35,7 @@ import types
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, NoReturn
 
+from asynctron._processes import process_exists
 from asynctron.storage.backends.local import _sysio
 from asynctron.storage.backends.local._sysio import FileIO, LocalFileIO
 
@@ -294,18 +295,8 @@ def remove_dead_temporaries(path: str) -> None:
     for found in names:
         # exactly `<pid>-<8 hex>` after the prefix: host "node" is not host "node-12"
         ours = found.startswith(prefix) and re.fullmatch(r"(\d+)-[0-9a-f]{8}", found[len(prefix):])
-        if ours and not _alive(int(ours[1])):
+        if ours and not process_exists(int(ours[1])):
             _remove_quietly(os.path.join(directory, found))  # another process may have first
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def _temporary_for(path: str) -> str:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import IO
 
 from asynctron._concurrency import RunBlocking
+from asynctron._processes import process_exists
 from asynctron.errors import StorageError
 from asynctron.storage._checksum import Checksums
 from asynctron.storage._dcp import METADATA_NAME
@@ -350,7 +351,7 @@ class S3Backend:
         except (ValueError, KeyError, TypeError):
             host, pid = None, None
         if host == socket.gethostname() and isinstance(pid, int):
-            return pid != os.getpid() and _process_exists(pid)
+            return pid != os.getpid() and process_exists(pid)
         if listing is None:
             listing = await list_folder(self.client, claim.parent)
         return listing.age_s(claim.name) <= self.config.abandoned_after_s
@@ -468,13 +469,3 @@ def _checkpoint_url(path: str) -> ObjectUrl:
         raise ValueError(f"checkpoint {path!r}: expected s3://bucket/<name>, a checkpoint "
                          "under the bucket, found the bucket itself")
     return url
-
-
-def _process_exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
