@@ -52,16 +52,9 @@ def store_job_requests() -> int | None:
     Raises:
         ValueError: the variable is not an int >= 1 (naming it and its value).
     """
-    text = os.environ.get(STORE_JOB_REQUESTS)
-    if text is None or not text.strip():
+    value = _int_at_least_1(STORE_JOB_REQUESTS, "requests in flight for the whole job")
+    if value is None:
         return None
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{STORE_JOB_REQUESTS}: expected an int >= 1 (requests in flight for "
-                         f"the whole job), found {text!r}; fix or unset it")
     logger.info("%s=%d: the job keeps at most %d requests in flight at a store", STORE_JOB_REQUESTS,
                 value, value)
     return value
@@ -78,17 +71,30 @@ def ranks_per_node(world_size: int) -> tuple[int, bool]:
         ValueError: a variable that is not an int >= 1 (naming it and its value).
     """
     for name in (RANKS_PER_NODE, "LOCAL_WORLD_SIZE"):
-        text = os.environ.get(name)
-        if text is None or not text.strip():
+        value = _int_at_least_1(name, "ranks per node")
+        if value is None:
             continue
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise ValueError(f"{name}: expected an int >= 1 (ranks per node), found {text!r}; "
-                             "fix or unset it")
         if name == RANKS_PER_NODE:
             logger.info("%s=%d: every %d consecutive ranks are one node", name, value, value)
         return value, name == RANKS_PER_NODE
     return world_size, False
+
+
+def _int_at_least_1(name: str, meaning: str) -> int | None:
+    """The environment variable `name` as an int >= 1 (`meaning`: what it counts), or None
+    where it is unset or blank.
+
+    Raises:
+        ValueError: it is set to anything else (naming it and its value).
+    """
+    text = os.environ.get(name)
+    if text is None or not text.strip():
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name}: expected an int >= 1 ({meaning}), found {text!r}; fix or "
+                         "unset it")
+    return value
