@@ -30,6 +30,11 @@ class RankResult:
     value: Any = None
     error: str | None = None
 
+    @property
+    def failed(self) -> bool:
+        """Whether the rank raised or exited non-zero."""
+        return self.error is not None or bool(self.exitcode)
+
     def unwrap(self) -> Any:
         """The rank's return value; AssertionError (with its traceback) if it failed."""
         assert self.error is None and self.exitcode == 0, (

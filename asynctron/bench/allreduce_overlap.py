@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started = time.time()
     ranks = run_local_ranks(_rank, args.world_size, args, backend=args.backend)
-    if failed := [r for r in ranks if r.error is not None or r.exitcode]:
+    if failed := [r for r in ranks if r.failed]:
         print(f"asynctron bench comm: rank {failed[0].rank} failed:\n{failed[0].error}",
               flush=True)
         return 1

@@ -637,7 +637,7 @@ def run_rounds(server: Any, methods: list[str], args: argparse.Namespace, *, siz
                     if name == THROTTLED:
                         server.limit_in_flight()
                     buckets.delete(bucket)
-                failed = [r for r in outcomes if r.error is not None or r.exitcode]
+                failed = [r for r in outcomes if r.failed]
                 if failed:
                     raise RuntimeError(f"{name}: rank {failed[0].rank} failed (exit code "
                                        f"{failed[0].exitcode}):\n{failed[0].error}")

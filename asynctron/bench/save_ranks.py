@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         outcomes = run_local_ranks(_rank, args.nproc, args, base)
     finally:
         shutil.rmtree(base, ignore_errors=True)
-    if failed := [r for r in outcomes if r.error is not None or r.exitcode]:
+    if failed := [r for r in outcomes if r.failed]:
         print(f"asynctron bench save --nproc {args.nproc}: rank {failed[0].rank} failed:\n"
               f"{failed[0].error}", flush=True)
         return 1

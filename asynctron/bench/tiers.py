@@ -465,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                                        f"s3://{server.bucket}/tiers", timeout_s=3600)
         finally:
             shutil.rmtree(base, ignore_errors=True)
-    if failed := [r for r in outcomes if r.error is not None or r.exitcode]:
+    if failed := [r for r in outcomes if r.failed]:
         print(f"asynctron bench tiers: rank {failed[0].rank} failed (exit code "
               f"{failed[0].exitcode}):\n{failed[0].error}", flush=True)
         return 1
