@@ -69,17 +69,24 @@ def assert_same(expected: Any, found: Any, path: str = "") -> None:
         assert expected == found or (expected != expected and found != found), path
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A real S3-compatible server, SeaweedFS (`weed mini`) on 127.0.0.1, started once per
-    session (skipped, with the reason, where the s3 extra or its binary is missing)."""
+def skip_without_seaweedfs() -> None:
+    """Skip the test, with the reason, where the s3 extra or SeaweedFS's binary is missing."""
     pytest.importorskip("aiobotocore", reason="the s3 extra (aiobotocore) is not installed")
-    from asynctron.testing.seaweedfs import SeaweedFS, weed_binary
+    from asynctron.testing.seaweedfs import weed_binary
 
     try:
         weed_binary()
     except FileNotFoundError as error:
         pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real S3-compatible server, SeaweedFS (`weed mini`) on 127.0.0.1, started once per
+    session (skipped, with the reason, where the s3 extra or its binary is missing)."""
+    skip_without_seaweedfs()
+    from asynctron.testing.seaweedfs import SeaweedFS
+
     with SeaweedFS.start(str(tmp_path_factory.mktemp("seaweedfs"))) as server:
         yield server
 

@@ -13,16 +13,13 @@ import sys
 import pytest
 
 from asynctron.bench import store_down
-from asynctron.testing.seaweedfs import weed_binary
+from tests.conftest import skip_without_seaweedfs
 
 
 @pytest.mark.slow
 def test_quick_run_fails_every_operation_and_keeps_the_previous_checkpoint(
         tmp_path: object) -> None:
-    try:
-        weed_binary()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
+    skip_without_seaweedfs()
     out = f"{tmp_path}/s3_down.json"
     run = subprocess.run([sys.executable, "-m", "asynctron.bench.store_down", "--quick",
                           "--dir", str(tmp_path), "--out", out],

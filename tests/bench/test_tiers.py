@@ -10,16 +10,13 @@ import os
 import pytest
 
 from asynctron.bench import tiers
-from asynctron.testing.seaweedfs import weed_binary
+from tests.conftest import skip_without_seaweedfs
 
 
 @pytest.mark.slow
 def test_quick_run_measures_every_tier_and_writes_the_targets(
         tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
-    try:
-        weed_binary()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
+    skip_without_seaweedfs()
     out = f"{tmp_path}/tiers.json"
     assert tiers.main(["--quick", "--target", str(tmp_path), "--out", out]) == 0
     with open(out) as f:

@@ -17,18 +17,12 @@ from asynctron import Engine
 from asynctron.errors import StorageError
 from asynctron.storage.backends.s3 import S3Backend, S3Config
 from asynctron.testing.seaweedfs import SeaweedFS
-from tests.conftest import assert_same
+from tests.conftest import assert_same, skip_without_seaweedfs
 
 
 @pytest.fixture(scope="module")
 def throttling_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFS]:
-    pytest.importorskip("aiobotocore", reason="the s3 extra (aiobotocore) is not installed")
-    from asynctron.testing.seaweedfs import weed_binary
-
-    try:
-        weed_binary()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
+    skip_without_seaweedfs()
     with SeaweedFS.start(str(tmp_path_factory.mktemp("throttling"))) as server:
         yield server
 
