@@ -75,4 +75,4 @@ from asynctron.storage._read_plan import ReadJob as ReadJob
 from asynctron.storage.backends._backend import CheckpointReader as CheckpointReader
 from asynctron.storage.backends._backend import ReadableFile as ReadableFile
 from asynctron.storage.backends._operation import StoreOperation as StoreOperation
-from asynctron.storage.backends.local._writer import WriteBatch as WriteBatch
+from asynctron.storage.backends._write_batch import WriteBatch as WriteBatch

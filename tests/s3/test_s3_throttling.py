@@ -60,7 +60,7 @@ async def test_a_throttled_save_and_load_finish_bit_exact_at_the_rate_the_store_
         result = await engine.save(state, f"{root}/step_1")
         assert result.store.num_throttled > 0  # the store did push back
         assert result.store.num_retries >= result.store.num_throttled
-        budget = next(iter(backend.client._clients.values())).budget
+        budget = next(iter(backend.client.requests._budgets.values()))
         assert budget.num_cuts > 0 and budget.least_window < budget.most
         loaded = await engine.load(f"{root}/step_1")
     assert_same(loaded, state)

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import numpy as np
 import pytest
 
-from asynctron.storage.backends._http_ranges import HttpProtocolError, RangeClient
+from asynctron.storage.backends.objects._http_ranges import HttpProtocolError, RangeClient
 
 Respond = Callable[[bytes, asyncio.StreamWriter], Awaitable[None]]
 

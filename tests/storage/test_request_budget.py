@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from asynctron.storage.backends._request_budget import RequestBudget
+from asynctron.storage.backends.objects._request_budget import RequestBudget
 
 
 async def test_no_more_than_the_window_is_in_flight_and_waiters_go_in_order() -> None:
@@ -47,7 +47,7 @@ async def test_a_throttle_cuts_the_window_once_per_burst_and_answers_grow_it_bac
         assert not budget.throttled(slot)  # nothing left to cut: the caller backs off
     for _ in range(200):
         async with budget.slot() as slot:
-            budget.answered(slot)
+            budget.answered()
     assert budget.window == 16  # grown back, never past the most
 
 

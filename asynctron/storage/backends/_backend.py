@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from asynctron.storage._checksum import Checksums, ItemHasher
     from asynctron.storage._manifest import ItemRecord, Manifest
     from asynctron.storage._read_plan import ReadJob
-    from asynctron.storage.backends.local._writer import WriteBatch
+    from asynctron.storage.backends._write_batch import WriteBatch
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,31 +12,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 from asynctron._concurrency import RunBlocking
-from asynctron.storage._checksum import BodySegments, Checksums
+from asynctron.storage._checksum import Checksums
+from asynctron.storage.backends._write_batch import WriteBatch
 from asynctron.storage.backends.local import _sysio
 from asynctron.storage.backends.local._sysio import FileIO
-
-
-class WriteBatch(Protocol):
-    """File bytes [file_offset, +nbytes) ready to write. Its methods are called on the
-    executor, once each."""
-
-    @property
-    def file_offset(self) -> int: ...
-
-    @property
-    def nbytes(self) -> int: ...
-
-    def buffers(self) -> Sequence[memoryview]:
-        """iovecs covering all the batch's bytes, padding included."""
-        ...
-
-    def bodies(self) -> BodySegments:
-        """Its items' bytes to digest, in file order."""
-        ...
 
 
 class BinWriter:

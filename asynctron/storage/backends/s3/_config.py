@@ -17,9 +17,6 @@ from typing import Literal
 from asynctron._knobs import store_deadline_s, store_job_requests
 
 MiB = 1 << 20
-#: S3's own bounds on a multipart upload's parts (every part but the last at least the min).
-MIN_PART_BYTES = 5 * MiB
-MAX_PARTS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +101,12 @@ class S3Config:
 
 
 
-def min_part_bytes(nbytes: int) -> int:
-    """The least size of a part (but the last) of a `nbytes` upload: S3's 5 MiB, grown to
-    stay within its 10,000 parts. A staging slab at least this big is a part by itself."""
-    return max(MIN_PART_BYTES, -(-nbytes // MAX_PARTS))
+def world_size() -> int:
+    """How many processes the job has: torch.distributed's world, else torchrun's
+    `WORLD_SIZE`, else 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    text = os.environ.get("WORLD_SIZE", "")
+    return int(text) if text.isdigit() and int(text) > 0 else 1

@@ -1,13 +1,14 @@
-"""`ObjectWriter`: one file of a save as one object, its staged batches sent as multipart parts.
+"""`ObjectWriter`: one file of a save as one object, its staged batches sent as the parts of an
+upload.
 
 Each `write` digests its batches' items on the executor (one call), then sends them: a slab of
-at least S3's minimum part size is a part by itself, straight from its memory; smaller batches
+at least the store's least part size is a part by itself, straight from its memory; smaller batches
 are joined into one part (a copy of at most a few MiB). Every part of the call is in flight at
 once, bounded by the client's request budget; the call returns when all of them are stored, so
 the caller may reuse the slabs. A tail smaller than a part is copied and carried to the next
-call. A file no larger than `S3Config.single_put_bytes` is one PUT.
+call. A file no larger than the config's `single_put_bytes` is one PUT.
 
-The object appears only when its upload completes (S3 never shows a part of one); until the
+The object appears only when its upload completes (a store never shows a part of one); until the
 checkpoint's manifest is written it is not part of any checkpoint. A failed or cancelled
 writer aborts its upload in `aclose`.
 """
@@ -20,10 +21,9 @@ from collections.abc import Callable, Sequence
 
 from asynctron._concurrency import RunBlocking, first_error
 from asynctron.storage._checksum import Checksums
-from asynctron.storage.backends.local._writer import WriteBatch
-from asynctron.storage.backends.s3._client import S3Client
-from asynctron.storage.backends.s3._config import min_part_bytes
-from asynctron.storage.backends.s3._layout import ObjectUrl
+from asynctron.storage.backends._write_batch import WriteBatch
+from asynctron.storage.backends.objects._client import ObjectClient
+from asynctron.storage.backends.objects._layout import ObjectUrl
 
 logger = logging.getLogger(__name__)
 
@@ -36,20 +36,20 @@ class ObjectWriter:
     completes it returns.
     """
 
-    def __init__(self, client: S3Client, url: ObjectUrl, nbytes: int,
+    def __init__(self, client: ObjectClient, url: ObjectUrl, nbytes: int,
                  run_blocking: RunBlocking, *, checksums: Checksums | None) -> None:
         self.url = url
         self.nbytes = nbytes
         self._client = client
         self._run_blocking = run_blocking
         self._checksums = checksums
-        self._min_part = min_part_bytes(nbytes)
+        self._min_part = client.limits.least_part_bytes(nbytes)
         self._next_offset = 0
         self._carried: list[memoryview] = []
         """Bytes written but not yet sent (less than a part), copied: the caller's slabs are
         released after each call."""
         self._upload_id: str | None = None
-        self._parts: list[dict[str, object]] = []
+        self._tags: list[str] = []
         self._done = False
 
     async def open(self) -> None:
@@ -81,8 +81,7 @@ class ObjectWriter:
         if complete and self._upload_id is None and pending_bytes <= max(
                 self._client.config.single_put_bytes, 0):
             body = await self._run_blocking(_digest_and_join, self._checksums, batches, pending)
-            await self._client.call("put_object", self.url, Bucket=self.url.bucket,
-                                    Key=self.url.key, **self._client.body(body))
+            await self._client.put(self.url, body)
             self._finish(batches, on_written)
             return
         parts, tail = _split_into_parts(pending, self._min_part, complete)
@@ -91,12 +90,9 @@ class ObjectWriter:
         self._carried = carried
         if bodies:
             if self._upload_id is None:
-                created = await self._client.call(
-                    "create_multipart_upload", self.url, Bucket=self.url.bucket,
-                    Key=self.url.key)
-                self._upload_id = created["UploadId"]
-            first = len(self._parts) + 1
-            self._parts.extend({} for _ in bodies)
+                self._upload_id = await self._client.start_upload(self.url)
+            first = len(self._tags) + 1
+            self._tags.extend("" for _ in bodies)
             try:
                 async with asyncio.TaskGroup() as group:
                     for number, body in enumerate(bodies, first):
@@ -104,18 +100,14 @@ class ObjectWriter:
             except BaseExceptionGroup as error:
                 raise first_error(error)  # noqa: B904 (the group stays as __context__)
         if complete:
-            await self._client.call(
-                "complete_multipart_upload", self.url, Bucket=self.url.bucket,
-                Key=self.url.key, UploadId=self._upload_id,
-                MultipartUpload={"Parts": self._parts})
+            assert self._upload_id is not None
+            await self._client.complete_upload(self.url, self._upload_id, self._tags)
         self._finish(batches, on_written, complete=complete)
 
     async def _send_part(self, number: int, body: memoryview | bytes) -> None:
-        sent = await self._client.call(
-            "upload_part", f"{self.url} part {number}", Bucket=self.url.bucket,
-            Key=self.url.key, UploadId=self._upload_id, PartNumber=number,
-            **self._client.body(body))
-        self._parts[number - 1] = {"ETag": sent["ETag"], "PartNumber": number}
+        assert self._upload_id is not None
+        self._tags[number - 1] = await self._client.upload_part(self.url, self._upload_id,
+                                                                number, body)
 
     def _finish(self, batches: Sequence[WriteBatch], on_written: Callable[[WriteBatch], None],
                 *, complete: bool = True) -> None:
@@ -133,9 +125,7 @@ class ObjectWriter:
         if upload_id is None or self._done:
             return
         try:
-            await self._client.call("abort_multipart_upload", self.url,
-                                    Bucket=self.url.bucket, Key=self.url.key,
-                                    UploadId=upload_id)
+            await self._client.abort_upload(self.url, upload_id)
         except Exception as error:
             logger.warning("could not abort the upload of %s (the next commit under its root "
                            "does): %s", self.url, error)

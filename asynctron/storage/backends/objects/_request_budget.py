@@ -17,7 +17,7 @@ throttles shrinks the window once, not once per request.
         except Throttled:
             budget.throttled(slot)
             raise
-        budget.answered(slot)
+        budget.answered()
 """
 
 from __future__ import annotations
@@ -97,10 +97,9 @@ class RequestBudget:
             self._in_flight -= 1
             self._wake()
 
-    def answered(self, slot: Slot) -> None:
-        """The store answered the request in `slot`: the window grows by 1/window (one per
-        window's worth of answers), up to `most`."""
-        del slot
+    def answered(self) -> None:
+        """The store answered a request: the window grows by 1/window (one per window's
+        worth of answers), up to `most`."""
         if self._window < self.most:
             self._window = min(float(self.most), self._window + 1.0 / self._window)
             self._wake()

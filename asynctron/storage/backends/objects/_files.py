@@ -1,9 +1,9 @@
-"""The file half of `S3Backend`: whole objects published atomically, read at offsets.
+"""The file half of `ObjectStoreBackend`: whole objects published atomically, read at offsets.
 
 Every call blocks its thread (datasets call them from worker processes and builders) while
-the requests run on the process's S3 I/O loop, so many ranges of one object can be in flight
+the requests run on the process's store I/O loop, so many ranges of one object can be in flight
 at once (`ObjectFile.fetch`). An object is read at the version it had when opened (each GET
-carries `If-Match` with its ETag), so a reader never mixes two versions of a replaced object.
+carries `If-Match` with its version tag), so a reader never mixes two versions of a replaced object.
 """
 
 from __future__ import annotations
@@ -14,44 +14,26 @@ import io
 from collections.abc import Callable, Coroutine, Sequence
 from typing import IO, Any, TypeVar
 
-from asynctron.errors import StorageError
-from asynctron.storage.backends._operation import store_operation
-from asynctron.storage.backends.s3._client import (
-    ObjectNotFoundError,
-    PreconditionFailedError,
-    S3Client,
-    io_loop,
-)
-from asynctron.storage.backends.s3._layout import ObjectUrl, parse_url
+from asynctron.errors import ObjectNotFoundError, StorageError
+from asynctron.storage.backends.objects._client import ObjectClient, PreconditionFailedError
+from asynctron.storage.backends.objects._io_loop import blocking, io_loop, one_operation
+from asynctron.storage.backends.objects._layout import ObjectUrl, parse_url
 
 T = TypeVar("T")
 
 MiB = 1 << 20
 #: the parts of an object written piece by piece (`open_new_file`): the first 1000 are this
-#: size, each next 1000 twice the one before (S3 allows 10,000 parts: 5 TiB and more)
+#: size, each next 1000 twice the one before (10,000 parts: 5 TiB and more)
 _FIRST_PART_BYTES = 16 * MiB
 #: parts of a new object sent while the writer goes on (their memory: up to this many parts)
 _PARTS_IN_FLIGHT = 4
 
 
-def blocking(coroutine: Coroutine[Any, Any, T]) -> T:
-    """Run `coroutine` on the S3 I/O loop, as one store operation (one clock for its
-    requests), and wait for its outcome on this thread."""
-    return io_loop().call(one_operation(coroutine), "s3 file call")
-
-
-async def one_operation(coroutine: Coroutine[Any, Any, T]) -> T:
-    """`coroutine`'s requests as one store operation: a dataset call fails once the store
-    has answered none of them for the deadline, however many ranges it reads."""
-    with store_operation("read"):
-        return await coroutine
-
-
-def object_url(path: str) -> ObjectUrl:
-    url = parse_url(path)
+def object_url(client: ObjectClient, path: str) -> ObjectUrl:
+    url = parse_url(path, client.schemes)
     if not url.key or url.key.endswith("/"):
-        raise IsADirectoryError(f"{path!r}: expected an object (s3://bucket/key), found a "
-                                "bucket or folder")
+        raise IsADirectoryError(f"{path!r}: expected an object ({url.scheme}://bucket/key), "
+                                "found a bucket or folder")
     return url
 
 
@@ -64,15 +46,15 @@ class ObjectFile:
         StorageError: the store failed past the deadline (naming endpoint, object, range).
     """
 
-    def __init__(self, client: S3Client, url: ObjectUrl, nbytes: int, etag: str) -> None:
+    def __init__(self, client: ObjectClient, url: ObjectUrl, nbytes: int, etag: str) -> None:
         self.client = client
         self.url = url
         self.nbytes = nbytes
         self.etag = etag
 
     @classmethod
-    def open(cls, client: S3Client, path: str) -> ObjectFile:
-        """Blocks: the object `path`, its size and ETag from one HEAD.
+    def open(cls, client: ObjectClient, path: str) -> ObjectFile:
+        """Blocks: the object `path`, its size and version tag from one HEAD.
 
         Raises:
             ObjectNotFoundError: no such object or bucket (a FileNotFoundError; the message
@@ -80,14 +62,13 @@ class ObjectFile:
             IsADirectoryError: `path` names a bucket or a folder.
             StorageError: any other failure.
         """
-        url = object_url(path)
+        url = object_url(client, path)
         try:
-            head = blocking(client.call("head_object", url, Bucket=url.bucket, Key=url.key))
+            head = blocking(client.head(url))
         except ObjectNotFoundError as error:
-            raise ObjectNotFoundError(f"{error}; expected an object at {path}"
-                                      f"{_missing_bucket(client, url)}",
+            raise ObjectNotFoundError(f"{error}; expected an object at {path}",
                                       path=str(url)) from error
-        return cls(client, url, int(head["ContentLength"]), head.get("ETag", ""))
+        return cls(client, url, head.size, head.etag)
 
     def _where(self, offset: int, nbytes: int) -> str:
         return f"{self.url} bytes [{offset}, {offset + nbytes})"
@@ -98,7 +79,7 @@ class ObjectFile:
             await self.client.get_into(self.url, offset, [buffer], if_match=self.etag)
         except PreconditionFailedError as error:
             raise ObjectChangedError(
-                f"{where}: the object was replaced since it was opened (ETag {self.etag} no "
+                f"{where}: the object was replaced since it was opened (version {self.etag} no "
                 "longer matches); reopen it to read the new one", path=str(self.url),
                 errno=None) from error
         except StorageError as error:
@@ -144,18 +125,6 @@ class ObjectFile:
         self.close()
 
 
-def _missing_bucket(client: S3Client, url: ObjectUrl) -> str:
-    """", and the bucket ... does not exist" when that is why (a HEAD's 404 does not say)."""
-    try:
-        blocking(client.call("head_bucket", url.bucket, Bucket=url.bucket))
-    except ObjectNotFoundError:
-        return (f", and the bucket {url.bucket!r} does not exist (create it, or fix the URL's "
-                "bucket, and AWS_ENDPOINT_URL if this is the wrong store)")
-    except StorageError:
-        pass
-    return ""
-
-
 class ObjectChangedError(StorageError):
     """An object was replaced while a reader held it open."""
 
@@ -172,17 +141,17 @@ class NewObject:
     parts are sent while the writer goes on (multipart upload); nothing is visible before
     `publish`, and `close` without it aborts the upload. One thread at a time."""
 
-    def __init__(self, client: S3Client, path: str) -> None:
+    def __init__(self, client: ObjectClient, path: str) -> None:
         self.client = client
-        self.url = object_url(path)
+        self.url = object_url(client, path)
         self._pending = bytearray()
         self._upload_id: str | None = None
-        self._parts: list[dict[str, Any]] = []
+        self._tags: list[str] = []
         self._sending: list[concurrent.futures.Future[None]] = []
         self._closed = False
 
     def _part_bytes(self) -> int:
-        return _FIRST_PART_BYTES << (len(self._parts) // 1000)
+        return _FIRST_PART_BYTES << (len(self._tags) // 1000)
 
     def write(self, data: bytes | memoryview) -> int:
         view = memoryview(data).cast("B")
@@ -195,21 +164,17 @@ class NewObject:
 
     def _send(self, part: bytes) -> None:
         if self._upload_id is None:
-            created = blocking(self.client.call("create_multipart_upload", self.url,
-                                                Bucket=self.url.bucket, Key=self.url.key))
-            self._upload_id = created["UploadId"]
-        number = len(self._parts) + 1
-        self._parts.append({"PartNumber": number})
+            self._upload_id = blocking(self.client.start_upload(self.url))
+        number = len(self._tags) + 1
+        self._tags.append("")
         while len(self._sending) >= _PARTS_IN_FLIGHT:
             self._sending.pop(0).result()
         self._sending.append(io_loop().submit(self._send_part(number, part)))
 
     async def _send_part(self, number: int, part: bytes) -> None:
-        sent = await self.client.call(
-            "upload_part", f"{self.url} part {number}", Bucket=self.url.bucket,
-            Key=self.url.key, UploadId=self._upload_id, PartNumber=number,
-            **self.client.body(part))
-        self._parts[number - 1]["ETag"] = sent["ETag"]
+        assert self._upload_id is not None
+        self._tags[number - 1] = await self.client.upload_part(self.url, self._upload_id,
+                                                               number, part)
 
     def publish(self, *, sync_dir: bool = True) -> None:
         """Store what was written as the object (one PUT, or the upload completed); on error
@@ -217,17 +182,14 @@ class NewObject:
         try:
             if (self._upload_id is None
                     and len(self._pending) <= self.client.config.single_put_bytes):
-                blocking(self.client.call("put_object", self.url, Bucket=self.url.bucket,
-                                          Key=self.url.key, **self.client.body(self._pending)))
+                blocking(self.client.put(self.url, self._pending))
             else:
-                if self._pending or not self._parts:
+                if self._pending or not self._tags:
                     self._send(bytes(self._pending))
                 for sending in self._sending:
                     sending.result()
-                blocking(self.client.call(
-                    "complete_multipart_upload", self.url, Bucket=self.url.bucket,
-                    Key=self.url.key, UploadId=self._upload_id,
-                    MultipartUpload={"Parts": self._parts}))
+                assert self._upload_id is not None
+                blocking(self.client.complete_upload(self.url, self._upload_id, self._tags))
                 self._upload_id = None
         finally:
             self.close()
@@ -243,9 +205,7 @@ class NewObject:
         concurrent.futures.wait(self._sending)
         upload_id, self._upload_id = self._upload_id, None
         if upload_id is not None:
-            blocking(self.client.call("abort_multipart_upload", self.url,
-                                      Bucket=self.url.bucket, Key=self.url.key,
-                                      UploadId=upload_id))
+            blocking(self.client.abort_upload(self.url, upload_id))
 
     def __enter__(self) -> NewObject:
         return self
@@ -254,7 +214,7 @@ class NewObject:
         self.close()
 
 
-def put_object(client: S3Client, url: ObjectUrl, data: bytes | memoryview) -> None:
+def put_object(client: ObjectClient, url: ObjectUrl, data: bytes | memoryview) -> None:
     """Blocks: store `data` as the object `url`: one PUT up to the client's single-PUT size,
     else a multipart upload with its parts in flight together."""
     view = memoryview(data).cast("B")
@@ -264,21 +224,22 @@ def put_object(client: S3Client, url: ObjectUrl, data: bytes | memoryview) -> No
         new.publish()
 
 
-def publish_with(client: S3Client, path: str, write: Callable[[IO[bytes]], object]) -> None:
+def publish_with(client: ObjectClient, path: str, write: Callable[[IO[bytes]], object]
+                 ) -> None:
     """Blocks: store what `write(f)` writes to `f` as the object `path` (atomically: the
     object is its old self or all of the new one)."""
     out = io.BytesIO()
     write(out)
-    put_object(client, object_url(path), out.getbuffer())
+    put_object(client, object_url(client, path), out.getbuffer())
 
 
-def read_whole(client: S3Client, path: str) -> bytes:
+def read_whole(client: ObjectClient, path: str) -> bytes:
     """Blocks: the whole object `path`.
 
     Raises:
         ObjectNotFoundError: no such object or bucket (a FileNotFoundError).
     """
-    url = object_url(path)
+    url = object_url(client, path)
     try:
         data, _, _ = blocking(client.get_small(url, max_bytes=1 << 62))
     except ObjectNotFoundError as error:
@@ -287,7 +248,6 @@ def read_whole(client: S3Client, path: str) -> bytes:
     return data or b""
 
 
-def remove(client: S3Client, path: str) -> None:
+def remove(client: ObjectClient, path: str) -> None:
     """Blocks: delete the object `path` (none there is not an error)."""
-    url = object_url(path)
-    blocking(client.call("delete_object", url, Bucket=url.bucket, Key=url.key))
+    blocking(client.delete([object_url(client, path)]))

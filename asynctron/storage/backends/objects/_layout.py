@@ -1,4 +1,4 @@
-"""Where things are under a checkpoint root on a store, and what a name there means.
+"""Where things are under a checkpoint root on an object store, and what a name there means.
 
     s3://bucket/run/                         the root (the checkpoints' common prefix)
         step_100/manifest.json, data files   a checkpoint: committed iff its manifest exists
@@ -13,15 +13,10 @@ save that dies leaves its claim, which names them for the next commit to delete.
 from __future__ import annotations
 
 import datetime
-import email.utils
 import os
 import secrets
 import socket
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from asynctron.storage.backends.s3._client import S3Client
 
 LATEST_NAME = "latest"
 CLAIM_MARK = ".tmp-"
@@ -29,17 +24,18 @@ CLAIM_MARK = ".tmp-"
 
 @dataclass(frozen=True, slots=True)
 class ObjectUrl:
-    """`s3://bucket/key`, split."""
+    """`scheme://bucket/key`, split (a bucket is Azure's container)."""
 
+    scheme: str
     bucket: str
     key: str
 
     def __str__(self) -> str:
-        return f"s3://{self.bucket}/{self.key}"
+        return f"{self.scheme}://{self.bucket}/{self.key}"
 
     @property
     def parent(self) -> ObjectUrl:
-        return ObjectUrl(self.bucket, self.key.rpartition("/")[0])
+        return ObjectUrl(self.scheme, self.bucket, self.key.rpartition("/")[0])
 
     @property
     def name(self) -> str:
@@ -52,24 +48,27 @@ class ObjectUrl:
 
     def child(self, name: str) -> ObjectUrl:
         """The object `name` under this one taken as a folder."""
-        return ObjectUrl(self.bucket, self.prefix + name)
+        return ObjectUrl(self.scheme, self.bucket, self.prefix + name)
 
 
-def parse_url(url: str) -> ObjectUrl:
-    """`s3://bucket/key/...` as bucket and key (no trailing `/`).
+def parse_url(url: str, schemes: tuple[str, ...]) -> ObjectUrl:
+    """`scheme://bucket/key/...`, for one of `schemes` (the first names it in errors), as
+    bucket and key (no trailing `/`).
 
     Raises:
-        ValueError: not an s3 URL, no bucket, or a key with empty, `.` or `..` parts.
+        ValueError: none of `schemes`, no bucket, or a key with empty, `.` or `..` parts.
     """
-    if not url.lower().startswith("s3://"):
-        raise ValueError(f"path {url!r}: expected an s3://bucket/key URL")
-    bucket, _, key = url[5:].partition("/")
+    scheme, found, rest = url.partition("://")
+    scheme = scheme.lower()
+    if not found or scheme not in schemes:
+        raise ValueError(f"path {url!r}: expected a {schemes[0]}://bucket/key URL")
+    bucket, _, key = rest.partition("/")
     key = key.rstrip("/")
     parts = key.split("/") if key else []
     if not bucket or any(part in ("", ".", "..") for part in parts) or "\x00" in key:
-        raise ValueError(f"path {url!r}: expected s3://bucket/key with a non-empty bucket and "
-                         "no empty, '.' or '..' key parts")
-    return ObjectUrl(bucket, key)
+        raise ValueError(f"path {url!r}: expected {scheme}://bucket/key with a non-empty "
+                         "bucket and no empty, '.' or '..' key parts")
+    return ObjectUrl(scheme, bucket, key)
 
 
 def claim_name(checkpoint: str, area: str | None) -> str:
@@ -107,37 +106,3 @@ class Listing:
         if self.now is None or name not in self.modified:
             return 0.0
         return (self.now - self.modified[name]).total_seconds()
-
-
-async def list_folder(client: S3Client, folder: ObjectUrl) -> Listing:
-    """The objects directly under `folder` (not in its sub-folders)."""
-    listing = Listing()
-    params = {"Bucket": folder.bucket, "Prefix": folder.prefix, "Delimiter": "/"}
-    while True:
-        page = await client.call("list_objects_v2", folder, **params)
-        for entry in page.get("Contents", ()):
-            name = entry["Key"][len(folder.prefix):]
-            listing.sizes[name] = entry["Size"]
-            listing.modified[name] = entry["LastModified"]
-        if listing.now is None:
-            object.__setattr__(listing, "now", server_time(page))
-        token = page.get("NextContinuationToken")
-        if not page.get("IsTruncated") or not token:
-            return listing
-        params["ContinuationToken"] = token
-
-
-async def list_objects(client: S3Client, folder: ObjectUrl) -> dict[str, int]:
-    """The objects directly under `folder`: name -> size."""
-    return (await list_folder(client, folder)).sizes
-
-
-def server_time(response: dict) -> datetime.datetime | None:
-    """The store's clock when it sent `response` (its Date header)."""
-    date = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-    if not date:
-        return None
-    try:
-        return email.utils.parsedate_to_datetime(date)
-    except (TypeError, ValueError):
-        return None

@@ -15,7 +15,12 @@ import asyncio
 from collections.abc import Callable, Sequence
 
 from asynctron._concurrency import RunBlocking
-from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from asynctron.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    ObjectNotFoundError,
+    StorageError,
+)
 from asynctron.storage._checksum import ItemHasher
 from asynctron.storage._dcp import MAX_METADATA_BYTES, METADATA_NAME, parse_dcp_manifest
 from asynctron.storage._manifest import (
@@ -33,8 +38,9 @@ from asynctron.storage._read_plan import (
     check_view_name,
     plan_reads,
 )
-from asynctron.storage.backends.s3._client import ObjectNotFoundError, S3Client, touch_pages
-from asynctron.storage.backends.s3._layout import LATEST_NAME, ObjectUrl, list_objects, parse_url
+from asynctron.storage.backends.objects._client import ObjectClient
+from asynctron.storage.backends.objects._io_loop import touch_pages
+from asynctron.storage.backends.objects._layout import LATEST_NAME, ObjectUrl, parse_url
 
 #: The most bytes one ranged GET asks for: enough GETs in flight to fill the link.
 RANGE_BYTES = 16 << 20
@@ -47,7 +53,7 @@ class ObjectReader(CheckpointReaderBase):
     clear error (a missing object), never with wrong bytes (digests are verified).
     """
 
-    def __init__(self, client: S3Client, url: str, run_blocking: RunBlocking, *,
+    def __init__(self, client: ObjectClient, url: str, run_blocking: RunBlocking, *,
                  max_files_at_once: int) -> None:
         super().__init__(url, run_blocking)
         self._client = client
@@ -65,12 +71,12 @@ class ObjectReader(CheckpointReaderBase):
             CorruptCheckpointError: a bad manifest, or an object missing or of another size.
         """
         check_view_name(view, self.requested_path)
-        url = parse_url(self.requested_path)
+        url = self._parse(self.requested_path)
         named = await self._latest_name(url)
         if named is not None:
             url = url.child(named)
         try:
-            sizes = await list_objects(self._client, url)
+            sizes = (await self._client.list(url)).sizes
         except ObjectNotFoundError as error:  # no bucket: nothing committed, as locally
             raise CheckpointNotFoundError(f"checkpoint {self.requested_path}: {error}",
                                           path=str(url)) from error
@@ -105,6 +111,9 @@ class ObjectReader(CheckpointReaderBase):
         self.manifest = manifest
         return manifest
 
+    def _parse(self, path: str) -> ObjectUrl:
+        return parse_url(path, self._client.schemes)
+
     async def _latest_name(self, url: ObjectUrl) -> str | None:
         """The checkpoint `url/latest` names, or None if there is no such object (`url` is a
         checkpoint, or nothing): one GET, so that a load lists the store once."""
@@ -124,7 +133,7 @@ class ObjectReader(CheckpointReaderBase):
         """The checkpoint's small object `name`, checked against the listing first (when this
         reader listed the checkpoint; an adopted one did not)."""
         size = self._sizes.get(name)
-        url = parse_url(self.path_of(name))
+        url = self._parse(self.path_of(name))
         if size is None:
             if not self._sizes:
                 return await self._get(url, max_bytes)
@@ -160,7 +169,7 @@ class ObjectReader(CheckpointReaderBase):
         flight, at most `2 * max_files_at_once` of them.
         Cancellation: the GETs in flight are cancelled; destinations are partly filled.
         """
-        url = parse_url(self.path_of(name))
+        url = self._parse(self.path_of(name))
         batches = await self._run_blocking(plan_reads, [job.record for job in jobs],
                                            min(slab_bytes, RANGE_BYTES))  # off the loop
         turns = [asyncio.Event() for _ in batches]
@@ -196,7 +205,7 @@ class ObjectReader(CheckpointReaderBase):
         """Read `record`'s bytes [start, +destination.nbytes) into `destination` (one ranged
         GET), continuing `hasher` over them."""
         await self._run_blocking(touch_pages, [destination])
-        await self._client.get_into(parse_url(self.file_path(record)), record.offset + start,
+        await self._client.get_into(self._parse(self.file_path(record)), record.offset + start,
                                     [destination], key=record.key)
         if hasher is not None:
             await self._run_blocking(hasher.update, destination)
