@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 
 MiB = 1 << 20
 GiB = 1 << 30
-#: the prefixes of paths on object storage (megatron's `is_object_storage_path`)
-OBJECT_STORAGE_PREFIXES = ("s3://",)
 #: the most one ranged GET of a `.bin` asks for: bigger runs are split into requests of this
 #: size, all in flight at once (8 MiB pieces in parallel beat one long GET)
 REQUEST_BYTES = 8 * MiB
@@ -109,8 +107,13 @@ class ObjectStorageConfig:
 
 
 def is_object_storage_path(path: str) -> bool:
-    """Whether `path` names objects in a store (`s3://...`), not local files."""
-    return path.startswith(OBJECT_STORAGE_PREFIXES)
+    """Whether `path` names objects in a store (a URL whose backend is `remote`: `s3://`,
+    `az://`), not local files.
+
+    Raises:
+        ValueError: a URL no backend serves (naming it, and the schemes served).
+    """
+    return "://" in path and backend_for(path).remote
 
 
 def cache_path(url: str, directory: str) -> str:

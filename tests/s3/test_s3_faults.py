@@ -26,8 +26,8 @@ from asynctron import Engine
 from asynctron._knobs import STORE_DEADLINE_S
 from asynctron.errors import StorageError
 from asynctron.storage import StoreStatistics
-from asynctron.storage.backends.s3 import S3Backend, S3Config
 from asynctron.storage.backends.objects._requests import REFUSED_GRACE_S
+from asynctron.storage.backends.s3 import S3Backend, S3Config
 from asynctron.testing.seaweedfs import SeaweedFS
 from asynctron.testing.tcp_proxy import TcpFaultProxy
 from tests.conftest import assert_same

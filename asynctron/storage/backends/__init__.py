@@ -2,13 +2,16 @@
 
     backend_for("ckpt/step_100")        # LocalBackend: a path on this machine
     backend_for("s3://bucket/run")      # S3Backend: an S3-compatible store (the AWS chain's)
+    backend_for("az://container/run")   # AzureBackend: Azure Blob Storage (AZURE_STORAGE_*)
 
 A new backend implements `Backend` in its own module and registers a factory for its URL
-scheme with `register_backend`; nothing above `storage` changes.
+scheme with `register_backend`; nothing above `storage` changes. A new object store is one
+`ObjectClient` (`objects/`) and one line below.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 from collections.abc import Callable
@@ -89,13 +92,20 @@ def backend_for(path: str | os.PathLike[str]) -> Backend:
 _FACTORIES[_LOCAL] = LocalBackend
 
 
-def _s3_backend() -> Backend:
-    try:  # its client costs ~1 s to import: only when an s3:// URL is used
-        from asynctron.storage.backends.s3 import S3Backend
-    except ImportError as error:
-        raise ValueError(f"s3:// URLs need aiobotocore ({error}); install "
-                         "`pip install 'asynctron[s3]'`") from error
-    return S3Backend()
+def _cloud(module: str, name: str, extra: str, needs: str) -> Callable[[], Backend]:
+    """A factory of `module.name`, imported on first use (a cloud SDK costs ~1 s to import);
+    without the SDK, a ValueError naming the extra to install."""
+    def factory() -> Backend:
+        try:
+            backend = getattr(importlib.import_module(module), name)
+        except ImportError as error:
+            raise ValueError(f"{name} needs {needs} ({error}); install "
+                             f"`pip install 'asynctron[{extra}]'`") from error
+        return backend()
+
+    return factory
 
 
-_FACTORIES["s3"] = _s3_backend
+_FACTORIES["s3"] = _cloud("asynctron.storage.backends.s3", "S3Backend", "s3", "aiobotocore")
+_FACTORIES["az"] = _FACTORIES["abfs"] = _cloud(
+    "asynctron.storage.backends.azure", "AzureBackend", "azure", "azure-storage-blob")

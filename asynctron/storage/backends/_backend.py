@@ -294,6 +294,10 @@ class FileStorage(Protocol):
     Atomicity: a published file's path names its old file or the whole new one, never a part.
     """
 
+    remote: bool
+    """Whether its files are read over a network (an object store): datasets then keep what
+    they read in a node-local cache. False: local files, mapped where they lie."""
+
     def publish_file(self, path: str, write: Callable[[IO[bytes]], object], *,
                      sync_dir: bool = True) -> None:
         """Blocks: call `write(f)` on a new file and publish it as `path`: afterwards `path` is

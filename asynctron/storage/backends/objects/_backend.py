@@ -79,6 +79,8 @@ class ObjectStoreBackend:
     Concurrency: one backend serves any number of saves and loads at once, on any loops.
     """
 
+    remote = True
+
     def __init__(self, client: ObjectClient) -> None:
         self.client = client
         self.config = client.config

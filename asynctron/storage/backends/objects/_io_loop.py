@@ -55,6 +55,20 @@ def close_at_exit(client: Closable) -> None:
     _CLIENTS.add(client)
 
 
+def close_when_collected(owner: object, clients: weakref.WeakKeyDictionary[
+        asyncio.AbstractEventLoop, Closable]) -> None:
+    """Once `owner` is collected, close its `clients` (one per loop) on their loops."""
+    weakref.finalize(owner, _close_on_their_loops, clients)
+
+
+def _close_on_their_loops(clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
+                                                             Closable]) -> None:
+    for loop, client in list(clients.items()):
+        if not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                asyncio.run_coroutine_threadsafe(client.aclose(), loop)
+
+
 async def on_io_loop(coroutine: Coroutine[Any, Any, T]) -> T:
     """Run `coroutine` on the I/O loop (directly, if already on it) and return its outcome.
     If the caller is cancelled, the coroutine is cancelled there and this waits until it has

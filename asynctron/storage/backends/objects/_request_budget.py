@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -130,3 +131,22 @@ class RequestBudget:
     def __repr__(self) -> str:
         return (f"<RequestBudget {self._in_flight} in flight of {self.window} (most "
                 f"{self.most}), {len(self._waiters)} waiting, {self.num_cuts} cuts>")
+
+
+def process_share(max_requests: int, job_max_requests: int | None, world_size: int) -> int:
+    """The most requests one of `world_size` processes keeps in flight: its share of the job's
+    `job_max_requests` (at least 1), at most `max_requests` (all of it without a job bound)."""
+    if job_max_requests is None:
+        return max_requests
+    return max(1, min(max_requests, job_max_requests // max(1, world_size)))
+
+
+def world_size() -> int:
+    """How many processes the job has: torch.distributed's world, else torchrun's
+    `WORLD_SIZE`, else 1."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    text = os.environ.get("WORLD_SIZE", "")
+    return int(text) if text.isdigit() and int(text) > 0 else 1

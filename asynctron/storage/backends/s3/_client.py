@@ -38,11 +38,16 @@ from asynctron.storage.backends.objects._client import (
     RefusedCredentialsError,
 )
 from asynctron.storage.backends.objects._http_ranges import RangeClient
-from asynctron.storage.backends.objects._io_loop import close_at_exit, on_io_loop
+from asynctron.storage.backends.objects._io_loop import (
+    close_at_exit,
+    close_when_collected,
+    on_io_loop,
+)
 from asynctron.storage.backends.objects._layout import Listing, ObjectUrl
+from asynctron.storage.backends.objects._request_budget import world_size
 from asynctron.storage.backends.objects._requests import Answer, Failure, StoreRequests
 from asynctron.storage.backends.objects._signed_gets import signed_get_into
-from asynctron.storage.backends.s3._config import S3Config, world_size
+from asynctron.storage.backends.s3._config import S3Config
 from asynctron.storage.backends.s3._service_models import use_service_model_loader
 
 T = TypeVar("T")
@@ -207,7 +212,7 @@ class S3Client:
         self._opening: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
             weakref.WeakKeyDictionary())
         close_at_exit(self)
-        weakref.finalize(self, _close_when_collected, self._clients)
+        close_when_collected(self, self._clients)
 
     @property
     def most_in_flight(self) -> int:
@@ -412,15 +417,6 @@ class S3Client:
         found = self._clients.pop(asyncio.get_running_loop(), None)
         if found is not None:
             await found.aclose()
-
-
-def _close_when_collected(clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
-                                                            _LoopClient]) -> None:
-    """An `S3Client` was collected: close its clients on their loops (from any thread)."""
-    for loop, found in list(clients.items()):
-        if not loop.is_closed():
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                asyncio.run_coroutine_threadsafe(found.aclose(), loop)
 
 
 def _client_error(status: int, body: bytes) -> botocore.exceptions.ClientError:

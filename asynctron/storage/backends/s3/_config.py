@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from asynctron._knobs import store_deadline_s, store_job_requests
+from asynctron.storage.backends.objects._request_budget import process_share
 
 MiB = 1 << 20
 
@@ -84,9 +85,7 @@ class S3Config:
 
     def process_requests(self, world_size: int) -> int:
         """The most requests this process keeps in flight, one of `world_size` processes."""
-        if self.job_max_requests is None:
-            return self.max_requests
-        return max(1, min(self.max_requests, self.job_max_requests // max(1, world_size)))
+        return process_share(self.max_requests, self.job_max_requests, world_size)
 
     def resolved_endpoint(self) -> str | None:
         """The endpoint requests go to: this config's, else the environment's (None: the one
@@ -99,14 +98,3 @@ class S3Config:
             return self.addressing_style
         return "path" if self.resolved_endpoint() else "auto"
 
-
-
-def world_size() -> int:
-    """How many processes the job has: torch.distributed's world, else torchrun's
-    `WORLD_SIZE`, else 1."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    text = os.environ.get("WORLD_SIZE", "")
-    return int(text) if text.isdigit() and int(text) > 0 else 1
