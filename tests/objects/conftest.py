@@ -123,3 +123,26 @@ def store(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> It
     raw = BlobServiceClient.from_connection_string(server.connection_string)
     yield Store("az", f"az://{server.container}/{prefix}", server.endpoint, server, raw)
     raw.close()
+
+
+def upload_dataset(store: Store, local_prefix: str, url_prefix: str) -> None:
+    """Put the `.bin` and `.idx` at `local_prefix` under `url_prefix`, as a user's tool would."""
+    for suffix in (".bin", ".idx"):
+        with open(local_prefix + suffix, "rb") as f:
+            store.put(url_prefix + suffix, f.read())
+
+
+@pytest.fixture
+def corpus(tmp_path: Any, store: Store) -> tuple[Any, str]:
+    """A ~3 MB token corpus written locally (the `IndexedDataset`), and the same files
+    uploaded under store.root (the URL prefix)."""
+    import numpy as np
+
+    from asynctron.datasets._builder import write_indexed_dataset
+    from tests.datasets.conftest import random_documents
+
+    local = write_indexed_dataset(str(tmp_path / "local" / "c"),
+                                  random_documents(3, 2000, max_length=1500, eod=0),
+                                  dtype=np.uint16)
+    upload_dataset(store, local.path_prefix, f"{store.root}/c")
+    return local, f"{store.root}/c"

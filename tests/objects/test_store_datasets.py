@@ -1,5 +1,5 @@
-"""Datasets on the real local S3 server: the same samples as the corpus read locally and as
-megatron-core's own S3 reader; the `.idx` cached once and fetched again when its copy is
+"""Datasets on each real object store: the same samples as the corpus read locally; the
+`.idx` cached once and fetched again when its copy is
 damaged; the `.bin` read through a budgeted block cache shared by processes; builders that
 publish to the store only when complete."""
 
@@ -9,7 +9,6 @@ import asyncio
 import json
 import multiprocessing
 import os
-import warnings
 from typing import Any
 
 import numpy as np
@@ -27,9 +26,8 @@ from asynctron.datasets import (
 )
 from asynctron.datasets._builder import write_indexed_dataset
 from asynctron.datasets._object_storage import cache_path
-from asynctron.testing.seaweedfs import SeaweedFS
 from tests.datasets.conftest import Tok, random_documents
-from tests.s3.conftest import keys_under, upload_dataset, uploads_under
+from tests.objects.conftest import Store, upload_dataset
 
 MiB = 1 << 20
 
@@ -83,7 +81,7 @@ def test_a_damaged_cached_idx_is_fetched_again(corpus: tuple[IndexedDataset, str
 
 
 def test_a_replaced_object_is_read_at_its_new_version(
-        corpus: tuple[IndexedDataset, str], tmp_path: Any, s3_objects: Any) -> None:
+        corpus: tuple[IndexedDataset, str], tmp_path: Any, store: Store) -> None:
     _, url = corpus
     config = _config(tmp_path)
     first = IndexedDataset(url, mmap=False, object_storage_config=config)
@@ -92,7 +90,7 @@ def test_a_replaced_object_is_read_at_its_new_version(
     other = write_indexed_dataset(str(tmp_path / "other" / "c"),
                                   random_documents(9, 500, max_length=900, eod=0),
                                   dtype=np.uint16)
-    upload_dataset(s3_objects, other.path_prefix, url)
+    upload_dataset(store, other.path_prefix, url)
     with pytest.raises(Exception, match=r"replaced since it was opened"):
         first[len(first) - 1]  # an uncached block of the old version
     again = IndexedDataset(url, mmap=False, object_storage_config=config)
@@ -102,12 +100,12 @@ def test_a_replaced_object_is_read_at_its_new_version(
 
 
 def test_the_cache_stays_within_its_budget_and_reads_stay_right(
-        tmp_path: Any, s3_root: str, s3_objects: Any) -> None:
+        tmp_path: Any, store: Store) -> None:
     local = write_indexed_dataset(str(tmp_path / "local" / "big"),
                                   random_documents(4, 6000, max_length=6000, eod=0),
                                   dtype=np.int32)  # ~70 MB
-    url = f"{s3_root}/big"
-    upload_dataset(s3_objects, local.path_prefix, url)
+    url = f"{store.root}/big"
+    upload_dataset(store, local.path_prefix, url)
     config = _config(tmp_path, cache_budget_bytes=16 * MiB)
     ds = IndexedDataset(url, mmap=False, object_storage_config=config)
     rng = np.random.default_rng(1)
@@ -118,23 +116,6 @@ def test_the_cache_stays_within_its_budget_and_reads_stay_right(
     assert most <= 16 * MiB + 8 * MiB  # the budget, plus at most one request in flight
     data = cache_path(url + ".bin", config.path_to_idx_cache)
     assert os.stat(data).st_blocks * 512 <= 16 * MiB + 8 * MiB + 64 * 4096  # holes punched
-
-
-def test_megatron_cores_own_s3_reader_reads_the_same_samples(
-        corpus: tuple[IndexedDataset, str], tmp_path: Any, s3_env: SeaweedFS) -> None:
-    pytest.importorskip("boto3", reason="megatron-core's S3 reader needs boto3")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from megatron.core.datasets import indexed_dataset as megatron
-    _, url = corpus  # boto3 finds the server in the environment (AWS_ENDPOINT_URL)
-    theirs = megatron.IndexedDataset(url, multimodal=False, mmap=False,
-                                     object_storage_config=megatron.ObjectStorageConfig(
-                                         path_to_idx_cache=str(tmp_path / "theirs")))
-    ours = IndexedDataset(url, mmap=False, object_storage_config=megatron.ObjectStorageConfig(
-        path_to_idx_cache=str(tmp_path / "ours")))  # megatron's config object, accepted
-    assert len(ours) == len(theirs)
-    for i in np.random.default_rng(2).permutation(len(ours))[:200].tolist():
-        assert np.array_equal(ours[i], theirs[i])
 
 
 async def _batches(dataset: Any, count: int) -> list[dict[str, Any]]:
@@ -205,48 +186,48 @@ def test_eight_processes_sharing_one_cache_read_right_and_fetch_each_block_once(
 
 
 def test_a_builder_publishes_both_files_only_when_complete(
-        tmp_path: Any, s3_root: str, s3_objects: Any) -> None:
+        tmp_path: Any, store: Store) -> None:
     documents = random_documents(5, 3000, max_length=3000, eod=0)  # ~18 MB: multipart
-    with IndexedDatasetBuilder(f"{s3_root}/built.bin", dtype=np.uint16) as builder:
+    with IndexedDatasetBuilder(f"{store.root}/built.bin", dtype=np.uint16) as builder:
         for tokens in documents:
             builder.add_item(tokens)
             builder.end_document()
-        assert keys_under(s3_objects, s3_root) == []  # parts, but no object yet
-        builder.finalize(f"{s3_root}/built.idx")
-    assert keys_under(s3_objects, s3_root) == ["built.bin", "built.idx"]
-    assert uploads_under(s3_objects, s3_root) == []
-    ds = IndexedDataset(f"{s3_root}/built", mmap=False,
+        assert store.keys_under(store.root) == []  # parts, but no object yet
+        builder.finalize(f"{store.root}/built.idx")
+    assert store.keys_under(store.root) == ["built.bin", "built.idx"]
+    assert store.uploads_under(store.root) == []
+    ds = IndexedDataset(f"{store.root}/built", mmap=False,
                         object_storage_config=_config(tmp_path))
     for i in (0, 1, 1500, 2999):
         assert np.array_equal(ds[i], documents[i])
 
     with pytest.raises(RuntimeError, match="boom"), IndexedDatasetBuilder(
-            f"{s3_root}/failed.bin", dtype=np.uint16) as builder:
+            f"{store.root}/failed.bin", dtype=np.uint16) as builder:
         for tokens in documents:
             builder.add_item(tokens)
             builder.end_document()
         raise RuntimeError("boom")
-    assert keys_under(s3_objects, s3_root) == ["built.bin", "built.idx"]
-    assert uploads_under(s3_objects, s3_root) == []
+    assert store.keys_under(store.root) == ["built.bin", "built.idx"]
+    assert store.uploads_under(store.root) == []
 
 
-def test_missing_objects_and_bad_paths_are_named(tmp_path: Any, s3_root: str,
-                                                 s3_env: SeaweedFS) -> None:
+def test_missing_objects_and_bad_paths_are_named(tmp_path: Any, store: Store) -> None:
     config = _config(tmp_path)
-    prefix = s3_root[5:].partition("/")[2]
-    with pytest.raises(FileNotFoundError, match=rf"{prefix}/absent\.idx.*{s3_env.endpoint}"):
-        IndexedDataset(f"{s3_root}/absent", mmap=False, object_storage_config=config)
-    with pytest.raises(FileNotFoundError, match=r"the bucket 'no-such-bucket' does not exist"):
-        IndexedDataset("s3://no-such-bucket/x", mmap=False, object_storage_config=config)
+    prefix = store.root.split("://")[1].partition("/")[2]
+    with pytest.raises(FileNotFoundError, match=rf"{prefix}/absent\.idx.*{store.endpoint}"):
+        IndexedDataset(f"{store.root}/absent", mmap=False, object_storage_config=config)
+    with pytest.raises(FileNotFoundError, match=r"'no-such-bucket' does not exist"):
+        IndexedDataset(f"{store.scheme}://no-such-bucket/x", mmap=False,
+                       object_storage_config=config)
     with pytest.raises(ValueError, match=r"mmap=False"):
-        IndexedDataset(f"{s3_root}/x", mmap=True, object_storage_config=config)
+        IndexedDataset(f"{store.root}/x", mmap=True, object_storage_config=config)
     with pytest.raises(ValueError, match=r"object_storage_config=ObjectStorageConfig"):
-        IndexedDataset(f"{s3_root}/x", mmap=False)
+        IndexedDataset(f"{store.root}/x", mmap=False)
     with pytest.raises(ValueError, match=r"block_bytes"):
         ObjectStorageConfig(str(tmp_path), block_bytes=5000)
 
 
-def test_preprocess_writes_to_the_store(tmp_path: Any, s3_root: str, s3_objects: Any) -> None:
+def test_preprocess_writes_to_the_store(tmp_path: Any, store: Store) -> None:
     from asynctron.cli import main
 
     jsonl = tmp_path / "docs.jsonl"
@@ -254,31 +235,30 @@ def test_preprocess_writes_to_the_store(tmp_path: Any, s3_root: str, s3_objects:
                              for i in range(400)))
     common = ["--input", str(jsonl), "--tokenizer", "byte", "--append-eod"]
     assert main(["preprocess", *common, "--output-prefix", str(tmp_path / "local")]) == 0
-    assert main(["preprocess", *common, "--output-prefix", f"{s3_root}/out"]) == 0
-    assert keys_under(s3_objects, s3_root) == ["out_text_document.bin", "out_text_document.idx"]
+    assert main(["preprocess", *common, "--output-prefix", f"{store.root}/out"]) == 0
+    assert store.keys_under(store.root) == ["out_text_document.bin", "out_text_document.idx"]
     local = IndexedDataset(str(tmp_path / "local_text_document"))
-    ours = IndexedDataset(f"{s3_root}/out_text_document", mmap=False,
+    ours = IndexedDataset(f"{store.root}/out_text_document", mmap=False,
                           object_storage_config=_config(tmp_path))
     assert len(ours) == len(local) == 400
     assert all(np.array_equal(ours[i], local[i]) for i in range(len(local)))
 
 
 def test_gpt_indices_published_to_the_store_are_built_once(
-        corpus: tuple[IndexedDataset, str], tmp_path: Any, s3_root: str,
-        s3_objects: Any) -> None:
+        corpus: tuple[IndexedDataset, str], tmp_path: Any, store: Store) -> None:
     from asynctron.datasets._cache import observing
 
     _, url = corpus
     config = GPTDatasetConfig(random_seed=5, sequence_length=64, tokenizer=Tok(),
                               blend=([url], None), split="1", mmap_bin_files=False,
                               object_storage_cache_path=str(tmp_path / "objects"),
-                              path_to_cache=f"{s3_root}/indices")
+                              path_to_cache=f"{store.root}/indices")
     uses: list[Any] = []
     with observing(uses.append):
         first = build_gpt_datasets(config, [None, None, None])[0]
         again = build_gpt_datasets(config, [None, None, None])[0]  # another node, say
     assert [use.built for use in uses] == [True, False]
-    names = keys_under(s3_objects, s3_root)
+    names = store.keys_under(store.root)
     assert sum(name.startswith("indices/") and name.endswith(".npy") for name in names) == 3
     assert np.array_equal(first.shuffle_index, again.shuffle_index)
     assert all(np.array_equal(first[i]["tokens"], again[i]["tokens"]) for i in (0, 5, 9))
