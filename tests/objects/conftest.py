@@ -85,6 +85,13 @@ class Store:
             return self.raw.get_object(Bucket=bucket, Key=key)["Body"].read()
         return self.raw.get_blob_client(bucket, key).download_blob().readall()
 
+    def delete(self, url: str) -> None:
+        bucket, key = self._split(url)
+        if self.scheme == "s3":
+            self.raw.delete_object(Bucket=bucket, Key=key)
+        else:
+            self.raw.get_blob_client(bucket, key).delete_blob()
+
     def put(self, url: str, data: bytes) -> None:
         bucket, key = self._split(url)
         if self.scheme == "s3":
@@ -146,3 +153,13 @@ def corpus(tmp_path: Any, store: Store) -> tuple[Any, str]:
                                   dtype=np.uint16)
     upload_dataset(store, local.path_prefix, f"{store.root}/c")
     return local, f"{store.root}/c"
+
+
+@pytest.fixture
+def proxy(store: Store) -> Iterator[Any]:
+    """A TCP proxy in front of the store's server, to cut, reset or stall its connections."""
+    from asynctron.testing.tcp_proxy import TcpFaultProxy
+
+    host, _, port = store.endpoint.split("://", 1)[1].split("/", 1)[0].partition(":")
+    with TcpFaultProxy.start(host, int(port)) as proxy:
+        yield proxy
