@@ -11,6 +11,10 @@ VENV_OLDEST  := .venv-oldest
 # pytest-xdist workers: most slow tests wait on child processes and servers, not the CPU
 TEST_WORKERS ?= 2
 PY_OLDEST    := $(VENV_OLDEST)/bin/python
+# Azurite (the Azure Blob tests' server, asynctron/testing/azurite.py), from npm into an ignored
+# folder; `make setup` skips it where there is no npm (those tests then skip)
+AZURITE_VERSION ?= 3.37.0
+AZURITE_DIR     := .tools/azurite
 
 .PHONY: setup demo test test-oldest lint bench clean
 
@@ -22,7 +26,11 @@ $(VENV)/.installed: pyproject.toml setup.py asynctron/_native.c asynctron/storag
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $@
 
-setup: $(VENV)/.installed
+$(AZURITE_DIR)/.installed-$(AZURITE_VERSION):
+	npm install --prefix $(AZURITE_DIR) --no-audit --no-fund --save-exact azurite@$(AZURITE_VERSION)
+	touch $@
+
+setup: $(VENV)/.installed $(if $(shell command -v npm),$(AZURITE_DIR)/.installed-$(AZURITE_VERSION))
 
 # torch named again with the package, so the extras never lift it
 $(VENV_OLDEST)/.installed: pyproject.toml setup.py asynctron/_native.c \
@@ -52,4 +60,4 @@ bench: setup
 	$(PY) -m bench.report $(RESULTS) --docs docs
 
 clean:
-	rm -rf $(VENV) $(VENV_OLDEST) demo-out .pytest_cache
+	rm -rf $(VENV) $(VENV_OLDEST) demo-out .pytest_cache .tools

@@ -102,3 +102,26 @@ def s3_env(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
     return s3_server
+
+
+def skip_without_azurite() -> None:
+    """Skip the test, with the reason, where the azure extra or Azurite (or node) is missing."""
+    pytest.importorskip("azure.storage.blob.aio",
+                        reason="the azure extra (azure-storage-blob[aio]) is not installed")
+    from asynctron.testing.azurite import azurite_binary
+
+    try:
+        azurite_binary()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
+def azurite_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real Azure Blob server, Azurite (`azurite-blob`) on 127.0.0.1, started once per
+    session (skipped, with the reason, where the azure extra, Azurite or node is missing)."""
+    skip_without_azurite()
+    from asynctron.testing.azurite import Azurite
+
+    with Azurite.start(str(tmp_path_factory.mktemp("azurite"))) as server:
+        yield server

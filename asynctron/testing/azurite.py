@@ -1,0 +1,162 @@
+"""A real Azure Blob Storage server on 127.0.0.1 for tests and benchmarks: Microsoft's Azurite.
+
+    with Azurite.start(data_dir) as server:
+        os.environ.update(server.environment())     # AZURE_STORAGE_CONNECTION_STRING
+        engine.save(sd, f"az://{server.container}/run/step_1")
+
+The executable comes from npm (`make setup` installs azurite@3.37.0 into the repository's
+ignored `.tools/azurite` where `npm` exists). It serves the emulator's well-known account
+`devstoreaccount1` (key `ACCOUNT_KEY`), binds 127.0.0.1 only on a port picked free, sends no
+telemetry, and keeps its metadata and blob bytes (its "extent" files) in `data_dir`.
+`container` exists once `start` returns; give each test its own prefix in it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+ACCOUNT_NAME = "devstoreaccount1"
+ACCOUNT_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/"
+               "KBHBeksoGMGw==")
+"""Azurite's fixed development account and key (public: the same in every Azurite)."""
+_READY_TIMEOUT_S = 60.0
+_STOP_TIMEOUT_S = 5.0
+_REPO_BINARY = os.path.join(os.path.dirname(__file__), "..", "..", ".tools", "azurite",
+                            "node_modules", ".bin", "azurite-blob")
+
+
+def azurite_binary() -> str:
+    """The `azurite-blob` executable: the repository's `.tools/azurite` (`make setup`), else
+    on PATH; `node` must be on PATH too (it is a Node script).
+
+    Raises:
+        FileNotFoundError: no `azurite-blob`, or no `node` to run it.
+    """
+    hint = ("install it with `make setup` (needs npm), or "
+            "`npm install --prefix .tools/azurite azurite@3.37.0` in the repository")
+    found = os.path.abspath(_REPO_BINARY)
+    if not os.access(found, os.X_OK):
+        found = shutil.which("azurite-blob") or ""
+    if not found:
+        raise FileNotFoundError(
+            "Azurite's `azurite-blob`: expected it in the repository's .tools/azurite or on "
+            f"PATH, found neither; {hint}")
+    if shutil.which("node") is None:
+        raise FileNotFoundError(f"`node` (to run Azurite's {found}): not on PATH")
+    return found
+
+
+def _free_port() -> int:
+    """A port free on 127.0.0.1 now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Azurite:
+    """A running `azurite-blob`: the Blob API at `endpoint` (account `ACCOUNT_NAME`, key
+    `ACCOUNT_KEY`), `container` created. `stop()` (or leaving the `with`) ends it and waits
+    for its exit."""
+
+    endpoint: str
+    """The account's Blob URL, `http://127.0.0.1:<port>/devstoreaccount1` (path-style)."""
+    container: str
+    process: subprocess.Popen[bytes]
+    log_path: str
+
+    @classmethod
+    def start(cls, data_dir: str, *, container: str = "asynctron-test") -> Azurite:
+        """Start a server keeping its data in `data_dir` (created), wait until its Blob API
+        answers, and create `container` (needs azure-storage-blob, the azure extra).
+
+        Raises:
+            FileNotFoundError: no `azurite-blob` or no `node`.
+            RuntimeError: it exited or did not answer within a minute (its log is named).
+        """
+        os.makedirs(data_dir, exist_ok=True)
+        port = _free_port()
+        log_path = os.path.join(data_dir, "azurite.log")
+        # --disableTelemetry: besides sending none, Azurite then exits at once on SIGTERM
+        # (with telemetry on it spends ~100 s flushing it first). --skipApiVersionCheck: the
+        # SDK may speak a newer API version than this Azurite knows.
+        command = [
+            azurite_binary(), "--blobHost", "127.0.0.1", "--blobPort", str(port),
+            "--location", os.path.join(data_dir, "data"), "--silent", "--skipApiVersionCheck",
+            "--disableTelemetry",
+        ]
+        with open(log_path, "ab") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        server = cls(f"http://127.0.0.1:{port}/{ACCOUNT_NAME}", container, process, log_path)
+        try:
+            server._wait_ready()
+            server._create_container()
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    @property
+    def connection_string(self) -> str:
+        """The account's connection string (http, the Blob endpoint only)."""
+        return (f"DefaultEndpointsProtocol=http;AccountName={ACCOUNT_NAME};"
+                f"AccountKey={ACCOUNT_KEY};BlobEndpoint={self.endpoint};")
+
+    def environment(self) -> dict[str, str]:
+        """The variables that point an Azure Blob client at this server."""
+        return {"AZURE_STORAGE_CONNECTION_STRING": self.connection_string}
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + _READY_TIMEOUT_S
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"Azurite exited with {self.process.returncode} before "
+                                   f"answering; see its log {self.log_path}")
+            try:
+                with urllib.request.urlopen(self.endpoint + "?comp=list", timeout=1):
+                    return
+            except urllib.error.HTTPError:
+                return  # the Blob API answers (403 unsigned: an error is an answer)
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"Azurite at {self.endpoint}: no answer within "
+                                       f"{_READY_TIMEOUT_S:.0f} s; see {self.log_path}") from None
+                time.sleep(0.1)
+
+    def _create_container(self) -> None:
+        from azure.core.exceptions import ResourceExistsError
+        from azure.storage.blob import BlobServiceClient
+
+        with (BlobServiceClient.from_connection_string(self.connection_string,
+                                                       retry_total=0) as client,
+              contextlib.suppress(ResourceExistsError)):
+            client.create_container(self.container)
+
+    def stop(self) -> None:
+        """SIGTERM, wait for the exit (SIGKILL after 5 s); stopping again does nothing."""
+        if self.process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> Azurite:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
