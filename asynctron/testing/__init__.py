@@ -3,8 +3,9 @@
 `FaultyBackend` is a real `LocalBackend` that injects ENOSPC/EIO after a byte count, short
 writes, and slow or failing fsyncs, and holds an operation at an exact point until the test
 releases it (`hold`), so crash and cancellation tests need neither monkeypatching nor sleeps
-timed against injected delays. `LoopWatchdog` measures how late the event loop runs a
-periodic heartbeat: the worst delay is the longest the loop was blocked.
+timed against injected delays; `GatedObjectClient` holds an object store's calls the same
+way. `LoopWatchdog` measures how late the event loop runs a periodic heartbeat: the worst
+delay is the longest the loop was blocked.
 """
 
 from __future__ import annotations
@@ -21,74 +22,15 @@ from typing import Literal
 
 from asynctron._concurrency import RunBlocking
 from asynctron.storage import Committed, LocalBackend, LocalFileIO, Retention, SaveArea
+from asynctron.testing._gate import Gate
+from asynctron.testing._gated_objects import GatedObjectClient
 
-__all__ = ["FaultyBackend", "Gate", "LoopWatchdog", "LoopWatchdogReport"]
+__all__ = ["FaultyBackend", "Gate", "GatedObjectClient", "LoopWatchdog", "LoopWatchdogReport"]
 
 HoldPoint = Literal["open", "write", "fsync", "read", "start_save", "commit"]
 """Where `FaultyBackend.hold` stops an operation: a data file's creation (`open`), a write,
 an fsync or a read of file bytes (on an executor thread); a save's area being made, or its
 commit (on the loop)."""
-
-
-class Gate:
-    """The next operation at one point of a `FaultyBackend`, held at its start until
-    `release()`. Not constructed directly; returned by `FaultyBackend.hold`. Thread-safe: a
-    test on any loop, or on a plain thread, may wait for it and release it."""
-
-    def __init__(self, point: HoldPoint) -> None:
-        self.point = point
-        self._lock = threading.Lock()
-        self._reached = _Signal(self._lock)
-        self._released = _Signal(self._lock)
-
-    async def reached(self) -> None:
-        """Wait until an operation is held here."""
-        await self._reached.wait()
-
-    def wait_reached(self, timeout_s: float) -> bool:
-        """Block until an operation is held here (or `timeout_s` passes: returns False)."""
-        return self._reached.wait_blocking(timeout_s)
-
-    def release(self) -> None:
-        """Let the held operation (or the next one to arrive) go on."""
-        self._released.set()
-
-    def _pass_blocking(self) -> None:
-        """On an executor thread: say so, then wait for `release`."""
-        self._reached.set()
-        self._released.wait_blocking(None)
-
-    async def _pass(self) -> None:
-        """On a loop: say so, then wait for `release`."""
-        self._reached.set()
-        await self._released.wait()
-
-
-class _Signal:
-    """A flag set once, awaited from any loop or waited for on any thread."""
-
-    def __init__(self, lock: threading.Lock) -> None:
-        self._lock = lock
-        self._event = threading.Event()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-
-    def set(self) -> None:
-        with self._lock:
-            self._event.set()
-            waiters, self._waiters = self._waiters, []
-        for loop, event in waiters:
-            loop.call_soon_threadsafe(event.set)
-
-    async def wait(self) -> None:
-        event = asyncio.Event()
-        with self._lock:
-            if self._event.is_set():
-                return
-            self._waiters.append((asyncio.get_running_loop(), event))
-        await event.wait()
-
-    def wait_blocking(self, timeout_s: float | None) -> bool:
-        return self._event.wait(timeout_s)
 
 
 class FaultyBackend(LocalBackend):

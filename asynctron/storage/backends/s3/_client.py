@@ -339,6 +339,8 @@ class S3Client:
             page = await self._call("list_objects_v2", folder, **params)
             for entry in page.get("Contents", ()):
                 name = entry["Key"][len(folder.prefix):]
+                if not name:
+                    continue  # the folder's own marker (`key/`), which some stores keep
                 listing.sizes[name] = entry["Size"]
                 listing.modified[name] = entry["LastModified"]
             if listing.now is None:

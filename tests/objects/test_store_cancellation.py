@@ -1,0 +1,112 @@
+"""Cancellation on each object store, in the httpcore style: a save or a load is cancelled
+while one of its calls is held at a known point (`GatedObjectClient`), never after a sleep.
+Each time the caller gets CancelledError at once, nothing of the cancelled save is visible
+or left open (no object, no upload, no claim), the previous checkpoint loads bit for bit,
+and the same engine saves and loads again: nothing stuck."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from asynctron import Engine
+from asynctron.storage.backends.objects import ObjectStoreBackend
+from asynctron.testing import GatedObjectClient
+from asynctron.testing._gated_objects import ObjectGatePoint
+from tests.conftest import assert_same
+from tests.objects.conftest import Store
+
+
+def _state(seed: int) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    return {"w": torch.randn(6 << 20), "v": torch.randn(1000), "step": seed}
+
+
+def _gated(store: Store) -> tuple[GatedObjectClient, ObjectStoreBackend]:
+    client = GatedObjectClient(store.backend(deadline_s=30).client)
+    return client, ObjectStoreBackend(client)
+
+
+SAVE_POINTS: list[tuple[ObjectGatePoint, str]] = [
+    ("put", ".step_1.tmp-"),           # start: the claim is about to be written
+    ("upload_part", "step_1/"),        # write: a part is about to go up
+    ("complete_upload", "step_1/"),    # write: a file is about to be whole
+]
+
+
+@pytest.mark.parametrize(("point", "key"), SAVE_POINTS, ids=["claim", "part", "complete"])
+async def test_a_save_cancelled_at_each_point_leaves_nothing(
+        store: Store, point: ObjectGatePoint, key: str) -> None:
+    client, backend = _gated(store)
+    async with Engine(backend=backend, slab_bytes=8 << 20) as engine:
+        await engine.save(_state(0), f"{store.root}/step_0")
+        gate = client.hold(point, where=lambda url: key in url.key)
+        task = engine.save(_state(1), f"{store.root}/step_1")
+        await gate.reached()
+        task.cancel()
+        gate.release()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert_same(_state(0), await engine.load(store.root))
+        names = {name.split("/")[0] for name in store.keys_under(store.root)}
+        assert names == {"latest", "step_0"}, names
+        assert store.uploads_under(store.root) == []
+        await engine.save(_state(2), f"{store.root}/step_1")  # the same path, free again
+        assert_same(_state(2), await engine.load(store.root))
+
+
+async def test_a_save_cancelled_at_its_commit_point_commits_whole_or_not_at_all(
+        store: Store) -> None:
+    """Once every rank has written, the commit runs to its end (`SaveTask.cancel`): the
+    checkpoint is then committed whole, or (cancelled before) not at all."""
+    client, backend = _gated(store)
+    async with Engine(backend=backend, slab_bytes=8 << 20) as engine:
+        await engine.save(_state(0), f"{store.root}/step_0")
+        gate = client.hold("put", where=lambda url: url.key.endswith("step_1/manifest.json"))
+        task = engine.save(_state(1), f"{store.root}/step_1")
+        await gate.reached()
+        task.cancel()
+        gate.release()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        keys = store.keys_under(store.root)
+        if "step_1/manifest.json" in keys:
+            assert_same(_state(1), await engine.load(f"{store.root}/step_1"))
+        else:
+            assert not [key for key in keys if key.startswith("step_1/")], keys
+        assert not [key for key in keys if key.startswith(".step_1")], keys
+        assert store.uploads_under(store.root) == []
+        assert_same(_state(0), await engine.load(f"{store.root}/step_0"))
+        await engine.save(_state(2), f"{store.root}/step_2")
+        assert_same(_state(2), await engine.load(store.root))
+
+
+async def test_a_load_cancelled_mid_read_leaves_nothing_stuck(store: Store) -> None:
+    client, backend = _gated(store)
+    async with Engine(backend=backend, slab_bytes=8 << 20) as engine:
+        await engine.save(_state(0), f"{store.root}/step_0")
+        gate = client.hold("get_into")
+        task = asyncio.ensure_future(engine.load(f"{store.root}/step_0"))
+        await gate.reached()
+        task.cancel()
+        gate.release()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert_same(_state(0), await engine.load(f"{store.root}/step_0"))
+
+
+async def test_a_load_cancelled_while_it_finds_the_checkpoint(store: Store) -> None:
+    client, backend = _gated(store)
+    async with Engine(backend=backend) as engine:
+        await engine.save(_state(0), f"{store.root}/step_0")
+        gate = client.hold("list")
+        task = asyncio.ensure_future(engine.load(store.root))
+        await gate.reached()
+        task.cancel()
+        gate.release()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert_same(_state(0), await engine.load(store.root))
