@@ -125,3 +125,24 @@ def azurite_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     with Azurite.start(str(tmp_path_factory.mktemp("azurite"))) as server:
         yield server
+
+
+def skip_without_fake_gcs() -> None:
+    """Skip the test, with the reason, where fake-gcs-server's binary is missing."""
+    from asynctron.testing.fake_gcs import fake_gcs_binary
+
+    try:
+        fake_gcs_binary()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
+def fake_gcs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real GCS server, fake-gcs-server on 127.0.0.1, started once per session (skipped,
+    with the reason, where its binary is missing)."""
+    skip_without_fake_gcs()
+    from asynctron.testing.fake_gcs import FakeGcs
+
+    with FakeGcs.start(str(tmp_path_factory.mktemp("fake_gcs"))) as server:
+        yield server
