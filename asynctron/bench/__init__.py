@@ -22,6 +22,7 @@ SCENARIOS = {
     "s3": "s3",
     "s3_kills": "s3_kills",
     "s3_down": "store_down",
+    "azure": "azure",
     "tiers": "tiers",
     "all": "all",
 }

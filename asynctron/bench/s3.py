@@ -55,7 +55,7 @@ import shutil
 import statistics
 import time
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,7 +95,7 @@ class Job:
 
     method: str
     url: str
-    """`s3://bucket/run`: the run's fresh bucket."""
+    """`s3://bucket/run`: the run's fresh bucket (`az://container/run` in `bench.azure`)."""
     state_bytes: int
     """Bytes of state per rank."""
     warmup_bytes: int
@@ -467,50 +467,58 @@ def _same(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> 
         for name, tensor in expected.items())
 
 
+async def measure_method(rank: int, job: Job, method: Method, state: dict[str, torch.Tensor],
+                         warmup: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """One method's timed save and load of `state` in this rank (any store: `job.url`'s), after
+    an untimed save and load of `warmup` (clients, pools and imports warm); between barriers.
+    Returns this rank's figures (`summarize` reads them)."""
+    import torch.distributed as dist
+
+    from asynctron.testing import LoopWatchdog
+
+    await method.setup(warmup)
+    await method.prepare(warmup)
+    await method.save(warmup, f"{job.url}/warmup")
+    await method.load({k: torch.zeros_like(t) for k, t in warmup.items()}, f"{job.url}/warmup")
+    await method.setup(state)
+    template = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+    dist.barrier()
+    rss_before = _reset_peak_rss()
+    await method.prepare(state)
+    prepare_rss = _status_bytes("VmRSS") - rss_before
+    async with LoopWatchdog() as save_dog:
+        started, cpu = time.perf_counter(), _cpu_s()
+        blocking_s = await method.save(state, job.url)
+        save_s, save_cpu_s = time.perf_counter() - started, _cpu_s() - cpu
+    save_rss = _status_bytes("VmHWM") - rss_before
+    dist.barrier()
+    rss_before = _reset_peak_rss()
+    async with LoopWatchdog() as load_dog:
+        started, cpu = time.perf_counter(), _cpu_s()
+        loaded = await method.load(template, job.url)
+        load_s, load_cpu_s = time.perf_counter() - started, _cpu_s() - cpu
+    load_rss = _status_bytes("VmHWM") - rss_before
+    dist.barrier()
+    return {"rank": rank, "nbytes": sum(t.nbytes for t in state.values()),
+            "num_tensors": len(state), "save_s": save_s,
+            "blocking_s": save_s if blocking_s is None else blocking_s, "load_s": load_s,
+            "save_cpu_s": save_cpu_s, "load_cpu_s": load_cpu_s,
+            "loop_worst_delay_s": save_dog.report().worst_delay_s,
+            "load_loop_worst_delay_s": load_dog.report().worst_delay_s,
+            "save_peak_rss_growth_bytes": save_rss, "prepare_rss_growth_bytes": prepare_rss,
+            "load_peak_rss_growth_bytes": load_rss,
+            "most_in_flight": method.most_in_flight(), "verified": _same(state, loaded),
+            **method.extra}
+
+
 async def _measure(rank: int, job: Job, state: dict[str, torch.Tensor],
                    warmup: dict[str, torch.Tensor]) -> dict[str, Any]:
-    import torch.distributed as dist
     from aiobotocore.session import get_session
 
     from asynctron import Engine
-    from asynctron.testing import LoopWatchdog
 
     async def run(method: Method) -> dict[str, Any]:
-        # a small save and load first: clients, pools and imports warm
-        await method.setup(warmup)
-        await method.prepare(warmup)
-        await method.save(warmup, f"{job.url}/warmup")
-        await method.load({k: torch.zeros_like(t) for k, t in warmup.items()},
-                          f"{job.url}/warmup")
-        await method.setup(state)
-        template = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
-        dist.barrier()
-        rss_before = _reset_peak_rss()
-        await method.prepare(state)
-        prepare_rss = _status_bytes("VmRSS") - rss_before
-        async with LoopWatchdog() as save_dog:
-            started, cpu = time.perf_counter(), _cpu_s()
-            blocking_s = await method.save(state, job.url)
-            save_s, save_cpu_s = time.perf_counter() - started, _cpu_s() - cpu
-        save_rss = _status_bytes("VmHWM") - rss_before
-        dist.barrier()
-        rss_before = _reset_peak_rss()
-        async with LoopWatchdog() as load_dog:
-            started, cpu = time.perf_counter(), _cpu_s()
-            loaded = await method.load(template, job.url)
-            load_s, load_cpu_s = time.perf_counter() - started, _cpu_s() - cpu
-        load_rss = _status_bytes("VmHWM") - rss_before
-        dist.barrier()
-        return {"rank": rank, "nbytes": sum(t.nbytes for t in state.values()),
-                "num_tensors": len(state), "save_s": save_s,
-                "blocking_s": save_s if blocking_s is None else blocking_s, "load_s": load_s,
-                "save_cpu_s": save_cpu_s, "load_cpu_s": load_cpu_s,
-                "loop_worst_delay_s": save_dog.report().worst_delay_s,
-                "load_loop_worst_delay_s": load_dog.report().worst_delay_s,
-                "save_peak_rss_growth_bytes": save_rss, "prepare_rss_growth_bytes": prepare_rss,
-                "load_peak_rss_growth_bytes": load_rss,
-                "most_in_flight": method.most_in_flight(), "verified": _same(state, loaded),
-                **method.extra}
+        return await measure_method(rank, job, method, state, warmup)
 
     if job.method in (S3TORCH, FSSPEC):
         return await run(DcpMethod(job, job.method))
@@ -660,9 +668,12 @@ def _method_index(name: str) -> int:
     return every.index(name)
 
 
-def summarize(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def summarize(rounds: dict[str, list[dict[str, Any]]], *, raw: str = RAW,
+              peers: Sequence[str] = PEERS) -> dict[str, Any]:
     """Per method: medians over rounds of each round's slowest rank (worst rank for delays,
-    memory and requests; all ranks' CPU over all their bytes); the ratios."""
+    memory and requests; all ranks' CPU over all their bytes); the ratios of `OURS` over `raw`
+    (the physical baseline) and over the fastest of `peers` (other stores' benchmarks pass
+    their own)."""
     summary: dict[str, Any] = {}
     for name, runs in rounds.items():
         nbytes = sum(rank["nbytes"] for rank in runs[0]["ranks"])
@@ -695,7 +706,7 @@ def summarize(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 "load_lists") if total(field)},
             "rounds": runs}
     ratios: dict[str, Any] = {}
-    peers = [name for name in PEERS if name in summary]
+    peers = [name for name in peers if name in summary]
 
     def over(mine: str, theirs: str) -> dict[str, float]:
         return {what: summary[mine][f"{what}_gb_per_s"] / summary[theirs][f"{what}_gb_per_s"]
@@ -707,8 +718,8 @@ def summarize(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         ratios["throttled_over_budget_4"] = over(THROTTLED, BUDGET_4)
     if OURS in summary:
         ours = summary[OURS]
-        if RAW in summary:
-            ratios["asynctron_over_raw"] = over(OURS, RAW)
+        if raw in summary:
+            ratios["asynctron_over_raw"] = over(OURS, raw)
         if RAW_ONE in summary:
             ratios["asynctron_over_raw_one_process"] = over(OURS, RAW_ONE)
         for what in ("save", "load") if peers else ():
