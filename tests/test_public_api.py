@@ -39,9 +39,9 @@ def test_subpackages() -> None:
         "free_idle_staging", "load", "load_into", "save", "staging_statistics",
     }
     assert set(asynctron.storage.__all__) == {
-        "Backend", "Committed", "FileIO", "FileWriter", "ItemRecord", "LocalBackend",
-        "LocalFileIO", "Manifest", "Retention", "SaveArea", "StoreStatistics", "backend_for",
-        "read_manifest", "register_backend", "resolve_checkpoint", "split_by_size_and_type",
+        "Backend", "Committed", "FileWriter", "ItemRecord", "LocalBackend", "Manifest",
+        "Retention", "SaveArea", "StoreStatistics", "backend_for", "register_backend",
+        "split_by_size_and_type",
         "store_operation",
     }
     assert set(asynctron.comm.__all__) == {
@@ -65,8 +65,8 @@ def test_subpackages() -> None:
         "build_shuffle_index", "collate", "load_tokenizer", "object_cache_usage", "optimal_dtype",
         "preprocess",
     }
-    assert set(asynctron.testing.__all__) == {"FaultyBackend", "Gate", "LoopWatchdog",
-                                              "LoopWatchdogReport"}
+    assert set(asynctron.testing.__all__) == {"FaultyBackend", "Gate", "GatedObjectClient",
+                                              "LoopWatchdog", "LoopWatchdogReport"}
     assert set(asynctron.dcp.__all__) == {"AsyncStager", "StorageReader", "StorageWriter"}
 
 

@@ -106,11 +106,11 @@ def _megatron_dataset(job: Job) -> Any:
         BlendedMegatronDatasetBuilder,
     )
 
-    from asynctron.bench.data_throughput import _megatron, _Tok
+    from asynctron.bench._corpus import BenchTokenizer, megatron_modules
 
-    gpt = _megatron()[0]["gpt"]
+    gpt = megatron_modules()[0]["gpt"]
     config = gpt.GPTDatasetConfig(
-        random_seed=1234, sequence_length=job.sequence_length, tokenizer=_Tok(),
+        random_seed=1234, sequence_length=job.sequence_length, tokenizer=BenchTokenizer(),
         blend=([job.prefix], None), split="1", path_to_cache=job.index_cache,
         object_storage_cache_path=job.object_cache, mmap_bin_files=False,
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
@@ -120,12 +120,12 @@ def _megatron_dataset(job: Job) -> Any:
 
 
 def _asynctron_dataset(job: Job) -> Any:
-    from asynctron.bench.data_throughput import _Tok
+    from asynctron.bench._corpus import BenchTokenizer
     from asynctron.datasets import GPTDatasetConfig, build_gpt_datasets
 
     remote = job.prefix.startswith("s3://")
     config = GPTDatasetConfig(
-        random_seed=1234, sequence_length=job.sequence_length, tokenizer=_Tok(),
+        random_seed=1234, sequence_length=job.sequence_length, tokenizer=BenchTokenizer(),
         blend=([job.prefix], None), split="1", path_to_cache=job.index_cache,
         create_attention_mask=False,
         **({"object_storage_cache_path": job.object_cache, "mmap_bin_files": False}
@@ -274,9 +274,9 @@ def asynctron_s3_missing() -> str | None:
 
 def megatron_missing() -> str | None:
     """Why megatron-core's S3 reader cannot run here, or None."""
-    from asynctron.bench.data_throughput import _megatron
+    from asynctron.bench._corpus import megatron_modules
 
-    reason = _megatron()[1]
+    reason = megatron_modules()[1]
     if reason is None:
         try:
             import boto3  # noqa: F401  (megatron's S3 reader)
@@ -584,7 +584,7 @@ def main(argv: list[str] | None = None) -> int:
     args.trainers = QUICK_TRAINERS if args.quick else TRAINERS
     args.dataloader_workers = QUICK_DATALOADER_WORKERS if args.quick else DATALOADER_WORKERS
     from asynctron.bench._baselines import warm_guest_memory
-    from asynctron.bench.data_throughput import write_corpus
+    from asynctron.bench._corpus import write_corpus
 
     started = time.time()
     warmed = 0 if args.quick else warm_guest_memory()

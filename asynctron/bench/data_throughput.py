@@ -34,7 +34,6 @@ import shutil
 import statistics
 import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -45,13 +44,13 @@ import xxhash
 
 from asynctron import Engine
 from asynctron.bench import _results
+from asynctron.bench._corpus import BenchTokenizer, megatron_modules, write_corpus
 from asynctron.bench._rounds import round_order
 from asynctron.datasets import (
     AsyncLoader,
     GPTDataset,
     GPTDatasetConfig,
     IndexedDataset,
-    IndexedDatasetBuilder,
     Split,
     _pages,
     build_blending_indices,
@@ -62,25 +61,6 @@ from asynctron.testing import LoopWatchdog
 MiB = 1 << 20
 GiB = 1 << 30
 BLEND_WEIGHTS = [0.3, 0.5, 0.2]
-
-
-class _Tok:
-    eod = 0
-    pad = 65535
-    vocab_size = 50_000
-    unique_identifiers = {"class": "bench"}  # noqa: RUF012
-
-
-def _megatron() -> tuple[Any, str | None]:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            from megatron.core.datasets import gpt_dataset, helpers, indexed_dataset
-            from megatron.core.datasets.utils import Split as MegatronSplit
-    except Exception as exc:  # ImportError or a broken helpers build
-        return None, f"{type(exc).__name__}: {exc}"
-    return {"helpers": helpers, "gpt": gpt_dataset, "indexed": indexed_dataset,
-            "Split": MegatronSplit}, None
 
 
 def _median(values: list[float]) -> float:
@@ -102,39 +82,13 @@ def _timed_together(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str
     return out
 
 
-def write_corpus(prefix: str, num_tokens: int, seed: int, sparse: bool = False) -> None:
-    """Documents of 1..2000 tokens (uint16, eod-terminated) up to `num_tokens`. With `sparse`
-    the .bin is a hole of the right size (for index builds, which read only the .idx)."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, 2000, size=num_tokens // 1000 + 1, dtype=np.int32)
-    lengths = lengths[: int(np.searchsorted(np.cumsum(lengths), num_tokens)) + 1]
-    if sparse:
-        builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
-        builder._lengths.extend(lengths)  # index only; the tokens are a hole below
-        builder._documents.extend(np.arange(1, lengths.size + 1))
-        builder.finalize(prefix + ".idx")
-        os.truncate(prefix + ".bin", int(lengths.sum(dtype=np.int64)) * 2)
-        return
-    with IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16) as builder:
-        step = 1 << 15  # documents per chunk of random tokens (~32 M tokens, 64 MiB)
-        for first in range(0, lengths.size, step):
-            chunk = lengths[first:first + step]
-            ends = np.cumsum(chunk, dtype=np.int64)
-            tokens = rng.integers(1, 50_000, size=int(ends[-1]), dtype=np.uint16)
-            tokens[ends - 1] = 0  # every document ends with eod
-            for start, end in zip((ends - chunk).tolist(), ends.tolist(), strict=True):
-                builder.add_item(tokens[start:end])
-                builder.end_document()
-        builder.finalize(prefix + ".idx")
-
-
 def _configs(megatron: Any, cache: str, length: int, mask: bool) -> tuple[Any, Any]:
-    ours = GPTDatasetConfig(random_seed=1234, sequence_length=length, tokenizer=_Tok(),
+    ours = GPTDatasetConfig(random_seed=1234, sequence_length=length, tokenizer=BenchTokenizer(),
                             path_to_cache=f"{cache}/ours", create_attention_mask=mask)
     theirs = None
     if megatron is not None:
         theirs = megatron["gpt"].GPTDatasetConfig(
-            random_seed=1234, sequence_length=length, tokenizer=_Tok(),
+            random_seed=1234, sequence_length=length, tokenizer=BenchTokenizer(),
             path_to_cache=f"{cache}/megatron", reset_position_ids=False,
             reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=mask)
     return ours, theirs
@@ -243,7 +197,7 @@ def _status_bytes(field: str) -> int:
 def _blend_once(which: str, weights: list[float], size: int) -> dict[str, Any]:
     """One blend by `which` ("asynctron" or "megatron") in this process: its seconds, its peak
     RSS growth (Linux's high-water mark, reset to the RSS just before) and its arrays' digest."""
-    build = (functools.partial(_megatron_blend, _megatron()[0]["helpers"], weights, size)
+    build = (functools.partial(_megatron_blend, megatron_modules()[0]["helpers"], weights, size)
              if which == "megatron" else functools.partial(build_blending_indices, weights, size))
     gc.collect()
     with open("/proc/self/clear_refs", "w") as f:
@@ -503,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
         args.corpus_mib, args.sequence_length, args.index_samples = 4, 256, 200_000
         args.blend_samples, args.warm_reads, args.cold_samples, args.repeats = 20_000, 200, 64, 1
         args.scale_samples = 200_000
-    megatron, reason = (None, "skipped (--skip-megatron)") if args.skip_megatron else _megatron()
+    megatron, reason = ((None, "skipped (--skip-megatron)") if args.skip_megatron
+                        else megatron_modules())
     started = time.time()
     work = _results.scratch_dir(f"asynctron-bench-data-{os.getpid()}-", args.dir)
     results: dict[str, Any] = {"megatron": None if megatron else f"not run: {reason}"}

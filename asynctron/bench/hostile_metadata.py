@@ -43,10 +43,11 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from asynctron.bench import _results
-from asynctron.storage._dcp import MAX_METADATA_BYTES, METADATA_NAME
-from asynctron.storage._manifest import (
+from asynctron.storage import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    MAX_METADATA_BYTES,
+    METADATA_NAME,
     ItemRecord,
     encode_manifest,
 )

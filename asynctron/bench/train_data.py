@@ -45,9 +45,10 @@ import numpy as np
 import torch
 
 from asynctron.bench import _results
+from asynctron.bench._corpus import megatron_modules, write_corpus
 from asynctron.bench._rounds import round_order
 from asynctron.bench._trainers import TrainerThread
-from asynctron.bench.data_throughput import _configs, _megatron, write_corpus
+from asynctron.bench.data_throughput import _configs
 from asynctron.datasets import GPTDataset, IndexedDataset, Split
 
 MiB = 1 << 20
@@ -60,7 +61,7 @@ CACHES = ("cold", "warm")
 def _datasets(prefix: str, cache: str, length: int, which: str) -> Any:
     """The GPT dataset for `which` ("asynctron" or "megatron"; megatron falls back to
     asynctron's classes where megatron-core does not import), configured as `bench data`'s."""
-    megatron = _megatron()[0] if which == "megatron" else None
+    megatron = megatron_modules()[0] if which == "megatron" else None
     ours_config, theirs_config = _configs(megatron, cache, length, False)
     if megatron is not None:
         low = megatron["indexed"].IndexedDataset(prefix)

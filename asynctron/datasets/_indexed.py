@@ -43,7 +43,7 @@ from asynctron.errors import CorruptDatasetError
 from asynctron.storage.backends import backend_for
 
 if TYPE_CHECKING:
-    from asynctron.storage.backends._backend import ReadableFile
+    from asynctron.storage.backends import ReadableFile
 
 INDEX_MAGIC = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1

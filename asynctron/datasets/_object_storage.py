@@ -26,7 +26,7 @@ import xxhash
 from asynctron.storage.backends import backend_for
 
 if TYPE_CHECKING:
-    from asynctron.storage.backends._backend import RangedFile
+    from asynctron.storage.backends import RangedFile
 
 MiB = 1 << 20
 GiB = 1 << 30

@@ -25,7 +25,7 @@ from asynctron.datasets._tokenizers import TextTokenizer, load_tokenizer
 from asynctron.storage.backends import backend_for
 
 if TYPE_CHECKING:
-    from asynctron.storage.backends._backend import ReadableFile
+    from asynctron.storage.backends import ReadableFile
 
 _CHUNK_LINES = 32
 #: bytes of the input read per call

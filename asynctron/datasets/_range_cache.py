@@ -60,7 +60,7 @@ from asynctron import _native
 from asynctron._processes import process_exists
 
 if TYPE_CHECKING:
-    from asynctron.storage.backends._backend import RangedFile
+    from asynctron.storage.backends import RangedFile
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

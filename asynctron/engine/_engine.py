@@ -35,6 +35,9 @@ from asynctron.engine._task import SaveResult, SaveTask
 from asynctron.engine.tiers import RestoreResult, TierManager, Tiers, job_nodes
 from asynctron.errors import BusyError, ClosedError, PeerTimeoutError
 from asynctron.storage import (
+    ALGORITHMS,
+    ALIGN_BYTES,
+    XXH3_64,
     Backend,
     CheckpointReader,
     Committer,
@@ -42,8 +45,6 @@ from asynctron.storage import (
     backend_for,
     store_operation,
 )
-from asynctron.storage._checksum import ALGORITHMS, XXH3_64
-from asynctron.storage._layout import ALIGN_BYTES
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

@@ -26,12 +26,22 @@ from asynctron.engine._slab_fill import SlabFill, SlabFiller
 from asynctron.engine._slabs import SlabPool
 from asynctron.engine._staging import CopyStreams
 from asynctron.errors import CorruptCheckpointError
-from asynctron.storage import MAX_GAP_BYTES, CheckpointReader, ReadJob
-from asynctron.storage._chunk_index import ChunkIndex, Overlap
-from asynctron.storage._dcp import decode_blob, tensor_of
-from asynctron.storage._dtypes import NUMPY_DTYPES, TORCH_DTYPES
-from asynctron.storage._manifest import ItemRecord, Manifest
-from asynctron.storage._plan import Structure, flatten, unflatten
+from asynctron.storage import (
+    MAX_GAP_BYTES,
+    NUMPY_DTYPES,
+    TORCH_DTYPES,
+    CheckpointReader,
+    ChunkIndex,
+    ItemRecord,
+    Manifest,
+    Overlap,
+    ReadJob,
+    Structure,
+    decode_blob,
+    flatten,
+    tensor_of,
+    unflatten,
+)
 
 #: (destination, source): bytes read apart, copied into their place once read.
 _Placement = tuple[torch.Tensor, torch.Tensor]

@@ -16,9 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from asynctron.storage._layout import Batches, BinLayout
-from asynctron.storage._manifest import ItemRecord
-from asynctron.storage._plan import PLAIN_TENSORS, FlatStateDict
+from asynctron.storage import PLAIN_TENSORS, Batches, BinLayout, FlatStateDict, ItemRecord
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -47,24 +47,28 @@ from asynctron.engine._save_plan import (
     structure_digest,
 )
 from asynctron.engine._task import SaveResult
-from asynctron.storage import Backend, Committed, StoreOperation, store_operation
-from asynctron.storage._chunking import PlannedItem
-from asynctron.storage._dcp import METADATA_NAME as DCP_METADATA_NAME
-from asynctron.storage._dcp import metadata_bytes
-from asynctron.storage._manifest import MANIFEST_NAME, encode_manifest
-from asynctron.storage._plan import (
+from asynctron.storage import (
+    MANIFEST_NAME,
+    Backend,
+    Committed,
     FlatStateDict,
     PlainPlan,
+    PlannedItem,
     SavePlan,
+    StoreOperation,
+    encode_manifest,
     flatten,
     is_plain,
     item_paths,
     merge_structures,
+    metadata_bytes,
     plan_final,
     plan_global,
     plan_local,
     plan_plain_global,
+    store_operation,
 )
+from asynctron.storage import METADATA_NAME as DCP_METADATA_NAME
 
 T = TypeVar("T")
 

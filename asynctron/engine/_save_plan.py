@@ -25,14 +25,23 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from asynctron.engine._plan_cache import FilePlan, structure_signature
 from asynctron.engine._report import WriteReport
 from asynctron.engine._staging import BinSources, Sources, piece_addresses
-from asynctron.storage._checksum import Checksums, digest
-from asynctron.storage._chunking import PlannedItem, chunk_large_items
-from asynctron.storage._dcp import torch_save_frame
-from asynctron.storage._dtypes import dtype_name
-from asynctron.storage._layout import BinLayout, Part, bin_file_name, layout_bin
-from asynctron.storage._manifest import ItemRecord
-from asynctron.storage._plan import FlatStateDict, PlainPlan, SavePlan
-from asynctron.storage._split import split_by_size_and_type
+from asynctron.storage import (
+    BinLayout,
+    Checksums,
+    FlatStateDict,
+    ItemRecord,
+    Part,
+    PlainPlan,
+    PlannedItem,
+    SavePlan,
+    bin_file_name,
+    chunk_large_items,
+    digest,
+    dtype_name,
+    layout_bin,
+    split_by_size_and_type,
+    torch_save_frame,
+)
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -21,9 +21,7 @@ import torch
 from asynctron._concurrency import RunBlocking, first_error
 from asynctron.engine._slabs import Slab, SlabPool
 from asynctron.engine._staging import CopyStreams, flat_range_views, launch_copies
-from asynctron.storage import CheckpointReader, ReadJob
-from asynctron.storage._checksum import ItemHasher
-from asynctron.storage._manifest import ItemRecord
+from asynctron.storage import CheckpointReader, ItemHasher, ItemRecord, ReadJob
 
 #: Where a piece starts in its slab: aligned for any dtype's view (and DMA-friendly).
 _ALIGN = 64

@@ -28,8 +28,7 @@ import torch
 from asynctron import _native
 from asynctron._memory import memory_at
 from asynctron.engine._slabs import Slab
-from asynctron.storage._checksum import BodySegments
-from asynctron.storage._layout import Batches, BinLayout, Part
+from asynctron.storage import Batches, BinLayout, BodySegments, Part
 
 _ZEROS = memoryview(bytes(4096))
 

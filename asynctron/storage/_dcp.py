@@ -27,7 +27,6 @@ import functools
 import io
 import itertools
 import math
-import os
 import pathlib
 import pickle
 import re
@@ -64,7 +63,6 @@ from asynctron.storage._manifest import (
     paused_gc,
 )
 from asynctron.storage._plan import Structure
-from asynctron.storage.backends.local import _sysio
 
 METADATA_NAME = ".metadata"
 #: A `.metadata` larger than this is refused before unpickling. A stock DCP checkpoint takes
@@ -193,38 +191,11 @@ def check_pickle_costs(data: bytes | memoryview) -> None:
                         max(MIN_UNPICKLE_WORK, UNPICKLE_WORK_PER_BYTE * size))
 
 
-def is_dcp_checkpoint(path: str) -> bool:
-    return _sysio.is_file(os.path.join(path, METADATA_NAME))
-
-
-def read_dcp_manifest(checkpoint: str) -> Manifest:
-    """Blocks: read a stock DCP checkpoint's `.metadata` as a `Manifest` (no checksums; items
-    are `torch.save` blobs).
-
-    Bounded by what the file holds: every chunk list is walked once, and all of them together
-    may hold one chunk per `METADATA_BYTES_PER_CHUNK` bytes of the file (lists shared between
-    keys are refused before they are walked); a tensor has at most `MAX_DIMS` dims; each
-    chunk's blob holds at least the chunk's bytes (so a load never allocates more than the files
-    hold); error messages show bounded parts of hostile values (`brief`). Unpickling runs with
-    the garbage collector paused (`paused_gc`), after `MetadataUnpickler` has bounded what the
-    unpickler itself would allocate, hash and copy.
-
-    Raises:
-        CorruptCheckpointError: a foreign global in the pickle, a malformed `Metadata`, an item
-            outside its file, a missing, linked or irregular data file, naming the field (and
-            file) at fault.
-    """
-    path = os.path.join(checkpoint, METADATA_NAME)
-    return parse_dcp_manifest(
-        _sysio.read_small_file(path, MAX_METADATA_BYTES), checkpoint, os.path.getmtime(path),
-        lambda name: (_sysio.data_file_size(os.path.join(checkpoint, name))
-                      if _sysio.exists(os.path.join(checkpoint, name)) else None))
-
-
 def parse_dcp_manifest(raw: bytes, checkpoint: str, created_unix_s: float,
                        sizes: Callable[[str], int | None]) -> Manifest:
-    """`read_dcp_manifest` of `.metadata` bytes `raw` of the checkpoint `checkpoint` (a path
-    or URL), whose data files are `sizes(name)` bytes (None: missing)."""
+    """The manifest of the stock DCP checkpoint `checkpoint` (a path or URL) from its
+    `.metadata` bytes `raw`, whose data files are `sizes(name)` bytes (None: missing).
+    Bounds and errors: see `asynctron.storage.backends.local._reader.read_dcp_manifest`."""
     path = f"{checkpoint.rstrip('/')}/{METADATA_NAME}"
 
     def fail(what: str, key: str | None = None) -> CorruptCheckpointError:

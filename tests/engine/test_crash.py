@@ -26,12 +26,15 @@ CHILD = textwrap.dedent("""
         return {"w": torch.randn(4_000_000, generator=g), "step": seed}
 
     async def main(root, phase):
+        backend = FaultyBackend(fsync_delay_s=30)
+        opening = backend.hold("open")  # a data file about to be made: the save's area exists
         async with Engine(slab_bytes=1 << 20, memory_budget_bytes=8 << 20,
-                          backend=FaultyBackend(fsync_delay_s=30)) as engine:
+                          backend=backend) as engine:
             task = engine.save(state(2), f"{root}/step_2")
             if phase == "staging":
-                await asyncio.sleep(0.01)
+                await opening.reached()
             else:
+                opening.release()
                 await task.staged
             print("ready", flush=True)
             await task

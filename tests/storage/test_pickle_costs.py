@@ -31,9 +31,9 @@ from asynctron.storage._dcp import (
     UNPICKLE_WORK_PER_BYTE,
     decode_blob,
     metadata_bytes,
-    read_dcp_manifest,
 )
 from asynctron.storage._manifest import ItemRecord
+from asynctron.storage.backends.local._reader import read_dcp_manifest
 
 UNBOUNDED = 1 << 62
 N = 2000

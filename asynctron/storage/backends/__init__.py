@@ -20,14 +20,17 @@ from asynctron.storage.backends._backend import (
     Backend,
     Committed,
     FileWriter,
+    RangedFile,
+    ReadableFile,
     Retention,
     SaveArea,
 )
 from asynctron.storage.backends._operation import StoreStatistics, store_operation
 from asynctron.storage.backends.local import LocalBackend
 
-__all__ = ["Backend", "Committed", "FileWriter", "LocalBackend", "Retention", "SaveArea",
-           "StoreStatistics", "backend_for", "register_backend", "store_operation"]
+__all__ = ["Backend", "Committed", "FileWriter", "LocalBackend", "RangedFile", "ReadableFile",
+           "Retention", "SaveArea", "StoreStatistics", "backend_for", "register_backend",
+           "store_operation"]
 
 _FACTORIES: dict[str, Callable[[], Backend]] = {}
 _SHARED: dict[str, Backend] = {}

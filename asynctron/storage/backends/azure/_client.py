@@ -92,7 +92,8 @@ class AzureErrors:
         if not isinstance(error, HttpResponseError | _Answered) or not error.status_code:
             return None
         status = int(error.status_code)
-        code = str(getattr(error, "error_code", None) or status)
+        found = getattr(error, "error_code", None)
+        code = str(getattr(found, "value", found) or status)  # a str, or the SDK's str enum
         if code in _THROTTLE_CODES or status in (429, 503):
             failure = Failure.THROTTLED
         elif status >= 500 and status != 501:

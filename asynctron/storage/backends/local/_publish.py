@@ -19,7 +19,6 @@ from collections.abc import Mapping
 
 from asynctron.errors import CheckpointNotFoundError, StorageError
 from asynctron.storage._dcp import METADATA_NAME as DCP_METADATA_NAME
-from asynctron.storage._dcp import is_dcp_checkpoint
 from asynctron.storage._manifest import MANIFEST_NAME
 from asynctron.storage.backends.local import _sysio
 
@@ -129,3 +128,6 @@ def resolve_checkpoint(path: str) -> str:
         path=path,
     )
 
+
+def is_dcp_checkpoint(path: str) -> bool:
+    return _sysio.is_file(os.path.join(path, DCP_METADATA_NAME))

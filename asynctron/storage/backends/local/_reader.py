@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from asynctron._concurrency import RunBlocking
 from asynctron.storage._checksum import ItemHasher
-from asynctron.storage._dcp import METADATA_NAME, is_dcp_checkpoint, read_dcp_manifest
+from asynctron.storage._dcp import MAX_METADATA_BYTES, METADATA_NAME, parse_dcp_manifest
 from asynctron.storage._manifest import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
@@ -39,7 +39,7 @@ from asynctron.storage._read_plan import (
 )
 from asynctron.storage.backends.local import _sysio
 from asynctron.storage.backends.local._locks import DirLock
-from asynctron.storage.backends.local._publish import resolve_checkpoint
+from asynctron.storage.backends.local._publish import is_dcp_checkpoint, resolve_checkpoint
 from asynctron.storage.backends.local._sysio import FileIO
 
 
@@ -194,3 +194,27 @@ def _map_file(fd: int, path: str) -> mmap.mmap:
     """Blocks: map a whole file copy-on-write (writes to the map never reach the file)."""
     with _sysio.translate_os_errors("mapping", path):
         return mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+
+
+def read_dcp_manifest(checkpoint: str) -> Manifest:
+    """Blocks: read a stock DCP checkpoint's `.metadata` as a `Manifest` (no checksums; items
+    are `torch.save` blobs).
+
+    Bounded by what the file holds: every chunk list is walked once, and all of them together
+    may hold one chunk per `METADATA_BYTES_PER_CHUNK` bytes of the file (lists shared between
+    keys are refused before they are walked); a tensor has at most `MAX_DIMS` dims; each
+    chunk's blob holds at least the chunk's bytes (so a load never allocates more than the files
+    hold); error messages show bounded parts of hostile values (`brief`). Unpickling runs with
+    the garbage collector paused (`paused_gc`), after `MetadataUnpickler` has bounded what the
+    unpickler itself would allocate, hash and copy.
+
+    Raises:
+        CorruptCheckpointError: a foreign global in the pickle, a malformed `Metadata`, an item
+            outside its file, a missing, linked or irregular data file, naming the field (and
+            file) at fault.
+    """
+    path = os.path.join(checkpoint, METADATA_NAME)
+    return parse_dcp_manifest(
+        _sysio.read_small_file(path, MAX_METADATA_BYTES), checkpoint, os.path.getmtime(path),
+        lambda name: (_sysio.data_file_size(os.path.join(checkpoint, name))
+                      if _sysio.exists(os.path.join(checkpoint, name)) else None))
