@@ -82,6 +82,9 @@ def test_a_damaged_cached_idx_is_fetched_again(corpus: tuple[IndexedDataset, str
 
 def test_a_replaced_object_is_read_at_its_new_version(
         corpus: tuple[IndexedDataset, str], tmp_path: Any, store: Store) -> None:
+    if store.scheme == "gs":
+        pytest.skip("fake-gcs-server ignores ifGenerationMatch on reads (tried 2026-11-28): "
+                    "reading one generation of a replaced object is untested on GCS")
     _, url = corpus
     config = _config(tmp_path)
     first = IndexedDataset(url, mmap=False, object_storage_config=config)

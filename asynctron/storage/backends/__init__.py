@@ -3,6 +3,7 @@
     backend_for("ckpt/step_100")        # LocalBackend: a path on this machine
     backend_for("s3://bucket/run")      # S3Backend: an S3-compatible store (the AWS chain's)
     backend_for("az://container/run")   # AzureBackend: Azure Blob Storage (AZURE_STORAGE_*)
+    backend_for("gs://bucket/run")      # GcsBackend: Google Cloud Storage (its ADC)
 
 A new backend implements `Backend` in its own module and registers a factory for its URL
 scheme with `register_backend`; nothing above `storage` changes. A new object store is one
@@ -112,3 +113,4 @@ def _cloud(module: str, name: str, extra: str, needs: str) -> Callable[[], Backe
 _FACTORIES["s3"] = _cloud("asynctron.storage.backends.s3", "S3Backend", "s3", "aiobotocore")
 _FACTORIES["az"] = _FACTORIES["abfs"] = _cloud(
     "asynctron.storage.backends.azure", "AzureBackend", "azure", "azure-storage-blob")
+_FACTORIES["gs"] = _cloud("asynctron.storage.backends.gcs", "GcsBackend", "gcs", "aiohttp")
