@@ -19,7 +19,7 @@ AZURITE_DIR     := .tools/azurite
 .PHONY: setup demo test test-oldest lint bench clean
 
 $(VENV)/.installed: pyproject.toml setup.py asynctron/_native.c asynctron/storage/_pickle_costs.c \
-		asynctron/datasets/_blending.c
+		asynctron/datasets/formats/_blending.c
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
@@ -34,7 +34,7 @@ setup: $(VENV)/.installed $(if $(shell command -v npm),$(AZURITE_DIR)/.installed
 
 # torch named again with the package, so the extras never lift it
 $(VENV_OLDEST)/.installed: pyproject.toml setup.py asynctron/_native.c \
-		asynctron/storage/_pickle_costs.c asynctron/datasets/_blending.c
+		asynctron/storage/_pickle_costs.c asynctron/datasets/formats/_blending.c
 	$(PYTHON) -m venv $(VENV_OLDEST)
 	$(PY_OLDEST) -m pip install -q --upgrade pip
 	$(PY_OLDEST) -m pip install -q $(TORCH_OLDEST)

@@ -23,6 +23,6 @@ setup(ext_modules=[
     Extension("asynctron.storage._pickle_costs", ["asynctron/storage/_pickle_costs.c"],
               extra_compile_args=["-O3"]),
     # no FMA contraction: the blend must round as megatron's helpers do
-    Extension("asynctron.datasets._blending_native", ["asynctron/datasets/_blending.c"],
+    Extension("asynctron.datasets.formats._blending_native", ["asynctron/datasets/formats/_blending.c"],
               extra_compile_args=["-O3", "-ffp-contract=off"]),
 ])

@@ -45,7 +45,7 @@ from asynctron._demo import DemoConfig, DemoReport, run_demo
 from asynctron._knobs import STORE_DEADLINE_S
 from asynctron.bench import SCENARIOS
 from asynctron.datasets import PreprocessConfig, preprocess
-from asynctron.datasets._prepare_cache import PreparedDataset, prepare_cache
+from asynctron.datasets.formats._prepare_cache import PreparedDataset, prepare_cache
 from asynctron.engine import Engine
 from asynctron.errors import (
     CheckpointNotFoundError,

@@ -67,7 +67,7 @@ def test_inspect_json_lists_the_manifest_items_and_values(
     ("s3://b//x", r"no empty, '\.' or '\.\.' key parts"),
     ("s3a://b/x", r"found the scheme 's3a'; did you mean 's3://b/x'\?"),
     ("s3:/b/x", r"did you mean 's3://b/x'\?"),
-    ("gs://b/x", r"found the scheme 'gs'; a URL is never taken for a local path"),
+    ("hdfs://b/x", r"found the scheme 'hdfs'; a URL is never taken for a local path"),
 ])
 @pytest.mark.parametrize("command", ["inspect", "verify"])
 def test_a_bad_url_is_one_line_and_exit_2(command: str, path: str, message: str,

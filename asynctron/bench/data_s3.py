@@ -326,7 +326,7 @@ def upload(local_prefix: str, url: str) -> float:
 
 
 def _evict_under(*roots: str) -> None:
-    from asynctron.datasets import _pages
+    from asynctron.datasets.loader import _pages
 
     os.sync()
     for root in roots:

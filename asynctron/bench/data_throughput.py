@@ -52,10 +52,10 @@ from asynctron.datasets import (
     GPTDatasetConfig,
     IndexedDataset,
     Split,
-    _pages,
     build_blending_indices,
     build_sample_index,
 )
+from asynctron.datasets.loader import _pages
 from asynctron.testing import LoopWatchdog
 
 MiB = 1 << 20

@@ -246,7 +246,7 @@ def _rate_alone(trainer: TrainerThread | None) -> float:
 # the harness ----------------------------------------------------------------------------------
 
 def _evict(paths: list[str]) -> None:
-    from asynctron.datasets import _pages
+    from asynctron.datasets.loader import _pages
 
     os.sync()
     for path in paths:

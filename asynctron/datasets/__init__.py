@@ -8,31 +8,31 @@ serves batches assembled by worker processes in shared memory, the pages of comi
 read ahead under a byte budget.
 """
 
-from asynctron.datasets._blend_builder import (
+from asynctron.datasets.formats._blend_builder import (
     BlendedMegatronDatasetBuilder,
     build_gpt_datasets,
 )
-from asynctron.datasets._blended import BlendedDataset
-from asynctron.datasets._blending import (
+from asynctron.datasets.formats._blended import BlendedDataset
+from asynctron.datasets.formats._blending import (
     build_blending_indices,
     build_exhaustive_blending_indices,
 )
-from asynctron.datasets._builder import IndexedDatasetBuilder
-from asynctron.datasets._config import GPTDatasetConfig
-from asynctron.datasets._gpt import GPTDataset
-from asynctron.datasets._indexed import DatasetIndex, IndexedDataset, optimal_dtype
-from asynctron.datasets._loader import AsyncLoader, collate
-from asynctron.datasets._mock import MockGPTDataset, MockGPTLowLevelDataset
-from asynctron.datasets._object_storage import ObjectStorageConfig
-from asynctron.datasets._preprocess import PreprocessConfig, PreprocessResult, preprocess
-from asynctron.datasets._range_cache import ObjectCacheUsage, object_cache_usage
-from asynctron.datasets._sample_index import (
+from asynctron.datasets.formats._builder import IndexedDatasetBuilder
+from asynctron.datasets.formats._config import GPTDatasetConfig
+from asynctron.datasets.formats._gpt import GPTDataset
+from asynctron.datasets.formats._indexed import DatasetIndex, IndexedDataset, optimal_dtype
+from asynctron.datasets.formats._mock import MockGPTDataset, MockGPTLowLevelDataset
+from asynctron.datasets.formats._preprocess import PreprocessConfig, PreprocessResult, preprocess
+from asynctron.datasets.formats._sample_index import (
     build_document_index,
     build_sample_index,
     build_shuffle_index,
 )
-from asynctron.datasets._splits import Split
-from asynctron.datasets._tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+from asynctron.datasets.formats._splits import Split
+from asynctron.datasets.formats._tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
+from asynctron.datasets.loader._loader import AsyncLoader, collate
+from asynctron.datasets.object_cache._object_storage import ObjectStorageConfig
+from asynctron.datasets.object_cache._range_cache import ObjectCacheUsage, object_cache_usage
 
 __all__ = [
     "AsyncLoader",

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from asynctron.datasets import GPTDataset, GPTDatasetConfig, IndexedDataset, build_gpt_datasets
-from asynctron.datasets._builder import write_indexed_dataset
+from asynctron.datasets.formats._builder import write_indexed_dataset
 from asynctron.storage.backends import Backend, LocalBackend, register_backend
 
 

@@ -8,12 +8,9 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from asynctron.datasets import (
-    _blending_native,
-    build_blending_indices,
-    build_exhaustive_blending_indices,
-)
-from asynctron.datasets._splits import normalize
+from asynctron.datasets import build_blending_indices, build_exhaustive_blending_indices
+from asynctron.datasets.formats import _blending_native
+from asynctron.datasets.formats._splits import normalize
 
 WEIGHTS = [
     [1.0],

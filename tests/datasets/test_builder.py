@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from asynctron.datasets import IndexedDataset, IndexedDatasetBuilder
-from asynctron.datasets._builder import write_indexed_dataset
+from asynctron.datasets.formats._builder import write_indexed_dataset
 from asynctron.testing import FaultyBackend
 
 
@@ -92,9 +92,9 @@ def test_a_failed_finalize_names_the_file_and_leaves_nothing(tmp_path,
 
 def test_a_url_no_backend_serves_is_refused(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=r"found the scheme 'gs'; a URL is never taken for a "
+    with pytest.raises(ValueError, match=r"found the scheme 'hdfs'; a URL is never taken for a "
                                          r"local path$"):
-        IndexedDatasetBuilder("gs://bucket/corpus.bin")
+        IndexedDatasetBuilder("hdfs://bucket/corpus.bin")
     assert [p.name for p in tmp_path.iterdir()] == []
 
 

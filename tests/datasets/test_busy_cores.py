@@ -6,8 +6,8 @@ import os
 import threading
 import time
 
-from asynctron.datasets import _busy_cores
-from asynctron.datasets._busy_cores import busy_cpus, cpus_away_from
+from asynctron.datasets.loader import _busy_cores
+from asynctron.datasets.loader._busy_cores import busy_cpus, cpus_away_from
 
 
 def test_a_thread_over_half_a_core_marks_its_cpu_busy() -> None:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 
-from asynctron.datasets._cache import CacheEntry, describe, load_or_build
+from asynctron.datasets.formats._cache import CacheEntry, describe, load_or_build
 from asynctron.errors import CorruptDatasetError
 from asynctron.storage.backends import LocalBackend
 from asynctron.testing import FaultyBackend
@@ -180,8 +180,8 @@ def test_a_failed_write_names_the_file_and_leaves_nothing(tmp_path, serve_local_
 def test_a_url_no_backend_serves_is_refused_not_taken_for_a_local_path(tmp_path,
                                                                        monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    entry = _entry("gs://bucket/cache")
-    with pytest.raises(ValueError, match=r"found the scheme 'gs'; a URL is never taken for a "
+    entry = _entry("hdfs://bucket/cache")
+    with pytest.raises(ValueError, match=r"found the scheme 'hdfs'; a URL is never taken for a "
                                          r"local path$"):
         load_or_build(entry, LAYOUT, _builds([]))
     assert os.listdir(tmp_path) == []
@@ -236,7 +236,7 @@ def test_a_cached_file_that_is_no_npy_is_named(tmp_path, content, found) -> None
 KILLED_CHILD = textwrap.dedent("""
     import os, signal, sys
     import numpy as np
-    from asynctron.datasets._cache import CacheEntry
+    from asynctron.datasets.formats._cache import CacheEntry
     from asynctron.storage.backends import LocalBackend, register_backend
     from asynctron.storage.backends.local._sysio import LocalFileIO
 

@@ -16,9 +16,9 @@ from asynctron.datasets import (
     IndexedDatasetBuilder,
     build_gpt_datasets,
 )
-from asynctron.datasets import _indexed as indexed_module
-from asynctron.datasets._builder import write_indexed_dataset
-from asynctron.datasets._indexed import DTYPE_CODES, optimal_dtype, read_index_header
+from asynctron.datasets.formats import _indexed as indexed_module
+from asynctron.datasets.formats._builder import write_indexed_dataset
+from asynctron.datasets.formats._indexed import DTYPE_CODES, optimal_dtype, read_index_header
 from asynctron.errors import CorruptDatasetError
 
 
@@ -136,9 +136,9 @@ def test_a_missing_bin_names_the_path(good: str, use_mmap: bool) -> None:
 
 def test_a_url_no_backend_serves_is_refused_not_taken_for_a_local_path() -> None:
     for call in (IndexedDataset, IndexedDataset.exists):
-        with pytest.raises(ValueError, match=r"found the scheme 'gs'; a URL is never taken for "
+        with pytest.raises(ValueError, match=r"found the scheme 'hdfs'; a URL is never taken for "
                                              r"a local path$"):
-            call("gs://bucket/corpus_text_document")
+            call("hdfs://bucket/corpus_text_document")
 
 
 def test_wrong_magic(good: str) -> None:

@@ -27,10 +27,10 @@ from asynctron.datasets import (
     GPTDataset,
     GPTDatasetConfig,
     Split,
-    _workers,
     collate,
 )
-from asynctron.datasets._builder import write_indexed_dataset
+from asynctron.datasets.formats._builder import write_indexed_dataset
+from asynctron.datasets.loader import _workers
 from asynctron.errors import CorruptDatasetError, LoaderWorkerError
 
 

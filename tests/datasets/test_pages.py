@@ -12,8 +12,8 @@ import time
 import numpy as np
 import pytest
 
-from asynctron.datasets import _pages
-from asynctron.datasets._pages import PAGE_BYTES
+from asynctron.datasets.loader import _pages
+from asynctron.datasets.loader._pages import PAGE_BYTES
 
 
 def test_page_ranges_align_and_merge() -> None:

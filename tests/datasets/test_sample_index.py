@@ -6,13 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asynctron.datasets import (
-    _sample_index,
-    build_document_index,
-    build_sample_index,
-    build_shuffle_index,
-)
-from asynctron.datasets._sample_index import num_samples_of, sample_index_dtype
+from asynctron.datasets import build_document_index, build_sample_index, build_shuffle_index
+from asynctron.datasets.formats import _sample_index
+from asynctron.datasets.formats._sample_index import num_samples_of, sample_index_dtype
 
 
 def _cases(seed: int, count: int):

@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.utils.dlpack
 
-from asynctron.datasets import _shared_slabs
-from asynctron.datasets._shared_slabs import SharedSlabs
+from asynctron.datasets.loader import _shared_slabs
+from asynctron.datasets.loader._shared_slabs import SharedSlabs
 
 
 def _views(slab: np.ndarray) -> dict[str, torch.Tensor]:

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from asynctron.datasets._splits import (
+from asynctron.datasets.formats._splits import (
     normalize,
     parse_split,
     sizes_per_dataset,

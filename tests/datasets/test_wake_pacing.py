@@ -11,7 +11,7 @@ import torch
 
 from asynctron import Engine
 from asynctron.datasets import AsyncLoader, collate
-from asynctron.datasets._wake_pacing import LATE_SHARE, PACE_INTERVALS, WakePacing
+from asynctron.datasets.loader._wake_pacing import LATE_SHARE, PACE_INTERVALS, WakePacing
 
 
 def test_a_wake_up_a_switch_interval_late_says_the_gil_was_held() -> None:

@@ -44,7 +44,7 @@ def _rank_main(rank: int, world_size: int, root: str) -> dict:
 
 @pytest.mark.slow
 def test_two_ranks_share_the_cache_and_split_each_batch(tmp_path) -> None:
-    from asynctron.datasets._builder import write_indexed_dataset
+    from asynctron.datasets.formats._builder import write_indexed_dataset
 
     rng = np.random.default_rng(0)
     for name in "ab":
@@ -61,7 +61,7 @@ def test_two_ranks_share_the_cache_and_split_each_batch(tmp_path) -> None:
 
 def _failing_rank_main(rank: int, world_size: int, root: str) -> str:
     from asynctron.datasets import GPTDatasetConfig, build_gpt_datasets
-    from asynctron.datasets._gpt import GPTDataset
+    from asynctron.datasets.formats._gpt import GPTDataset
 
     def broken(self: GPTDataset) -> None:
         raise OSError(28, "No space left on device (injected)")
@@ -80,7 +80,7 @@ def _failing_rank_main(rank: int, world_size: int, root: str) -> str:
 
 @pytest.mark.slow
 def test_a_failed_build_on_rank_0_fails_every_rank_without_hanging(tmp_path) -> None:
-    from asynctron.datasets._builder import write_indexed_dataset
+    from asynctron.datasets.formats._builder import write_indexed_dataset
 
     write_indexed_dataset(str(tmp_path / "a"), [np.arange(1, 50)] * 20, dtype=np.uint16)
     outcomes = [r.unwrap() for r in run_local_ranks(_failing_rank_main, WORLD_SIZE,

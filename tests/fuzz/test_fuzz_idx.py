@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from asynctron.datasets import IndexedDataset, IndexedDatasetBuilder
-from asynctron.datasets._indexed import DTYPE_CODES, INDEX_HEADER_BYTES, INDEX_MAGIC
+from asynctron.datasets.formats._indexed import DTYPE_CODES, INDEX_HEADER_BYTES, INDEX_MAGIC
 from asynctron.errors import CorruptDatasetError
 
 #: what opening and reading a file of a few KiB may allocate, whatever its header claims

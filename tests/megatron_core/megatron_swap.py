@@ -12,7 +12,7 @@ import os
 import warnings
 
 import asynctron.datasets as ours
-from asynctron.datasets._range_cache import RangeCache
+from asynctron.datasets.object_cache._range_cache import RangeCache
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # megatron-core's import warns on CPU (no TE, no Apex, jit)

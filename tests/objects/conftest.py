@@ -188,7 +188,7 @@ def corpus(tmp_path: Any, store: Store) -> tuple[Any, str]:
     uploaded under store.root (the URL prefix)."""
     import numpy as np
 
-    from asynctron.datasets._builder import write_indexed_dataset
+    from asynctron.datasets.formats._builder import write_indexed_dataset
     from tests.datasets.conftest import random_documents
 
     local = write_indexed_dataset(str(tmp_path / "local" / "c"),

@@ -24,8 +24,8 @@ from asynctron.datasets import (
     build_gpt_datasets,
     object_cache_usage,
 )
-from asynctron.datasets._builder import write_indexed_dataset
-from asynctron.datasets._object_storage import cache_path
+from asynctron.datasets.formats._builder import write_indexed_dataset
+from asynctron.datasets.object_cache._object_storage import cache_path
 from tests.datasets.conftest import Tok, random_documents
 from tests.objects.conftest import Store, upload_dataset
 
@@ -249,7 +249,7 @@ def test_preprocess_writes_to_the_store(tmp_path: Any, store: Store) -> None:
 
 def test_gpt_indices_published_to_the_store_are_built_once(
         corpus: tuple[IndexedDataset, str], tmp_path: Any, store: Store) -> None:
-    from asynctron.datasets._cache import observing
+    from asynctron.datasets.formats._cache import observing
 
     _, url = corpus
     config = GPTDatasetConfig(random_seed=5, sequence_length=64, tokenizer=Tok(),

@@ -68,7 +68,7 @@ def upload_dataset(objects: Any, local_prefix: str, url_prefix: str) -> None:
 def corpus(tmp_path: Any, s3_root: str, s3_objects: Any) -> tuple[Any, str]:
     """A ~3 MB token corpus written locally (the `IndexedDataset`), and the same files
     uploaded under s3_root (the URL prefix)."""
-    from asynctron.datasets._builder import write_indexed_dataset
+    from asynctron.datasets.formats._builder import write_indexed_dataset
     from tests.datasets.conftest import random_documents
 
     local = write_indexed_dataset(str(tmp_path / "local" / "c"),

@@ -23,11 +23,11 @@ import numpy as np
 import pytest
 
 from asynctron.datasets import IndexedDataset, ObjectStorageConfig
-from asynctron.datasets._builder import write_indexed_dataset
-from asynctron.datasets._object_storage import cache_path
-from asynctron.datasets._range_cache import _ENTRIES_AT
+from asynctron.datasets.formats._builder import write_indexed_dataset
+from asynctron.datasets.object_cache._object_storage import cache_path
+from asynctron.datasets.object_cache._range_cache import _ENTRIES_AT
 from asynctron.errors import StorageError
-from asynctron.storage.backends import Backend, _s3_backend, register_backend
+from asynctron.storage.backends import Backend, register_backend
 from asynctron.storage.backends.s3 import S3Backend, S3Config
 from asynctron.testing.seaweedfs import SeaweedFS
 from asynctron.testing.tcp_proxy import TcpFaultProxy
@@ -48,8 +48,10 @@ def proxy(s3_env: SeaweedFS) -> Iterator[TcpFaultProxy]:
 @pytest.fixture
 def serve_s3() -> Iterator[Callable[[Backend], None]]:
     """`serve_s3(backend)`: s3:// URLs use `backend` until the test ends, then the default."""
-    yield lambda backend: register_backend("s3", lambda: backend)
-    register_backend("s3", _s3_backend)
+    replaced: list[Callable[[], Backend] | None] = []
+    yield lambda backend: replaced.append(register_backend("s3", lambda: backend))
+    if replaced and replaced[0] is not None:
+        register_backend("s3", replaced[0])
 
 
 def _through(proxy: TcpFaultProxy, server: SeaweedFS, *, deadline_s: float) -> S3Backend:
@@ -270,7 +272,7 @@ def test_credentials_from_the_environment_that_are_wrong_say_so(
         monkeypatch: pytest.MonkeyPatch, serve_s3: Callable[[Backend], None]) -> None:
     _, url = corpus
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
-    serve_s3(_s3_backend())  # a backend made now, from the environment
+    serve_s3(S3Backend())  # a backend made now, from the environment
     with pytest.raises(StorageError, match=r"refused our credentials.*AWS_ACCESS_KEY_ID") as e:
         IndexedDataset(url, mmap=False,
                        object_storage_config=ObjectStorageConfig(str(tmp_path / "cache")))

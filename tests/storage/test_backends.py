@@ -36,18 +36,18 @@ async def test_a_save_to_a_url_no_backend_serves_writes_nothing(
     """Before the seam, `save(sd, "s3://bucket/x")` wrote `./s3:/bucket/x` and succeeded."""
     monkeypatch.chdir(tmp_path)  # type: ignore[arg-type]
     async with asynctron.Engine() as engine:
-        with pytest.raises(ValueError, match="scheme 'gs'"):
-            engine.save({"w": 1}, "gs://bucket/run/step_1")
-        with pytest.raises(ValueError, match="scheme 'gs'"):
-            await engine.load("gs://bucket/run")
+        with pytest.raises(ValueError, match="scheme 'hdfs'"):
+            engine.save({"w": 1}, "hdfs://nn/run/step_1")
+        with pytest.raises(ValueError, match="scheme 'hdfs'"):
+            await engine.load("hdfs://nn/run")
     assert os.listdir(".") == []
 
 
 def test_a_one_call_save_to_a_url_no_backend_serves_writes_nothing(
         tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="scheme 'gs'"):
-        asynctron.save({"w": 1}, "gs://bucket/run/step_1")
+    with pytest.raises(ValueError, match="scheme 'hdfs'"):
+        asynctron.save({"w": 1}, "hdfs://nn/run/step_1")
     assert os.listdir(".") == []
 
 

@@ -33,9 +33,9 @@ def _read(path: str) -> bytes:
 def test_the_local_backend_serves_local_paths_with_the_dataset_operations(tmp_path) -> None:
     backend = backend_for(str(tmp_path / "x"))
     assert isinstance(backend, LocalBackend) and isinstance(backend, Backend)
-    with pytest.raises(ValueError, match=r"found the scheme 'gs'; a URL is never taken for a "
+    with pytest.raises(ValueError, match=r"found the scheme 'hdfs'; a URL is never taken for a "
                                          r"local path$"):
-        backend_for("gs://bucket/x.idx")
+        backend_for("hdfs://bucket/x.idx")
 
 
 # publishing ------------------------------------------------------------------------------------

@@ -46,11 +46,15 @@ _LOCAL = "file"
 (pass the path itself), so that no backend ever sees one."""
 
 
-def register_backend(scheme: str, factory: Callable[[], Backend]) -> None:
+def register_backend(scheme: str, factory: Callable[[], Backend]
+                     ) -> Callable[[], Backend] | None:
     """Make `backend_for` serve URLs `<scheme>://...` with one `factory()` per process
-    (`"file"`: plain paths, the local filesystem)."""
+    (`"file"`: plain paths, the local filesystem); returns the factory it replaced (None:
+    none), to register again to undo."""
+    replaced = _FACTORIES.get(scheme.lower())
     _FACTORIES[scheme.lower()] = factory
     _SHARED.pop(scheme.lower(), None)
+    return replaced
 
 
 def backend_for(path: str | os.PathLike[str]) -> Backend:

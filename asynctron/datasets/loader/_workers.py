@@ -46,11 +46,11 @@ import torch
 from asynctron import _native
 from asynctron._budget import ByteBudget
 from asynctron._concurrency import RunBlocking
-from asynctron.datasets import _pages
-from asynctron.datasets._batches import BatchLayout
-from asynctron.datasets._busy_cores import BusyCoreAvoidance
-from asynctron.datasets._shared_slabs import SharedSlabs, SlabFile
-from asynctron.datasets._wake_pacing import WakePacing
+from asynctron.datasets.loader import _pages
+from asynctron.datasets.loader._batches import BatchLayout
+from asynctron.datasets.loader._busy_cores import BusyCoreAvoidance
+from asynctron.datasets.loader._shared_slabs import SharedSlabs, SlabFile
+from asynctron.datasets.loader._wake_pacing import WakePacing
 from asynctron.errors import LoaderWorkerError, WouldBlock
 
 logger = logging.getLogger(__name__)

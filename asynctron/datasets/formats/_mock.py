@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from asynctron.datasets._config import GPTDatasetConfig
-from asynctron.datasets._gpt import GPTDataset
-from asynctron.datasets._splits import Split
+from asynctron.datasets.formats._config import GPTDatasetConfig
+from asynctron.datasets.formats._gpt import GPTDataset
+from asynctron.datasets.formats._splits import Split
 
 
 class MockGPTLowLevelDataset:

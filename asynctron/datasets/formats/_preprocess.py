@@ -19,9 +19,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from asynctron.datasets._builder import IndexedDatasetBuilder
-from asynctron.datasets._indexed import bin_path, idx_path, optimal_dtype
-from asynctron.datasets._tokenizers import TextTokenizer, load_tokenizer
+from asynctron.datasets.formats._builder import IndexedDatasetBuilder
+from asynctron.datasets.formats._indexed import bin_path, idx_path, optimal_dtype
+from asynctron.datasets.formats._tokenizers import TextTokenizer, load_tokenizer
 from asynctron.storage.backends import backend_for
 
 if TYPE_CHECKING:

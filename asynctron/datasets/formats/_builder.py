@@ -20,7 +20,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from asynctron.datasets._indexed import (
+from asynctron.datasets.formats._indexed import (
     INDEX_MAGIC,
     INDEX_VERSION,
     IndexedDataset,
@@ -28,7 +28,7 @@ from asynctron.datasets._indexed import (
     dtype_code,
     idx_path,
 )
-from asynctron.datasets._object_storage import is_object_storage_path
+from asynctron.datasets.object_cache._object_storage import is_object_storage_path
 from asynctron.storage.backends import backend_for
 
 _CHUNK = 1 << 16

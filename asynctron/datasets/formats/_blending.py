@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from asynctron.datasets import _blending_native
+from asynctron.datasets.formats import _blending_native
 
 
 def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:

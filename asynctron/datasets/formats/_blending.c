@@ -1,5 +1,5 @@
 /*
- * asynctron.datasets._blending_native: megatron-core's greedy blending loops, filling arrays the
+ * asynctron.datasets.formats._blending_native: megatron-core's greedy blending loops, filling arrays the
  * caller allocated (see _blending.py, which allocates them and documents the guarantees).
  *
  * The arithmetic is megatron-core's (`helpers.cpp`, 0.16) term for term, in double precision:
@@ -261,7 +261,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "asynctron.datasets._blending_native",
+    .m_name = "asynctron.datasets.formats._blending_native",
     .m_doc = "megatron-core's greedy blending loops, filling caller-allocated arrays.",
     .m_size = 0,
     .m_methods = methods,

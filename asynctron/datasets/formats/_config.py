@@ -10,7 +10,7 @@ from typing import Protocol
 
 import numpy as np
 
-from asynctron.datasets._splits import Split, SplitMatrix, parse_split, split_matrix
+from asynctron.datasets.formats._splits import Split, SplitMatrix, parse_split, split_matrix
 
 #: megatron-core's pad id when the tokenizer has none (or an ambiguous one).
 DEFAULT_PAD_ID = -1

@@ -32,13 +32,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asynctron import _native
-from asynctron.datasets._object_storage import (
+from asynctron.datasets.object_cache._object_storage import (
     ObjectStorageConfig,
     cache_path,
     cached_index,
     is_object_storage_path,
 )
-from asynctron.datasets._range_cache import RangeCache
+from asynctron.datasets.object_cache._range_cache import RangeCache
 from asynctron.errors import CorruptDatasetError
 from asynctron.storage.backends import backend_for
 

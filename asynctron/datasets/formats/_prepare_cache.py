@@ -21,9 +21,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from asynctron.datasets._blend_builder import build_gpt_datasets
-from asynctron.datasets._cache import CacheUse, observing
-from asynctron.datasets._config import GPTDatasetConfig
+from asynctron.datasets.formats._blend_builder import build_gpt_datasets
+from asynctron.datasets.formats._cache import CacheUse, observing
+from asynctron.datasets.formats._config import GPTDatasetConfig
 from asynctron.storage.backends import backend_for
 
 #: The array whose length is a cached dataset's number of samples, by array name: a GPT

@@ -32,11 +32,11 @@ import torch
 
 from asynctron._budget import ByteBudget
 from asynctron._concurrency import RunBlocking, uncancellable
-from asynctron.datasets import _pages
-from asynctron.datasets._batches import BatchLayout
-from asynctron.datasets._blended import BlendedDataset
-from asynctron.datasets._shared_slabs import SharedSlabs
-from asynctron.datasets._workers import BatchWorkers, niceness_of_this_thread
+from asynctron.datasets.formats._blended import BlendedDataset
+from asynctron.datasets.loader import _pages
+from asynctron.datasets.loader._batches import BatchLayout
+from asynctron.datasets.loader._shared_slabs import SharedSlabs
+from asynctron.datasets.loader._workers import BatchWorkers, niceness_of_this_thread
 from asynctron.errors import ClosedError
 
 STATE_VERSION = 1

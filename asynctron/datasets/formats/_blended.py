@@ -9,14 +9,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from asynctron.datasets._blending import (
+from asynctron.datasets.formats._blending import (
     build_blending_indices,
     build_exhaustive_blending_indices,
 )
-from asynctron.datasets._cache import CacheEntry, describe, load_or_build
-from asynctron.datasets._config import GPTDatasetConfig
-from asynctron.datasets._gpt import GPTDataset, TokenRuns
-from asynctron.datasets._splits import normalize
+from asynctron.datasets.formats._cache import CacheEntry, describe, load_or_build
+from asynctron.datasets.formats._config import GPTDatasetConfig
+from asynctron.datasets.formats._gpt import GPTDataset, TokenRuns
+from asynctron.datasets.formats._splits import normalize
 
 
 @dataclass(frozen=True, slots=True)

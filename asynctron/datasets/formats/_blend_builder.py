@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 import torch.distributed as dist
 
-from asynctron.datasets._blended import BlendedDataset
-from asynctron.datasets._config import GPTDatasetConfig
-from asynctron.datasets._gpt import GPTDataset
-from asynctron.datasets._mock import MockGPTDataset
-from asynctron.datasets._splits import (
+from asynctron.datasets.formats._blended import BlendedDataset
+from asynctron.datasets.formats._config import GPTDatasetConfig
+from asynctron.datasets.formats._gpt import GPTDataset
+from asynctron.datasets.formats._mock import MockGPTDataset
+from asynctron.datasets.formats._splits import (
     Split,
     SplitMatrix,
     normalize,

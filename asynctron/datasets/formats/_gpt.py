@@ -16,21 +16,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from asynctron.datasets._cache import CacheEntry, describe, load_or_build
-from asynctron.datasets._config import GPTDatasetConfig
-from asynctron.datasets._indexed import IndexedDataset
-from asynctron.datasets._object_storage import (
-    ObjectStorageConfig,
-    cache_path,
-    is_object_storage_path,
-)
-from asynctron.datasets._sample_index import (
+from asynctron.datasets.formats._cache import CacheEntry, describe, load_or_build
+from asynctron.datasets.formats._config import GPTDatasetConfig
+from asynctron.datasets.formats._indexed import IndexedDataset
+from asynctron.datasets.formats._sample_index import (
     build_document_index,
     build_sample_index,
     build_shuffle_index,
     num_samples_of,
 )
-from asynctron.datasets._splits import Split
+from asynctron.datasets.formats._splits import Split
+from asynctron.datasets.object_cache._object_storage import (
+    ObjectStorageConfig,
+    cache_path,
+    is_object_storage_path,
+)
 
 #: Final-epoch rule: a last epoch contributing fewer than this share of an epoch's samples is
 #: shuffled on its own (megatron-core's `threshold = 0.80`).
