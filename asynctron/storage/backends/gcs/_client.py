@@ -136,8 +136,15 @@ class GcsClient:
             return {}
         if self._credentials is None:
             import google.auth
+            from google.auth.exceptions import DefaultCredentialsError
 
-            self._credentials, _ = await asyncio.to_thread(google.auth.default, scopes=[_SCOPE])
+            try:
+                self._credentials, _ = await asyncio.to_thread(google.auth.default,
+                                                               scopes=[_SCOPE])
+            except DefaultCredentialsError as error:
+                raise StorageError(f"GCS at {self.endpoint}: no credentials found ({error}); "
+                                   f"{_SET_CREDENTIALS}, or set STORAGE_EMULATOR_HOST for an "
+                                   "emulator", path=self.endpoint, errno=None) from error
         credentials = self._credentials
         if not credentials.valid:
             from google.auth.transport.requests import Request
