@@ -302,11 +302,10 @@ def killed_mid_save(rank: int, world: int, root: str) -> dict[str, Any]:
         async with Engine(backend=slow, coordination_timeout_s=60) as engine:
             await engine.save({f"w{rank}": torch.arange(1000.0), "step": 1}, f"{root}/step_1")
             if slow is not None:
-                slow.fsync_delay_s = 60  # rank 1's next write stalls, then the rank dies
+                stalled = slow.hold("fsync")  # rank 1's next fsync is held, then the rank dies
             task = engine.save({f"w{rank}": torch.zeros(1000), "step": 2}, f"{root}/step_2")
             if rank == 1:
-                await task.staged
-                await asyncio.sleep(0.2)
+                await stalled.reached()
                 os.kill(os.getpid(), signal.SIGKILL)
             started = asyncio.get_running_loop().time()
             try:

@@ -137,16 +137,14 @@ async def test_cancelling_while_planning_commits_nothing(
         shm_path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A cancellation that arrives while the save plans (on the executor) aborts it too:
     nothing is written, the tmp dir goes, `latest` stays where it was."""
-    import time
-
     from asynctron.engine import _save
 
     real_file_plan = _save.file_plan
-    planning = threading.Event()
+    planning, cancelled = threading.Event(), threading.Event()
 
     def slow_file_plan(*args: object, **kwargs: object) -> object:
         planning.set()
-        time.sleep(0.2)
+        cancelled.wait(30)  # the plan finishes only once the save was cancelled
         return real_file_plan(*args, **kwargs)  # type: ignore[arg-type]
 
     async with Engine(**SMALL) as engine:
@@ -155,6 +153,7 @@ async def test_cancelling_while_planning_commits_nothing(
         task = engine.save({"w": torch.zeros(10), "other": torch.ones(2)}, f"{shm_path}/step_2")
         assert await asyncio.get_running_loop().run_in_executor(None, planning.wait, 30)
         task.cancel()
+        cancelled.set()
         with pytest.raises(asyncio.CancelledError):
             await task
     assert sorted(os.listdir(shm_path)) == ["latest", "step_1"]
