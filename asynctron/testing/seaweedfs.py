@@ -15,7 +15,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -24,11 +23,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from asynctron.testing._server_process import ServerProcess, start_server
+
 ACCESS_KEY = "asynctron-test"
 SECRET_KEY = "asynctron-test-secret"
 REGION = "us-east-1"
 _READY_TIMEOUT_S = 60.0
-_STOP_TIMEOUT_S = 5.0
 _LIMIT_SETTLE_S = 1.0
 
 
@@ -70,7 +70,7 @@ def _free_ports(count: int) -> list[int]:
 
 
 @dataclass
-class SeaweedFS:
+class SeaweedFS(ServerProcess):
     """A running `weed mini`: S3 at `endpoint`, credentials `ACCESS_KEY`/`SECRET_KEY`,
     `bucket` created. `stop()` (or leaving the `with`) ends it and waits for its exit."""
 
@@ -108,9 +108,7 @@ class SeaweedFS:
             f"-s3.config={identities}", "-master.volumeSizeLimitMB=64", "-volume.max=200",
             f"-dir={os.path.join(data_dir, 'data')}",
         ]
-        with open(log_path, "ab") as log:
-            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        process = start_server(command, log_path)
         server = cls(f"http://127.0.0.1:{s3}", bucket, process, log_path)
         try:
             server._wait_ready()
@@ -189,23 +187,3 @@ class SeaweedFS:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-
-    def stop(self) -> None:
-        """SIGTERM, wait for the exit (SIGKILL after 5 s: a server that throttled can hang
-        there); stopping again does nothing."""
-        if self.process.poll() is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-
-    def __enter__(self) -> SeaweedFS:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()

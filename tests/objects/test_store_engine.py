@@ -4,6 +4,7 @@ errors."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -99,8 +100,7 @@ async def test_wrong_credentials_say_what_to_set(store: Store) -> None:
     backend = store.backend(deadline_s=5)
     wrong = ({"access_key_id": "wrong", "secret_access_key": "wrong"} if store.scheme == "s3"
              else {"account_key": "d3Jvbmc="})
-    backend = type(backend)(type(backend.config)(**{
-        **{name: getattr(backend.config, name) for name in backend.config.__slots__}, **wrong}))
+    backend = type(backend)(dataclasses.replace(backend.config, **wrong))
     async with Engine(backend=backend) as engine:
         with pytest.raises(StorageError) as caught:
             await engine.save(_state(), f"{store.root}/step_1")

@@ -9,19 +9,15 @@ endpoint `https://<name>.blob.core.windows.net`, or `AZURE_STORAGE_ACCOUNT_URL`)
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from asynctron._knobs import store_deadline_s, store_job_requests
-from asynctron.storage.backends.objects._request_budget import process_share
-
-MiB = 1 << 20
+from asynctron.storage.backends.objects._store_config import StoreConfig
 
 
 @dataclass(frozen=True, slots=True)
-class AzureConfig:
+class AzureConfig(StoreConfig):
     """How asynctron reaches an Azure Blob Storage account. Validated at construction."""
 
     connection_string: str | None = None
@@ -33,39 +29,6 @@ class AzureConfig:
     credential: Any = None
     """Any credential the SDK takes (a TokenCredential); None: the key, else
     DefaultAzureCredential."""
-    max_requests: int = 64
-    """Most requests in flight at once from this process (the request budget)."""
-    job_max_requests: int | None = field(default_factory=store_job_requests)
-    """Most requests in flight from the whole job; each process takes its share. Default:
-    `ASYNCTRON_STORE_JOB_REQUESTS`, else None."""
-    single_put_bytes: int = 8 * MiB
-    """Files up to this size go as one Put Blob, larger ones as staged blocks."""
-    deadline_s: float = field(default_factory=store_deadline_s)
-    """How long an operation goes on while the store answers none of its requests. Default:
-    `ASYNCTRON_STORE_DEADLINE_S`, else 60."""
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 60.0
-    abandoned_after_s: float = 3600.0
-    """A save on another host whose claim is older than this is taken for dead."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_requests", "single_put_bytes", "job_max_requests"):
-            value = getattr(self, name)
-            if value is None and name == "job_max_requests":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"AzureConfig.{name}: expected a positive int, found {value!r}")
-        for name in ("deadline_s", "connect_timeout_s", "read_timeout_s", "abandoned_after_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int | float) or not (
-                    math.isfinite(value) and value >= 0):
-                raise ValueError(f"AzureConfig.{name}: expected seconds >= 0, found {value!r}")
-        if self.deadline_s == 0:
-            raise ValueError("AzureConfig.deadline_s: expected seconds > 0, found 0")
-
-    def process_requests(self, world_size: int) -> int:
-        """The most requests this process keeps in flight, one of `world_size` processes."""
-        return process_share(self.max_requests, self.job_max_requests, world_size)
 
     def resolved(self) -> tuple[str, str | None, str | None, Any]:
         """The account's blob endpoint, name and key, and the credential for requests (a

@@ -15,10 +15,10 @@ from asynctron.storage.backends.objects._client import (
     PartUploads,
     PreconditionFailedError,
     RefusedCredentialsError,
-    StoreSettings,
 )
 from asynctron.storage.backends.objects._layout import Listing, ObjectUrl
+from asynctron.storage.backends.objects._store_config import StoreConfig
 
 __all__ = ["Listing", "ObjectClient", "ObjectInfo", "ObjectReads", "ObjectStoreBackend",
            "ObjectUrl", "ObjectWrites", "OpenUpload", "PartLimits", "PartUploads",
-           "PreconditionFailedError", "RefusedCredentialsError", "StoreSettings"]
+           "PreconditionFailedError", "RefusedCredentialsError", "StoreConfig"]

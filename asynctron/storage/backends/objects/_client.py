@@ -22,6 +22,7 @@ from typing import Protocol, runtime_checkable
 
 from asynctron.errors import StorageError
 from asynctron.storage.backends.objects._layout import Listing, ObjectUrl
+from asynctron.storage.backends.objects._store_config import StoreConfig
 
 
 class PreconditionFailedError(StorageError):
@@ -50,22 +51,6 @@ class OpenUpload:
     upload_id: str
     started: datetime.datetime | None
     """By the store's clock (None: unknown, taken as long ago)."""
-
-
-class StoreSettings(Protocol):
-    """The settings every client's config has (S3Config, AzureConfig)."""
-
-    @property
-    def deadline_s(self) -> float:
-        """How long an operation goes on while the store answers none of its requests."""
-
-    @property
-    def single_put_bytes(self) -> int:
-        """Files up to this size are one write, larger ones an upload in parts."""
-
-    @property
-    def abandoned_after_s(self) -> float:
-        """A claim of another host older than this is a dead save's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,7 +140,7 @@ class ObjectClient(ObjectReads, ObjectWrites, PartUploads, Protocol):
 
     schemes: tuple[str, ...]
     endpoint: str
-    config: StoreSettings
+    config: StoreConfig
 
     @property
     def most_in_flight(self) -> int:
