@@ -9,10 +9,10 @@ TORCH_PIN ?= torch==2.13.0
 TORCH_OLDEST ?= torch==2.9.0
 VENV_OLDEST  := .venv-oldest
 # pytest-xdist workers: most slow tests wait on child processes and servers, not the CPU.
-# loadgroup hands tests out one at a time, slow ones first (tests/conftest.py), keeping a
-# module's tests together where they share a module-scoped fixture
+# Each takes the next whole module (its module-scoped fixtures made once) in the order
+# tests/conftest.py gives: the modules with slow tests first, so the short ones come last
 TEST_WORKERS ?= 2
-TEST_DIST    ?= loadgroup
+TEST_DIST    ?= --dist loadfile --no-loadscope-reorder
 PY_OLDEST    := $(VENV_OLDEST)/bin/python
 
 .PHONY: setup demo test test-oldest lint bench clean
@@ -44,12 +44,12 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check asynctron tests bench examples
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist $(TEST_DIST) --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(TEST_DIST) --durations=15
 
 # the fast tests on the oldest torch the library declares (the slow ones run on TORCH_PIN)
 test-oldest: $(VENV_OLDEST)/.installed
 	$(PY_OLDEST) -c 'import torch; print("torch", torch.__version__)'
-	$(PY_OLDEST) -m pytest -q -n $(TEST_WORKERS) --dist $(TEST_DIST) -m 'not slow'
+	$(PY_OLDEST) -m pytest -q -n $(TEST_WORKERS) $(TEST_DIST) -m 'not slow'
 
 # every benchmark into bench/results/, then docs/benchmarks.md from them (bench/report.py)
 RESULTS ?= bench/results/all_$(shell hostname)_$(shell date +%Y%m%d)

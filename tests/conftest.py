@@ -18,21 +18,14 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> M
     return {"uvloop": uvloop.new_event_loop}
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """For `make test`'s workers (`-n 2 --dist loadgroup`, which hands out tests one at a time
-    in this order): the tests of a module with a module- or class-scoped fixture go to one
-    worker together (`xdist_group`), so the fixture is made once; and under xdist the `slow`
-    tests come first, so that the long ones start early and the short ones even out the end."""
-    for item in items:
-        fixtures = getattr(item, "_fixtureinfo", None)
-        if fixtures is not None and any(
-                definition.scope in ("module", "class", "package")
-                for definitions in fixtures.name2fixturedefs.values()
-                for definition in definitions):
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
-    if hasattr(config, "workerinput"):  # an xdist worker: the order its controller schedules
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """For `make test`'s workers (`--dist loadfile --no-loadscope-reorder`: each worker takes
+    the next whole module in this order): the modules with a `slow` test go first, each in
+    its own order, so the long ones start early and the short ones even out the two workers'
+    ends (the alphabetical order left one worker ~120 s of tests after the other's last)."""
+    if hasattr(config, "workerinput"):  # an xdist worker: its controller schedules this order
+        slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+        items.sort(key=lambda item: item.path not in slow)
 
 
 @pytest.fixture
