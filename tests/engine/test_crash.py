@@ -17,7 +17,7 @@ from asynctron import CheckpointNotFoundError
 from asynctron.storage import resolve_checkpoint
 
 CHILD = textwrap.dedent("""
-    import asyncio, sys, torch, uvloop
+    import asyncio, os, sys, torch, uvloop
     from asynctron import Engine
     from asynctron.testing import FaultyBackend
 
@@ -29,8 +29,9 @@ CHILD = textwrap.dedent("""
         async with Engine(slab_bytes=1 << 20, memory_budget_bytes=8 << 20,
                           backend=FaultyBackend(fsync_delay_s=30)) as engine:
             task = engine.save(state(2), f"{root}/step_2")
-            if phase == "staging":
-                await asyncio.sleep(0.01)
+            if phase == "staging":  # the save's directory exists; staging waits on writes
+                while not any(n.startswith(".step_2.tmp-") for n in os.listdir(root)):
+                    await asyncio.sleep(0.001)
             else:
                 await task.staged
             print("ready", flush=True)
