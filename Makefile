@@ -9,10 +9,11 @@ TORCH_PIN ?= torch==2.13.0
 TORCH_OLDEST ?= torch==2.9.0
 VENV_OLDEST  := .venv-oldest
 # pytest-xdist workers: most slow tests wait on child processes and servers, not the CPU.
-# Each takes the next whole module (its module-scoped fixtures made once) in the order
-# tests/conftest.py gives: the modules with slow tests first, so the short ones come last
+# worksteal: each worker starts on its half of the suite (bench/ on one, megatron_core/, s3/
+# on the other) and a worker that runs out takes half of the other's queue, so both end
+# within a test of each other ('load' left one idle for ~120 s)
 TEST_WORKERS ?= 2
-TEST_DIST    ?= --dist loadfile --no-loadscope-reorder
+TEST_DIST    ?= --dist worksteal
 PY_OLDEST    := $(VENV_OLDEST)/bin/python
 
 .PHONY: setup demo test test-oldest lint bench clean

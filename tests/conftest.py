@@ -18,16 +18,6 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> M
     return {"uvloop": uvloop.new_event_loop}
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """For `make test`'s workers (`--dist loadfile --no-loadscope-reorder`: each worker takes
-    the next whole module in this order): the modules with a `slow` test go first, each in
-    its own order, so the long ones start early and the short ones even out the two workers'
-    ends (the alphabetical order left one worker ~120 s of tests after the other's last)."""
-    if hasattr(config, "workerinput"):  # an xdist worker: its controller schedules this order
-        slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
-        items.sort(key=lambda item: item.path not in slow)
-
-
 @pytest.fixture
 def shm_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A fresh directory in RAM (/dev/shm) when available, for tests that write many bytes."""
