@@ -8,8 +8,12 @@ TORCH_PIN ?= torch==2.13.0
 # CPU, in a venv of its own. Keep it equal to the floor of `torch>=` in pyproject.toml.
 TORCH_OLDEST ?= torch==2.9.0
 VENV_OLDEST  := .venv-oldest
-# pytest-xdist workers: most slow tests wait on child processes and servers, not the CPU
+# pytest-xdist workers: most slow tests wait on child processes and servers, not the CPU.
+# worksteal: each worker starts on its half of the suite (bench/ on one, megatron_core/, s3/
+# on the other) and a worker that runs out takes half of the other's queue, so both end
+# within a test of each other ('load' left one idle for ~120 s)
 TEST_WORKERS ?= 2
+TEST_DIST    ?= --dist worksteal
 PY_OLDEST    := $(VENV_OLDEST)/bin/python
 # Azurite (the Azure Blob tests' server, asynctron/testing/azurite.py), from npm into an ignored
 # folder; `make setup` skips it where there is no npm (those tests then skip)
@@ -32,12 +36,15 @@ $(AZURITE_DIR)/.installed-$(AZURITE_VERSION):
 
 setup: $(VENV)/.installed $(if $(shell command -v npm),$(AZURITE_DIR)/.installed-$(AZURITE_VERSION))
 
-# torch named again with the package, so the extras never lift it
+# torch through uv: its CUDA wheel and the nvidia-* wheels it needs (4.4 GB, from PyPI) come
+# down in parallel, ~60 s here where pip took ~150 s, and from uv's cache (~/.cache/uv, a few
+# seconds) where this machine fetched them before; pip still installs the rest. torch named
+# again with the package, so the extras never lift it
 $(VENV_OLDEST)/.installed: pyproject.toml setup.py asynctron/_native.c \
 		asynctron/storage/_pickle_costs.c asynctron/datasets/formats/_blending.c
 	$(PYTHON) -m venv $(VENV_OLDEST)
-	$(PY_OLDEST) -m pip install -q --upgrade pip
-	$(PY_OLDEST) -m pip install -q $(TORCH_OLDEST)
+	$(PY_OLDEST) -m pip install -q --upgrade pip uv
+	$(VENV_OLDEST)/bin/uv pip install -q --python $(PY_OLDEST) $(TORCH_OLDEST)
 	$(PY_OLDEST) -m pip install -q -e '.[test,bench]' $(TORCH_OLDEST)
 	touch $@
 
@@ -46,12 +53,12 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/ruff check asynctron tests bench examples
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15
+	$(PY) -m pytest -q -n $(TEST_WORKERS) $(TEST_DIST) --durations=15
 
 # the fast tests on the oldest torch the library declares (the slow ones run on TORCH_PIN)
 test-oldest: $(VENV_OLDEST)/.installed
 	$(PY_OLDEST) -c 'import torch; print("torch", torch.__version__)'
-	$(PY_OLDEST) -m pytest -q -n $(TEST_WORKERS) -m 'not slow'
+	$(PY_OLDEST) -m pytest -q -n $(TEST_WORKERS) $(TEST_DIST) -m 'not slow'
 
 # every benchmark into bench/results/, then docs/benchmarks.md from them (bench/report.py)
 RESULTS ?= bench/results/all_$(shell hostname)_$(shell date +%Y%m%d)

@@ -188,7 +188,8 @@ def _read_one_by_one(dataset: Any, job: Job, batches: _Batches) -> None:
 
 
 def _read_dataloader(dataset: Any, job: Job, batches: _Batches) -> None:
-    """torch's DataLoader over megatron's pretraining batches until the time limit."""
+    """torch's DataLoader over megatron's pretraining batches until the time limit, and at
+    least the samples to verify."""
     import torch
 
     size = job.micro_batch_size
@@ -197,7 +198,7 @@ def _read_dataloader(dataset: Any, job: Job, batches: _Batches) -> None:
     for batch in torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
                                              num_workers=workers):
         batches.took(batch)
-        if batches.elapsed_s() >= job.limit_s:
+        if batches.elapsed_s() >= job.limit_s and batches.num_samples >= job.num_verify:
             return
 
 
@@ -579,7 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.quick:
         args.corpus_mib, args.repeats = min(args.corpus_mib, 8), 1
-        args.megatron_limit_s = min(args.megatron_limit_s, 2.0)
+        args.megatron_limit_s = min(args.megatron_limit_s, 0.5)
         args.cold_samples, args.busy_samples = 512, 128
     args.trainers = QUICK_TRAINERS if args.quick else TRAINERS
     args.dataloader_workers = QUICK_DATALOADER_WORKERS if args.quick else DATALOADER_WORKERS

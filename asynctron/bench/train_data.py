@@ -209,7 +209,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         trainer.start()
         time.sleep(0.2)
     try:
-        alone_before = _rate_alone(trainer)
+        alone_before = _rate_alone(trainer, args.rate_window_s)
         consumer = _Consumer(args.duration, args.micro_batch_size, trainer,
                              (args.pace_ms or 0) / 1e3)
         dataset = _datasets(args.prefix, args.cache, args.sequence_length, which)
@@ -222,7 +222,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
                             worker_cpus)
         else:
             _run_plain(dataset, consumer)
-        alone_after = _rate_alone(trainer)
+        alone_after = _rate_alone(trainer, args.rate_window_s)
     finally:
         if trainer is not None:
             trainer.stop()
@@ -234,12 +234,13 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _rate_alone(trainer: TrainerThread | None) -> float:
-    """The trainer's units per second over a second with no loader at work."""
+def _rate_alone(trainer: TrainerThread | None, window_s: float) -> float:
+    """The trainer's units per second over `window_s` (a second; a quarter in a smoke run)
+    with no loader at work."""
     if trainer is None:
         return 0.0
     count, started = trainer.count, time.perf_counter()
-    time.sleep(1.0)
+    time.sleep(window_s)
     return (trainer.count - count) / (time.perf_counter() - started)
 
 
@@ -262,7 +263,8 @@ def _spawn(args: argparse.Namespace, method: str, trainer: str, work: str) -> di
                "--trainer", trainer, "--prefix", f"{work}/corpus", "--cache", f"{work}/cache",
                "--duration", str(args.duration), "--micro-batch-size",
                str(args.micro_batch_size), "--sequence-length", str(args.sequence_length),
-               "--prefetch-mib", str(args.prefetch_mib), "--pace-ms", str(args.pace_ms or 0)]
+               "--prefetch-mib", str(args.prefetch_mib), "--pace-ms", str(args.pace_ms or 0),
+               "--rate-window-s", str(args.rate_window_s)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise RuntimeError(f"{method} / {trainer}: exit {done.returncode}\n{done.stderr[-3000:]}")
@@ -347,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny corpus, short runs (smoke)")
     parser.add_argument("--out", default=None, help=_results.OUT_HELP)
     parser.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rate-window-s", type=float, default=1.0, help=argparse.SUPPRESS)
     for hidden in ("--method", "--trainer", "--prefix", "--cache"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -356,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.corpus_mib, args.sequence_length, args.repeats = 16, 256, 1
         args.duration = min(args.duration, 1.0)
+        args.rate_window_s = 0.25  # the trainer's rate alone, before and after each run
     args.trainers, args.caches = args.trainers.split(","), args.caches.split(",")
     args.methods = args.methods.split(",")
     started = time.time()

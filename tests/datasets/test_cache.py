@@ -259,6 +259,7 @@ KILLED_CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kill_at", [1, 2, 3, 4])
 def test_an_entry_killed_while_saving_is_rebuilt_not_loaded(tmp_path, kill_at) -> None:
     """Killed once the 1st or 2nd array, or the description (3rd), is durable under its

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from asynctron import Engine
-from asynctron.engine import staging_statistics
+from asynctron.engine import free_idle_staging, staging_statistics
 from asynctron.testing import LoopWatchdog
 
 
@@ -34,6 +34,9 @@ async def test_heartbeat_keeps_beating_during_a_save(shm_path: str) -> None:
 async def test_staging_stays_within_budget_for_a_state_four_times_larger(shm_path: str) -> None:
     budget = 4 << 20
     state = {f"w{i}": torch.randn(1 << 20) for i in range(4)}  # 16 MiB = 4 x budget
+    # the process-wide cache starts empty: idle slabs an earlier test's engine left (of
+    # another size, up to its larger budget) would leave this engine's slabs no room there
+    free_idle_staging()
     before = staging_statistics()
     async with Engine(memory_budget_bytes=budget, slab_bytes=1 << 20) as engine:
         task = engine.save(state, f"{shm_path}/waves")

@@ -318,6 +318,7 @@ _READER = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_reader_killed_mid_read_leaves_a_cache_the_next_reads_right(
         corpus: tuple[IndexedDataset, str], tmp_path: Any) -> None:
     local, url = corpus
