@@ -23,6 +23,7 @@ SCENARIOS = {
     "s3_kills": "s3_kills",
     "s3_down": "store_down",
     "azure": "azure",
+    "gcs": "gcs",
     "tiers": "tiers",
     "all": "all",
 }
