@@ -169,21 +169,21 @@ def _read_all(url: str, cache: str, seed: int, start: Any, results: Any) -> None
 
 
 @pytest.mark.slow
-def test_eight_processes_sharing_one_cache_read_right_and_fetch_each_block_once(
+def test_processes_sharing_one_cache_read_right_and_fetch_each_block_once(
         corpus: tuple[IndexedDataset, str], tmp_path: Any) -> None:
     local, url = corpus
     expected = sum(int(local[i].astype(np.int64).sum()) for i in range(len(local)))
     cache = str(tmp_path / "shared")
     context = multiprocessing.get_context("spawn")
-    start, results = context.Barrier(8), context.Queue()
+    start, results = context.Barrier(4), context.Queue()
     readers = [context.Process(target=_read_all, args=(url, cache, seed, start, results))
-               for seed in range(8)]
+               for seed in range(4)]
     for reader in readers:
         reader.start()
     totals = [results.get(timeout=240) for _ in readers]
     for reader in readers:
         reader.join(timeout=60)
-    assert totals == [expected] * 8
+    assert totals == [expected] * 4
     usage = object_cache_usage(cache)
     assert usage.bytes_fetched == os.path.getsize(local.bin_path)  # every block once
 
