@@ -29,7 +29,10 @@ async def test_signed_payloads_and_store_checksums_are_options_that_work(
 
 
 def test_s3_urls_go_to_the_s3_backend_and_never_to_a_local_path(tmp_path: Any,
-                                                                 monkeypatch: Any) -> None:
+                                                                 monkeypatch: Any,
+                                                                 s3_env: Any) -> None:
+    """With the test server's settings: the process's backend is made once, from the
+    environment of the first s3:// URL, and later tests of this worker use it."""
     from asynctron.datasets import IndexedDataset
     from asynctron.storage.backends import backend_for
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import xxhash
 
-from asynctron.storage.backends import backend_for
+from asynctron.storage.backends import backend_for, is_remote_path
 
 if TYPE_CHECKING:
     from asynctron.storage.backends import RangedFile
@@ -113,7 +113,7 @@ def is_object_storage_path(path: str) -> bool:
     Raises:
         ValueError: a URL no backend serves (naming it, and the schemes served).
     """
-    return "://" in path and backend_for(path).remote
+    return is_remote_path(path)
 
 
 def cache_path(url: str, directory: str) -> str:

@@ -100,6 +100,26 @@ def backend_for(path: str | os.PathLike[str]) -> Backend:
 _FACTORIES[_LOCAL] = LocalBackend
 
 
+def is_remote_path(path: str) -> bool:
+    """Whether `path` names files an object store serves (its backend is `remote`), without
+    making the process's backend for a cloud scheme (it reads its settings once, when made).
+
+    Raises:
+        ValueError: a URL no backend serves (as `backend_for`).
+    """
+    match = _SCHEME.match(path)
+    if match is None:
+        return False
+    factory = _FACTORIES.get(match[1].lower())
+    if factory is not None and factory in _CLOUDS:
+        return True
+    return backend_for(path).remote
+
+
+_CLOUDS: set[Callable[[], Backend]] = set()
+"""The factories of the object stores asynctron ships (their backends are all `remote`)."""
+
+
 def _cloud(module: str, name: str, extra: str, needs: str) -> Callable[[], Backend]:
     """A factory of `module.name`, imported on first use (a cloud SDK costs ~1 s to import);
     without the SDK, a ValueError naming the extra to install."""
@@ -111,6 +131,7 @@ def _cloud(module: str, name: str, extra: str, needs: str) -> Callable[[], Backe
                              f"`pip install 'asynctron[{extra}]'`") from error
         return backend()
 
+    _CLOUDS.add(factory)
     return factory
 
 

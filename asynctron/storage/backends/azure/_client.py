@@ -328,22 +328,38 @@ class AzureClient:
         await self._call("put_block_list", url, attempt)
 
     async def abort_upload(self, url: ObjectUrl, upload_id: str) -> None:
-        """Commits an empty blob only where none exists (`If-None-Match: *`), then deletes
-        it: the staged blocks go with it. Over an existing blob, nothing is done."""
+        """Deletes a blob that has staged blocks only (Azurite allows it); where the service
+        refuses (404: no committed blob), commits an empty blob only where none exists
+        (`If-None-Match: *`) and deletes it, so the blocks go with it. Over an existing blob,
+        nothing is done: its next commit drops the blocks."""
         async def attempt() -> None:
             blob = self._blob(url)
+            if await self._exists(blob):
+                return  # a committed blob is there: never touched
+            try:
+                await blob.delete_blob()
+                return
+            except ResourceNotFoundError:
+                pass
             try:
                 made = await blob.commit_block_list([],
                                                     match_condition=MatchConditions.IfMissing)
             except HttpResponseError as error:
                 if error.status_code in (409, 412):
-                    return  # a committed blob is there: its next commit drops the blocks
+                    return
                 raise
             with contextlib.suppress(ResourceNotFoundError):
                 await blob.delete_blob(etag=made["etag"],
                                        match_condition=MatchConditions.IfNotModified)
 
         await self._call("abort_blocks", url, attempt)
+
+    async def _exists(self, blob: Any) -> bool:
+        try:
+            await blob.get_blob_properties()
+        except ResourceNotFoundError:
+            return False
+        return True
 
     async def list_uploads(self, folder: ObjectUrl) -> list[OpenUpload]:
         found: list[OpenUpload] = []
