@@ -7,9 +7,8 @@ GET the blob's SAS URL (signed with the account key, or a user delegation key) t
 `RangeClient`, so the body lands in the caller's buffers. The commit point is the service's
 own conditional write (`If-None-Match: *`); an object in parts is staged blocks committed by
 one Put Block List. Azure has no upload ids and no call that drops staged blocks: an upload's
-id names its blocks, and aborting one commits nothing over an existing blob (its blocks are
-dropped by the service with the next commit, or after a week); an upload that never had a
-blob leaves an empty one, deleted at once.
+id names its blocks; aborting one deletes a blob that has staged blocks only and never
+touches a committed one (whose next commit drops the blocks, or the service after a week).
 """
 
 from __future__ import annotations
