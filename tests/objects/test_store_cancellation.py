@@ -1,22 +1,32 @@
-"""Cancellation on each object store, in the httpcore style: a save or a load is cancelled
-while one of its calls is held at a known point (`GatedObjectClient`), never after a sleep.
-Each time the caller gets CancelledError at once, nothing of the cancelled save is visible
-or left open (no object, no upload, no claim), the previous checkpoint loads bit for bit,
-and the same engine saves and loads again: nothing stuck."""
+"""Cancellation on each object store, in the httpcore style: a save, a load or a dataset read
+is cancelled while one of its calls is held at a known point (`GatedObjectClient`), never after
+a sleep. Each time the caller gets CancelledError at once, nothing of the cancelled save is
+visible or left open (no object, no upload, no claim), the previous checkpoint loads bit for
+bit, and the same engine saves and loads (the same loader reads) again: nothing stuck."""
 
 from __future__ import annotations
 
 import asyncio
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from asynctron import Engine
+from asynctron.datasets import (
+    AsyncLoader,
+    GPTDatasetConfig,
+    IndexedDataset,
+    build_gpt_datasets,
+    object_cache_usage,
+)
+from asynctron.storage.backends import register_backend
 from asynctron.storage.backends.objects import ObjectStoreBackend
 from asynctron.testing import GatedObjectClient
 from asynctron.testing._gated_objects import ObjectGatePoint
 from tests.conftest import assert_same
+from tests.datasets.conftest import Tok
 from tests.objects.conftest import Store
 
 
@@ -110,3 +120,57 @@ async def test_a_load_cancelled_while_it_finds_the_checkpoint(store: Store) -> N
         with pytest.raises(asyncio.CancelledError):
             await task
         assert_same(_state(0), await engine.load(store.root))
+
+
+def _gpt(prefix: str, tmp_path: Any, cache: str | None) -> Any:
+    config = GPTDatasetConfig(random_seed=5, sequence_length=64, tokenizer=Tok(),
+                              blend=([prefix], None), split="1", mmap_bin_files=False,
+                              object_storage_cache_path=str(tmp_path / "objects"),
+                              path_to_cache=cache)
+    return build_gpt_datasets(config, [None, None, None])[0]
+
+
+async def _first_batches(dataset: Any, count: int) -> list[dict[str, Any]]:
+    async with Engine(num_workers=1) as engine, AsyncLoader(
+            dataset, micro_batch_size=4, run_blocking=engine.run_blocking,
+            prefetch_budget=1 << 20, num_ready_batches=1, num_workers=0) as loader:
+        return [{key: value.clone() for key, value in (await anext(loader)).items()}
+                for _ in range(count)]
+
+
+async def test_a_dataset_read_cancelled_mid_fetch_loses_no_batch_and_leaves_nothing_stuck(
+        store: Store, corpus: tuple[IndexedDataset, str], tmp_path: Any) -> None:
+    """A loader reading in this process is cancelled while its batch's ranged GET is held:
+    CancelledError at once; once the GET goes on, the next call returns that same batch and
+    the rest follow right, the loader closes, and the blocks fetched are all in the cache (a
+    second loader reads them without a fetch)."""
+    local, url = corpus
+    expected = await _first_batches(_gpt(local.path_prefix, tmp_path, str(tmp_path / "local")),
+                                     3)
+    client, backend = _gated(store)
+    replaced = register_backend(store.scheme, lambda: backend)
+    assert replaced is not None
+    try:
+        ours = _gpt(url, tmp_path, None)  # the .idx and the GPT indices fetched, ungated
+        gate = client.hold("get_into", where=lambda found: found.key.endswith(".bin"))
+        async with Engine(num_workers=1) as engine, AsyncLoader(
+                ours, micro_batch_size=4, run_blocking=engine.run_blocking,
+                prefetch_budget=1 << 20, num_ready_batches=1, num_workers=0) as loader:
+            first = asyncio.ensure_future(anext(loader))
+            await gate.reached()
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            gate.release()
+            batches = [await anext(loader) for _ in range(3)]
+        for number, (batch, want) in enumerate(zip(batches, expected, strict=True)):
+            assert all(np.array_equal(batch[key].numpy(), want[key].numpy()) for key in want), (
+                number)
+        fetched = object_cache_usage(str(tmp_path / "objects")).bytes_fetched
+        assert fetched > 0
+        (again,) = await _first_batches(_gpt(url, tmp_path, None), 1)
+        assert all(np.array_equal(again[key].numpy(), expected[0][key].numpy())
+                   for key in expected[0])
+        assert object_cache_usage(str(tmp_path / "objects")).bytes_fetched == fetched
+    finally:
+        register_backend(store.scheme, replaced)
