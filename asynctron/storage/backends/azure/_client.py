@@ -47,14 +47,13 @@ from asynctron.storage.backends.objects._io_loop import close_at_exit, close_whe
 from asynctron.storage.backends.objects._layout import Listing, ObjectUrl
 from asynctron.storage.backends.objects._request_budget import world_size
 from asynctron.storage.backends.objects._requests import Answer, Failure, StoreRequests
-from asynctron.storage.backends.objects._signed_gets import signed_get_into
+from asynctron.storage.backends.objects._signed_gets import SignedUrls, signed_get_into
 
 MiB = 1 << 20
 AZURE_PART_LIMITS = PartLimits(min_part_bytes=4 * MiB, max_parts=50_000)
 """A block blob has at most 50,000 blocks; blocks below a few MiB only cost requests."""
 SAS_S = 3600
 """How long a SAS URL is valid (one is made again at half of it)."""
-_MOST_SIGNED = 4096
 _FIRST_GET_BYTES = 4 * MiB
 """What the first GET of a whole object asks for (`get_small` stops there if it is larger)."""
 _SEND_SLICE_BYTES = 256 << 10
@@ -126,12 +125,27 @@ class AzureErrors:
 class _LoopClient:
     """A `BlobServiceClient` and a client for SAS GETs, of one event loop."""
 
-    def __init__(self, service: BlobServiceClient, config: AzureConfig) -> None:
+    def __init__(self, service: BlobServiceClient, config: AzureConfig, account: str,
+                 key: str | None) -> None:
         self.service = service
         self.ranges = RangeClient(connect_timeout_s=config.connect_timeout_s,
                                   read_timeout_s=config.read_timeout_s)
-        self.signed: dict[ObjectUrl, tuple[str, float]] = {}
-        self.delegation: Any = None
+        self.signed = SignedUrls(self._sign, life_s=SAS_S)
+        self._account = account
+        self._key = key
+        self._delegation: Any = None
+
+    async def _sign(self, url: ObjectUrl) -> str:
+        """`url`'s read-only SAS URL (the account key's, else a user delegation key's)."""
+        expiry = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=SAS_S)
+        if self._key is None and (self._delegation is None
+                                  or self._delegation.signed_expiry < _iso(expiry)):
+            self._delegation = await self.service.get_user_delegation_key(
+                datetime.datetime.now(datetime.UTC), expiry + datetime.timedelta(hours=1))
+        sas = generate_blob_sas(self._account, url.bucket, url.key, account_key=self._key,
+                                user_delegation_key=self._delegation,
+                                permission=BlobSasPermissions(read=True), expiry=expiry)
+        return f"{self.service.get_blob_client(url.bucket, url.key).url}?{sas}"
 
     async def aclose(self) -> None:
         await self.ranges.aclose()
@@ -170,7 +184,8 @@ class AzureClient:
                 read_timeout=self.config.read_timeout_s,
                 max_single_put_size=max(self.config.single_put_bytes, 64 * MiB),
                 max_single_get_size=_FIRST_GET_BYTES)
-            found = self._clients[loop] = _LoopClient(service, self.config)
+            found = self._clients[loop] = _LoopClient(service, self.config, self._account,
+                                                      self._key)
         return found
 
     def _blob(self, url: ObjectUrl) -> Any:
@@ -201,30 +216,11 @@ class AzureClient:
 
         async def attempt() -> None:
             found = self._loop_client()
-            await signed_get_into(found.ranges, await self._signed_url(found, url), url,
+            await signed_get_into(found.ranges, await found.signed.get(url), url,
                                   self.endpoint, offset, buffers, key=key, if_match=if_match,
                                   error_of=_answered)
 
         await self.requests.retried("get_blob", url, attempt, received_bytes=nbytes)
-
-    async def _signed_url(self, found: _LoopClient, url: ObjectUrl) -> str:
-        """`url`'s read-only SAS URL (the account key's, else a user delegation key's), made
-        again when half its life is gone."""
-        known = found.signed.get(url)
-        now = asyncio.get_running_loop().time()
-        if known is None or now - known[1] > SAS_S / 2:
-            if len(found.signed) >= _MOST_SIGNED:
-                found.signed.clear()
-            expiry = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=SAS_S)
-            if self._key is None and (found.delegation is None
-                                      or found.delegation.signed_expiry < _iso(expiry)):
-                found.delegation = await found.service.get_user_delegation_key(
-                    datetime.datetime.now(datetime.UTC), expiry + datetime.timedelta(hours=1))
-            sas = generate_blob_sas(self._account, url.bucket, url.key, account_key=self._key,
-                                    user_delegation_key=found.delegation,
-                                    permission=BlobSasPermissions(read=True), expiry=expiry)
-            known = found.signed[url] = (f"{self._blob(url).url}?{sas}", now)
-        return known[0]
 
     async def head(self, url: ObjectUrl) -> ObjectInfo:
         async def attempt() -> Any:

@@ -1,11 +1,13 @@
 """A ranged GET of a signed URL (S3's presigned, Azure's SAS; GCS's, with a bearer token)
 whose body lands in the caller's buffers (`RangeClient`): the read every cloud's
-`ObjectClient.get_into` makes, and what its answer must hold.
+`ObjectClient.get_into` makes, and what its answer must hold; and `SignedUrls`, the URLs it
+reads, signed once per object.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from asynctron.errors import CorruptCheckpointError, StorageError
 from asynctron.storage.backends.objects._http_ranges import RangeClient
@@ -45,3 +47,30 @@ async def signed_get_into(ranges: RangeClient, signed_url: str, url: ObjectUrl, 
         raise CorruptCheckpointError(
             f"{message}; the object is shorter than its manifest says (truncated or replaced "
             "after commit)", path=str(url), key=key, offset=offset + answer.received)
+
+
+class SignedUrls:
+    """Each object's signed GET URL, made by `sign` and made again when half of `life_s` is
+    gone; at most `most` kept (beyond, all are dropped). Of one event loop."""
+
+    def __init__(self, sign: Callable[[ObjectUrl], Awaitable[str]], *, life_s: float,
+                 most: int = 4096, clock: Callable[[], float] = time.monotonic) -> None:
+        self._sign = sign
+        self._life_s = life_s
+        self._most = most
+        self._clock = clock
+        self._made: dict[ObjectUrl, tuple[str, float]] = {}
+
+    async def get(self, url: ObjectUrl) -> str:
+        """`url`'s signed URL, signed again where it is past half its life."""
+        found = self._made.get(url)
+        now = self._clock()
+        if found is None or now - found[1] > self._life_s / 2:
+            if len(self._made) >= self._most:
+                self._made.clear()
+            found = self._made[url] = (await self._sign(url), now)
+        return found[0]
+
+    def forget(self, url: ObjectUrl) -> None:
+        """Sign `url` again at its next `get` (its signer's credentials were refused)."""
+        self._made.pop(url, None)

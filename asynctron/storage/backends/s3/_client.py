@@ -17,7 +17,6 @@ import email.utils
 import io
 import os
 import re
-import time
 import weakref
 from collections.abc import Sequence
 from typing import Any, TypeVar
@@ -46,7 +45,7 @@ from asynctron.storage.backends.objects._io_loop import (
 from asynctron.storage.backends.objects._layout import Listing, ObjectUrl
 from asynctron.storage.backends.objects._request_budget import world_size
 from asynctron.storage.backends.objects._requests import Answer, Failure, StoreRequests
-from asynctron.storage.backends.objects._signed_gets import signed_get_into
+from asynctron.storage.backends.objects._signed_gets import SignedUrls, signed_get_into
 from asynctron.storage.backends.s3._config import S3Config
 from asynctron.storage.backends.s3._service_models import use_service_model_loader
 
@@ -57,8 +56,6 @@ S3_PART_LIMITS = PartLimits(min_part_bytes=5 * MiB, max_parts=10_000)
 """S3's own bounds on a multipart upload's parts."""
 PRESIGNED_S = 3600
 """How long a presigned GET URL is valid (one is made again at half of it)."""
-_MOST_PRESIGNED = 4096
-"""Presigned URLs kept per client (all are dropped beyond it)."""
 _DELETE_BATCH = 1000
 _THROTTLE_CODES = frozenset({
     "SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "RequestLimitExceeded",
@@ -172,20 +169,12 @@ class _LoopClient:
         self.client = client
         self.ranges = RangeClient(connect_timeout_s=config.connect_timeout_s,
                                   read_timeout_s=config.read_timeout_s)
-        self.presigned: dict[ObjectUrl, tuple[str, float]] = {}
-        """Each object's presigned GET URL, and when it was made."""
+        self.presigned = SignedUrls(self._presign, life_s=PRESIGNED_S)
 
-    async def presigned_url(self, url: ObjectUrl) -> str:
-        """`url`'s presigned GET URL, made again when half its life is gone."""
-        found = self.presigned.get(url)
-        now = time.monotonic()
-        if found is None or now - found[1] > PRESIGNED_S / 2:
-            if len(self.presigned) >= _MOST_PRESIGNED:
-                self.presigned.clear()
-            found = self.presigned[url] = (await self.client.generate_presigned_url(
-                "get_object", Params={"Bucket": url.bucket, "Key": url.key},
-                ExpiresIn=PRESIGNED_S), now)
-        return found[0]
+    async def _presign(self, url: ObjectUrl) -> str:
+        return str(await self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": url.bucket, "Key": url.key},
+            ExpiresIn=PRESIGNED_S))
 
     async def aclose(self) -> None:
         await self.ranges.aclose()
@@ -295,7 +284,7 @@ class S3Client:
 
         async def attempt() -> None:
             found = await self._loop_client()
-            await signed_get_into(found.ranges, await found.presigned_url(url), url,
+            await signed_get_into(found.ranges, await found.presigned.get(url), url,
                                   self.endpoint, offset, buffers, key=key, if_match=if_match,
                                   error_of=_client_error)
 
@@ -308,7 +297,7 @@ class S3Client:
     async def _forget_presigned(self, url: ObjectUrl) -> None:
         found = self._clients.get(asyncio.get_running_loop())
         if found is not None:
-            found.presigned.pop(url, None)
+            found.presigned.forget(url)
 
     async def head(self, url: ObjectUrl) -> ObjectInfo:
         try:
