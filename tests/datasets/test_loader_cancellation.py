@@ -4,8 +4,8 @@ or budget is left."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
-import time
 from typing import Any
 
 import pytest
@@ -35,24 +35,28 @@ async def _cancel_a_waiting_next(loader: AsyncLoader) -> None:
     assert loader.consumed_samples == 0
 
 
-class _SlowToLocate(GPTDataset):
-    """Takes its time over sample 0 in the worker, so that the first `__anext__` is surely
-    still waiting when it is cancelled."""
+class _HeldAtSampleZero(GPTDataset):
+    """Holds sample 0 in the (forked) worker until the test sets `release`, so that the first
+    `__anext__` is surely still waiting when it is cancelled."""
+
+    release: Any
 
     def locate_batch(self, ids: Any) -> Any:
         if 0 in list(ids):
-            time.sleep(0.2)
+            assert self.release.wait(60), "the test never released sample 0"
         return super().locate_batch(ids)
 
 
 async def test_a_cancelled_next_loses_no_batch_from_workers(gpt) -> None:
     """Invariant: the batch a cancelled `__anext__` would have returned comes next."""
-    slow = _SlowToLocate(gpt.dataset, gpt.dataset_path, gpt.indices, gpt.num_samples,
-                         gpt.index_split, gpt.config)
+    held = _HeldAtSampleZero(gpt.dataset, gpt.dataset_path, gpt.indices, gpt.num_samples,
+                             gpt.index_split, gpt.config)
+    held.release = multiprocessing.get_context("fork").Event()
     async with Engine(num_workers=2) as engine, AsyncLoader(
-            slow, micro_batch_size=2, run_blocking=engine.run_blocking, prefetch_budget=1 << 20,
-            num_ready_batches=1) as loader:
+            held, micro_batch_size=2, run_blocking=engine.run_blocking,
+            prefetch_budget=1 << 20, num_ready_batches=1, start_method="fork") as loader:
         await _cancel_a_waiting_next(loader)
+        held.release.set()
         first = await loader.__anext__()
     assert torch.equal(first["tokens"], torch.stack([gpt[0]["tokens"], gpt[1]["tokens"]]))
 
