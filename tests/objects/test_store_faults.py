@@ -26,6 +26,8 @@ from asynctron.testing.tcp_proxy import TcpFaultProxy
 from tests.conftest import assert_same
 from tests.objects.conftest import Store
 
+pytestmark = pytest.mark.slow  # each waits out a deadline, a proxy's fault or killed savers
+
 
 def _through(proxy: TcpFaultProxy, store: Store, *, deadline_s: float) -> Any:
     return store.backend(proxy.endpoint, deadline_s=deadline_s, read_timeout_s=2,

@@ -90,6 +90,7 @@ def _blocks_of(local: IndexedDataset, i: int) -> tuple[int, int]:
 
 # -- the store gone ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("faults", [["stall"], ["reset"], ["reset", "refuse"]],
                          ids=["stalled", "resetting", "down"])
 def test_a_store_gone_mid_epoch_fails_a_miss_clearly_and_serves_what_is_cached(
@@ -148,6 +149,7 @@ def test_connection_resets_mid_read_are_retried_inside_the_deadline(
 
 # -- a cache directory that fills ----------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_cache_disk_that_fills_evicts_and_never_fails_a_read(
         small_disk: str, tmp_path: Any, s3_root: str, s3_objects: Any) -> None:
     local = write_indexed_dataset(str(tmp_path / "local" / "big"),
@@ -196,6 +198,8 @@ _FILL_AND_READ = _FILL + textwrap.dedent("""
     print("read", flush=True)
 """)
 
+
+@pytest.mark.slow
 def test_a_cache_disk_filled_by_another_file_serves_from_the_store(
         small_disk: str, tmp_path: Any, s3_root: str, s3_objects: Any) -> None:
     """The disk filled by someone else after the open, nothing of ours to evict: reads are
@@ -225,6 +229,7 @@ _FULL_THEN_OPEN = _FILL + textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_a_full_cache_disk_fails_the_open_with_an_os_error_naming_it(
         small_disk: str, corpus: tuple[IndexedDataset, str]) -> None:
     _, url = corpus

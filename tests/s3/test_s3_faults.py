@@ -38,6 +38,7 @@ def _unreachable(endpoint: str) -> S3Backend:
                               deadline_s=60, connect_timeout_s=2))
 
 
+@pytest.mark.slow
 async def test_nothing_listening_at_the_endpoint_fails_after_a_short_grace(
         tmp_path: Any) -> None:
     """A typo'd port used to cost the whole deadline (60 s) per call."""
@@ -96,6 +97,7 @@ async def test_an_endpoint_that_is_not_s3_is_named(plain_http_port: int) -> None
             await engine.load("s3://bucket/run")
 
 
+@pytest.mark.slow
 def test_the_cli_takes_the_deadline(s3_env: SeaweedFS, proxy: TcpFaultProxy,
                                     s3_root: str) -> None:
     proxy.stall()
