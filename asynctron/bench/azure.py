@@ -47,7 +47,7 @@ import contextlib
 import json
 import os
 import warnings
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -92,24 +92,12 @@ class _ViewWriter:
 class RawAzure:
     """One azure-storage-blob aio client on the running loop: one buffer staged as blocks and
     committed, and read back with ranged downloads into one buffer, `num_requests` requests in
-    flight at most (counted in `most_in_flight`). `RawMethod` (bench.s3's) drives it."""
+    flight at most (counted in `slots`). `RawMethod` (bench.s3's) drives it."""
 
     def __init__(self, service: Any, *, part_bytes: int, num_requests: int) -> None:
         self._service = service
         self._part_bytes = part_bytes
-        self._budget = asyncio.Semaphore(num_requests)
-        self._in_flight = 0
-        self.most_in_flight = 0
-
-    @contextlib.asynccontextmanager
-    async def _slot(self) -> AsyncIterator[None]:
-        async with self._budget:
-            self._in_flight += 1
-            self.most_in_flight = max(self.most_in_flight, self._in_flight)
-            try:
-                yield
-            finally:
-                self._in_flight -= 1
+        self.slots = s3.RequestSlots(num_requests)
 
     def _blob(self, url: str) -> Any:
         return self._service.get_blob_client(*_split_url(url))
@@ -120,7 +108,7 @@ class RawAzure:
 
         async def stage(block_id: str, offset: int) -> None:
             body = view[offset:offset + self._part_bytes]
-            async with self._slot():  # sent in 1 MiB views: the part whole, aiohttp copies it
+            async with self.slots.slot():  # sent in 1 MiB views: the part whole, aiohttp copies it
                 await blob.stage_block(block_id, s3.PartBody(body), length=body.nbytes)
 
         block_ids = [f"{number:06d}" for number in range(
@@ -128,7 +116,7 @@ class RawAzure:
         async with asyncio.TaskGroup() as group:
             for number, block_id in enumerate(block_ids):
                 group.create_task(stage(block_id, number * self._part_bytes))
-        async with self._slot():
+        async with self.slots.slot():
             await blob.commit_block_list(block_ids)
 
     async def get_into(self, url: str, view: memoryview) -> None:
@@ -137,7 +125,7 @@ class RawAzure:
 
         async def get(offset: int) -> None:
             length = min(self._part_bytes, view.nbytes - offset)
-            async with self._slot():
+            async with self.slots.slot():
                 download = await blob.download_blob(offset=offset, length=length,
                                                     max_concurrency=1)
                 found = await download.readinto(_ViewWriter(view[offset:offset + length]))

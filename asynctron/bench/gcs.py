@@ -120,7 +120,7 @@ async def _multipart_body(head: bytes, view: memoryview, tail: bytes
 class RawGcs:
     """One aiohttp session on the running loop against the JSON API: one buffer uploaded as
     part objects and composed, and read back with ranged `?alt=media` GETs into one buffer,
-    `num_requests` requests in flight at most (counted in `most_in_flight`). `RawMethod`
+    `num_requests` requests in flight at most (counted in `slots`). `RawMethod`
     (bench.s3's) drives it."""
 
     def __init__(self, session: Any, endpoint: str, *, part_bytes: int, save_part_bytes: int,
@@ -129,19 +129,7 @@ class RawGcs:
         self._endpoint = endpoint
         self._part_bytes = part_bytes
         self._save_part_bytes = save_part_bytes
-        self._budget = asyncio.Semaphore(num_requests)
-        self._in_flight = 0
-        self.most_in_flight = 0
-
-    @contextlib.asynccontextmanager
-    async def _slot(self) -> AsyncIterator[None]:
-        async with self._budget:
-            self._in_flight += 1
-            self.most_in_flight = max(self.most_in_flight, self._in_flight)
-            try:
-                yield
-            finally:
-                self._in_flight -= 1
+        self.slots = s3.RequestSlots(num_requests)
 
     async def _upload(self, bucket: str, key: str, view: memoryview) -> None:
         """One `uploadType=multipart` upload (the object's name, then its bytes)."""
@@ -150,7 +138,7 @@ class RawGcs:
                 f"{json.dumps({'name': key})}\r\n"
                 f"--{boundary}\r\nContent-Type: application/octet-stream\r\n\r\n").encode()
         tail = f"\r\n--{boundary}--\r\n".encode()
-        async with self._slot(), self._session.post(
+        async with self.slots.slot(), self._session.post(
                 f"{self._endpoint}/upload/storage/v1/b/{bucket}/o",
                 params={"uploadType": "multipart"}, data=_multipart_body(head, view, tail),
                 headers={"Content-Type": f"multipart/related; boundary={boundary}",
@@ -161,13 +149,13 @@ class RawGcs:
     async def _compose(self, bucket: str, key: str, sources: list[str]) -> None:
         body = {"sourceObjects": [{"name": name} for name in sources],
                 "destination": {"contentType": "application/octet-stream"}}
-        async with self._slot(), self._session.post(
+        async with self.slots.slot(), self._session.post(
                 f"{self._endpoint}/storage/v1/b/{bucket}/o/{_quote(key)}/compose",
                 json=body) as response:
             await self._check(response, f"compose {key}")
 
     async def _delete(self, bucket: str, key: str) -> None:
-        async with self._slot(), self._session.delete(
+        async with self.slots.slot(), self._session.delete(
                 f"{self._endpoint}/storage/v1/b/{bucket}/o/{_quote(key)}") as response:
             await self._check(response, f"delete {key}")
 
@@ -216,7 +204,7 @@ class RawGcs:
 
         async def get(offset: int) -> None:
             end = min(offset + self._part_bytes, view.nbytes)
-            async with self._slot(), self._session.get(
+            async with self.slots.slot(), self._session.get(
                     address, params={"alt": "media"},
                     headers={"Range": f"bytes={offset}-{end - 1}"}) as response:
                 if response.status != 206:

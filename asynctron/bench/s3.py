@@ -169,19 +169,17 @@ class PartBody:
         return self._position
 
 
-class RawS3:
-    """One aiobotocore client on the running loop: a multipart PUT of one buffer and ranged GETs
-    into one buffer, `num_requests` requests in flight at most (counted in `most_in_flight`)."""
+class RequestSlots:
+    """A raw client's requests: at most `num_requests` in flight, the most there were counted
+    (`most_in_flight`)."""
 
-    def __init__(self, client: Any, *, part_bytes: int, num_requests: int):
-        self._client = client
-        self._part_bytes = part_bytes
+    def __init__(self, num_requests: int) -> None:
         self._budget = asyncio.Semaphore(num_requests)
         self._in_flight = 0
         self.most_in_flight = 0
 
     @contextlib.asynccontextmanager
-    async def _slot(self) -> AsyncIterator[None]:
+    async def slot(self) -> AsyncIterator[None]:
         """One request in flight, while the budget allows."""
         async with self._budget:
             self._in_flight += 1
@@ -191,8 +189,18 @@ class RawS3:
             finally:
                 self._in_flight -= 1
 
+
+class RawS3:
+    """One aiobotocore client on the running loop: a multipart PUT of one buffer and ranged GETs
+    into one buffer, `num_requests` requests in flight at most (counted in `slots`)."""
+
+    def __init__(self, client: Any, *, part_bytes: int, num_requests: int):
+        self._client = client
+        self._part_bytes = part_bytes
+        self.slots = RequestSlots(num_requests)
+
     async def _request(self, operation: str, **params: Any) -> Any:
-        async with self._slot():
+        async with self.slots.slot():
             return await getattr(self._client, operation)(**params)
 
     async def put(self, url: str, view: memoryview) -> None:
@@ -234,7 +242,7 @@ class RawS3:
 
         async def get(offset: int) -> None:
             end = min(offset + self._part_bytes, view.nbytes)
-            async with self._slot():
+            async with self.slots.slot():
                 response = await self._client.get_object(Bucket=bucket, Key=key,
                                                           Range=f"bytes={offset}-{end - 1}")
                 async with response["Body"] as body:
@@ -307,7 +315,7 @@ class RawMethod(Method):
         return loaded
 
     def most_in_flight(self) -> int | None:
-        return self.raw.most_in_flight
+        return self.raw.slots.most_in_flight
 
 
 class TorchSaveMethod(Method):
@@ -336,7 +344,7 @@ class TorchSaveMethod(Method):
         return await asyncio.to_thread(torch.load, io.BytesIO(data), weights_only=True)
 
     def most_in_flight(self) -> int | None:
-        return self.raw.most_in_flight
+        return self.raw.slots.most_in_flight
 
 
 class DcpMethod(Method):
