@@ -5,6 +5,7 @@ metadata, and a JSON file at `--out` (a `.json` path, or a directory), by defaul
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import platform
@@ -24,6 +25,18 @@ def scratch_dir(prefix: str, parent: str) -> str:
     """A new directory for a run's files inside `parent` (created if missing)."""
     os.makedirs(parent, exist_ok=True)
     return tempfile.mkdtemp(prefix=prefix, dir=parent)
+
+
+def versions(names: tuple[str, ...]) -> dict[str, str]:
+    """Each distribution's installed version ("not installed" where it is not), for a run's
+    metadata."""
+    found = {}
+    for name in names:
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = "not installed"
+    return found
 
 
 def run_meta(started_unix_s: float, args: argparse.Namespace, **extra: Any) -> dict[str, Any]:

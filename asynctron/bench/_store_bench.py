@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import importlib.metadata
 import os
 import shutil
 import tempfile
@@ -179,13 +178,7 @@ def report(bench: StoreBench, result: dict[str, Any]) -> None:
 
 
 def _versions(bench: StoreBench) -> dict[str, str]:
-    versions = {}
-    for name in ("torch", *bench.distributions):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return {**versions, **bench.server_versions()}
+    return {**_results.versions(("torch", *bench.distributions)), **bench.server_versions()}
 
 
 def main(bench: StoreBench, description: str, argv: list[str] | None = None) -> int:

