@@ -21,11 +21,12 @@ import json
 import secrets
 import urllib.parse
 import weakref
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Coroutine, Sequence
+from typing import Any, TypeVar
 
 import aiohttp
 
+from asynctron._concurrency import uncancellable
 from asynctron.errors import ObjectNotFoundError, StorageError
 from asynctron.storage.backends.gcs._config import GcsConfig
 from asynctron.storage.backends.objects._client import (
@@ -41,6 +42,8 @@ from asynctron.storage.backends.objects._layout import Listing, ObjectUrl
 from asynctron.storage.backends.objects._request_budget import world_size
 from asynctron.storage.backends.objects._requests import Answer, Failure, StoreRequests
 from asynctron.storage.backends.objects._signed_gets import signed_get_into
+
+T = TypeVar("T")
 
 MiB = 1 << 20
 GCS_PART_LIMITS = PartLimits(min_part_bytes=5 * MiB, max_parts=32 ** 3)
@@ -269,7 +272,12 @@ class GcsClient:
                       named: ObjectUrl | str) -> None:
         """One multipart upload (metadata and bytes), sent from where the bytes lie; only
         over `generation` if given ("0": only if absent). `operation` and `named` name it in
-        errors."""
+        errors.
+
+        Cancellation: waits for the answer (or the failure) first, as every request here that
+        makes an object does: a part is an object of its own, and a request cut off once its
+        body was sent may still be stored after the save's abort has listed what to delete.
+        """
         view = memoryview(body).cast("B")
         params = {"uploadType": "multipart"}
         if generation is not None:
@@ -287,7 +295,8 @@ class GcsClient:
                 headers={"Content-Type": f"multipart/related; boundary={boundary}",
                          "Content-Length": str(len(head) + view.nbytes + len(tail))})
 
-        await self.requests.retried(operation, named, attempt, sent_bytes=view.nbytes)
+        await _to_its_answer(self.requests.retried(operation, named, attempt,
+                                                   sent_bytes=view.nbytes))
 
     async def delete(self, urls: Sequence[ObjectUrl]) -> None:
         async def delete_one(url: ObjectUrl) -> None:
@@ -332,8 +341,8 @@ class GcsClient:
     async def _compose(self, url: ObjectUrl, sources: Sequence[str]) -> None:
         body = {"sourceObjects": [{"name": name} for name in sources],
                 "destination": {"contentType": "application/octet-stream"}}
-        await self._call("compose", url, "POST", f"{self._object_path(url)}/compose",
-                         json=body)
+        await _to_its_answer(self._call("compose", url, "POST",
+                                        f"{self._object_path(url)}/compose", json=body))
 
     async def abort_upload(self, url: ObjectUrl, upload_id: str) -> None:
         """Delete the upload's parts (all parts of uploads to `url` when `upload_id` is "")."""
@@ -384,3 +393,11 @@ async def _body(head: bytes, view: memoryview, tail: bytes) -> AsyncIterator[byt
     for start in range(0, view.nbytes, _SEND_SLICE_BYTES):
         yield view[start:start + _SEND_SLICE_BYTES]
     yield tail
+
+
+async def _to_its_answer(request: Coroutine[Any, Any, T]) -> T:
+    """`request`'s result, awaited to its end even if the caller is cancelled meanwhile (the
+    cancellation is raised afterwards)."""
+    running = asyncio.ensure_future(request)
+    await uncancellable(running)
+    return running.result()
