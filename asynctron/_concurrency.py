@@ -1,5 +1,5 @@
-"""Shared asyncio building blocks for every part: the blocking-call door type, cleanup that
-cannot be cut short, and one error out of a failed task group.
+"""Shared asyncio building blocks for every part: the blocking-call door type, cleanup and
+work that cannot be cut short, and one error out of a failed task group.
 
 Lives outside `engine` so that `storage`, `comm` and `datasets` use the same pieces without
 importing the engine (arrows run one way).
@@ -34,6 +34,23 @@ async def uncancellable(awaitable: asyncio.Future[Any]) -> None:
             cancelled = True
     if cancelled:
         raise asyncio.CancelledError
+
+
+async def to_its_end(awaitable: Awaitable[T], *,
+                     on_cancel: Callable[[], object] = lambda: None) -> T:
+    """`awaitable`'s result. Cancelled meanwhile: `on_cancel()` (to hasten it), then wait for
+    it to end and re-raise the cancellation (which wins over its own error, marked seen). For
+    work that must not be cut off half-way (a commit, a transfer, a request that makes an
+    object)."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        return await asyncio.shield(task)
+    except asyncio.CancelledError:
+        on_cancel()
+        await uncancellable(task)
+        if not task.cancelled():
+            task.exception()
+        raise
 
 
 def first_error(error: BaseException) -> BaseException:

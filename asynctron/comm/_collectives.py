@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from asynctron._concurrency import RunBlocking, uncancellable
+from asynctron._concurrency import RunBlocking, to_its_end
 from asynctron.comm._bridge import peer_error, wait_work
 from asynctron.errors import PeerError
 
@@ -214,14 +214,7 @@ class CollectiveGroup:
                     "group or restart the job", rank=error.rank)
             self._num_calls += 1
             what = f"{name} (call {self._num_calls})"
-            task = asyncio.get_running_loop().create_task(self._guarded(what, run))
-            try:
-                return await asyncio.shield(task)
-            except asyncio.CancelledError:
-                await uncancellable(task)
-                if not task.cancelled():
-                    task.exception()  # the cancellation wins; mark the error as seen
-                raise
+            return await to_its_end(self._guarded(what, run))
 
     async def _guarded(self, what: str, run: Callable[[], Awaitable[T]]) -> T:
         scope = asyncio.timeout(self.timeout_s)

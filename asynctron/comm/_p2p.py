@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from asynctron._concurrency import uncancellable
+from asynctron._concurrency import to_its_end
 from asynctron.comm._bridge import peer_error
 
 T = TypeVar("T")
@@ -137,14 +137,9 @@ class PeerChannel:
         point work no future); its backend error becomes `PeerError`.
 
         Cancellation: the transfers cannot be un-posted; the thread finishes first."""
-        call = asyncio.get_running_loop().run_in_executor(self._waiting, transfer)
         try:
-            return await asyncio.shield(call)
-        except asyncio.CancelledError:
-            await uncancellable(call)
-            if not call.cancelled():
-                call.exception()  # the cancellation wins; mark the transfer's error as seen
-            raise
+            return await to_its_end(
+                asyncio.get_running_loop().run_in_executor(self._waiting, transfer))
         except (RuntimeError, dist.DistError) as error:
             raise peer_error(f"{what} with rank {peer}", self.process_group, error) from error
 

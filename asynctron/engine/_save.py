@@ -32,7 +32,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import WriteItem
 
-from asynctron._concurrency import uncancellable
+from asynctron._concurrency import to_its_end
 from asynctron.engine._coordinator import Coordinator, Start, describe
 from asynctron.engine._pipeline import Mirror, stage_and_write
 from asynctron.engine._plan_cache import FilePlan, PlanCache
@@ -188,15 +188,7 @@ class SaveJob:
         answered none of its requests for the backend's deadline, however many it sends.
         """
         with store_operation("save", self.path) as self._store:
-            protocol = asyncio.ensure_future(self._protocol())
-            try:
-                return await asyncio.shield(protocol)
-            except asyncio.CancelledError:
-                self._abort.request()
-                await uncancellable(protocol)
-                if not protocol.cancelled():
-                    protocol.exception()  # the cancellation wins; mark the outcome as seen
-                raise
+            return await to_its_end(self._protocol(), on_cancel=self._abort.request)
 
     async def _protocol(self) -> SaveResult:
         planned = await self._plan_phase()

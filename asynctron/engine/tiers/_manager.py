@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from asynctron._concurrency import uncancellable
+from asynctron._concurrency import to_its_end, uncancellable
 from asynctron.comm import PeerChannel
 from asynctron.engine._collectives import Collectives, SoloCollectives
 from asynctron.engine._coordinator import Coordinator, describe
@@ -139,17 +139,13 @@ class TierManager:
         """
         self._seq += 1
         jobs: list[SaveJob] = []
-        protocol = asyncio.ensure_future(self._save(state_dict, step, self._seq, options,
-                                                    ready, on_staged, jobs))
-        try:
-            return await asyncio.shield(protocol)
-        except asyncio.CancelledError:
+
+        def abort_jobs() -> None:
             for job in jobs:
                 job.abort()
-            await uncancellable(protocol)
-            if not protocol.cancelled():
-                protocol.exception()  # the cancellation wins; mark the outcome as seen
-            raise
+
+        return await to_its_end(self._save(state_dict, step, self._seq, options, ready,
+                                           on_staged, jobs), on_cancel=abort_jobs)
 
     async def _save(self, state_dict: Mapping[str, Any], step: int, seq: int,
                     options: SaveOptions, ready: Mapping[torch.device, torch.cuda.Event],

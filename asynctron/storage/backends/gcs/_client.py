@@ -21,12 +21,12 @@ import json
 import secrets
 import urllib.parse
 import weakref
-from collections.abc import AsyncIterator, Coroutine, Sequence
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import aiohttp
 
-from asynctron._concurrency import uncancellable
+from asynctron._concurrency import to_its_end
 from asynctron.errors import ObjectNotFoundError, StorageError
 from asynctron.storage.backends.gcs._config import GcsConfig
 from asynctron.storage.backends.objects._client import (
@@ -42,8 +42,6 @@ from asynctron.storage.backends.objects._layout import Listing, ObjectUrl
 from asynctron.storage.backends.objects._request_budget import world_size
 from asynctron.storage.backends.objects._requests import Answer, Failure, StoreRequests
 from asynctron.storage.backends.objects._signed_gets import signed_get_into
-
-T = TypeVar("T")
 
 MiB = 1 << 20
 GCS_PART_LIMITS = PartLimits(min_part_bytes=5 * MiB, max_parts=32 ** 3)
@@ -295,7 +293,7 @@ class GcsClient:
                 headers={"Content-Type": f"multipart/related; boundary={boundary}",
                          "Content-Length": str(len(head) + view.nbytes + len(tail))})
 
-        await _to_its_answer(self.requests.retried(operation, named, attempt,
+        await to_its_end(self.requests.retried(operation, named, attempt,
                                                    sent_bytes=view.nbytes))
 
     async def delete(self, urls: Sequence[ObjectUrl]) -> None:
@@ -341,7 +339,7 @@ class GcsClient:
     async def _compose(self, url: ObjectUrl, sources: Sequence[str]) -> None:
         body = {"sourceObjects": [{"name": name} for name in sources],
                 "destination": {"contentType": "application/octet-stream"}}
-        await _to_its_answer(self._call("compose", url, "POST",
+        await to_its_end(self._call("compose", url, "POST",
                                         f"{self._object_path(url)}/compose", json=body))
 
     async def abort_upload(self, url: ObjectUrl, upload_id: str) -> None:
@@ -393,11 +391,3 @@ async def _body(head: bytes, view: memoryview, tail: bytes) -> AsyncIterator[byt
     for start in range(0, view.nbytes, _SEND_SLICE_BYTES):
         yield view[start:start + _SEND_SLICE_BYTES]
     yield tail
-
-
-async def _to_its_answer(request: Coroutine[Any, Any, T]) -> T:
-    """`request`'s result, awaited to its end even if the caller is cancelled meanwhile (the
-    cancellation is raised afterwards)."""
-    running = asyncio.ensure_future(request)
-    await uncancellable(running)
-    return running.result()
