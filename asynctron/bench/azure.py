@@ -141,17 +141,9 @@ class AdlfsDcpMethod(s3.DcpMethod):
     """`dcp.save`/`dcp.load` with DCP's fsspec writer and reader on adlfs (`abfs://`)."""
 
     def _writer_reader(self, url: str, writing: bool) -> Any:
-        # torch 2.13 does not re-export them from torch.distributed.checkpoint
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-
-        job = self.job
-        url = "abfs://" + url.split("://", 1)[1]
-        options = {"connection_string": os.environ["AZURE_STORAGE_CONNECTION_STRING"],
-                   "blocksize": job.part_bytes}
-        if writing:
-            return FsspecWriter(url, sync_files=False, thread_count=job.num_threads,
-                                per_thread_copy_ahead=job.part_bytes, **options)
-        return FsspecReader(url, **options)
+        return self.fsspec("abfs://" + url.split("://", 1)[1], writing,
+                           connection_string=os.environ["AZURE_STORAGE_CONNECTION_STRING"],
+                           blocksize=self.job.part_bytes)
 
 
 async def _measure(rank: int, job: Job, state: dict[str, torch.Tensor],

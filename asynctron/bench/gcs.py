@@ -210,12 +210,7 @@ class RawGcs:
                 if response.status != 206:
                     await self._check(response, f"GET {key} at {offset}")
                     raise OSError(f"GET {key} at {offset}: {response.status}, not 206")
-                while offset < end:
-                    chunk, _ = await response.content.readchunk()
-                    if not chunk:
-                        raise OSError(f"object {url}: ended at {offset}, expected {end}")
-                    view[offset:offset + len(chunk)] = chunk
-                    offset += len(chunk)
+                await s3.copy_chunks(response.content, view, offset, end, url)
 
         async with asyncio.TaskGroup() as group:
             for offset in range(0, view.nbytes, self._part_bytes):
@@ -226,16 +221,8 @@ class GcsfsDcpMethod(s3.DcpMethod):
     """`dcp.save`/`dcp.load` with DCP's fsspec writer and reader on gcsfs (`gs://`)."""
 
     def _writer_reader(self, url: str, writing: bool) -> Any:
-        # torch 2.13 does not re-export them from torch.distributed.checkpoint
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-
-        job = self.job
-        options = {"endpoint_url": os.environ["STORAGE_EMULATOR_HOST"], "token": "anon",
-                   "block_size": job.part_bytes}
-        if writing:
-            return FsspecWriter(url, sync_files=False, thread_count=job.num_threads,
-                                per_thread_copy_ahead=job.part_bytes, **options)
-        return FsspecReader(url, **options)
+        return self.fsspec(url, writing, endpoint_url=os.environ["STORAGE_EMULATOR_HOST"],
+                           token="anon", block_size=self.job.part_bytes)
 
 
 async def _measure(rank: int, job: Job, state: dict[str, torch.Tensor],

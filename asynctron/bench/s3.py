@@ -189,6 +189,17 @@ class RequestSlots:
                 self._in_flight -= 1
 
 
+async def copy_chunks(stream: Any, view: memoryview, offset: int, end: int, url: str) -> None:
+    """Fill `view[offset:end]` from an aiohttp `StreamReader`, each chunk as it arrived (one
+    copy, as a raw client makes it)."""
+    while offset < end:
+        chunk, _ = await stream.readchunk()
+        if not chunk:
+            raise OSError(f"object {url}: ended at {offset}, expected {end}")
+        view[offset:offset + len(chunk)] = chunk
+        offset += len(chunk)
+
+
 class RawS3:
     """One aiobotocore client on the running loop: a multipart PUT of one buffer and ranged GETs
     into one buffer, `num_requests` requests in flight at most (counted in `slots`)."""
@@ -245,13 +256,7 @@ class RawS3:
                 response = await self._client.get_object(Bucket=bucket, Key=key,
                                                           Range=f"bytes={offset}-{end - 1}")
                 async with response["Body"] as body:
-                    stream = body.raw_stream.content  # each chunk as it arrived: one copy
-                    while offset < end:
-                        chunk, _ = await stream.readchunk()
-                        if not chunk:
-                            raise OSError(f"object {url}: ended at {offset}, expected {end}")
-                        view[offset:offset + len(chunk)] = chunk
-                        offset += len(chunk)
+                    await copy_chunks(body.raw_stream.content, view, offset, end, url)
 
         async with asyncio.TaskGroup() as group:
             for offset in range(0, view.nbytes, self._part_bytes):
@@ -365,20 +370,25 @@ class DcpMethod(Method):
                 return S3StorageWriter(region, url, s3client_config=config,
                                        thread_count=job.num_threads)
             return S3StorageReader(region, url, s3client_config=config)
+        return self.fsspec(url, writing, endpoint_url=os.environ["AWS_ENDPOINT_URL"],
+                           default_block_size=job.part_bytes,
+                           client_kwargs={"region_name": os.environ["AWS_REGION"]},
+                           config_kwargs={
+                               "s3": {"addressing_style": "path",
+                                      "payload_signing_enabled": False},
+                               "request_checksum_calculation": "when_required",
+                               "response_checksum_validation": "when_required",
+                               "max_pool_connections": max(10, 2 * job.num_threads)})
+
+    def fsspec(self, url: str, writing: bool, **options: Any) -> Any:
+        """DCP's fsspec writer (`--threads` threads, a part copied ahead each, no fsync: an
+        object has none) or reader at `url`, its filesystem made with `options`."""
         # torch 2.13 does not re-export them from torch.distributed.checkpoint
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-        options = {"endpoint_url": os.environ["AWS_ENDPOINT_URL"],
-                   "default_block_size": job.part_bytes,
-                   "client_kwargs": {"region_name": os.environ["AWS_REGION"]},
-                   "config_kwargs": {
-                       "s3": {"addressing_style": "path", "payload_signing_enabled": False},
-                       "request_checksum_calculation": "when_required",
-                       "response_checksum_validation": "when_required",
-                       "max_pool_connections": max(10, 2 * job.num_threads)}}
         if writing:
-            return FsspecWriter(url, sync_files=False, thread_count=job.num_threads,
-                                per_thread_copy_ahead=job.part_bytes, **options)
+            return FsspecWriter(url, sync_files=False, thread_count=self.job.num_threads,
+                                per_thread_copy_ahead=self.job.part_bytes, **options)
         return FsspecReader(url, **options)
 
     async def save(self, state: dict[str, torch.Tensor], url: str) -> float | None:
