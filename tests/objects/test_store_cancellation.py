@@ -1,12 +1,16 @@
 """Cancellation on each object store, in the httpcore style: a save, a load or a dataset read
-is cancelled while one of its calls is held at a known point (`GatedObjectClient`), never after
-a sleep. Each time the caller gets CancelledError at once, nothing of the cancelled save is
-visible or left open (no object, no upload, no claim), the previous checkpoint loads bit for
-bit, and the same engine saves and loads (the same loader reads) again: nothing stuck."""
+is cancelled while one of its calls is held at a known point (`GatedObjectClient`; in a
+loader's worker process, `_HeldInWorkers`), never after a sleep. Each time the caller gets
+CancelledError at once, nothing of the cancelled save is visible or left open (no object, no
+upload, no claim), the previous checkpoint loads bit for bit, and the same engine saves and
+loads (the same loader reads) again: nothing stuck."""
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -14,6 +18,7 @@ import pytest
 import torch
 
 from asynctron import Engine
+from asynctron._processes import process_exists
 from asynctron.datasets import (
     AsyncLoader,
     GPTDatasetConfig,
@@ -22,7 +27,7 @@ from asynctron.datasets import (
     object_cache_usage,
 )
 from asynctron.storage.backends import register_backend
-from asynctron.storage.backends.objects import ObjectStoreBackend
+from asynctron.storage.backends.objects import ObjectClient, ObjectStoreBackend, ObjectUrl
 from asynctron.testing import GatedObjectClient
 from asynctron.testing._gated_objects import ObjectGatePoint
 from tests.conftest import assert_same
@@ -172,5 +177,88 @@ async def test_a_dataset_read_cancelled_mid_fetch_loses_no_batch_and_leaves_noth
         assert all(np.array_equal(again[key].numpy(), expected[0][key].numpy())
                    for key in expected[0])
         assert object_cache_usage(str(tmp_path / "objects")).bytes_fetched == fetched
+    finally:
+        register_backend(store.scheme, replaced)
+
+
+class _HeldInWorkers:
+    """`client` (every other attribute its own), whose `.bin` ranged GETs made in processes
+    forked from this one wait at their start, before any request, until `release`: a gate
+    across the fork, where an asyncio one in the worker could not be released by the test."""
+
+    def __init__(self, client: ObjectClient) -> None:
+        self.inner = client
+        self._parent = os.getpid()
+        context = multiprocessing.get_context("fork")
+        self._reached, self._released = context.Event(), context.Event()
+        self._held_in = context.Value("q", 0)  # the pid of the first GET held
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def reached(self) -> int:
+        """Wait until a forked process's GET is held; returns that process's pid."""
+        assert await asyncio.to_thread(self._reached.wait, 60), "no GET was held in a worker"
+        return int(self._held_in.value)
+
+    def release(self) -> None:
+        """Let every held GET (and every later one) go on."""
+        self._released.set()
+
+    async def get_into(self, url: ObjectUrl, offset: int, buffers: Sequence[memoryview],
+                       **options: Any) -> None:
+        if (os.getpid() != self._parent and url.key.endswith(".bin")
+                and not self._released.is_set()):
+            with self._held_in.get_lock():
+                self._held_in.value = self._held_in.value or os.getpid()
+            self._reached.set()
+            await asyncio.to_thread(self._released.wait)  # off the worker's store I/O loop
+        await self.inner.get_into(url, offset, buffers, **options)
+
+
+async def test_a_dataset_read_cancelled_in_a_worker_process_loses_no_batch_and_leaves_nothing(
+        store: Store, corpus: tuple[IndexedDataset, str], tmp_path: Any) -> None:
+    """A loader whose batches are read by forked worker processes is cancelled while every
+    `.bin` ranged GET of theirs is held: CancelledError at once, nothing consumed; once the
+    GETs go on, the next call returns that same batch and the rest follow right (the
+    documented `__anext__` cancellation, as in this process), the loader closes with every
+    worker gone, and the blocks fetched are all in the cache (a second loader reads them
+    without a fetch)."""
+    local, url = corpus
+    expected = await _first_batches(_gpt(local.path_prefix, tmp_path, str(tmp_path / "local")),
+                                     3)
+    held = _HeldInWorkers(store.backend(deadline_s=30).client)
+    replaced = register_backend(store.scheme, lambda: ObjectStoreBackend(held))
+    assert replaced is not None
+    try:
+        ours = _gpt(url, tmp_path, None)  # the .idx and the GPT indices fetched, in this process
+        async with Engine(num_workers=1) as engine, AsyncLoader(
+                ours, micro_batch_size=4, run_blocking=engine.run_blocking,
+                prefetch_budget=1 << 20, num_ready_batches=2, num_workers=2,
+                start_method="fork") as loader:
+            pids = loader.worker_pids
+            try:
+                first = asyncio.ensure_future(anext(loader))
+                assert await held.reached() in pids
+                assert not first.done()  # its batch cannot be written: no `.bin` byte came
+                first.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await first
+                assert loader.consumed_samples == 0
+            finally:
+                held.release()
+            batches = [await anext(loader) for _ in range(3)]
+            assert loader.consumed_samples == 3 * 4
+        assert pids and not any(pid is None or process_exists(pid) for pid in pids), pids
+        for number, (batch, want) in enumerate(zip(batches, expected, strict=True)):
+            assert all(np.array_equal(batch[key].numpy(), want[key].numpy()) for key in want), (
+                number)
+        usage = object_cache_usage(str(tmp_path / "objects"))
+        assert 0 < usage.bytes_cached <= usage.bytes_fetched and usage.requests > 0, usage
+        (again,) = await _first_batches(_gpt(url, tmp_path, None), 1)
+        assert all(np.array_equal(again[key].numpy(), expected[0][key].numpy())
+                   for key in expected[0])
+        assert object_cache_usage(str(tmp_path / "objects")).bytes_fetched == (
+            usage.bytes_fetched)
     finally:
         register_backend(store.scheme, replaced)
