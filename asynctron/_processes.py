@@ -1,5 +1,6 @@
-"""Whether a process of this host still runs: how a claim, a lock file or a temporary left by
-a process is told to be a dead one's."""
+"""This host's processes and boots: whether a process still runs (how a claim, a lock file or a
+temporary left by a process is told to be a dead one's), and which boot of the machine this
+is (how a file made before a reboot is told)."""
 
 from __future__ import annotations
 
@@ -15,3 +16,13 @@ def process_exists(pid: int) -> bool:
     except PermissionError:  # alive, another user's
         return True
     return True
+
+
+def boot_id() -> bytes:
+    """This boot of the machine (16 bytes; empty where the kernel does not say): what a file
+    that must not outlive a reboot records."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip().encode()[:16]
+    except OSError:
+        return b""

@@ -13,17 +13,17 @@ A dataset at `s3://bucket/prefix/name` keeps, under the config's cache directory
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import errno
 import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import xxhash
 
 from asynctron.storage.backends import backend_for, is_remote_path
+from asynctron.storage.backends.local import holding, publish_filled, read_head
 
 if TYPE_CHECKING:
     from asynctron.storage.backends import RangedFile
@@ -39,6 +39,8 @@ MAX_BLOCKS = 4 << 20
 MIN_BUDGET_BYTES = 16 * MiB
 #: pieces of an `.idx` fetched at once
 _INDEX_PIECE_BYTES = 32 * MiB
+#: the most an `.idx`'s `.source` record holds
+_RECORD_MOST_BYTES = 4096
 
 
 @dataclass
@@ -123,15 +125,16 @@ def cache_path(url: str, directory: str) -> str:
 
 
 @contextlib.contextmanager
-def file_lock(path: str) -> Iterator[int]:
-    """Hold an exclusive lock on the file `path` (made if missing) against other processes;
-    yields its descriptor."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+def naming_the_cache(directory: str) -> Iterator[None]:
+    """An OSError of the cache's own files raised again naming the cache `directory` and, for
+    a full or read-only disk, what to do."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield fd
-    finally:
-        os.close(fd)  # releases the lock
+        yield
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+            raise
+        raise OSError(error.errno, f"object cache {directory}: {error.strerror}; free space "
+                      "there or choose another path_to_idx_cache", error.filename) from error
 
 
 def cached_index(url: str, directory: str) -> str:
@@ -144,25 +147,21 @@ def cached_index(url: str, directory: str) -> str:
         OSError: the cache directory could not be written (naming it).
     """
     local = cache_path(url, directory)
-    os.makedirs(os.path.dirname(local), exist_ok=True)
-    with file_lock(local + ".lock"), backend_for(url).open_file(url) as source:
+    with (naming_the_cache(directory), holding(local + ".lock"),
+          backend_for(url).open_file(url) as source):
         expected = {"url": url, "etag": source.etag, "nbytes": source.nbytes}
         if _holds(local, expected):
             return local
-        _fetch_whole(source, local)
+        publish_filled(local, source.nbytes, lambda view: _fetch_into(source, view))
         expected["xxh3"] = _digest_of(local)
-        record = local + ".source"
-        with open(record + ".tmp", "w") as out:
-            json.dump(expected, out)
-        os.replace(record + ".tmp", record)
+        backend_for(local).publish_buffers(local + ".source", [json.dumps(expected).encode()])
     return local
 
 
 def _holds(local: str, expected: dict[str, Any]) -> bool:
     """Whether `local` is a whole copy of the object `expected` describes."""
     try:
-        with open(local + ".source") as f:
-            record = json.load(f)
+        record = json.loads(read_head(local + ".source", _RECORD_MOST_BYTES) or b"null")
         if not isinstance(record, dict) or {k: record.get(k) for k in expected} != expected:
             return False
         return (os.path.getsize(local) == expected["nbytes"]
@@ -171,38 +170,17 @@ def _holds(local: str, expected: dict[str, Any]) -> bool:
         return False
 
 
-def _fetch_whole(source: RangedFile, local: str) -> None:
-    """Blocks: fetch the object `source` into `local` (its pieces in flight together),
-    published atomically and durably."""
-    temporary = f"{local}.{os.getpid()}.tmp"
-    try:
-        with open(temporary, "wb+") as out:
-            out.truncate(source.nbytes)
-            try:  # room first: a mapped page without it kills the process (SIGBUS on tmpfs)
-                os.posix_fallocate(out.fileno(), 0, max(1, source.nbytes))
-            except OSError as error:
-                raise OSError(error.errno, f"object cache {os.path.dirname(local)}: no room "
-                              f"for the {source.nbytes}-byte {local} "
-                              f"({os.strerror(error.errno)}); free space there or choose "
-                              "another path_to_idx_cache") from error
-            if source.nbytes:
-                data = np.memmap(out, np.uint8, "r+", shape=(source.nbytes,))
-                view = memoryview(data)  # type: ignore[arg-type]
-                pieces = [(start, view[start:start + _INDEX_PIECE_BYTES])
-                          for start in range(0, source.nbytes, _INDEX_PIECE_BYTES)]
-                source.fetch(pieces).result()
-                data.flush()
-                del view, data, pieces
-            os.fsync(out.fileno())
-        os.replace(temporary, local)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
+def _fetch_into(source: RangedFile, view: memoryview) -> None:
+    """Blocks: the whole object `source` into `view`, its pieces in flight together."""
+    pieces = [(start, view[start:start + _INDEX_PIECE_BYTES])
+              for start in range(0, view.nbytes, _INDEX_PIECE_BYTES)]
+    source.fetch(pieces).result()
 
 
 def _digest_of(path: str) -> str:
-    hasher = xxhash.xxh3_64()
-    with open(path, "rb") as f:
-        while chunk := f.read(16 * MiB):
-            hasher.update(chunk)
-    return hasher.hexdigest()
+    mapped = backend_for(path).map_file(path)
+    try:
+        return xxhash.xxh3_64(mapped).hexdigest()
+    finally:
+        if not isinstance(mapped, bytes):
+            mapped.close()

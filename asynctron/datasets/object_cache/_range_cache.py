@@ -39,12 +39,8 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
-import ctypes
-import ctypes.util
 import errno
-import fcntl
 import logging
-import mmap
 import os
 import struct
 import threading
@@ -57,7 +53,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 from asynctron import _native
-from asynctron._processes import process_exists
+from asynctron._processes import boot_id, process_exists
+from asynctron.datasets.object_cache._object_storage import naming_the_cache
+from asynctron.storage.backends.local import (
+    BlockFile,
+    SharedCounters,
+    SharedLock,
+    file_size,
+    map_shared,
+    read_head,
+    replace_empty,
+)
 
 if TYPE_CHECKING:
     from asynctron.storage.backends import RangedFile
@@ -77,8 +83,9 @@ _EVICTIONS, _CACHED_BLOCKS = 0, 1
 _ENTRIES_AT = _TABLE_HEADER.size + 16
 _TOTALS_NAME = ".asynctron-cache"
 _TOTALS_MAGIC = b"ATRTOT01"
-_TOTALS_BYTES = 64  # magic, then int64 words: bytes cached, bytes fetched, requests
-_CACHED, _FETCHED, _REQUESTS = 1, 2, 3
+#: the directory's totals (`SharedCounters` after the magic): bytes cached, fetched, requests
+_CACHED, _FETCHED, _REQUESTS = 0, 1, 2
+_TOTALS = 3
 #: reads bigger than this share of the budget bypass the cache (they would evict themselves)
 _BYPASS_SHARE = 8
 #: evictions free the budget down to this share of it, so they come in batches
@@ -96,13 +103,6 @@ _CLAIM_STALE_S = 600.0
 #: how often a reader looks at blocks another process is fetching: from the first to the most
 _WATCH_FIRST_S, _WATCH_MOST_S = 0.0005, 0.01
 
-_FALLOC_FL_KEEP_SIZE = 0x01
-_FALLOC_FL_PUNCH_HOLE = 0x02
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_fallocate = _libc.fallocate
-_fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-_fallocate.restype = ctypes.c_int
-
 _LIVE: weakref.WeakSet[RangeCache] = weakref.WeakSet()
 
 
@@ -117,12 +117,7 @@ class ObjectCacheUsage:
 
 def object_cache_usage(directory: str) -> ObjectCacheUsage:
     """The usage of the object cache `directory` (zeros if nothing was cached there)."""
-    try:
-        with open(os.path.join(directory, _TOTALS_NAME), "rb") as f:
-            raw = f.read(_TOTALS_BYTES)
-    except FileNotFoundError:
-        return ObjectCacheUsage(0, 0, 0)
-    words = np.frombuffer(raw, np.int64)
+    words = SharedCounters.read(os.path.join(directory, _TOTALS_NAME), _TOTALS_MAGIC, _TOTALS)
     return ObjectCacheUsage(int(words[_CACHED]), int(words[_FETCHED]), int(words[_REQUESTS]))
 
 
@@ -136,16 +131,6 @@ class _Run:
     started: bool = False
     ahead: bool = False  # started from the queue of fetches ahead
     claimed_started: bool = False  # its blocks' claims say it is being fetched
-
-
-def _boot_id() -> bytes:
-    """This boot of the machine: a table made before a reboot (a power loss) may mark blocks
-    cached whose pages never reached the disk, so it is started afresh."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip().encode()[:16]
-    except OSError:
-        return b""
 
 
 def _now() -> int:
@@ -210,118 +195,76 @@ class RangeCache:
         self._request_blocks = max(1, request_bytes // block_bytes)
         self._bypass_bytes = max(budget_bytes // _BYPASS_SHARE, block_bytes)
         self._num_blocks = -(-self.nbytes // block_bytes)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        self._totals_path = os.path.join(root, _TOTALS_NAME)
-        self._open_files()
-        self._open_table()
+        self._closed = False
+        self._start_process()
+        with naming_the_cache(root):
+            self._lock = SharedLock(path + ".lock")
+            self._totals = SharedCounters(os.path.join(root, _TOTALS_NAME), _TOTALS_MAGIC,
+                                          _TOTALS)
+            self._open_table()
         _LIVE.add(self)
 
     # -- files -------------------------------------------------------------------------------
 
-    def _open_files(self) -> None:
+    def _start_process(self) -> None:
         """Locks and in-flight state of this process (again in a forked child)."""
         self._thread_lock = threading.RLock()
         self._in_flight: dict[int, _Run] = {}
         self._queued: collections.deque[_Run] = collections.deque()
         self._ahead_in_flight = 0
-        self._lock_fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-        self._totals_fd = os.open(self._totals_path, os.O_RDWR | os.O_CREAT, 0o644)
         self._storer: concurrent.futures.ThreadPoolExecutor | None = None
 
     def _open_table(self) -> None:
+        """Map the block table and the cache file, both started afresh unless they are this
+        version's (of the object, its block size, and this boot of the machine: a table made
+        before a reboot may mark blocks cached whose pages never reached the disk)."""
         header = _TABLE_HEADER.pack(_TABLE_MAGIC, self.block_bytes, self.nbytes,
-                                    self.source.etag.encode()[:88], _boot_id())
+                                    self.source.etag.encode()[:88], boot_id())
         n = self._num_blocks
         ticks_at = _ENTRIES_AT + 2 * n + (-(2 * n) % 8)
         claims_at = ticks_at + 4 * n + (-(4 * n) % 8)
         table_bytes = claims_at + 8 * n
+        table_path = self.path + ".blocks"
         with self._locked():
-            self._ensure_totals()
-            table_path = self.path + ".blocks"
-            try:
-                with open(table_path, "rb") as f:
-                    found = f.read(_TABLE_HEADER.size)
-                    current = (found == header and os.fstat(f.fileno()).st_size == table_bytes
-                               and os.path.getsize(self.path) == self.nbytes)
-            except FileNotFoundError:
-                found, current = b"", False
-            if not current:
+            found = read_head(table_path, _TABLE_HEADER.size) or b""
+            if not (found == header and file_size(table_path) == table_bytes
+                    and file_size(self.path) == self.nbytes):
                 self._replace(table_path, header, table_bytes, found)
-            self._data_fd = os.open(self.path, os.O_RDWR)
-            with open(table_path, "r+b") as f:
-                self._allocate(f.fileno(), table_bytes)  # a mapped page never faults for room
-                self._table = mmap.mmap(f.fileno(), table_bytes)
+            self._data_file = BlockFile(self.path, self.nbytes)
+            self._table = map_shared(table_path, table_bytes)
         self._counters = np.frombuffer(self._table, np.uint64, 2, _TABLE_HEADER.size)
         self._entries = np.frombuffer(self._table, np.uint16, n, _ENTRIES_AT)
         self._ticks = np.frombuffer(self._table, np.uint32, n, ticks_at)
         self._claims = np.frombuffer(self._table, np.uint64, n, claims_at)
-        self._data = (mmap.mmap(self._data_fd, self.nbytes, prot=mmap.PROT_READ)
-                      if self.nbytes else b"")
+        self._data = self._data_file.map()
         self._bytes = np.frombuffer(self._data, np.uint8)
-
-    def _ensure_totals(self) -> None:
-        if os.fstat(self._totals_fd).st_size < _TOTALS_BYTES:
-            os.pwrite(self._totals_fd, _TOTALS_MAGIC + bytes(_TOTALS_BYTES - 8), 0)
 
     def _replace(self, table_path: str, header: bytes, table_bytes: int, old: bytes) -> None:
         """Under the lock: a fresh, empty cache file and table for this version of the object
         (processes still reading the old ones keep them until they close)."""
         if old.startswith(_ANY_TABLE):  # forget what the old table counted as cached
-            with contextlib.suppress(OSError, ValueError):
-                with open(table_path, "rb") as f:
-                    block_bytes, nbytes = struct.unpack_from("<QQ", old, 8)
-                    count = -(-nbytes // block_bytes)
-                    f.seek(_ENTRIES_AT)
-                    entries = np.frombuffer(f.read(2 * count), np.uint16)
+            with contextlib.suppress(OSError, ValueError, struct.error):
+                block_bytes, nbytes = struct.unpack_from("<QQ", old, 8)
+                count = -(-nbytes // block_bytes)
+                raw = read_head(table_path, _ENTRIES_AT + 2 * count) or b""
+                entries = np.frombuffer(raw[_ENTRIES_AT:], np.uint16)
                 self._add_totals(cached=-int(np.count_nonzero(entries & 1)) * block_bytes)
-        for target, size, first in ((self.path, self.nbytes, b""),
-                                    (table_path, table_bytes, header)):
-            temporary = f"{target}.{os.getpid()}.tmp"
-            try:
-                with open(temporary, "wb") as f:
-                    f.write(first)
-                    f.truncate(size)
-                    if first:  # the table (the data file stays sparse)
-                        self._allocate(f.fileno(), size)
-                os.replace(temporary, target)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(temporary)
-
-    def _allocate(self, fd: int, size: int) -> None:
-        """Give the file `fd` its `size` bytes of room now: on a full tmpfs, touching a mapped
-        page without room kills the process (SIGBUS); here it is an OSError naming the cache."""
-        try:
-            os.posix_fallocate(fd, 0, size)
-        except OSError as error:
-            raise OSError(error.errno, f"object cache {os.path.dirname(self.path)}: no room "
-                          f"for the {size}-byte block table of {self.path} "
-                          f"({os.strerror(error.errno)}); free space there or choose another "
-                          "path_to_idx_cache") from error
+        replace_empty(self.path, self.nbytes, reserve=False)  # sparse: blocks come as read
+        replace_empty(table_path, table_bytes, header, reserve=True)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        with self._thread_lock:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        with self._thread_lock, self._lock:
+            yield
 
     def _add_totals(self, *, cached: int = 0, fetched: int = 0, requests: int = 0) -> int:
         """Add to the directory's totals; returns its bytes cached."""
-        fcntl.flock(self._totals_fd, fcntl.LOCK_EX)
-        try:
-            raw = bytearray(os.pread(self._totals_fd, _TOTALS_BYTES, 0).ljust(_TOTALS_BYTES,
-                                                                                b"\0"))
-            words = np.frombuffer(raw, np.int64)
+        def add(words: np.ndarray) -> None:
             words[_CACHED] = max(0, int(words[_CACHED]) + cached)
             words[_FETCHED] += fetched
             words[_REQUESTS] += requests
-            os.pwrite(self._totals_fd, bytes(raw), 0)
-            return int(words[_CACHED])
-        finally:
-            fcntl.flock(self._totals_fd, fcntl.LOCK_UN)
+
+        return int(self._totals.update(add)[_CACHED])
 
     # -- reads -------------------------------------------------------------------------------
 
@@ -534,7 +477,7 @@ class RangeCache:
         """`run` is over: its blocks are no longer in flight (nor claimed); queued runs may
         start."""
         with self._thread_lock:
-            if self._lock_fd >= 0:
+            if not self._closed:
                 self._release(run.first, run.count)
             for block in range(run.first, run.first + run.count):
                 if self._in_flight.get(block) is run:
@@ -582,12 +525,9 @@ class RangeCache:
         for attempt in range(2):
             try:
                 with self._thread_lock:  # never into a descriptor `close` gave back
-                    if self._data_fd < 0:
+                    if self._closed:
                         return False
-                    view, at = memoryview(buffer), offset
-                    while view.nbytes:
-                        done = os.pwrite(self._data_fd, view, at)
-                        view, at = view[done:], at + done
+                    self._data_file.write(memoryview(buffer), offset)
                 return True
             except OSError as error:
                 if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) or attempt:
@@ -623,23 +563,16 @@ class RangeCache:
 
     def _punch(self, first: int, count: int) -> None:
         offset = first * self.block_bytes
-        length = min(count * self.block_bytes, self.nbytes - offset)
-        if _fallocate(self._data_fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, offset,
-                      length) != 0:
-            code = ctypes.get_errno()
-            raise OSError(code, f"punching bytes [{offset}, +{length}) out of {self.path}: "
-                          f"{os.strerror(code)}")
+        self._data_file.punch(offset, min(count * self.block_bytes, self.nbytes - offset))
 
     def close(self) -> None:
         """Release the files (what is cached stays for the next reader); fetches still in
         flight are dropped when they land."""
         with getattr(self, "_thread_lock", contextlib.nullcontext()):
-            for name in ("_data_fd", "_lock_fd", "_totals_fd"):
-                fd = getattr(self, name, -1)
-                if fd >= 0:
-                    setattr(self, name, -1)
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
+            self._closed = True
+            for name in ("_data_file", "_lock", "_totals"):
+                if hasattr(self, name):
+                    getattr(self, name).close()
 
     def __del__(self) -> None:
         self.close()
@@ -647,10 +580,10 @@ class RangeCache:
 
 def _reopen_in_child() -> None:
     for cache in list(_LIVE):
-        with contextlib.suppress(OSError):
-            os.close(cache._lock_fd)
-            os.close(cache._totals_fd)
-        cache._open_files()
+        cache._start_process()
+        if not cache._closed:
+            cache._lock.reopen()
+            cache._totals.reopen()
 
 
 os.register_at_fork(after_in_child=_reopen_in_child)

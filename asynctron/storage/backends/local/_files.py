@@ -109,16 +109,16 @@ class LocalFiles:
 
     @contextlib.contextmanager
     def _publishing(self, path: str, sync_dir: bool) -> Iterator[str]:
-        """A temporary path beside `path` (see `_temporary_for`), renamed to `path` when the
+        """A temporary path beside `path` (see `temporary_for`), renamed to `path` when the
         block succeeds (the directory then synced if `sync_dir`) and removed when it fails;
         an OSError without a file name is raised again naming `path`."""
-        tmp = _temporary_for(path)
+        tmp = temporary_for(path)
         try:
             yield tmp
             os.replace(tmp, path)
         except BaseException as exc:
-            _remove_quietly(tmp)
-            _raise_naming(exc, path)
+            remove_quietly(tmp)
+            raise_naming(exc, path)
         if sync_dir:
             self.sync_dir(_directory_of(path))
 
@@ -213,11 +213,11 @@ class LocalNewFile:
     def __init__(self, files: LocalFiles, path: str) -> None:
         self.path = path
         self._files = files
-        self._tmp = _temporary_for(path)
+        self._tmp = temporary_for(path)
         try:
             self._file = open(self._tmp, "xb", buffering=NEW_FILE_BUFFER_BYTES)  # noqa: SIM115
         except OSError as exc:
-            _raise_naming(exc, path)
+            raise_naming(exc, path)
         self._nbytes = 0
         self._written_back = 0
         self._open = True
@@ -238,7 +238,7 @@ class LocalNewFile:
                                        self._nbytes - self._written_back)
                 self._written_back = self._nbytes
         except OSError as exc:
-            _raise_naming(exc, self.path)
+            raise_naming(exc, self.path)
         return written
 
     def publish(self, *, sync_dir: bool = True) -> None:
@@ -257,8 +257,8 @@ class LocalNewFile:
         except BaseException as exc:
             with contextlib.suppress(OSError):  # after a failed flush, closing fails again
                 self._file.close()
-            _remove_quietly(self._tmp)
-            _raise_naming(exc, self.path)
+            remove_quietly(self._tmp)
+            raise_naming(exc, self.path)
         if sync_dir:
             self._files.sync_dir(_directory_of(self.path))
 
@@ -268,7 +268,7 @@ class LocalNewFile:
             self._open = False
             with contextlib.suppress(OSError):  # a failed flush of what is discarded anyway
                 self._file.close()
-            _remove_quietly(self._tmp)
+            remove_quietly(self._tmp)
 
     def __enter__(self) -> LocalNewFile:
         return self
@@ -298,21 +298,21 @@ def remove_dead_temporaries(path: str) -> None:
         # exactly `<pid>-<8 hex>` after the prefix: host "node" is not host "node-12"
         ours = found.startswith(prefix) and re.fullmatch(r"(\d+)-[0-9a-f]{8}", found[len(prefix):])
         if ours and not process_exists(int(ours[1])):
-            _remove_quietly(os.path.join(directory, found))  # another process may have first
+            remove_quietly(os.path.join(directory, found))  # another process may have first
 
 
-def _temporary_for(path: str) -> str:
+def temporary_for(path: str) -> str:
     """A new temporary name beside `path`, once its missing directories are made and the
     temporaries of `path` that dead processes of this host left are removed."""
     try:
-        _make_directories(_directory_of(path))
+        make_directories(_directory_of(path))
     except OSError as exc:
-        _raise_naming(exc, path)
+        raise_naming(exc, path)
     remove_dead_temporaries(path)
     return f"{path}.tmp-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def _make_directories(directory: str) -> None:
+def make_directories(directory: str) -> None:
     """Create `directory` and its missing parents, each made durable in its parent."""
     missing = []
     while not os.path.isdir(directory):
@@ -331,12 +331,12 @@ def _directory_of(path: str) -> str:
     return os.path.dirname(os.path.abspath(path))
 
 
-def _remove_quietly(path: str) -> None:
+def remove_quietly(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.remove(path)
 
 
-def _raise_naming(exc: BaseException, path: str) -> NoReturn:
+def raise_naming(exc: BaseException, path: str) -> NoReturn:
     """Raise `exc`, an OSError without a file name raised again naming `path`."""
     if isinstance(exc, OSError) and exc.errno is not None and exc.filename is None:
         raise OSError(exc.errno, exc.strerror, path) from exc
