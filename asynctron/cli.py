@@ -55,6 +55,7 @@ from asynctron.errors import (
 )
 from asynctron.storage import (
     CheckpointReader,
+    ItemReader,
     ItemRecord,
     Manifest,
     ReadJob,
@@ -313,7 +314,7 @@ def _batches(records: list[ItemRecord], nbytes: int) -> list[list[ItemRecord]]:
     return [batch for batch in batches if batch]
 
 
-async def _decode_blobs(reader: CheckpointReader, engine: Engine, records: list[ItemRecord],
+async def _decode_blobs(reader: ItemReader, engine: Engine, records: list[ItemRecord],
                         progress: Callable[[int], None]) -> list[CorruptCheckpointError]:
     """Read `records` (checksummed where they have digests), then decode each in the engine's
     executor; one error per item that fails either."""

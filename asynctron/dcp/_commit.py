@@ -40,8 +40,8 @@ from asynctron.dcp._write_job import ItemWritten
 from asynctron.storage import (
     MANIFEST_NAME,
     METADATA_NAME,
-    Backend,
     SaveArea,
+    SaveStorage,
     dcp_structure,
     encode_manifest,
 )
@@ -50,7 +50,7 @@ from asynctron.storage import (
 AREA_NAME = "dcp"
 
 
-def area_of(backend: Backend, final_path: str) -> SaveArea:
+def area_of(backend: SaveStorage, final_path: str) -> SaveArea:
     """The area of the save to `final_path`: the same on every rank."""
     return backend.area_of(final_path, AREA_NAME)
 

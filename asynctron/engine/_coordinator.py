@@ -36,8 +36,7 @@ from asynctron.engine._collectives import Collectives
 from asynctron.engine._report import WriteReport
 from asynctron.engine._turns import Turns
 from asynctron.errors import PeerError
-from asynctron.storage import Committed, Committer, SaveArea, digest
-from asynctron.storage.backends import Backend
+from asynctron.storage import Committed, Committer, SaveArea, SaveStorage, digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +113,7 @@ class Coordinator:
         """Save `seq` never reached `finish` (its start failed, on every rank)."""
         await self._finishing_turns.skip(seq)
 
-    async def start(self, backend: Backend, path: str, digest: str | None,
+    async def start(self, backend: SaveStorage, path: str, digest: str | None,
                     cached_keys: Sequence[Hashable], *, plain: bool) -> Start:
         """Make the save's area (coordinator), agree on the plan key and on whether every
         rank's items are plain.
@@ -188,7 +187,7 @@ class Coordinator:
                             f"failing: {share.what}; fix it and save again", rank=share.rank)
         return share, metadata
 
-    async def finish(self, report: WriteReport, *, backend: Backend, area: SaveArea, seq: int,
+    async def finish(self, report: WriteReport, *, backend: SaveStorage, area: SaveArea, seq: int,
                      publish: Publish, metadata: Metadata | None) -> Committed:
         """Gather every rank's report; the coordinator commits if all succeeded; every rank
         learns the outcome; then the coordinator discards the area of a save that did not

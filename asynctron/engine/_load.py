@@ -2,7 +2,7 @@
 
 Every destination that is contiguous CPU memory (a fresh tensor, a shard's part of a saved
 chunk, a contiguous `load_into` target) is read straight into, in batched calls
-(`CheckpointReader.read`: one task per file). CUDA and non-contiguous targets go through
+(`ItemReader.read`: one task per file). CUDA and non-contiguous targets go through
 budgeted slabs (H2D on the copy stream, waited off the loop). Nothing is ever unpickled: the
 structure is JSON and bytes items come back as `bytes`.
 
@@ -30,8 +30,8 @@ from asynctron.storage import (
     MAX_GAP_BYTES,
     NUMPY_DTYPES,
     TORCH_DTYPES,
-    CheckpointReader,
     ChunkIndex,
+    ItemReader,
     ItemRecord,
     Manifest,
     Overlap,
@@ -112,12 +112,12 @@ def _values_by_key(structure: Structure) -> tuple[dict[str, Any], str | None]:
 
 
 class Loader:
-    """Loads one checkpoint through an open `CheckpointReader`.
+    """Loads one checkpoint through the `ItemReader` of an open checkpoint.
 
     Not constructed directly; `Engine.load` makes one.
     """
 
-    def __init__(self, reader: CheckpointReader, manifest: Manifest, *, pool: SlabPool,
+    def __init__(self, reader: ItemReader, manifest: Manifest, *, pool: SlabPool,
                  copy_streams: CopyStreams, run_blocking: RunBlocking, slab_bytes: int,
                  verify: bool):
         self._reader = reader

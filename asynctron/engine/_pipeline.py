@@ -30,7 +30,7 @@ from asynctron._concurrency import first_error
 from asynctron.engine._resources import SaveResources
 from asynctron.engine._save_plan import SaveRequest
 from asynctron.engine._staging import StagedBatch, in_place, stage_wave
-from asynctron.storage import Backend, FileWriter, SaveArea, WriteBatch
+from asynctron.storage import FileWriter, SaveArea, SaveStorage, WriteBatch
 
 
 class Mirror(Protocol):
@@ -76,7 +76,7 @@ class _ReadyBatches:
         return left
 
 
-async def stage_and_write(request: SaveRequest, backend: Backend, area: SaveArea,
+async def stage_and_write(request: SaveRequest, backend: SaveStorage, area: SaveArea,
                           resources: SaveResources, *, snapshot: bool, direct_io: bool,
                           ready: Mapping[torch.device, torch.cuda.Event],
                           on_staged: Callable[[], None], mirror: Mirror | None = None) -> None:
@@ -177,7 +177,7 @@ async def stage_and_write(request: SaveRequest, backend: Backend, area: SaveArea
         on_staged()
 
 
-async def _writes_in_place(backend: Backend, area: SaveArea, resources: SaveResources, *,
+async def _writes_in_place(backend: SaveStorage, area: SaveArea, resources: SaveResources, *,
                            direct_io: bool, num_batches: int) -> bool:
     """Whether a save without a snapshot writes straight from the caller's memory. On a
     device, O_DIRECT from warm aligned slabs beats buffered writes from the caller's

@@ -21,7 +21,7 @@ import torch
 from asynctron._concurrency import RunBlocking, first_error
 from asynctron.engine._slabs import Slab, SlabPool
 from asynctron.engine._staging import CopyStreams, flat_range_views, launch_copies
-from asynctron.storage import CheckpointReader, ItemHasher, ItemRecord, ReadJob
+from asynctron.storage import ItemHasher, ItemReader, ItemRecord, ReadJob
 
 #: Where a piece starts in its slab: aligned for any dtype's view (and DMA-friendly).
 _ALIGN = 64
@@ -83,7 +83,7 @@ def pack(fills: Sequence[SlabFill], slab_bytes: int) -> list[list[_Piece]]:
 class SlabFiller:
     """Fills `SlabFill` targets from one open checkpoint through `pool`'s slabs."""
 
-    def __init__(self, reader: CheckpointReader, *, pool: SlabPool, copy_streams: CopyStreams,
+    def __init__(self, reader: ItemReader, *, pool: SlabPool, copy_streams: CopyStreams,
                  run_blocking: RunBlocking, verify: bool) -> None:
         self._reader = reader
         self._pool = pool

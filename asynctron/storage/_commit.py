@@ -19,12 +19,12 @@ import os
 from collections.abc import Callable, Mapping
 
 from asynctron._concurrency import RunBlocking
-from asynctron.storage.backends import Backend, Committed, Retention, SaveArea
+from asynctron.storage.backends import Committed, Retention, SaveArea, SaveStorage
 
 logger = logging.getLogger(__name__)
 
 
-async def commit_checkpoint(backend: Backend, run_blocking: RunBlocking, area: SaveArea,
+async def commit_checkpoint(backend: SaveStorage, run_blocking: RunBlocking, area: SaveArea,
                             files: Callable[[], Mapping[str, bytes]], *,
                             retention: Retention | None = None, seq: int = 0,
                             move_latest: bool = False) -> Committed:
@@ -56,7 +56,7 @@ class Committer:
         self._locks: dict[str, asyncio.Lock] = {}
         self._newest: dict[str, int] = {}
 
-    async def commit(self, backend: Backend, area: SaveArea,
+    async def commit(self, backend: SaveStorage, area: SaveArea,
                      files: Callable[[], Mapping[str, bytes]], seq: int) -> Committed:
         """`commit_checkpoint` for save `seq`, pointing `latest` at it unless a newer save
         already committed in its root. All in one backend call (a loop turn is a step of an

@@ -9,13 +9,36 @@ import re
 import pytest
 
 import asynctron
-from asynctron.storage import Backend, LocalBackend, SaveArea, backend_for, register_backend
+from asynctron.storage import (
+    Backend,
+    CheckpointReader,
+    CommittedCheckpoints,
+    ItemReader,
+    LocalBackend,
+    SaveArea,
+    SaveStorage,
+    backend_for,
+    register_backend,
+)
+from asynctron.storage.backends import FileWriter, RangedFile
+from asynctron.storage.backends._backend import FileStorage, NewFile
 from asynctron.testing import FaultyBackend
 
 
 def test_the_backends_conform_to_the_protocol() -> None:
     assert isinstance(LocalBackend(), Backend)
     assert isinstance(FaultyBackend(), Backend)
+
+
+@pytest.mark.parametrize("protocol", [SaveStorage, CommittedCheckpoints, FileStorage, ItemReader,
+                                      CheckpointReader, FileWriter, RangedFile, NewFile],
+                         ids=lambda protocol: protocol.__name__)
+def test_each_part_of_the_seam_is_narrow(protocol: type) -> None:
+    """A backend implements a few small Protocols, each split by who calls it, none of more
+    than seven operations of its own (a new store implements `ObjectClient`, not these)."""
+    own = [name for name, value in vars(protocol).items()
+           if not name.startswith("_") and (callable(value) or isinstance(value, property))]
+    assert 0 < len(own) <= 7, own
 
 
 def test_a_plain_path_is_served_by_the_one_local_backend() -> None:

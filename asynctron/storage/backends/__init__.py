@@ -25,13 +25,14 @@ from asynctron.storage.backends._backend import (
     ReadableFile,
     Retention,
     SaveArea,
+    SaveStorage,
 )
 from asynctron.storage.backends._operation import StoreStatistics, store_operation
 from asynctron.storage.backends.local import LocalBackend
 
 __all__ = ["Backend", "Committed", "FileWriter", "LocalBackend", "RangedFile", "ReadableFile",
-           "Retention", "SaveArea", "StoreStatistics", "backend_for", "register_backend",
-           "store_operation"]
+           "Retention", "SaveArea", "SaveStorage", "StoreStatistics", "backend_for",
+           "register_backend", "store_operation"]
 
 _FACTORIES: dict[str, Callable[[], Backend]] = {}
 _SHARED: dict[str, Backend] = {}

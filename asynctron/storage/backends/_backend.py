@@ -99,9 +99,61 @@ class FileWriter(Protocol):
         ...
 
 
-class CheckpointReader(Protocol):
-    """Reads items of one committed checkpoint (`CheckpointStorage.open_reader`); `aclose`
-    when done. Several `read` calls may run at once."""
+class ItemReader(Protocol):
+    """Reads the items of an open checkpoint into given buffers: what a load's data path
+    calls. Several `read` calls may run at once."""
+
+    @property
+    def verifiable(self) -> bool:
+        """Whether the checkpoint carries checksums to verify."""
+        ...
+
+    def file_path(self, record: ItemRecord) -> str:
+        """The full name of the file that holds `record` (for messages)."""
+        ...
+
+    async def read(self, jobs: Sequence[ReadJob], *, verify: bool, slab_bytes: int,
+                   progress: Callable[[int], None] | None = None
+                   ) -> list[CorruptCheckpointError]:
+        """Read every job into its destination (or only hash it), in calls of at most
+        `slab_bytes`; `progress(nbytes)` as bytes land.
+
+        Returns:
+            with `verify` (and checksums in the checkpoint), one error per item whose digest
+            differs, naming file, key and offset; else an empty list.
+
+        Raises:
+            CorruptCheckpointError: a file ends early (names the file and item).
+            StorageError: a read failed.
+        """
+        ...
+
+    async def read_range(self, record: ItemRecord, start: int, destination: memoryview,
+                         hasher: ItemHasher | None) -> None:
+        """Read `record`'s bytes [start, +destination.nbytes) into `destination`, continuing
+        `hasher` over them."""
+        ...
+
+    def digest_error(self, record: ItemRecord, found: str) -> CorruptCheckpointError | None:
+        """The error for `record` if `found` is not its digest, else None."""
+        ...
+
+    async def map(self, record: ItemRecord) -> memoryview:
+        """A copy-on-write map of the item's bytes, read when touched.
+
+        Raises:
+            StorageError: the backend cannot map (an object store), saying what to do.
+        """
+        ...
+
+    async def check_mapped(self, record: ItemRecord, view: memoryview) -> None:
+        """Hash a mapped item and raise `CorruptCheckpointError` if it differs."""
+        ...
+
+
+class CheckpointReader(ItemReader, Protocol):
+    """One committed checkpoint, leased (`CommittedCheckpoints.open_reader`): found and
+    validated by `open`, its items read as an `ItemReader`; `aclose` when done."""
 
     requested_path: str
     path: str
@@ -125,53 +177,8 @@ class CheckpointReader(Protocol):
         another process's `open` found them: nothing is asked of the storage."""
         ...
 
-    @property
-    def verifiable(self) -> bool:
-        """Whether the checkpoint carries checksums to verify."""
-        ...
-
     def path_of(self, name: str) -> str:
         """The full name of the checkpoint's file `name` (for messages)."""
-        ...
-
-    def file_path(self, record: ItemRecord) -> str: ...
-
-    async def read(self, jobs: Sequence[ReadJob], *, verify: bool, slab_bytes: int,
-                   progress: Callable[[int], None] | None = None
-                   ) -> list[CorruptCheckpointError]:
-        """Read every job into its destination (or only hash it), in calls of at most
-        `slab_bytes`; `progress(nbytes)` as bytes land.
-
-        Returns:
-            with `verify` (and checksums in the checkpoint), one error per item whose digest
-            differs, naming file, key and offset; else an empty list.
-
-        Raises:
-            CorruptCheckpointError: a file ends early (names the file and item).
-            StorageError: a read failed.
-        """
-        ...
-
-    def digest_error(self, record: ItemRecord, found: str) -> CorruptCheckpointError | None:
-        """The error for `record` if `found` is not its digest, else None."""
-        ...
-
-    async def read_range(self, record: ItemRecord, start: int, destination: memoryview,
-                         hasher: ItemHasher | None) -> None:
-        """Read `record`'s bytes [start, +destination.nbytes) into `destination`, continuing
-        `hasher` over them."""
-        ...
-
-    async def map(self, record: ItemRecord) -> memoryview:
-        """A copy-on-write map of the item's bytes, read when touched.
-
-        Raises:
-            StorageError: the backend cannot map (an object store), saying what to do.
-        """
-        ...
-
-    async def check_mapped(self, record: ItemRecord, view: memoryview) -> None:
-        """Hash a mapped item and raise `CorruptCheckpointError` if it differs."""
         ...
 
     async def read_file(self, name: str, max_bytes: int) -> bytes:
@@ -188,20 +195,15 @@ class CheckpointReader(Protocol):
         ...
 
 
-class CheckpointStorage(Protocol):
-    """The checkpoint half of a `Backend`: a save's private area, its files, its commit; a
-    leased reader of a committed checkpoint. Its I/O operations are coroutines, awaited on the
-    caller's loop.
+class SaveStorage(Protocol):
+    """A save's side of the checkpoint half of a `Backend`: a private area, its files, its
+    commit (what the coordinator, the writers and the DCP writer call). Its I/O operations are
+    coroutines, awaited on the caller's loop.
 
     Durability: a committed checkpoint survives a crash of the machine.
     Atomicity: `commit` makes a checkpoint visible whole or not at all; a crash or failure at
     any point leaves the previous checkpoints as they were.
     """
-
-    def locate(self, path: str | os.PathLike[str]) -> str:
-        """The canonical name of `path` on this backend (a local path made absolute; a URL as
-        it is); every other method takes names made by this one."""
-        ...
 
     def area_of(self, final_path: str, name: str | None = None) -> SaveArea:
         """The area of a save to `final_path`, named: every rank of a save that must find it
@@ -253,6 +255,17 @@ class CheckpointStorage(Protocol):
         taken for a checkpoint, and the next commit beside it removes what is left)."""
         ...
 
+
+class CommittedCheckpoints(Protocol):
+    """The committed checkpoints of a `Backend`: named, opened for a load (leased), listed and
+    removed (what loads, retention and the tiers call). Its I/O operations are coroutines,
+    awaited on the caller's loop."""
+
+    def locate(self, path: str | os.PathLike[str]) -> str:
+        """The canonical name of `path` on this backend (a local path made absolute; a URL as
+        it is); every other method takes names made by this one."""
+        ...
+
     async def open_reader(self, run_blocking: RunBlocking, path: str, *,
                           max_files_at_once: int) -> CheckpointReader:
         """A reader of the committed checkpoint at `path`, or of the one `path/latest` names,
@@ -282,7 +295,6 @@ class CheckpointStorage(Protocol):
                 it removes, never a checkpoint).
         """
         ...
-
 
 
 class FileStorage(Protocol):
@@ -427,8 +439,8 @@ class NewFile(Protocol):
 
 
 @runtime_checkable
-class Backend(CheckpointStorage, FileStorage, Protocol):
-    """Where a checkpoint's and a dataset's bytes live: both halves, one object per storage
-    (`backend_for` picks it by URL scheme). Two halves because their callers differ: the
-    engine awaits the checkpoint half on its loop, datasets call the file half from worker
-    processes."""
+class Backend(SaveStorage, CommittedCheckpoints, FileStorage, Protocol):
+    """Where a checkpoint's and a dataset's bytes live, one object per storage (`backend_for`
+    picks it by URL scheme), in three parts because their callers differ: saves and loads
+    await the checkpoint parts (`SaveStorage`, `CommittedCheckpoints`) on their loop,
+    datasets call the file part (`FileStorage`) from worker processes."""
