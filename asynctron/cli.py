@@ -243,8 +243,8 @@ async def _read_manifest(path: str) -> tuple[str, Manifest]:
 
 async def _open_reader(engine: Engine, path: str) -> CheckpointReader:
     backend = backend_for(path)
-    return await backend.open_reader(engine.run_blocking, backend.locate(path),
-                                     max_files_at_once=engine.config.num_workers)
+    return await backend.checkpoints(engine.run_blocking).open_reader(
+        backend.locate(path), max_files_at_once=engine.config.num_workers)
 
 
 # verify ----------------------------------------------------------------------------------------

@@ -106,8 +106,8 @@ async def run_fault(server: Any, proxy: Any, fault: str, args: argparse.Namespac
         out["previous intact"] = bool(loaded["step"] == 0 and all(
             torch.equal(loaded[key], value) for key, value in _state(nbytes, 0).items()
             if isinstance(value, torch.Tensor)))
-        out["step_1 committed"] = "step_1" in await backend_for(root).list_checkpoints(
-            engine.run_blocking, root)
+        out["step_1 committed"] = "step_1" in await backend_for(root).checkpoints(
+            engine.run_blocking).list_checkpoints(root)
         await engine.save(_state(MiB, 2), f"{root}/step_2")
         out["saves again"] = (await engine.load(root))["step"] == 2
     return out

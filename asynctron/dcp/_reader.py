@@ -177,8 +177,8 @@ async def _open(runtime: Runtime, backend: Backend, path: str
     `manifest.json`, or a stock checkpoint's `.metadata`, checked against its files), and
     unpickle DCP's metadata (only DCP's types admitted)."""
     run_blocking = runtime.run_blocking
-    reader = await backend.open_reader(run_blocking, path,
-                                       max_files_at_once=runtime.config.num_workers)
+    reader = await backend.checkpoints(run_blocking).open_reader(
+        path, max_files_at_once=runtime.config.num_workers)
     try:
         manifest = await reader.open()
         try:

@@ -31,12 +31,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 from asynctron.dcp._runtime import Runtime
 from asynctron.engine import SaveRequest, build_request, dcp_items, file_plan, stage_and_write
 from asynctron.storage import (
-    Backend,
     FlatStateDict,
     ItemKind,
     ItemRecord,
     SaveArea,
     SavePlan,
+    SaveStorage,
     check_object_blob,
 )
 
@@ -63,8 +63,9 @@ class ItemWritten:
     """The size of the item's data file."""
 
 
-async def write(runtime: Runtime, plan: DcpSavePlan, planner: SavePlanner, backend: Backend,
-                area: SaveArea, ready: Mapping[torch.device, torch.cuda.Event]
+async def write(runtime: Runtime, plan: DcpSavePlan, planner: SavePlanner,
+                backend: SaveStorage, area: SaveArea,
+                ready: Mapping[torch.device, torch.cuda.Event]
                 ) -> list[WriteResult]:
     """Write this rank's share of a DCP save into the save's area (the coordinator made it),
     every file durable.

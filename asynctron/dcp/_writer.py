@@ -43,7 +43,7 @@ from asynctron.dcp._runtime import Runtime, plugin_config, runtime_for
 from asynctron.dcp._stager import stage_state_dict
 from asynctron.dcp._write_job import SaveTarget, write
 from asynctron.engine import mark_ready
-from asynctron.storage import Backend, SaveArea, backend_for, commit_checkpoint
+from asynctron.storage import Backend, SaveArea, SaveStorage, backend_for, commit_checkpoint
 
 
 def locate(owner: str, path: str | os.PathLike[str], backend: Backend | None
@@ -79,16 +79,16 @@ class _PendingSave:
     the writer's finalizer, so it must not refer to the writer."""
 
     def __init__(self) -> None:
-        self.held: tuple[Backend, SaveArea] | None = None
+        self.held: tuple[SaveStorage, SaveArea] | None = None
 
-    def take(self) -> tuple[Backend, SaveArea] | None:
+    def take(self) -> tuple[SaveStorage, SaveArea] | None:
         held, self.held = self.held, None
         return held
 
 
-async def _abandon(runtime: Runtime, backend: Backend, area: SaveArea) -> None:
+async def _abandon(runtime: Runtime, storage: SaveStorage, area: SaveArea) -> None:
     """Remove the area of a save that never committed (if it is still the live one)."""
-    await backend.discard(runtime.run_blocking, area)
+    await storage.discard(area)
 
 
 def _abandon_pending(runtime: Runtime | None, pending: _PendingSave) -> None:
@@ -102,15 +102,15 @@ def _abandon_pending(runtime: Runtime | None, pending: _PendingSave) -> None:
         runtime.start_soon(_abandon, runtime, *held)
 
 
-async def _commit_or_abandon(runtime: Runtime, backend: Backend, area: SaveArea,
+async def _commit_or_abandon(runtime: Runtime, storage: SaveStorage, area: SaveArea,
                              files: functools.partial[dict[str, bytes]]) -> None:
     """On the loop: publish `area` with `files()` written last; if that fails, discard the
     area, only once the publish has stopped (`run_blocking` waits for its thread even when
     cancelled), so a publish never moves a half-removed area."""
     try:
-        await commit_checkpoint(backend, runtime.run_blocking, area, files)
+        await commit_checkpoint(storage, area, files)
     except BaseException:
-        await backend.discard(runtime.run_blocking, area)
+        await storage.discard(area)
         raise
 
 
@@ -216,9 +216,10 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
         """
         runtime = self._started()
         self._remove_pending()
-        area = _dcp_commit.area_of(self._backend, self.path)
-        runtime.call(self._backend.start_save(runtime.run_blocking, area))
-        self._pending.held = (self._backend, area)
+        storage = self._backend.checkpoints(runtime.run_blocking)
+        area = _dcp_commit.area_of(storage, self.path)
+        runtime.call(storage.start_save(area))
+        self._pending.held = (storage, area)
         return [dataclasses.replace(plan, storage_data=SaveTarget(rank))
                 for rank, plan in enumerate(plans)]
 
@@ -239,9 +240,9 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
                              f"{type(plan.storage_data).__name__}; save with "
                              "asynctron.dcp.StorageWriter on every rank")
         runtime = self._started()
-        started = runtime.start(write(runtime, plan, planner, self._backend,
-                                      _dcp_commit.area_of(self._backend, self.path),
-                                      mark_ready()))
+        storage = self._backend.checkpoints(runtime.run_blocking)
+        started = runtime.start(write(runtime, plan, planner, storage,
+                                      _dcp_commit.area_of(storage, self.path), mark_ready()))
         future: Future[list[WriteResult]] = Future()
 
         def settle(done: Any) -> None:

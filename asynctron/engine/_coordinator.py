@@ -128,7 +128,7 @@ class Coordinator:
         if self.is_coordinator:
             area = backend.area_of(path)
             try:
-                await backend.start_save(self._run_blocking, area)
+                await backend.start_save(area)
                 entry["area"] = area
             except Exception as error:  # every rank must reach the all-gather
                 coordinator_error = error
@@ -227,7 +227,7 @@ class Coordinator:
             outcome = await self.finishing.broadcast_object(outcome, src=0)
         finally:  # after the broadcast: no rank waits for the clean-up
             if self.is_coordinator and not committed_here:
-                await backend.discard(self._run_blocking, area)
+                await backend.discard(area)
         if commit_error is not None:
             raise commit_error
         failure = outcome.failure

@@ -40,6 +40,7 @@ from asynctron.storage import (
     XXH3_64,
     Backend,
     CheckpointReader,
+    CheckpointStorage,
     Committer,
     Retention,
     backend_for,
@@ -247,7 +248,7 @@ class Engine:
             self._resources.shutdown(unbind=True)
             raise
         self._coordinator = Coordinator(planning, finishing, self.run_blocking,
-                                        Committer(self.run_blocking, self._retention()))
+                                        Committer(self._retention()))
         self._shared_loads = SharedLoads(loads)
         if self.config.tiers is not None:
             try:
@@ -271,7 +272,7 @@ class Engine:
         three more gloo groups: the steps' agreement, the replicas' streams, the drains."""
         coordinator = self._started()
         nodes = job_nodes(tiers, coordinator.rank, coordinator.world_size)
-        local, _ = self._resources.locate(tiers.local_root(nodes.node))
+        local = self._resources.backend_of(tiers.local_root(nodes.node))
         store = None
         if tiers.store is not None:
             store = self._store_backend or backend_for(tiers.store)
@@ -461,10 +462,10 @@ class Engine:
         tiers = self._check_step(path, step, snapshot=snapshot, format=format)
         if tiers is not None:
             assert step is not None
-            backend, target = tiers.local, tiers.shard_path(step)
+            storage, target = tiers.local, tiers.shard_path(step)
         else:
             assert path is not None
-            backend, target = self._resources.locate(path)
+            storage, target = self._resources.locate(path)
         if target in self._saves:
             raise BusyError(f"checkpoint {target}: a save to this path is already in flight; "
                             "await it first or save to another path")
@@ -486,7 +487,7 @@ class Engine:
                                      ready=mark_ready(), on_staged=on_staged)
         else:
             work = SaveJob(state_dict, target, seq=self._seq, options=options,
-                           ready=mark_ready(), backend=backend, resources=self._resources,
+                           ready=mark_ready(), storage=storage, resources=self._resources,
                            coordinator=self._started(), plan_cache=self.plan_cache,
                            on_staged=on_staged).run
         task = loop.create_task(self._run_save(work, target, staged),
@@ -680,20 +681,20 @@ class Engine:
         """`_read` as one store operation (one clock on an object store), counted as a load in
         flight until it ends; with `collective`, one of every rank's loads together
         (`SharedLoads`)."""
-        backend, checkpoint = self._resources.locate(path)
+        storage, checkpoint = self._resources.locate(path)
         self._num_loads += 1
         self._loads_done.clear()
         try:
             with store_operation("load", os.fspath(path)):
                 if not collective:
-                    return await self._read(backend, checkpoint, verify, read, view, None)
-                return await self._read_together(backend, checkpoint, verify, read, view)
+                    return await self._read(storage, checkpoint, verify, read, view, None)
+                return await self._read_together(storage, checkpoint, verify, read, view)
         finally:
             self._num_loads -= 1
             if not self._num_loads:
                 self._loads_done.set()
 
-    async def _read_together(self, backend: Backend, checkpoint: str, verify: bool,
+    async def _read_together(self, storage: CheckpointStorage, checkpoint: str, verify: bool,
                              read: Callable[[Loader], Awaitable[dict[str, Any]]],
                              view: str | None) -> dict[str, Any]:
         """`_read` with the checkpoint found once for every rank, and every rank's outcome
@@ -703,7 +704,7 @@ class Engine:
         seq = shared.next_seq()
         error: BaseException | None = None
         try:
-            result = await self._read(backend, checkpoint, verify, read, view,
+            result = await self._read(storage, checkpoint, verify, read, view,
                                       functools.partial(shared.locate, seq))
         except BaseException as failure:  # told to every rank before it is raised
             error = failure
@@ -712,7 +713,7 @@ class Engine:
             raise error
         return result
 
-    async def _read(self, backend: Backend, checkpoint: str, verify: bool,
+    async def _read(self, storage: CheckpointStorage, checkpoint: str, verify: bool,
                     read: Callable[[Loader], Awaitable[dict[str, Any]]], view: str | None,
                     locate: Callable[[Callable[[], Awaitable[Located]]], Awaitable[Located]]
                     | None) -> dict[str, Any]:
@@ -722,8 +723,7 @@ class Engine:
         max_files = self.config.num_workers
 
         async def find() -> Located:
-            reader = await backend.open_reader(self.run_blocking, checkpoint,
-                                               max_files_at_once=max_files)
+            reader = await storage.open_reader(checkpoint, max_files_at_once=max_files)
             readers.append(reader)
             manifest = await reader.open(view=view)
             return Located(reader.path, manifest)
@@ -731,8 +731,7 @@ class Engine:
         try:
             located = await (find() if locate is None else locate(find))
             if not readers:  # found by rank 0: read it as it found it
-                reader = await backend.open_reader(self.run_blocking, located.path,
-                                                   max_files_at_once=max_files)
+                reader = await storage.open_reader(located.path, max_files_at_once=max_files)
                 readers.append(reader)
                 reader.adopt(located.path, located.manifest)
             resources = self._resources

@@ -91,7 +91,7 @@ async def stage_and_write(request: SaveRequest, backend: SaveStorage, area: Save
     pool, copy_streams = resources.pool, resources.copy_streams
     run_blocking = resources.run_blocking
     queues = [_ReadyBatches(len(bin.batches)) for bin in request.bins]
-    writers = [backend.open_writer(run_blocking, area, bin.layout.file_name, bin.layout.nbytes,
+    writers = [backend.open_writer(area, bin.layout.file_name, bin.layout.nbytes,
                                    direct_io=direct_io, checksums=request.checksums)
                for bin in request.bins]
     gate = asyncio.Event()
@@ -188,4 +188,4 @@ async def _writes_in_place(backend: SaveStorage, area: SaveArea, resources: Save
     slabs_needed = min(num_batches, max(1, pool.budget.total_bytes // pool.slab_bytes))
     if not direct_io or pool.num_warm < slabs_needed:
         return True
-    return await backend.is_in_memory(resources.run_blocking, area)
+    return await backend.is_in_memory(area)

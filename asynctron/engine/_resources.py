@@ -23,7 +23,7 @@ from asynctron._concurrency import uncancellable
 from asynctron.engine._slabs import SlabPool
 from asynctron.engine._staging import CopyStreams
 from asynctron.errors import ClosedError
-from asynctron.storage.backends import Backend, backend_for
+from asynctron.storage.backends import Backend, CheckpointStorage, backend_for
 
 if TYPE_CHECKING:
     from asynctron.engine._engine import EngineConfig
@@ -67,15 +67,19 @@ class SaveResources:
         if unbind:
             self._loop = None
 
-    def locate(self, path: str | os.PathLike[str]) -> tuple[Backend, str]:
-        """The backend of `path` (the one given, else the one its URL names) and `path`'s
-        canonical name there.
+    def backend_of(self, path: str | os.PathLike[str]) -> Backend:
+        """The backend of `path`: the one given, else the one its URL names.
 
         Raises:
             ValueError: a URL whose scheme no backend serves.
         """
-        backend = self._backend or backend_for(path)
-        return backend, backend.locate(path)
+        return self._backend or backend_for(path)
+
+    def locate(self, path: str | os.PathLike[str]) -> tuple[CheckpointStorage, str]:
+        """The checkpoints of `path`'s backend (`backend_of`), bound to this executor, and
+        `path`'s canonical name there."""
+        backend = self.backend_of(path)
+        return backend.checkpoints(self.run_blocking), backend.locate(path)
 
     async def run_blocking(self, fn: Callable[..., T], /, *args: Any) -> T:
         """Run blocking `fn(*args)` on the executor; the loop stays free.

@@ -49,12 +49,12 @@ from asynctron.engine._save_plan import (
 from asynctron.engine._task import SaveResult
 from asynctron.storage import (
     MANIFEST_NAME,
-    Backend,
     Committed,
     FlatStateDict,
     PlainPlan,
     PlannedItem,
     SavePlan,
+    SaveStorage,
     StoreOperation,
     encode_manifest,
     flatten,
@@ -138,7 +138,7 @@ class SaveJob:
 
     def __init__(self, state_dict: Mapping[str, Any], path: str, *, seq: int,
                  options: SaveOptions, ready: Mapping[torch.device, torch.cuda.Event],
-                 backend: Backend, resources: SaveResources, coordinator: Coordinator,
+                 storage: SaveStorage, resources: SaveResources, coordinator: Coordinator,
                  plan_cache: PlanCache, on_staged: Callable[[], None],
                  file_rank: int | None = None, mirror: Mirror | None = None) -> None:
         self.path = path
@@ -150,7 +150,7 @@ class SaveJob:
         self._state_dict = state_dict
         self._options = options
         self._ready = ready
-        self._backend = backend
+        self._storage = storage
         self._resources = resources
         self._run_blocking = resources.run_blocking
         self._coordinator = coordinator
@@ -233,7 +233,7 @@ class SaveJob:
                 held = self._plan_cache.snapshot()  # the plans announced are the plans used
                 plain = (not isinstance(flat, BaseException) and self._options.format != "dcp"
                          and is_plain(flat))
-                planned.start = await coordinator.start(self._backend, self.path, digest,
+                planned.start = await coordinator.start(self._storage, self.path, digest,
                                                         list(held), plain=plain)
                 try:
                     planned.request, planned.metadata = await self._plan(flat, planned.start,
@@ -315,7 +315,7 @@ class SaveJob:
             assert request is not None and planned.start is not None
             try:
                 await self._abort.run(stage_and_write(
-                    request, self._backend, planned.start.area, self._resources,
+                    request, self._storage, planned.start.area, self._resources,
                     snapshot=options.snapshot, direct_io=options.direct_io, ready=self._ready,
                     on_staged=self._mark_staged, mirror=self._mirror))
                 return await self._abort.run(self._run_blocking(request.report, rank))
@@ -332,7 +332,7 @@ class SaveJob:
         async with self._coordinator.finishing_turn(self.seq):
             try:
                 committed = await self._coordinator.finish(
-                    report, backend=self._backend, area=planned.start.area, seq=self.seq,
+                    report, backend=self._storage, area=planned.start.area, seq=self.seq,
                     publish=self._publish, metadata=planned.metadata)
             except BaseException:
                 if planned.error is None:

@@ -95,7 +95,9 @@ from asynctron.storage._plan import value_paths as value_paths
 from asynctron.storage._read_plan import MAX_GAP_BYTES as MAX_GAP_BYTES
 from asynctron.storage._read_plan import ReadJob as ReadJob
 from asynctron.storage.backends._backend import CheckpointReader as CheckpointReader
+from asynctron.storage.backends._backend import CheckpointStorage as CheckpointStorage
 from asynctron.storage.backends._backend import CommittedCheckpoints as CommittedCheckpoints
+from asynctron.storage.backends._backend import FileStorage as FileStorage
 from asynctron.storage.backends._backend import ItemReader as ItemReader
 from asynctron.storage.backends._backend import ReadableFile as ReadableFile
 from asynctron.storage.backends._backend import SaveStorage as SaveStorage

@@ -18,13 +18,12 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 
-from asynctron._concurrency import RunBlocking
 from asynctron.storage.backends import Committed, Retention, SaveArea, SaveStorage
 
 logger = logging.getLogger(__name__)
 
 
-async def commit_checkpoint(backend: SaveStorage, run_blocking: RunBlocking, area: SaveArea,
+async def commit_checkpoint(backend: SaveStorage, area: SaveArea,
                             files: Callable[[], Mapping[str, bytes]], *,
                             retention: Retention | None = None, seq: int = 0,
                             move_latest: bool = False) -> Committed:
@@ -36,7 +35,7 @@ async def commit_checkpoint(backend: SaveStorage, run_blocking: RunBlocking, are
         StorageError: writing or publishing failed; nothing is committed. Either way the area
             is left for the caller to `discard`.
     """
-    committed = await backend.commit(run_blocking, area, files, retention=retention, seq=seq,
+    committed = await backend.commit(area, files, retention=retention, seq=seq,
                                      move_latest=move_latest)
     for warning in committed.warnings:
         logger.warning("%s", warning)
@@ -48,9 +47,7 @@ class Committer:
     (or, with `points_latest=False`, is never written: a tier's shards). Used on the
     coordinator."""
 
-    def __init__(self, run_blocking: RunBlocking, retention: Retention | None, *,
-                 points_latest: bool = True) -> None:
-        self._run_blocking = run_blocking
+    def __init__(self, retention: Retention | None, *, points_latest: bool = True) -> None:
         self._retention = retention
         self._points_latest = points_latest
         self._locks: dict[str, asyncio.Lock] = {}
@@ -69,7 +66,7 @@ class Committer:
         lock = self._locks.setdefault(root, asyncio.Lock())
         async with lock:
             committed = await commit_checkpoint(
-                backend, self._run_blocking, area, files, retention=self._retention,
+                backend, area, files, retention=self._retention,
                 seq=seq, move_latest=self._points_latest and seq > self._newest.get(root, -1))
             if committed.moved_latest:
                 self._newest[root] = seq

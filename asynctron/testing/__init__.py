@@ -22,6 +22,7 @@ from typing import Literal
 
 from asynctron._concurrency import RunBlocking
 from asynctron.storage import Committed, LocalBackend, LocalFileIO, Retention, SaveArea
+from asynctron.storage.backends.local import LocalCheckpoints
 from asynctron.testing._gate import Gate
 from asynctron.testing._gated_objects import GatedObjectClient
 
@@ -89,19 +90,29 @@ class FaultyBackend(LocalBackend):
         if gate is not None:
             gate._pass_blocking()
 
-    async def start_save(self, run_blocking: RunBlocking, area: SaveArea) -> None:
-        gate = self._gate("start_save", area.final_path)
-        if gate is not None:
-            await gate._pass()
-        await super().start_save(run_blocking, area)
+    def checkpoints(self, run_blocking: RunBlocking) -> LocalCheckpoints:
+        return _FaultyCheckpoints(self, run_blocking)
 
-    async def commit(self, run_blocking: RunBlocking, area: SaveArea,
-                     files: Callable[[], Mapping[str, bytes]], *, retention: Retention | None,
-                     seq: int, move_latest: bool) -> Committed:
-        gate = self._gate("commit", area.final_path)
+
+class _FaultyCheckpoints(LocalCheckpoints):
+    """A `FaultyBackend`'s checkpoints: its saves' starts and commits wait at its gates."""
+
+    def __init__(self, backend: FaultyBackend, run_blocking: RunBlocking) -> None:
+        super().__init__(backend.file_io, backend._live, run_blocking)
+        self._backend = backend
+
+    async def start_save(self, area: SaveArea) -> None:
+        gate = self._backend._gate("start_save", area.final_path)
         if gate is not None:
             await gate._pass()
-        return await super().commit(run_blocking, area, files, retention=retention, seq=seq,
+        await super().start_save(area)
+
+    async def commit(self, area: SaveArea, files: Callable[[], Mapping[str, bytes]], *,
+                     retention: Retention | None, seq: int, move_latest: bool) -> Committed:
+        gate = self._backend._gate("commit", area.final_path)
+        if gate is not None:
+            await gate._pass()
+        return await super().commit(area, files, retention=retention, seq=seq,
                                     move_latest=move_latest)
 
 

@@ -91,7 +91,7 @@ async def test_contiguous_targets_take_one_view_each_and_land_exactly(shm_path: 
         await engine.save(state, f"{shm_path}/c")
         resources = engine._resources
         backend, checkpoint = resources.locate(f"{shm_path}/c")
-        reader = await backend.open_reader(engine.run_blocking, checkpoint, max_files_at_once=2)
+        reader = await backend.open_reader(checkpoint, max_files_at_once=2)
         try:
             manifest = await reader.open()
             target = {key: torch.zeros_like(value) for key, value in state.items()}

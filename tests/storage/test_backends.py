@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pathlib
 import re
@@ -30,8 +31,9 @@ def test_the_backends_conform_to_the_protocol() -> None:
     assert isinstance(FaultyBackend(), Backend)
 
 
-@pytest.mark.parametrize("protocol", [SaveStorage, CommittedCheckpoints, FileStorage, ItemReader,
-                                      CheckpointReader, FileWriter, RangedFile, NewFile],
+@pytest.mark.parametrize("protocol", [Backend, SaveStorage, CommittedCheckpoints, FileStorage,
+                                      ItemReader, CheckpointReader, FileWriter, RangedFile,
+                                      NewFile],
                          ids=lambda protocol: protocol.__name__)
 def test_each_part_of_the_seam_is_narrow(protocol: type) -> None:
     """A backend implements a few small Protocols, each split by who calls it, none of more
@@ -130,27 +132,28 @@ def test_a_registered_scheme_is_served_by_its_factory() -> None:
 
 
 def test_a_named_area_is_the_same_on_every_rank_a_fresh_one_unique() -> None:
-    backend = LocalBackend()
+    backend = LocalBackend().checkpoints(asyncio.to_thread)
     named = backend.area_of("/r/step_1", "dcp")
-    assert named == LocalBackend().area_of("/r/step_1", "dcp")
+    assert named == LocalBackend().checkpoints(asyncio.to_thread).area_of("/r/step_1", "dcp")
     assert named.location == "/r/.step_1.tmp-dcp"
     fresh = {backend.area_of("/r/step_1").location for _ in range(3)}
     assert len(fresh) == 3 and all(f.startswith("/r/.step_1.tmp-") for f in fresh)
 
 
 async def test_a_discarded_area_is_removed_and_an_unknown_one_left(tmp_path: object) -> None:
-    """`discard` removes only an area this backend made and still holds: never a directory
-    it did not make (another process's live save)."""
+    """`discard` removes only an area this backend made and still holds (through any of its
+    bindings): never a directory it did not make (another process's live save)."""
     backend = LocalBackend()
     async with asynctron.Engine() as engine:
-        mine = backend.area_of(f"{tmp_path}/mine")
-        await backend.start_save(engine.run_blocking, mine)
+        checkpoints = backend.checkpoints(engine.run_blocking)
+        mine = checkpoints.area_of(f"{tmp_path}/mine")
+        await checkpoints.start_save(mine)
         assert os.path.isdir(mine.location)
-        await backend.discard(engine.run_blocking, mine)
+        await backend.checkpoints(asyncio.to_thread).discard(mine)  # another binding's
         assert not os.path.exists(mine.location)
         theirs = SaveArea(f"{tmp_path}/theirs", f"{tmp_path}/.theirs.tmp-other")
         os.mkdir(theirs.location)
-        await backend.discard(engine.run_blocking, theirs)
+        await checkpoints.discard(theirs)
         assert os.path.isdir(theirs.location)
 
 
@@ -160,5 +163,6 @@ async def test_a_save_refuses_an_existing_checkpoint_before_making_an_area(
     os.mkdir(f"{tmp_path}/step_1")
     async with asynctron.Engine() as engine:
         with pytest.raises(FileExistsError, match="expected a new path"):
-            await backend.start_save(engine.run_blocking, backend.area_of(f"{tmp_path}/step_1"))
+            checkpoints = backend.checkpoints(engine.run_blocking)
+            await checkpoints.start_save(checkpoints.area_of(f"{tmp_path}/step_1"))
     assert os.listdir(tmp_path) == ["step_1"]  # type: ignore[arg-type]

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from asynctron._concurrency import RunBlocking, first_error
+from asynctron._concurrency import first_error
 from asynctron.engine._collectives import Collectives
 from asynctron.engine._coordinator import describe
 from asynctron.engine._resources import SaveResources
@@ -32,13 +32,15 @@ from asynctron.engine.tiers._stream import Chunk, shard_files
 from asynctron.errors import PeerError
 from asynctron.storage import (
     MANIFEST_NAME,
-    Backend,
+    CheckpointStorage,
     Committed,
+    FileStorage,
     ItemRecord,
     Manifest,
     ReadableFile,
     Retention,
     SaveArea,
+    SaveStorage,
     commit_checkpoint,
     encode_manifest,
     merge_structures,
@@ -61,8 +63,9 @@ class _ShardReport:
     error: str | None
 
 
-async def drain_step(step: int, *, shard: str, collectives: Collectives, local: Backend,
-                     store: Backend, store_root: str, resources: SaveResources,
+async def drain_step(step: int, *, shard: str, collectives: Collectives,
+                     local: CheckpointStorage, local_files: FileStorage,
+                     store: CheckpointStorage, store_root: str, resources: SaveResources,
                      retention: Retention | None) -> Committed:
     """Drain this rank's `shard` of `step` into the store's checkpoint of `step`, with every
     other rank (collective on `collectives`).
@@ -75,13 +78,12 @@ async def drain_step(step: int, *, shard: str, collectives: Collectives, local: 
     other ranks wait in them), reporting it failed; nothing is committed.
     """
     final = join(store_root, step_name(step))
-    area = store.area_of(store.locate(final), name=f"drain-{step}")
-    run_blocking = resources.run_blocking
+    area = store.area_of(final, name=f"drain-{step}")
     with store_operation("drain", final):
         start_error: Exception | None = None
         if collectives.rank == 0:
             try:
-                await store.start_save(run_blocking, area)
+                await store.start_save(area)
             except Exception as error:  # every rank must reach the broadcast
                 start_error = error
         started = await collectives.broadcast_object(
@@ -94,7 +96,8 @@ async def drain_step(step: int, *, shard: str, collectives: Collectives, local: 
         own_error: BaseException | None = None
         manifest: bytes | None = None
         try:
-            manifest = await _upload(shard, collectives.rank, local, store, area, resources)
+            manifest = await _upload(shard, collectives.rank, local, local_files, store, area,
+                                     resources)
         except (Exception, asyncio.CancelledError) as error:  # reported, then raised
             own_error = error
         report = _ShardReport(collectives.rank, manifest, None if own_error is None
@@ -104,8 +107,7 @@ async def drain_step(step: int, *, shard: str, collectives: Collectives, local: 
         commit_error: Exception | None = None
         if collectives.rank == 0:
             assert reports is not None
-            committed, commit_error = await _commit(store, area, reports, run_blocking,
-                                                    retention, step)
+            committed, commit_error = await _commit(store, area, reports, retention, step)
         outcome = await collectives.broadcast_object(
             None if commit_error is None else describe(commit_error), src=0)
         if own_error is not None:
@@ -118,27 +120,26 @@ async def drain_step(step: int, *, shard: str, collectives: Collectives, local: 
         return committed
 
 
-async def _upload(shard: str, rank: int, local: Backend, store: Backend, area: SaveArea,
-                  resources: SaveResources) -> bytes:
+async def _upload(shard: str, rank: int, local: CheckpointStorage, local_files: FileStorage,
+                  store: SaveStorage, area: SaveArea, resources: SaveResources) -> bytes:
     """Upload every file of the committed `shard` (rank `rank`'s) into `area`, and its
     manifest as the rank's view (the files together); returns the manifest."""
-    files, raw = await shard_files(local, resources.run_blocking, shard)
+    files, raw = await shard_files(local, shard)
     try:
         async with asyncio.TaskGroup() as group:
             for name, nbytes in files.items():
-                group.create_task(_upload_file(join(shard, name), name, nbytes, local, store,
-                                               area, resources))
+                group.create_task(_upload_file(join(shard, name), name, nbytes, local_files,
+                                               store, area, resources))
             group.create_task(_upload_bytes(rank_view(rank), raw, store, area, resources))
     except BaseExceptionGroup as error:
         raise first_error(error) from None
     return raw
 
 
-async def _upload_bytes(name: str, data: bytes, store: Backend, area: SaveArea,
+async def _upload_bytes(name: str, data: bytes, store: SaveStorage, area: SaveArea,
                         resources: SaveResources) -> None:
     """A small file (a rank's view) into `area`, durable."""
-    writer = store.open_writer(resources.run_blocking, area, name, len(data), direct_io=False,
-                               checksums=None)
+    writer = store.open_writer(area, name, len(data), direct_io=False, checksums=None)
     try:
         await writer.open()
         await writer.write([Chunk(0, len(data), memoryview(data))] if data else [],
@@ -147,12 +148,11 @@ async def _upload_bytes(name: str, data: bytes, store: Backend, area: SaveArea,
         await writer.aclose()
 
 
-async def _upload_file(path: str, name: str, nbytes: int, local: Backend, store: Backend,
-                       area: SaveArea, resources: SaveResources) -> None:
+async def _upload_file(path: str, name: str, nbytes: int, local_files: FileStorage,
+                       store: SaveStorage, area: SaveArea, resources: SaveResources) -> None:
     run_blocking, pool = resources.run_blocking, resources.pool
-    writer = store.open_writer(run_blocking, area, name, nbytes, direct_io=True,
-                               checksums=None)
-    source = await run_blocking(local.open_file, path)
+    writer = store.open_writer(area, name, nbytes, direct_io=True, checksums=None)
+    source = await run_blocking(local_files.open_file, path)
     try:
         await writer.open()
         offset = 0
@@ -189,9 +189,8 @@ def _read_chunks(source: ReadableFile, offset: int, nbytes: int,
     return chunks
 
 
-async def _commit(store: Backend, area: SaveArea, reports: Sequence[_ShardReport],
-                  run_blocking: RunBlocking, retention: Retention | None, step: int
-                  ) -> tuple[Committed, Exception | None]:
+async def _commit(store: SaveStorage, area: SaveArea, reports: Sequence[_ShardReport],
+                  retention: Retention | None, step: int) -> tuple[Committed, Exception | None]:
     """On the coordinator: commit the merged manifest if every rank uploaded, else discard."""
     committed_here = False
     try:
@@ -203,7 +202,7 @@ async def _commit(store: Backend, area: SaveArea, reports: Sequence[_ShardReport
         manifests = [report.manifest for report in reports if report.manifest is not None]
         try:
             committed = await commit_checkpoint(
-                store, run_blocking, area, lambda: {MANIFEST_NAME: merge_manifests(manifests)},
+                store, area, lambda: {MANIFEST_NAME: merge_manifests(manifests)},
                 retention=retention, seq=step, move_latest=True)
         except Exception as error:
             return Committed(), error
@@ -211,7 +210,7 @@ async def _commit(store: Backend, area: SaveArea, reports: Sequence[_ShardReport
         return committed, None
     finally:
         if not committed_here:
-            await store.discard(run_blocking, area)
+            await store.discard(area)
 
 
 def merge_manifests(manifests: Sequence[bytes]) -> bytes:

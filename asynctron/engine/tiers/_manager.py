@@ -70,8 +70,10 @@ class TierManager:
                  store_retention: Retention | None) -> None:
         self.tiers = tiers
         self.nodes = nodes
-        self.local = local
-        self.store = store
+        self.local_files = local
+        """The local tier's files (a shard's, streamed to a peer or the store)."""
+        self.local = local.checkpoints(resources.run_blocking)
+        self.store = None if store is None else store.checkpoints(resources.run_blocking)
         self.local_root = local.locate(tiers.local_root(nodes.node))
         self.store_root = None if store is None or tiers.store is None else (
             store.locate(tiers.store))
@@ -83,7 +85,7 @@ class TierManager:
         self._store_retention = store_retention
         run_blocking = resources.run_blocking
         self._solo = Coordinator(SoloCollectives(), SoloCollectives(), run_blocking,
-                                 Committer(run_blocking, None, points_latest=False))
+                                 Committer(None, points_latest=False))
         self._turns = Turns()
         """The steps' agreements, in save order."""
         self._send_turns = Turns()
@@ -166,7 +168,7 @@ class TierManager:
             await self._replace_earlier(step)
             self._job_seq += 1
             job = SaveJob(state_dict, path, seq=self._job_seq, options=options, ready=ready,
-                          backend=self.local, resources=self._resources,
+                          storage=self.local, resources=self._resources,
                           coordinator=self._solo, plan_cache=self._plan_cache,
                           on_staged=on_staged, file_rank=self.nodes.rank, mirror=sender)
             jobs.append(job)
@@ -206,23 +208,20 @@ class TierManager:
     async def _replace_earlier(self, step: int) -> None:
         """Remove this rank's shard of `step` if an earlier life left one (the first save
         lists the tier once; later ones know what they wrote)."""
-        run_blocking = self._resources.run_blocking
         if self._held is None:
-            names = await self.local.list_checkpoints(run_blocking, self.local_root)
+            names = await self.local.list_checkpoints(self.local_root)
             mine = {self.nodes.rank, *self.sources}
             self._held = {shard for name in names if (shard := parse_shard(name)) is not None
                           and shard[1] in mine}
         if (step, self.nodes.rank) in self._held:
-            await self.local.remove_checkpoint(run_blocking, self.shard_path(step))
+            await self.local.remove_checkpoint(self.shard_path(step))
             self._held.discard((step, self.nodes.rank))
 
     async def _receive(self, src: int, tag: int, seq: int) -> ShardReceived | None:
         assert self._channel is not None
         async with self._receive_turns[src].take(seq):
             return await receive_shard(self._channel, src, tag=tag, backend=self.local,
-                                       root=self.local_root,
-                                       run_blocking=self._resources.run_blocking,
-                                       buffers=self._buffers)
+                                       root=self.local_root, buffers=self._buffers)
 
     async def _end_stream(self, sender: ShardSender, manifest: bytes | None) -> None:
         """End the replicas' streams: committed (with the shard's manifest) or not."""
@@ -261,6 +260,7 @@ class TierManager:
             try:
                 committed = await drain_step(step, shard=self.shard_path(step),
                                              collectives=self._drains, local=self.local,
+                                             local_files=self.local_files,
                                              store=self.store, store_root=self.store_root,
                                              resources=self._resources,
                                              retention=self._store_retention)
@@ -287,9 +287,8 @@ class TierManager:
         self._complete = self._complete[-self.tiers.keep_local:]
         doomed = [shard for shard in self._held if shard[0] < cutoff
                   and shard[0] != self._draining]
-        run_blocking = self._resources.run_blocking
         await asyncio.gather(*(self.local.remove_checkpoint(
-            run_blocking, join(self.local_root, shard_name(*shard))) for shard in doomed))
+            join(self.local_root, shard_name(*shard))) for shard in doomed))
         self._held.difference_update(doomed)
 
     # -- restore ---------------------------------------------------------------------------
@@ -299,6 +298,7 @@ class TierManager:
         """See `Engine.restore`."""
         context = RestoreContext(
             nodes=self.nodes, replicas=self.tiers.replicas, local=self.local,
+            local_files=self.local_files,
             local_root=self.local_root, store=self.store, store_root=self.store_root,
             agree=self._agree, channel=self._channel, resources=self._resources,
             buffers=self._buffers, load_into=load_into)

@@ -49,7 +49,7 @@ from asynctron.errors import (
     PeerError,
     StorageError,
 )
-from asynctron.storage import Backend, store_operation
+from asynctron.storage import CheckpointStorage, FileStorage, store_operation
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +91,10 @@ class RestoreContext:
 
     nodes: Nodes
     replicas: int
-    local: Backend
+    local: CheckpointStorage
+    local_files: FileStorage
     local_root: str
-    store: Backend | None
+    store: CheckpointStorage | None
     store_root: str | None
     agree: Collectives
     channel: PeerChannel | None
@@ -153,7 +154,7 @@ async def restore(state: Mapping[str, Any], ctx: RestoreContext, *,
 
 async def _inventory(ctx: RestoreContext) -> list[tuple[int, int]]:
     """The shards this rank's node holds (committed; not yet verified)."""
-    names = await ctx.local.list_checkpoints(ctx.resources.run_blocking, ctx.local_root)
+    names = await ctx.local.list_checkpoints(ctx.local_root)
     return sorted(shard for name in names if (shard := parse_shard(name)) is not None)
 
 
@@ -165,8 +166,7 @@ async def _store_steps(ctx: RestoreContext) -> list[int]:
     if ctx.agree.rank == 0:
         try:
             with store_operation("restore listing", ctx.store_root):
-                names = await ctx.store.list_checkpoints(ctx.resources.run_blocking,
-                                                         ctx.store_root)
+                names = await ctx.store.list_checkpoints(ctx.store_root)
             found = sorted((s for n in names if (s := parse_step(n)) is not None),
                            reverse=True)
         except Exception as error:
@@ -254,9 +254,7 @@ async def _replica_round(me: _Rank, state: Mapping[str, Any], step: int,
     async def receive(sender: int) -> None:
         try:
             received = await receive_shard(channel, sender, tag=tag, backend=ctx.local,
-                                           root=ctx.local_root,
-                                           run_blocking=ctx.resources.run_blocking,
-                                           buffers=ctx.buffers)
+                                           root=ctx.local_root, buffers=ctx.buffers)
         except (*_TIER_FAILURES, OSError) as error:
             _skip(skipped, f"step {step}: the replica on rank {sender}'s node: {error}")
             return
@@ -282,10 +280,9 @@ async def send_shard(channel: PeerChannel, dst: int, step: int, rank: int, shard
     not committed (the receiver skips it)."""
     sender = ShardSender(channel, [dst], tag=tag, step=step, rank=rank,
                          turn=contextlib.nullcontext())
-    run_blocking = ctx.resources.run_blocking
     manifest: bytes | None = None
     try:
-        files, raw = await shard_files(ctx.local, run_blocking, shard)
+        files, raw = await shard_files(ctx.local, shard)
         for name, nbytes in files.items():
             await _send_file(sender, join(shard, name), name, nbytes, ctx)
         manifest = raw
@@ -300,7 +297,7 @@ async def send_shard(channel: PeerChannel, dst: int, step: int, rank: int, shard
 async def _send_file(sender: ShardSender, path: str, name: str, nbytes: int,
                      ctx: RestoreContext) -> None:
     run_blocking = ctx.resources.run_blocking
-    source = await run_blocking(ctx.local.open_file, path)
+    source = await run_blocking(ctx.local_files.open_file, path)
     try:
         if nbytes == 0:
             await sender.send(name, 0, [])
@@ -368,11 +365,10 @@ async def _forget_newer(step: int, ctx: RestoreContext) -> None:
     restored: an earlier life's, incomplete or damaged; training saves them again."""
     nodes = ctx.nodes
     mine = {nodes.rank, *nodes.sources(nodes.rank, ctx.replicas)}
-    run_blocking = ctx.resources.run_blocking
     for found_step, rank in await _inventory(ctx):
         if found_step > step and rank in mine:
-            await ctx.local.remove_checkpoint(
-                run_blocking, join(ctx.local_root, shard_name(found_step, rank)))
+            await ctx.local.remove_checkpoint(join(ctx.local_root,
+                                                   shard_name(found_step, rank)))
 
 
 def _nothing_left(inventories: list[list[tuple[int, int]]], nodes: Nodes, ctx: RestoreContext,

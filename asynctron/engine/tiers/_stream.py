@@ -26,15 +26,16 @@ from typing import Any, NoReturn
 
 import torch
 
-from asynctron._concurrency import RunBlocking, first_error
+from asynctron._concurrency import first_error
 from asynctron.comm import PeerChannel
 from asynctron.engine.tiers._layout import join, shard_name
 from asynctron.storage import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
-    Backend,
+    CheckpointStorage,
     FileWriter,
     SaveArea,
+    SaveStorage,
     WriteBatch,
 )
 
@@ -160,15 +161,14 @@ class ReceiveBuffers:
         self._free.put_nowait(buffer)
 
 
-async def shard_files(backend: Backend, run_blocking: RunBlocking, shard: str
-                      ) -> tuple[dict[str, int], bytes]:
+async def shard_files(backend: CheckpointStorage, shard: str) -> tuple[dict[str, int], bytes]:
     """The committed `shard`'s data files (name -> size, checked against the disk) and its
     manifest's bytes.
 
     Raises:
         CheckpointNotFoundError, CorruptCheckpointError: no such shard, or a damaged one.
     """
-    reader = await backend.open_reader(run_blocking, shard, max_files_at_once=1)
+    reader = await backend.open_reader(shard, max_files_at_once=1)
     try:
         files = (await reader.open()).files
         return files, await reader.read_file(MANIFEST_NAME, MAX_MANIFEST_BYTES)
@@ -185,8 +185,8 @@ class ShardReceived:
     path: str
 
 
-async def receive_shard(channel: PeerChannel, src: int, *, tag: int, backend: Backend,
-                        root: str, run_blocking: RunBlocking,
+async def receive_shard(channel: PeerChannel, src: int, *, tag: int,
+                        backend: CheckpointStorage, root: str,
                         buffers: ReceiveBuffers) -> ShardReceived | None:
     """Receive the shard rank `src` streams (`ShardSender`) into the local tier `root`, and
     commit it there; None if the sender ended without committing its own.
@@ -211,10 +211,10 @@ async def receive_shard(channel: PeerChannel, src: int, *, tag: int, backend: Ba
     try:
         try:
             try:
-                await backend.start_save(run_blocking, area)
+                await backend.start_save(area)
             except FileExistsError:  # an earlier life's copy of this step: replaced
-                await backend.remove_checkpoint(run_blocking, path)
-                await backend.start_save(run_blocking, area)
+                await backend.remove_checkpoint(path)
+                await backend.start_save(area)
         except BaseException as error:  # drain the stream all the same
             failure = error
         while True:
@@ -232,8 +232,7 @@ async def receive_shard(channel: PeerChannel, src: int, *, tag: int, backend: Ba
             if failure is not None:  # only drained
                 buffers.give(buffer)
                 continue
-            _write(header, payload, buffer, buffers, writers, writes, area, backend,
-                   run_blocking)
+            _write(header, payload, buffer, buffers, writers, writes, area, backend)
             failure = _first_failure(writes)
         await asyncio.gather(*writes.values(), return_exceptions=True)
         failure = failure or _first_failure(writes)
@@ -244,12 +243,12 @@ async def receive_shard(channel: PeerChannel, src: int, *, tag: int, backend: Ba
                         "discarded", rank, step)
             for writer in writers.values():
                 await writer.aclose()
-            await backend.discard(run_blocking, area)
+            await backend.discard(area)
             return None
         if not all(writer.done for writer in writers.values()):
             raise ValueError(f"shard stream from rank {src}: 'end' before every file was whole")
-        await backend.commit(run_blocking, area, lambda: {MANIFEST_NAME: manifest},
-                             retention=None, seq=0, move_latest=False)
+        await backend.commit(area, lambda: {MANIFEST_NAME: manifest}, retention=None, seq=0,
+                             move_latest=False)
         return ShardReceived(step, rank, area.final_path)
     except BaseException:
         for task in writes.values():
@@ -257,7 +256,7 @@ async def receive_shard(channel: PeerChannel, src: int, *, tag: int, backend: Ba
         await asyncio.gather(*writes.values(), return_exceptions=True)
         for writer in writers.values():
             await writer.aclose()
-        await backend.discard(run_blocking, area)
+        await backend.discard(area)
         raise
 
 
@@ -279,16 +278,15 @@ async def _whole(channel: PeerChannel, src: int, tag: int, header: dict[str, Any
 
 def _write(header: dict[str, Any], payload: memoryview, buffer: memoryview,
            buffers: ReceiveBuffers, writers: dict[str, FileWriter],
-           writes: dict[str, asyncio.Task[None]], area: SaveArea, backend: Backend,
-           run_blocking: RunBlocking) -> None:
+           writes: dict[str, asyncio.Task[None]], area: SaveArea,
+           backend: SaveStorage) -> None:
     """Write a data message's payload (after the same file's previous write, as a task); the
     buffer goes back once written."""
     name = str(header["file"])
     writer = writers.get(name)
     if writer is None:
         writer = writers[name] = backend.open_writer(
-            run_blocking, area, name, int(header["file_nbytes"]), direct_io=False,
-            checksums=None)
+            area, name, int(header["file_nbytes"]), direct_io=False, checksums=None)
     batch = Chunk(int(header["offset"]), payload.nbytes, payload)
     writes[name] = asyncio.ensure_future(_write_after(writes.get(name), writer, batch,
                                                       buffers, buffer))

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from asynctron.storage.backends._backend import (
     Backend,
+    CheckpointStorage,
     Committed,
     FileWriter,
     RangedFile,
@@ -30,9 +31,9 @@ from asynctron.storage.backends._backend import (
 from asynctron.storage.backends._operation import StoreStatistics, store_operation
 from asynctron.storage.backends.local import LocalBackend
 
-__all__ = ["Backend", "Committed", "FileWriter", "LocalBackend", "RangedFile", "ReadableFile",
-           "Retention", "SaveArea", "SaveStorage", "StoreStatistics", "backend_for",
-           "register_backend", "store_operation"]
+__all__ = ["Backend", "CheckpointStorage", "Committed", "FileWriter", "LocalBackend",
+           "RangedFile", "ReadableFile", "Retention", "SaveArea", "SaveStorage",
+           "StoreStatistics", "backend_for", "register_backend", "store_operation"]
 
 _FACTORIES: dict[str, Callable[[], Backend]] = {}
 _SHARED: dict[str, Backend] = {}

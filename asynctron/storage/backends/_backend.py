@@ -7,9 +7,11 @@ publishes the area as the checkpoint all at once (a rename on a filesystem; "man
 an object store); a load leases a committed checkpoint and reads ranges of its files into
 given buffers. Datasets publish whole files and read (or map) them.
 
-Checkpoint operations are coroutines awaited on the caller's loop: a backend whose work
-blocks (the local filesystem) runs it through the `RunBlocking` door it is handed, in as few
-calls as it can (a commit is one call); one whose client is asyncio-native awaits it.
+Checkpoint operations are coroutines awaited on the caller's loop, on the backend's
+checkpoints bound once to the caller's executor (`Backend.checkpoints(run_blocking)`): a
+backend whose work blocks (the local filesystem) runs it through that door, in as few calls as
+it can (a commit is one call); one whose client is asyncio-native awaits its requests and
+uses the door only for CPU work (hashing, encoding the manifest).
 Dataset operations block: datasets call them from worker processes and from index builders,
 never on a loop thread.
 
@@ -103,6 +105,9 @@ class ItemReader(Protocol):
     """Reads the items of an open checkpoint into given buffers: what a load's data path
     calls. Several `read` calls may run at once."""
 
+    path: str
+    """The checkpoint read (after `open`: the one `latest` named, if it was followed)."""
+
     @property
     def verifiable(self) -> bool:
         """Whether the checkpoint carries checksums to verify."""
@@ -156,8 +161,6 @@ class CheckpointReader(ItemReader, Protocol):
     validated by `open`, its items read as an `ItemReader`; `aclose` when done."""
 
     requested_path: str
-    path: str
-    """The checkpoint read (after `open`: the one `latest` named, if it was followed)."""
     manifest: Manifest | None
 
     async def open(self, *, view: str | None = None) -> Manifest:
@@ -196,9 +199,9 @@ class CheckpointReader(ItemReader, Protocol):
 
 
 class SaveStorage(Protocol):
-    """A save's side of the checkpoint half of a `Backend`: a private area, its files, its
-    commit (what the coordinator, the writers and the DCP writer call). Its I/O operations are
-    coroutines, awaited on the caller's loop.
+    """A save's side of a backend's checkpoints: a private area, its files, its commit (what
+    the coordinator, the writers and the DCP writer call). Its I/O operations are coroutines,
+    awaited on the caller's loop.
 
     Durability: a committed checkpoint survives a crash of the machine.
     Atomicity: `commit` makes a checkpoint visible whole or not at all; a crash or failure at
@@ -211,7 +214,7 @@ class SaveStorage(Protocol):
         unique one. Makes nothing (see `start_save`)."""
         ...
 
-    async def start_save(self, run_blocking: RunBlocking, area: SaveArea) -> None:
+    async def start_save(self, area: SaveArea) -> None:
         """Refuse an existing checkpoint at `area.final_path`, then make `area` (replacing one
         of that name a dead save left), live until `commit` or `discard`.
 
@@ -221,19 +224,19 @@ class SaveStorage(Protocol):
         """
         ...
 
-    def open_writer(self, run_blocking: RunBlocking, area: SaveArea, name: str, nbytes: int, *,
-                    direct_io: bool, checksums: Checksums | None) -> FileWriter:
+    def open_writer(self, area: SaveArea, name: str, nbytes: int, *, direct_io: bool,
+                    checksums: Checksums | None) -> FileWriter:
         """A writer of the file `name` (exactly `nbytes`) in `area`, written in order batch by
         batch; durable once its last batch is written. Any rank may open one in an area the
         coordinator made."""
         ...
 
-    async def is_in_memory(self, run_blocking: RunBlocking, area: SaveArea) -> bool:
+    async def is_in_memory(self, area: SaveArea) -> bool:
         """Whether `area`'s bytes live only in memory (tmpfs): a write from the caller's
         memory is then as fast as any, so staging copies buy nothing."""
         ...
 
-    async def commit(self, run_blocking: RunBlocking, area: SaveArea,
+    async def commit(self, area: SaveArea,
                      files: Callable[[], Mapping[str, bytes]], *, retention: Retention | None,
                      seq: int, move_latest: bool) -> Committed:
         """Publish `area`, whose data files are all durable, as its checkpoint: `files()` (the
@@ -249,7 +252,7 @@ class SaveStorage(Protocol):
         """
         ...
 
-    async def discard(self, run_blocking: RunBlocking, area: SaveArea) -> None:
+    async def discard(self, area: SaveArea) -> None:
         """Remove the area of a save that will not commit, and what it holds, if it is still
         the live area this backend made; never raises (a failure is logged: an area is never
         taken for a checkpoint, and the next commit beside it removes what is left)."""
@@ -257,16 +260,11 @@ class SaveStorage(Protocol):
 
 
 class CommittedCheckpoints(Protocol):
-    """The committed checkpoints of a `Backend`: named, opened for a load (leased), listed and
+    """A backend's committed checkpoints: named, opened for a load (leased), listed and
     removed (what loads, retention and the tiers call). Its I/O operations are coroutines,
     awaited on the caller's loop."""
 
-    def locate(self, path: str | os.PathLike[str]) -> str:
-        """The canonical name of `path` on this backend (a local path made absolute; a URL as
-        it is); every other method takes names made by this one."""
-        ...
-
-    async def open_reader(self, run_blocking: RunBlocking, path: str, *,
+    async def open_reader(self, path: str, *,
                           max_files_at_once: int) -> CheckpointReader:
         """A reader of the committed checkpoint at `path`, or of the one `path/latest` names,
         leased where the backend can: no pruning removes it until `reader.aclose()`.
@@ -276,7 +274,7 @@ class CommittedCheckpoints(Protocol):
         """
         ...
 
-    async def list_checkpoints(self, run_blocking: RunBlocking, root: str) -> list[str]:
+    async def list_checkpoints(self, root: str) -> list[str]:
         """The names of the committed checkpoints directly under `root` (none if `root` does
         not exist), in one listing of the storage.
 
@@ -285,7 +283,7 @@ class CommittedCheckpoints(Protocol):
         """
         ...
 
-    async def remove_checkpoint(self, run_blocking: RunBlocking, path: str) -> bool:
+    async def remove_checkpoint(self, path: str) -> bool:
         """Delete the committed checkpoint at `path`: it stops being a checkpoint at once (a
         reader never finds it half there), then its files go. Returns whether it was removed:
         False when nothing is committed there, or (where the backend leases) a load holds it.
@@ -295,6 +293,11 @@ class CommittedCheckpoints(Protocol):
                 it removes, never a checkpoint).
         """
         ...
+
+
+class CheckpointStorage(SaveStorage, CommittedCheckpoints, Protocol):
+    """A backend's checkpoints, bound to the executor its blocking work runs on
+    (`Backend.checkpoints`): an engine, or the DCP plugins' runtime, binds once."""
 
 
 class FileStorage(Protocol):
@@ -439,8 +442,19 @@ class NewFile(Protocol):
 
 
 @runtime_checkable
-class Backend(SaveStorage, CommittedCheckpoints, FileStorage, Protocol):
+class Backend(FileStorage, Protocol):
     """Where a checkpoint's and a dataset's bytes live, one object per storage (`backend_for`
-    picks it by URL scheme), in three parts because their callers differ: saves and loads
-    await the checkpoint parts (`SaveStorage`, `CommittedCheckpoints`) on their loop,
-    datasets call the file part (`FileStorage`) from worker processes."""
+    picks it by URL scheme), in parts because their callers differ: datasets call the file
+    operations (`FileStorage`) from worker processes; an engine binds the checkpoints to its
+    executor once (`checkpoints`) and awaits them on its loop."""
+
+    def locate(self, path: str | os.PathLike[str]) -> str:
+        """The canonical name of `path` on this backend (a local path made absolute; a URL as
+        it is); every checkpoint operation takes names made by this one."""
+        ...
+
+    def checkpoints(self, run_blocking: RunBlocking) -> CheckpointStorage:
+        """The checkpoints of this storage, their blocking work (file I/O, hashing, encoding
+        manifests) run through `run_blocking`. Every binding shares the backend's state (the
+        saves it holds live), so a save started through one commits through another."""
+        ...

@@ -33,8 +33,8 @@ class LocalBackend(LocalFiles):
     """The local filesystem, through `file_io` for the data path (a fault-injecting fake of
     `asynctron.testing` in tests).
 
-    Concurrency: one backend serves any number of saves and loads at once; each save's area
-    is its own.
+    Concurrency: one backend serves any number of saves and loads at once, through any number
+    of bindings (`checkpoints`); each save's area is its own.
     """
 
     def __init__(self, file_io: FileIO | None = None) -> None:
@@ -45,30 +45,50 @@ class LocalBackend(LocalFiles):
     def locate(self, path: str | os.PathLike[str]) -> str:
         return os.path.abspath(os.fspath(path))
 
+    def checkpoints(self, run_blocking: RunBlocking) -> LocalCheckpoints:
+        return LocalCheckpoints(self.file_io, self._live, run_blocking)
+
+    def __repr__(self) -> str:
+        return f"<LocalBackend {type(self.file_io).__name__}, {len(self._live)} saves live>"
+
+
+class LocalCheckpoints:
+    """A `LocalBackend`'s checkpoints, their file calls run through `run_blocking`.
+
+    Args:
+        live: the backend's areas held live, shared by all its bindings.
+    """
+
+    def __init__(self, file_io: FileIO, live: dict[str, DirLock],
+                 run_blocking: RunBlocking) -> None:
+        self.file_io = file_io
+        self._live = live
+        self._run_blocking = run_blocking
+
     def area_of(self, final_path: str, name: str | None = None) -> SaveArea:
         if name is None:
             return SaveArea(final_path, _publish.tmp_dir_for(final_path))
         parent, leaf = os.path.split(final_path)
         return SaveArea(final_path, os.path.join(parent, f".{leaf}{_publish.TMP_MARK}{name}"))
 
-    async def start_save(self, run_blocking: RunBlocking, area: SaveArea) -> None:
-        self._live[area.location] = await run_blocking(_make_area, area)
+    async def start_save(self, area: SaveArea) -> None:
+        self._live[area.location] = await self._run_blocking(_make_area, area)
 
-    def open_writer(self, run_blocking: RunBlocking, area: SaveArea, name: str, nbytes: int, *,
-                    direct_io: bool, checksums: Checksums | None) -> BinWriter:
-        return BinWriter(self.file_io, os.path.join(area.location, name), nbytes, run_blocking,
-                         direct_io=direct_io, checksums=checksums)
+    def open_writer(self, area: SaveArea, name: str, nbytes: int, *, direct_io: bool,
+                    checksums: Checksums | None) -> BinWriter:
+        return BinWriter(self.file_io, os.path.join(area.location, name), nbytes,
+                         self._run_blocking, direct_io=direct_io, checksums=checksums)
 
-    async def is_in_memory(self, run_blocking: RunBlocking, area: SaveArea) -> bool:
-        return await run_blocking(_sysio.filesystem_type, area.location) in (
+    async def is_in_memory(self, area: SaveArea) -> bool:
+        return await self._run_blocking(_sysio.filesystem_type, area.location) in (
             _sysio.MEMORY_FILESYSTEMS)
 
-    async def commit(self, run_blocking: RunBlocking, area: SaveArea,
-                     files: Callable[[], Mapping[str, bytes]], *, retention: Retention | None,
-                     seq: int, move_latest: bool) -> Committed:
+    async def commit(self, area: SaveArea, files: Callable[[], Mapping[str, bytes]], *,
+                     retention: Retention | None, seq: int, move_latest: bool) -> Committed:
         lock = self._live.pop(area.location, None)
         try:
-            committed = await run_blocking(_commit, area, files, retention, seq, move_latest)
+            committed = await self._run_blocking(_commit, area, files, retention, seq,
+                                                 move_latest)
         except BaseException:
             if lock is not None:
                 self._live[area.location] = lock  # still live: the caller discards it
@@ -77,25 +97,21 @@ class LocalBackend(LocalFiles):
             lock.release()
         return committed
 
-    async def discard(self, run_blocking: RunBlocking, area: SaveArea) -> None:
+    async def discard(self, area: SaveArea) -> None:
         lock = self._live.pop(area.location, None)
         if lock is not None:
-            await run_blocking(_remove_area, area.location, lock)
+            await self._run_blocking(_remove_area, area.location, lock)
 
-    async def open_reader(self, run_blocking: RunBlocking, path: str, *,
-                          max_files_at_once: int) -> LocalCheckpointReader:
-        checkpoint, lease = await run_blocking(_retention.lease_checkpoint, path)
-        return LocalCheckpointReader(self.file_io, checkpoint, run_blocking,
-                                max_files_at_once=max_files_at_once, lease=lease)
+    async def open_reader(self, path: str, *, max_files_at_once: int) -> LocalCheckpointReader:
+        checkpoint, lease = await self._run_blocking(_retention.lease_checkpoint, path)
+        return LocalCheckpointReader(self.file_io, checkpoint, self._run_blocking,
+                                     max_files_at_once=max_files_at_once, lease=lease)
 
-    async def list_checkpoints(self, run_blocking: RunBlocking, root: str) -> list[str]:
-        return await run_blocking(_retention.committed_names, root)
+    async def list_checkpoints(self, root: str) -> list[str]:
+        return await self._run_blocking(_retention.committed_names, root)
 
-    async def remove_checkpoint(self, run_blocking: RunBlocking, path: str) -> bool:
-        return await run_blocking(_retention.remove_committed, path)
-
-    def __repr__(self) -> str:
-        return f"<LocalBackend {type(self.file_io).__name__}, {len(self._live)} saves live>"
+    async def remove_checkpoint(self, path: str) -> bool:
+        return await self._run_blocking(_retention.remove_committed, path)
 
 
 def _make_area(area: SaveArea) -> DirLock:

@@ -265,5 +265,5 @@ def _reserve(fd: int, nbytes: int, path: str) -> None:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as error:
         raise OSError(error.errno, f"no room for the {nbytes} bytes of {path} "
-                      f"({os.strerror(error.errno)})", path) from error
+                      f"({os.strerror(error.errno or 0)})", path) from error
 

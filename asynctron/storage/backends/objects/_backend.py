@@ -74,9 +74,10 @@ _LIVE_CLAIMS: set[str] = set()
 
 
 class ObjectStoreBackend:
-    """Checkpoints (and the file half: datasets) on one object store, through `client`.
+    """Checkpoints and the files of datasets on one object store, through `client`.
 
-    Concurrency: one backend serves any number of saves and loads at once, on any loops.
+    Concurrency: one backend serves any number of saves and loads at once, on any loops,
+    through any number of bindings (`checkpoints`).
     """
 
     remote = True
@@ -84,6 +85,53 @@ class ObjectStoreBackend:
     def __init__(self, client: ObjectClient) -> None:
         self.client = client
         self.config = client.config
+
+    def locate(self, path: str | os.PathLike[str]) -> str:
+        return str(parse_url(os.fspath(path), self.client.schemes))
+
+    def checkpoints(self, run_blocking: RunBlocking) -> ObjectCheckpoints:
+        return ObjectCheckpoints(self.client, run_blocking)
+
+    # -- the files of datasets -----------------------------------------------------------------
+    # Objects are published whole by the store itself (a PUT or a completed upload), durably
+    # once acknowledged: there is no directory to sync.
+
+    def publish_file(self, path: str, write: Callable[[IO[bytes]], object], *,
+                     sync_dir: bool = True) -> None:
+        publish_with(self.client, path, write)
+
+    def publish_buffers(self, path: str, buffers: Sequence[bytes | memoryview], *,
+                        sync_dir: bool = True) -> None:
+        publish_with(self.client, path, lambda f: [f.write(buffer) for buffer in buffers])
+
+    def sync_dir(self, path: str) -> None:
+        """Nothing to do: a stored object is durable."""
+
+    def map_file(self, path: str) -> bytes:
+        """The whole object, read into memory (a store maps nothing)."""
+        return read_whole(self.client, path)
+
+    def open_file(self, path: str) -> ObjectFile:
+        return ObjectFile.open(self.client, path)
+
+    def open_new_file(self, path: str) -> NewObject:
+        return NewObject(self.client, path)
+
+    def remove_file(self, path: str) -> None:
+        remove(self.client, path)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.client.endpoint}>"
+
+
+class ObjectCheckpoints:
+    """The checkpoints of the store `client` serves: the commit protocol above; CPU work
+    (hashing, encoding the manifest) through `run_blocking`, requests awaited natively."""
+
+    def __init__(self, client: ObjectClient, run_blocking: RunBlocking) -> None:
+        self.client = client
+        self.config = client.config
+        self._run_blocking = run_blocking
 
     def _url(self, path: str) -> ObjectUrl:
         return parse_url(path, self.client.schemes)
@@ -95,14 +143,11 @@ class ObjectStoreBackend:
                              "checkpoint under the bucket, found the bucket itself")
         return url
 
-    def locate(self, path: str | os.PathLike[str]) -> str:
-        return str(self._url(os.fspath(path)))
-
     def area_of(self, final_path: str, name: str | None = None) -> SaveArea:
         url = self._checkpoint_url(final_path)
         return SaveArea(final_path, str(url.parent.child(claim_name(url.name, name))))
 
-    async def start_save(self, run_blocking: RunBlocking, area: SaveArea) -> None:
+    async def start_save(self, area: SaveArea) -> None:
         url = self._checkpoint_url(area.final_path)
         claim = self._url(area.location)
         found = await self.client.list(url)
@@ -147,20 +192,20 @@ class ObjectStoreBackend:
             await self._remove_debris(url)
             await self._delete_quietly(dead)
 
-    def open_writer(self, run_blocking: RunBlocking, area: SaveArea, name: str, nbytes: int, *,
-                    direct_io: bool, checksums: Checksums | None) -> ObjectWriter:
+    def open_writer(self, area: SaveArea, name: str, nbytes: int, *, direct_io: bool,
+                    checksums: Checksums | None) -> ObjectWriter:
         return ObjectWriter(self.client, self._checkpoint_url(area.final_path).child(name), nbytes,
-                            run_blocking, checksums=checksums)
+                            self._run_blocking, checksums=checksums)
 
-    async def is_in_memory(self, run_blocking: RunBlocking, area: SaveArea) -> bool:
+    async def is_in_memory(self, area: SaveArea) -> bool:
         return False
 
-    async def commit(self, run_blocking: RunBlocking, area: SaveArea,
+    async def commit(self, area: SaveArea,
                      files: Callable[[], Mapping[str, bytes]], *, retention: Retention | None,
                      seq: int, move_latest: bool) -> Committed:
         url = self._checkpoint_url(area.final_path)
         root = url.parent
-        contents = await run_blocking(files)
+        contents = await self._run_blocking(files)
         token = secrets.token_hex(16)
         if retention is not None:
             entry = LedgerEntry(retention.job, url.name, retention.engine, seq, token)
@@ -194,7 +239,7 @@ class ObjectStoreBackend:
         await self._delete_quietly([self._url(area.location)])
         return Committed(moved, tuple(pruned), tuple(warnings))
 
-    async def discard(self, run_blocking: RunBlocking, area: SaveArea) -> None:
+    async def discard(self, area: SaveArea) -> None:
         if area.location not in _LIVE_CLAIMS:
             return
         url = self._checkpoint_url(area.final_path)
@@ -208,19 +253,19 @@ class ObjectStoreBackend:
         _LIVE_CLAIMS.discard(area.location)
         await self._delete_quietly([self._url(area.location)])
 
-    async def open_reader(self, run_blocking: RunBlocking, path: str, *,
+    async def open_reader(self, path: str, *,
                           max_files_at_once: int) -> ObjectReader:
-        return ObjectReader(self.client, path, run_blocking,
+        return ObjectReader(self.client, path, self._run_blocking,
                             max_files_at_once=max_files_at_once)
 
-    async def list_checkpoints(self, run_blocking: RunBlocking, root: str) -> list[str]:
+    async def list_checkpoints(self, root: str) -> list[str]:
         """One listing of every object under `root` (paged), kept to the checkpoints whose
         commit point is there."""
         listing = await self.client.list(self._url(root), recursive=True)
         return sorted({name for name, _, rest in (key.partition("/") for key in listing.sizes)
                        if rest in _COMMIT_POINTS and is_checkpoint_name(name)})
 
-    async def remove_checkpoint(self, run_blocking: RunBlocking, path: str) -> bool:
+    async def remove_checkpoint(self, path: str) -> bool:
         """Its commit points first (it stops being a checkpoint), then every object in it.
         No lease on a store: a load reading it fails clearly (a missing object)."""
         checkpoint = self._checkpoint_url(path)
@@ -380,37 +425,6 @@ class ObjectStoreBackend:
             await self.client.delete(list(urls))
         except StorageError as error:
             logger.warning("%s (the next commit under its root retries)", error)
-
-    # -- the file half: datasets ---------------------------------------------------------------
-    # Objects are published whole by the store itself (a PUT or a completed upload), durably
-    # once acknowledged: there is no directory to sync.
-
-    def publish_file(self, path: str, write: Callable[[IO[bytes]], object], *,
-                     sync_dir: bool = True) -> None:
-        publish_with(self.client, path, write)
-
-    def publish_buffers(self, path: str, buffers: Sequence[bytes | memoryview], *,
-                        sync_dir: bool = True) -> None:
-        publish_with(self.client, path, lambda f: [f.write(buffer) for buffer in buffers])
-
-    def sync_dir(self, path: str) -> None:
-        """Nothing to do: a stored object is durable."""
-
-    def map_file(self, path: str) -> bytes:
-        """The whole object, read into memory (a store maps nothing)."""
-        return read_whole(self.client, path)
-
-    def open_file(self, path: str) -> ObjectFile:
-        return ObjectFile.open(self.client, path)
-
-    def open_new_file(self, path: str) -> NewObject:
-        return NewObject(self.client, path)
-
-    def remove_file(self, path: str) -> None:
-        remove(self.client, path)
-
-    def __repr__(self) -> str:
-        return f"<{type(self).__name__} {self.client.endpoint}>"
 
 
 def _identity(entry: LedgerEntry) -> tuple[str, str, str]:
