@@ -32,6 +32,10 @@ never waits behind someone else's prefetch. A claim whose process is gone, or ol
 Beyond the budget, the least recently used blocks of the object being stored are evicted. A
 cache that cannot take a block (its disk full even after eviction) is bypassed: the read is
 served from the store directly, never failed.
+
+The files themselves are the local backend's (`storage/backends/local/_cache_files.py`:
+`SharedLock`, `SharedCounters`, `map_shared`, `BlockFile`): this module decides what is
+cached, never how a file is opened, locked, mapped or punched.
 """
 
 from __future__ import annotations
