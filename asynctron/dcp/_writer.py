@@ -75,8 +75,8 @@ def is_served(checkpoint_id: object) -> bool:
 
 
 class _PendingSave:
-    """The coordinator's area of a save that has not committed, and its backend. Shared with
-    the writer's finalizer, so it must not refer to the writer."""
+    """The coordinator's area of a save that has not committed, and the checkpoints it is in.
+    Shared with the writer's finalizer, so it must not refer to the writer."""
 
     def __init__(self) -> None:
         self.held: tuple[SaveStorage, SaveArea] | None = None
@@ -84,11 +84,6 @@ class _PendingSave:
     def take(self) -> tuple[SaveStorage, SaveArea] | None:
         held, self.held = self.held, None
         return held
-
-
-async def _abandon(runtime: Runtime, storage: SaveStorage, area: SaveArea) -> None:
-    """Remove the area of a save that never committed (if it is still the live one)."""
-    await storage.discard(area)
 
 
 def _abandon_pending(runtime: Runtime | None, pending: _PendingSave) -> None:
@@ -99,10 +94,11 @@ def _abandon_pending(runtime: Runtime | None, pending: _PendingSave) -> None:
     removes what a dead save left."""
     held = pending.take()
     if held is not None and runtime is not None:
-        runtime.start_soon(_abandon, runtime, *held)
+        storage, area = held
+        runtime.start_soon(storage.discard, area)  # if it is still the live one
 
 
-async def _commit_or_abandon(runtime: Runtime, storage: SaveStorage, area: SaveArea,
+async def _commit_or_abandon(storage: SaveStorage, area: SaveArea,
                              files: functools.partial[dict[str, bytes]]) -> None:
     """On the loop: publish `area` with `files()` written last; if that fails, discard the
     area, only once the publish has stopped (`run_blocking` waits for its thread even when
@@ -281,7 +277,7 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
                                   storage_meta=self.storage_meta(),
                                   checksum=self._config.checksum,
                                   created_unix_s=self._requested_unix_s)
-        self._settling = runtime.start(_commit_or_abandon(runtime, *held, files))
+        self._settling = runtime.start(_commit_or_abandon(*held, files))
         self._settling.result()
 
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
@@ -302,8 +298,8 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
         for it (and for an earlier commit or removal whose waiting thread was interrupted)."""
         held = self._pending.take()
         if held is not None:
-            runtime = self._started()
-            self._settling = runtime.start(_abandon(runtime, *held))
+            storage, area = held
+            self._settling = self._started().start(storage.discard(area))
         if self._settling is not None:
             concurrent.futures.wait([self._settling])  # its error, if any, was raised then
             self._settling = None

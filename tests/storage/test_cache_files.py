@@ -87,7 +87,7 @@ def test_a_block_file_writes_maps_and_punches_blocks_in_place(tmp_path: Any) -> 
     data.punch(16 << 12, 4 << 12)
     assert not mapped[16 << 12:20 << 12].any() and np.array_equal(mapped[20 << 12:24 << 12],
                                                                   block[4 << 12:])
-    assert os.stat(path).st_blocks * 512 <= 4 << 12 + 4096  # the hole gave its room back
+    assert os.stat(path).st_blocks * 512 <= (4 << 12) + 4096  # the hole gave its room back
     data.close()
     assert data.closed
     with pytest.raises(OSError) as caught:

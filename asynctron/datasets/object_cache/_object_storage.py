@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from asynctron.storage.backends import backend_for, is_remote_path
-from asynctron.storage.backends.local import holding, publish_filled, read_head
+from asynctron.storage.backends.local import file_size, holding, publish_filled, read_head
 
 if TYPE_CHECKING:
     from asynctron.storage.backends import RangedFile
@@ -39,8 +39,9 @@ MAX_BLOCKS = 4 << 20
 MIN_BUDGET_BYTES = 16 * MiB
 #: pieces of an `.idx` fetched at once
 _INDEX_PIECE_BYTES = 32 * MiB
-#: the most an `.idx`'s `.source` record holds
-_RECORD_MOST_BYTES = 4096
+#: the most an `.idx`'s `.source` record holds (its URL is the long part)
+_RECORD_MOST_BYTES = 64 << 10
+_NO_ROOM = (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass
@@ -126,15 +127,16 @@ def cache_path(url: str, directory: str) -> str:
 
 @contextlib.contextmanager
 def naming_the_cache(directory: str) -> Iterator[None]:
-    """An OSError of the cache's own files raised again naming the cache `directory` and, for
-    a full or read-only disk, what to do."""
+    """A full or read-only cache disk's OSError raised again naming the cache `directory` and
+    what to do (others pass as they are: they name their file)."""
     try:
         yield
     except OSError as error:
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        if error.errno not in _NO_ROOM and error.errno != errno.EROFS:
             raise
-        raise OSError(error.errno, f"object cache {directory}: {error.strerror}; free space "
-                      "there or choose another path_to_idx_cache", error.filename) from error
+        remedy = "free space there" if error.errno in _NO_ROOM else "make it writable"
+        raise OSError(error.errno, f"object cache {directory}: {error.strerror}; {remedy} or "
+                      "choose another path_to_idx_cache", error.filename) from error
 
 
 def cached_index(url: str, directory: str) -> str:
@@ -164,7 +166,7 @@ def _holds(local: str, expected: dict[str, Any]) -> bool:
         record = json.loads(read_head(local + ".source", _RECORD_MOST_BYTES) or b"null")
         if not isinstance(record, dict) or {k: record.get(k) for k in expected} != expected:
             return False
-        return (os.path.getsize(local) == expected["nbytes"]
+        return (file_size(local) == expected["nbytes"]
                 and record.get("xxh3") == _digest_of(local))
     except (OSError, ValueError):
         return False

@@ -125,6 +125,11 @@ def object_cache_usage(directory: str) -> ObjectCacheUsage:
     return ObjectCacheUsage(int(words[_CACHED]), int(words[_FETCHED]), int(words[_REQUESTS]))
 
 
+class _Closed(ValueError):
+    """The cache was closed: a fetch still in flight is dropped; a read is an error, as on a
+    closed file."""
+
+
 @dataclass(eq=False)
 class _Run:
     """Blocks `first : first + count`, fetched by one request (or queued to be)."""
@@ -258,8 +263,12 @@ class RangeCache:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        with self._thread_lock, self._lock:
-            yield
+        """The thread lock, then the file lock; `_Closed` once `close` gave the files back."""
+        with self._thread_lock:
+            if self._closed:
+                raise _Closed(f"object cache {self.path}: closed")
+            with self._lock:
+                yield
 
     def _add_totals(self, *, cached: int = 0, fetched: int = 0, requests: int = 0) -> int:
         """Add to the directory's totals; returns its bytes cached."""
@@ -518,6 +527,8 @@ class RangeCache:
                 if cached > self.budget_bytes:
                     self._evict(cached - int(self.budget_bytes * _EVICT_TO))
             stored.set_result(written)
+        except _Closed:
+            stored.set_result(False)  # closed meanwhile: dropped, as `close` says
         except BaseException as error:
             stored.set_exception(error)
         finally:
@@ -586,8 +597,13 @@ def _reopen_in_child() -> None:
     for cache in list(_LIVE):
         cache._start_process()
         if not cache._closed:
-            cache._lock.reopen()
-            cache._totals.reopen()
+            try:
+                cache._lock.reopen()
+                cache._totals.reopen()
+            except OSError as error:  # out of descriptors: this cache only is given up
+                logger.warning("object cache %s: not reopened in the forked child: %s",
+                               cache.path, error)
+                cache.close()
 
 
 os.register_at_fork(after_in_child=_reopen_in_child)

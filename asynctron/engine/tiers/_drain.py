@@ -130,14 +130,13 @@ async def _upload(shard: str, rank: int, local: CheckpointStorage, local_files: 
             for name, nbytes in files.items():
                 group.create_task(_upload_file(join(shard, name), name, nbytes, local_files,
                                                store, area, resources))
-            group.create_task(_upload_bytes(rank_view(rank), raw, store, area, resources))
+            group.create_task(_upload_bytes(rank_view(rank), raw, store, area))
     except BaseExceptionGroup as error:
         raise first_error(error) from None
     return raw
 
 
-async def _upload_bytes(name: str, data: bytes, store: SaveStorage, area: SaveArea,
-                        resources: SaveResources) -> None:
+async def _upload_bytes(name: str, data: bytes, store: SaveStorage, area: SaveArea) -> None:
     """A small file (a rank's view) into `area`, durable."""
     writer = store.open_writer(area, name, len(data), direct_io=False, checksums=None)
     try:

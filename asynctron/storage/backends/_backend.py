@@ -8,7 +8,8 @@ an object store); a load leases a committed checkpoint and reads ranges of its f
 given buffers. Datasets publish whole files and read (or map) them.
 
 Checkpoint operations are coroutines awaited on the caller's loop, on the backend's
-checkpoints bound once to the caller's executor (`Backend.checkpoints(run_blocking)`): a
+checkpoints bound to the caller's executor (`Backend.checkpoints(run_blocking)`, a cheap
+binding an engine makes per save or load, the tiers once): a
 backend whose work blocks (the local filesystem) runs it through that door, in as few calls as
 it can (a commit is one call); one whose client is asyncio-native awaits its requests and
 uses the door only for CPU work (hashing, encoding the manifest).
@@ -260,9 +261,9 @@ class SaveStorage(Protocol):
 
 
 class CommittedCheckpoints(Protocol):
-    """A backend's committed checkpoints: named, opened for a load (leased), listed and
-    removed (what loads, retention and the tiers call). Its I/O operations are coroutines,
-    awaited on the caller's loop."""
+    """A backend's committed checkpoints: opened for a load (leased), listed and removed
+    (what loads, retention and the tiers call). Its I/O operations are coroutines, awaited on
+    the caller's loop."""
 
     async def open_reader(self, path: str, *,
                           max_files_at_once: int) -> CheckpointReader:
@@ -297,7 +298,8 @@ class CommittedCheckpoints(Protocol):
 
 class CheckpointStorage(SaveStorage, CommittedCheckpoints, Protocol):
     """A backend's checkpoints, bound to the executor its blocking work runs on
-    (`Backend.checkpoints`): an engine, or the DCP plugins' runtime, binds once."""
+    (`Backend.checkpoints`): a cheap binding, made per save or load by an engine and the DCP
+    plugins, once by the tiers."""
 
 
 class FileStorage(Protocol):

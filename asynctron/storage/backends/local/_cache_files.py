@@ -4,11 +4,11 @@ A cache of objects on this node (datasets' `object_cache`) keeps, per object, a 
 its blocks, a block table every process maps, a lock file, and the directory's shared
 counters. These are the file operations it needs, and no more:
 
-- `SharedLock`: an exclusive `flock` on a lock file, between processes (each holds its own;
-  a forked child `reopen`s it);
+- `SharedLock` (and `holding`, for one block): an exclusive `flock` on a lock file, between
+  processes (each holds its own; a forked child `reopen`s it);
 - `SharedCounters`: a few int64 counters in a file, added to under that file's own lock;
-- `read_head`, `replace_empty`, `map_shared`: the block table: read its header, start it
-  afresh (atomically), map it read-write with its room reserved;
+- `read_head`, `file_size`, `replace_empty`, `map_shared`: the block table: read its header
+  and size, start it afresh (atomically), map it read-write with its room reserved;
 - `BlockFile`: the sparse data file: written block by block, read through a read-only map,
   blocks punched out again;
 - `publish_filled`: a whole file of known size, filled in place through a map (a fetch lands
@@ -61,11 +61,13 @@ class SharedLock:
         return self._fd
 
     def __enter__(self) -> SharedLock:
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        with _naming(self.path):
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        with _naming(self.path):
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
         """Release the file (and with it the lock); idempotent."""
@@ -88,20 +90,25 @@ def holding(path: str) -> Iterator[None]:
 
 class SharedCounters:
     """`count` int64 counters in the file `path` after its 8-byte `magic` (made zero if
-    missing), which the processes of this node update under the file's own lock."""
+    missing), which the processes of this node update under the file's own lock (which, as
+    `SharedLock`'s, excludes other processes, not other threads of this one)."""
 
     def __init__(self, path: str, magic: bytes, count: int) -> None:
         self.path, self.magic, self.count = path, magic, count
         self._nbytes = len(magic) + 8 * count
         self._lock = SharedLock(path)
-        with self._lock, _naming(path):
-            if os.fstat(self._lock.fileno()).st_size < self._nbytes:
-                os.pwrite(self._lock.fileno(), magic + bytes(8 * count), 0)
+        try:
+            with _naming(path), self._lock:
+                if os.fstat(self._lock.fileno()).st_size < self._nbytes:
+                    os.pwrite(self._lock.fileno(), magic + bytes(8 * count), 0)
+        except BaseException:
+            self._lock.close()
+            raise
 
     def update(self, change: Callable[[np.ndarray], None]) -> np.ndarray:
         """Apply `change` to the counters in place, under the lock; returns them after."""
         fd = self._lock.fileno()
-        with self._lock, _naming(self.path):
+        with _naming(self.path), self._lock:
             raw = bytearray(os.pread(fd, self._nbytes, 0).ljust(self._nbytes, b"\0"))
             words = np.frombuffer(raw, np.int64, self.count, len(self.magic))
             change(words)
@@ -143,7 +150,7 @@ def file_size(path: str) -> int | None:
 def replace_empty(path: str, nbytes: int, head: bytes = b"", *, reserve: bool) -> None:
     """Atomically make `path` a file of `nbytes`: `head`, then zeros (holes unless
     `reserve`: then its room is taken now). Processes that have the old file open keep it."""
-    temporary = f"{path}.{os.getpid()}.tmp"
+    temporary = _files.temporary_for(path)
     try:
         with open(temporary, "wb") as f:
             f.write(head)
@@ -188,7 +195,8 @@ class BlockFile:
         """The whole file, mapped read-only (`b""` if it is empty)."""
         if not self.nbytes:
             return b""
-        return mmap.mmap(self._fd, self.nbytes, prot=mmap.PROT_READ)
+        with _naming(self.path):
+            return mmap.mmap(self._fd, self.nbytes, prot=mmap.PROT_READ)
 
     def write(self, data: memoryview, offset: int) -> None:
         """Write all of `data` at `offset` (OSError on failure: ENOSPC on a full disk)."""
@@ -219,26 +227,31 @@ def publish_filled(path: str, nbytes: int, fill: Callable[[memoryview], None]) -
     """Publish `path`, a file of `nbytes` that `fill` writes in place (handed the file mapped
     writable): under a temporary name beside it, room reserved first, made durable, renamed
     over `path`, and the rename made durable. On failure nothing is left but `path` as it
-    was."""
+    was; `fill`'s own errors pass through as raised, the file's name the others."""
     temporary = _files.temporary_for(path)
     try:
         with open(temporary, "wb+") as out:
-            out.truncate(nbytes)
-            if nbytes:
-                _reserve(out.fileno(), nbytes, path)
-                mapped = mmap.mmap(out.fileno(), nbytes)
+            with _naming(path):
+                out.truncate(nbytes)
+                if nbytes:
+                    _reserve(out.fileno(), nbytes, path)
+                mapped = mmap.mmap(out.fileno(), nbytes) if nbytes else None
+            if mapped is not None:
                 try:
                     fill(memoryview(mapped))
-                    mapped.flush()
+                    with _naming(path):
+                        mapped.flush()
                 finally:
                     with contextlib.suppress(BufferError):  # a view still held: GC frees it
                         mapped.close()
-            os.fsync(out.fileno())
-        os.replace(temporary, path)
-    except BaseException as error:
+            with _naming(path):
+                os.fsync(out.fileno())
+        with _naming(path):
+            os.replace(temporary, path)
+            fsync_dir_raw(os.path.dirname(os.path.abspath(path)))
+    except BaseException:
         _files.remove_quietly(temporary)
-        _files.raise_naming(error, path)
-    fsync_dir_raw(os.path.dirname(os.path.abspath(path)))
+        raise
 
 
 @contextlib.contextmanager

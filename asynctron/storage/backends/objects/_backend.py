@@ -1,5 +1,6 @@
-"""`ObjectStoreBackend`: checkpoints on an object store, asyncio-native, through one
-`ObjectClient` (S3, Azure Blob): the commit protocol, written once for every cloud.
+"""`ObjectStoreBackend`: checkpoints and dataset files on an object store, asyncio-native,
+through one `ObjectClient` (S3, Azure Blob, GCS); its `ObjectCheckpoints` are the commit
+protocol, written once for every cloud.
 
 The commit protocol on a store (layout in `_layout`):
 1. `start_save` refuses a committed checkpoint, then writes the save's *claim* beside it (a
