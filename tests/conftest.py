@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import tempfile
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -42,6 +45,42 @@ def default_safe_globals() -> Iterator[None]:
     yield
     torch.serialization.clear_safe_globals()
     torch.serialization.add_safe_globals(added)
+
+
+@contextlib.contextmanager
+def interrupted_once_reached(gate: Any) -> Iterator[None]:
+    """Ctrl-C for the block's main thread (a KeyboardInterrupt from a SIGUSR1 handler) once
+    `gate` (an `asynctron.testing` Gate) is reached; on the way out the gate is released and
+    the handler restored, only once no signal can come. If the gate is never reached (a
+    guard of 120 s, not a timing), it is released and nothing is raised: the test fails."""
+    main = threading.main_thread().ident
+    assert main is not None and threading.current_thread().ident == main
+    interrupted = threading.Event()
+
+    def interrupt_the_wait() -> None:
+        if not gate.wait_reached(timeout_s=120):
+            gate.release()
+            return
+        # A signal that lands while the waiting thread is between releasing the GIL and
+        # blocking in the lock is only handled at the next one: send until it is.
+        while not interrupted.wait(timeout=0.05):
+            signal.pthread_kill(main, signal.SIGUSR1)
+
+    def interrupt(*_: Any) -> None:
+        if not interrupted.is_set():
+            interrupted.set()
+            raise KeyboardInterrupt
+
+    interrupter = threading.Thread(target=interrupt_the_wait, daemon=True)
+    interrupter.start()
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        yield
+    finally:
+        interrupted.set()
+        gate.release()
+        interrupter.join()
+        signal.signal(signal.SIGUSR1, previous)
 
 
 def assert_same(expected: Any, found: Any, path: str = "") -> None:

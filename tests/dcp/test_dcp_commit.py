@@ -10,7 +10,6 @@ import asyncio
 import concurrent.futures
 import gc
 import os
-import signal
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -24,7 +23,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from asynctron.dcp import StorageReader, StorageWriter
 from asynctron.testing import FaultyBackend
-from tests.conftest import assert_same
+from tests.conftest import assert_same, interrupted_once_reached
 
 
 def leftovers(root: Any) -> list[str]:
@@ -64,39 +63,12 @@ def test_an_interrupt_in_finish_never_splits_the_commit(tmp_path: Any) -> None:
     the tmp dir is never removed under the commit, so once the runtime is idle the path is
     the whole checkpoint (the commit went on) and no tmp dir is left. Before, the interrupt
     removed the tmp dir while the rename was still to come."""
-    main = threading.main_thread().ident
-    assert main is not None and threading.current_thread().ident == main
     backend = FaultyBackend()
     held = backend.hold("commit")
-    interrupted = threading.Event()
-
-    def interrupt_the_wait() -> None:
-        if not held.wait_reached(timeout_s=120):  # a guard, not a timing: the save gets there
-            held.release()  # it never did: the test fails (nothing raised) instead of hanging
-            return
-        # A signal that lands while the waiting thread is between releasing the GIL and
-        # blocking in the lock is only handled at the next one: send until it is.
-        while not interrupted.wait(timeout=0.05):
-            signal.pthread_kill(main, signal.SIGUSR1)
-
-    def interrupt(*_: Any) -> None:
-        if not interrupted.is_set():
-            interrupted.set()
-            raise KeyboardInterrupt
-
-    interrupter = threading.Thread(target=interrupt_the_wait, daemon=True)
-    interrupter.start()
-    previous = signal.signal(signal.SIGUSR1, interrupt)
     state = {"w": torch.randn(1000, 100), "v": torch.randn(5000)}
     writer = StorageWriter(f"{tmp_path}/ck", backend=backend, num_workers=4)
-    try:
-        with pytest.raises((KeyboardInterrupt, CheckpointException)):
-            dcp.save(state, storage_writer=writer)
-    finally:
-        interrupted.set()  # no more signals: the handler is restored only once none can come
-        held.release()
-        interrupter.join()
-        signal.signal(signal.SIGUSR1, previous)
+    with pytest.raises((KeyboardInterrupt, CheckpointException)), interrupted_once_reached(held):
+        dcp.save(state, storage_writer=writer)
     runtime = writer._started()
     concurrent.futures.wait(list(runtime._in_flight))
     assert leftovers(tmp_path) == [] and os.listdir(tmp_path) == ["ck"]

@@ -4,9 +4,6 @@ waits for the commit: the commit goes on to its end on the runtime's loop, never
 from __future__ import annotations
 
 import concurrent.futures
-import signal
-import threading
-from typing import Any
 
 import pytest
 import torch
@@ -16,7 +13,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from asynctron.dcp import StorageReader, StorageWriter
 from asynctron.storage.backends.objects import ObjectStoreBackend
 from asynctron.testing import GatedObjectClient
-from tests.conftest import assert_same
+from tests.conftest import assert_same, interrupted_once_reached
 from tests.objects.conftest import Store
 
 
@@ -28,42 +25,15 @@ def test_an_interrupt_in_finish_on_a_store_never_splits_the_commit(
     with `.metadata` already up): once the runtime is idle the checkpoint is whole (both
     commit points, every data file) and loads bit for bit, its claim is gone, and no upload
     is left open. The interrupt neither aborts the commit half way nor discards its objects."""
-    main = threading.main_thread().ident
-    assert main is not None and threading.current_thread().ident == main
     client = GatedObjectClient(store.backend(deadline_s=30).client)
     backend = ObjectStoreBackend(client)
     held = client.hold("put", where=lambda url: url.key.endswith(f"/ck/{point}"))
-    interrupted = threading.Event()
-
-    def interrupt_the_wait() -> None:
-        if not held.wait_reached(timeout_s=120):  # a guard, not a timing: the save gets there
-            held.release()  # it never did: the test fails (nothing raised) instead of hanging
-            return
-        # A signal that lands while the waiting thread is between releasing the GIL and
-        # blocking in the lock is only handled at the next one: send until it is.
-        while not interrupted.wait(timeout=0.05):
-            signal.pthread_kill(main, signal.SIGUSR1)
-
-    def interrupt(*_: Any) -> None:
-        if not interrupted.is_set():
-            interrupted.set()
-            raise KeyboardInterrupt
-
     torch.manual_seed(0)
     state = {"w": torch.randn(1 << 20), "v": torch.randn(5000), "step": torch.tensor(3)}
     path = f"{store.root}/ck"
     writer = StorageWriter(path, backend=backend)
-    interrupter = threading.Thread(target=interrupt_the_wait, daemon=True)
-    interrupter.start()
-    previous = signal.signal(signal.SIGUSR1, interrupt)
-    try:
-        with pytest.raises((KeyboardInterrupt, CheckpointException)):
-            dcp.save(state, storage_writer=writer)
-    finally:
-        interrupted.set()  # no more signals: the handler is restored only once none can come
-        held.release()
-        interrupter.join()
-        signal.signal(signal.SIGUSR1, previous)
+    with pytest.raises((KeyboardInterrupt, CheckpointException)), interrupted_once_reached(held):
+        dcp.save(state, storage_writer=writer)
     concurrent.futures.wait(list(writer._started()._in_flight))
     keys = store.keys_under(store.root)
     assert {"ck/.metadata", "ck/manifest.json"} <= set(keys), keys
