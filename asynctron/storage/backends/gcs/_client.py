@@ -294,7 +294,7 @@ class GcsClient:
                          "Content-Length": str(len(head) + view.nbytes + len(tail))})
 
         await to_its_end(self.requests.retried(operation, named, attempt,
-                                                   sent_bytes=view.nbytes))
+                                               sent_bytes=view.nbytes))
 
     async def delete(self, urls: Sequence[ObjectUrl]) -> None:
         async def delete_one(url: ObjectUrl) -> None:
@@ -339,8 +339,8 @@ class GcsClient:
     async def _compose(self, url: ObjectUrl, sources: Sequence[str]) -> None:
         body = {"sourceObjects": [{"name": name} for name in sources],
                 "destination": {"contentType": "application/octet-stream"}}
-        await to_its_end(self._call("compose", url, "POST",
-                                        f"{self._object_path(url)}/compose", json=body))
+        await to_its_end(self._call("compose", url, "POST", f"{self._object_path(url)}/compose",
+                                    json=body))
 
     async def abort_upload(self, url: ObjectUrl, upload_id: str) -> None:
         """Delete the upload's parts (all parts of uploads to `url` when `upload_id` is "")."""

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from asynctron.storage.backends.local import _files
+from asynctron.storage.backends.local._files import naming
 from asynctron.storage.backends.local._sysio import fsync_dir_raw
 
 _FALLOC_FL_KEEP_SIZE = 0x01
@@ -61,12 +62,12 @@ class SharedLock:
         return self._fd
 
     def __enter__(self) -> SharedLock:
-        with _naming(self.path):
+        with naming(self.path):
             fcntl.flock(self._fd, fcntl.LOCK_EX)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        with _naming(self.path):
+        with naming(self.path):
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
@@ -98,7 +99,7 @@ class SharedCounters:
         self._nbytes = len(magic) + 8 * count
         self._lock = SharedLock(path)
         try:
-            with _naming(path), self._lock:
+            with naming(path), self._lock:
                 if os.fstat(self._lock.fileno()).st_size < self._nbytes:
                     os.pwrite(self._lock.fileno(), magic + bytes(8 * count), 0)
         except BaseException:
@@ -108,7 +109,7 @@ class SharedCounters:
     def update(self, change: Callable[[np.ndarray], None]) -> np.ndarray:
         """Apply `change` to the counters in place, under the lock; returns them after."""
         fd = self._lock.fileno()
-        with _naming(self.path), self._lock:
+        with naming(self.path), self._lock:
             raw = bytearray(os.pread(fd, self._nbytes, 0).ljust(self._nbytes, b"\0"))
             words = np.frombuffer(raw, np.int64, self.count, len(self.magic))
             change(words)
@@ -152,28 +153,23 @@ def replace_empty(path: str, nbytes: int, head: bytes = b"", *, reserve: bool) -
     `reserve`: then its room is taken now). Processes that have the old file open keep it."""
     temporary = _files.temporary_for(path)
     try:
-        with open(temporary, "wb") as f:
+        with naming(path), open(temporary, "wb") as f:
             f.write(head)
             f.truncate(nbytes)
             if reserve:
                 _reserve(f.fileno(), nbytes, path)
-        os.replace(temporary, path)
-    except OSError as error:
-        _files.raise_naming(error, path)
+        with naming(path):
+            os.replace(temporary, path)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
+        _files.remove_quietly(temporary)
 
 
 def map_shared(path: str, nbytes: int) -> mmap.mmap:
     """The file `path` (of `nbytes`, existing) mapped read-write and shared, its room
     reserved first."""
-    try:
-        with open(path, "r+b") as f:
-            _reserve(f.fileno(), nbytes, path)
-            return mmap.mmap(f.fileno(), nbytes)
-    except OSError as error:
-        _files.raise_naming(error, path)
+    with naming(path), open(path, "r+b") as f:
+        _reserve(f.fileno(), nbytes, path)
+        return mmap.mmap(f.fileno(), nbytes)
 
 
 class BlockFile:
@@ -182,10 +178,8 @@ class BlockFile:
 
     def __init__(self, path: str, nbytes: int) -> None:
         self.path, self.nbytes = path, nbytes
-        try:
+        with naming(path):
             self._fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-        except OSError as error:
-            _files.raise_naming(error, path)
 
     @property
     def closed(self) -> bool:
@@ -195,17 +189,15 @@ class BlockFile:
         """The whole file, mapped read-only (`b""` if it is empty)."""
         if not self.nbytes:
             return b""
-        with _naming(self.path):
+        with naming(self.path):
             return mmap.mmap(self._fd, self.nbytes, prot=mmap.PROT_READ)
 
     def write(self, data: memoryview, offset: int) -> None:
         """Write all of `data` at `offset` (OSError on failure: ENOSPC on a full disk)."""
-        try:
+        with naming(self.path):
             while data.nbytes:
                 done = os.pwrite(self._fd, data, offset)
                 data, offset = data[done:], offset + done
-        except OSError as error:
-            _files.raise_naming(error, self.path)
 
     def punch(self, offset: int, nbytes: int) -> None:
         """Free bytes `offset : offset + nbytes` (they read as zeros; the size stays)."""
@@ -231,7 +223,7 @@ def publish_filled(path: str, nbytes: int, fill: Callable[[memoryview], None]) -
     temporary = _files.temporary_for(path)
     try:
         with open(temporary, "wb+") as out:
-            with _naming(path):
+            with naming(path):
                 out.truncate(nbytes)
                 if nbytes:
                     _reserve(out.fileno(), nbytes, path)
@@ -239,14 +231,14 @@ def publish_filled(path: str, nbytes: int, fill: Callable[[memoryview], None]) -
             if mapped is not None:
                 try:
                     fill(memoryview(mapped))
-                    with _naming(path):
+                    with naming(path):
                         mapped.flush()
                 finally:
                     with contextlib.suppress(BufferError):  # a view still held: GC frees it
                         mapped.close()
-            with _naming(path):
+            with naming(path):
                 os.fsync(out.fileno())
-        with _naming(path):
+        with naming(path):
             os.replace(temporary, path)
             fsync_dir_raw(os.path.dirname(os.path.abspath(path)))
     except BaseException:
@@ -254,22 +246,11 @@ def publish_filled(path: str, nbytes: int, fill: Callable[[memoryview], None]) -
         raise
 
 
-@contextlib.contextmanager
-def _naming(path: str) -> Iterator[None]:
-    """An OSError without a file name, raised again naming `path`."""
-    try:
-        yield
-    except OSError as error:
-        _files.raise_naming(error, path)
-
-
 def _open_made(path: str) -> int:
     """Open `path` read-write, made (with its directories) if missing."""
-    try:
+    with naming(path):
         _files.make_directories(os.path.dirname(os.path.abspath(path)))
         return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as error:
-        _files.raise_naming(error, path)
 
 
 def _reserve(fd: int, nbytes: int, path: str) -> None:

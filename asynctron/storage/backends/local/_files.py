@@ -343,6 +343,16 @@ def raise_naming(exc: BaseException, path: str) -> NoReturn:
     raise exc
 
 
+@contextlib.contextmanager
+def naming(path: str) -> Iterator[None]:
+    """`raise_naming` for the block: an OSError without a file name raised again naming
+    `path`."""
+    try:
+        yield
+    except OSError as error:
+        raise_naming(error, path)
+
+
 def _write_aligned(fio: FileIO, fd: int, path: str, direct: bool,
                    views: list[memoryview]) -> None:
     """Write `views` to `fd` from offset 0 in aligned chunks through a page-aligned bounce
