@@ -50,9 +50,9 @@ from asynctron.storage import (
 AREA_NAME = "dcp"
 
 
-def area_of(backend: SaveStorage, final_path: str) -> SaveArea:
+def area_of(storage: SaveStorage, final_path: str) -> SaveArea:
     """The area of the save to `final_path`: the same on every rank."""
-    return backend.area_of(final_path, AREA_NAME)
+    return storage.area_of(final_path, AREA_NAME)
 
 
 def checkpoint_files(metadata: Metadata, results: Sequence[Sequence[WriteResult]], *,

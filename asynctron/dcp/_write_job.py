@@ -64,7 +64,7 @@ class ItemWritten:
 
 
 async def write(runtime: Runtime, plan: DcpSavePlan, planner: SavePlanner,
-                backend: SaveStorage, area: SaveArea,
+                storage: SaveStorage, area: SaveArea,
                 ready: Mapping[torch.device, torch.cuda.Event]
                 ) -> list[WriteResult]:
     """Write this rank's share of a DCP save into the save's area (the coordinator made it),
@@ -85,7 +85,7 @@ async def write(runtime: Runtime, plan: DcpSavePlan, planner: SavePlanner,
     # next garbage collection.
     request = (await run_blocking(_request, plan, planner, target.rank, config.num_bins,
                                   config.slab_bytes, config.checksum is not None)).pop()
-    await stage_and_write(request, backend, area, runtime.resources, snapshot=False,
+    await stage_and_write(request, storage, area, runtime.resources, snapshot=False,
                           direct_io=config.direct_io, ready=ready, on_staged=lambda: None)
     return await run_blocking(_results, request, target.rank)
 

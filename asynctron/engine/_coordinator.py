@@ -113,7 +113,7 @@ class Coordinator:
         """Save `seq` never reached `finish` (its start failed, on every rank)."""
         await self._finishing_turns.skip(seq)
 
-    async def start(self, backend: SaveStorage, path: str, digest: str | None,
+    async def start(self, storage: SaveStorage, path: str, digest: str | None,
                     cached_keys: Sequence[Hashable], *, plain: bool) -> Start:
         """Make the save's area (coordinator), agree on the plan key and on whether every
         rank's items are plain.
@@ -126,9 +126,9 @@ class Coordinator:
         entry: dict[str, Any] = {"digest": digest, "cached": list(cached_keys), "plain": plain}
         coordinator_error: Exception | None = None
         if self.is_coordinator:
-            area = backend.area_of(path)
+            area = storage.area_of(path)
             try:
-                await backend.start_save(area)
+                await storage.start_save(area)
                 entry["area"] = area
             except Exception as error:  # every rank must reach the all-gather
                 coordinator_error = error
@@ -187,7 +187,7 @@ class Coordinator:
                             f"failing: {share.what}; fix it and save again", rank=share.rank)
         return share, metadata
 
-    async def finish(self, report: WriteReport, *, backend: SaveStorage, area: SaveArea, seq: int,
+    async def finish(self, report: WriteReport, *, storage: SaveStorage, area: SaveArea, seq: int,
                      publish: Publish, metadata: Metadata | None) -> Committed:
         """Gather every rank's report; the coordinator commits if all succeeded; every rank
         learns the outcome; then the coordinator discards the area of a save that did not
@@ -218,7 +218,7 @@ class Coordinator:
                 else:
                     try:
                         committed = await self._committer.commit(
-                            backend, area, functools.partial(publish, reports, metadata), seq)
+                            storage, area, functools.partial(publish, reports, metadata), seq)
                         outcome = _Outcome(None, committed)
                         committed_here = True
                     except Exception as error:  # every rank must reach the broadcast
@@ -227,7 +227,7 @@ class Coordinator:
             outcome = await self.finishing.broadcast_object(outcome, src=0)
         finally:  # after the broadcast: no rank waits for the clean-up
             if self.is_coordinator and not committed_here:
-                await backend.discard(area)
+                await storage.discard(area)
         if commit_error is not None:
             raise commit_error
         failure = outcome.failure

@@ -76,7 +76,7 @@ class _ReadyBatches:
         return left
 
 
-async def stage_and_write(request: SaveRequest, backend: SaveStorage, area: SaveArea,
+async def stage_and_write(request: SaveRequest, storage: SaveStorage, area: SaveArea,
                           resources: SaveResources, *, snapshot: bool, direct_io: bool,
                           ready: Mapping[torch.device, torch.cuda.Event],
                           on_staged: Callable[[], None], mirror: Mirror | None = None) -> None:
@@ -91,7 +91,7 @@ async def stage_and_write(request: SaveRequest, backend: SaveStorage, area: Save
     pool, copy_streams = resources.pool, resources.copy_streams
     run_blocking = resources.run_blocking
     queues = [_ReadyBatches(len(bin.batches)) for bin in request.bins]
-    writers = [backend.open_writer(area, bin.layout.file_name, bin.layout.nbytes,
+    writers = [storage.open_writer(area, bin.layout.file_name, bin.layout.nbytes,
                                    direct_io=direct_io, checksums=request.checksums)
                for bin in request.bins]
     gate = asyncio.Event()
@@ -113,7 +113,7 @@ async def stage_and_write(request: SaveRequest, backend: SaveStorage, area: Save
                    for bin, queue in zip(request.bins, queues, strict=True)
                    if index < len(bin.batches)]
         write_in_place = not snapshot and await _writes_in_place(
-            backend, area, resources, direct_io=direct_io, num_batches=len(batches))
+            storage, area, resources, direct_io=direct_io, num_batches=len(batches))
         waiting = []
         for bin, queue, index in batches:
             if write_in_place and in_place(bin, index):
@@ -177,7 +177,7 @@ async def stage_and_write(request: SaveRequest, backend: SaveStorage, area: Save
         on_staged()
 
 
-async def _writes_in_place(backend: SaveStorage, area: SaveArea, resources: SaveResources, *,
+async def _writes_in_place(storage: SaveStorage, area: SaveArea, resources: SaveResources, *,
                            direct_io: bool, num_batches: int) -> bool:
     """Whether a save without a snapshot writes straight from the caller's memory. On a
     device, O_DIRECT from warm aligned slabs beats buffered writes from the caller's
@@ -188,4 +188,4 @@ async def _writes_in_place(backend: SaveStorage, area: SaveArea, resources: Save
     slabs_needed = min(num_batches, max(1, pool.budget.total_bytes // pool.slab_bytes))
     if not direct_io or pool.num_warm < slabs_needed:
         return True
-    return await backend.is_in_memory(area)
+    return await storage.is_in_memory(area)

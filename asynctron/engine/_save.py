@@ -332,7 +332,7 @@ class SaveJob:
         async with self._coordinator.finishing_turn(self.seq):
             try:
                 committed = await self._coordinator.finish(
-                    report, backend=self._storage, area=planned.start.area, seq=self.seq,
+                    report, storage=self._storage, area=planned.start.area, seq=self.seq,
                     publish=self._publish, metadata=planned.metadata)
             except BaseException:
                 if planned.error is None:

@@ -23,7 +23,7 @@ from asynctron.storage.backends import Committed, Retention, SaveArea, SaveStora
 logger = logging.getLogger(__name__)
 
 
-async def commit_checkpoint(backend: SaveStorage, area: SaveArea,
+async def commit_checkpoint(storage: SaveStorage, area: SaveArea,
                             files: Callable[[], Mapping[str, bytes]], *,
                             retention: Retention | None = None, seq: int = 0,
                             move_latest: bool = False) -> Committed:
@@ -35,7 +35,7 @@ async def commit_checkpoint(backend: SaveStorage, area: SaveArea,
         StorageError: writing or publishing failed; nothing is committed. Either way the area
             is left for the caller to `discard`.
     """
-    committed = await backend.commit(area, files, retention=retention, seq=seq,
+    committed = await storage.commit(area, files, retention=retention, seq=seq,
                                      move_latest=move_latest)
     for warning in committed.warnings:
         logger.warning("%s", warning)
@@ -53,7 +53,7 @@ class Committer:
         self._locks: dict[str, asyncio.Lock] = {}
         self._newest: dict[str, int] = {}
 
-    async def commit(self, backend: SaveStorage, area: SaveArea,
+    async def commit(self, storage: SaveStorage, area: SaveArea,
                      files: Callable[[], Mapping[str, bytes]], seq: int) -> Committed:
         """`commit_checkpoint` for save `seq`, pointing `latest` at it unless a newer save
         already committed in its root. All in one backend call (a loop turn is a step of an
@@ -66,7 +66,7 @@ class Committer:
         lock = self._locks.setdefault(root, asyncio.Lock())
         async with lock:
             committed = await commit_checkpoint(
-                backend, area, files, retention=self._retention,
+                storage, area, files, retention=self._retention,
                 seq=seq, move_latest=self._points_latest and seq > self._newest.get(root, -1))
             if committed.moved_latest:
                 self._newest[root] = seq

@@ -220,7 +220,7 @@ class TierManager:
     async def _receive(self, src: int, tag: int, seq: int) -> ShardReceived | None:
         assert self._channel is not None
         async with self._receive_turns[src].take(seq):
-            return await receive_shard(self._channel, src, tag=tag, backend=self.local,
+            return await receive_shard(self._channel, src, tag=tag, storage=self.local,
                                        root=self.local_root, buffers=self._buffers)
 
     async def _end_stream(self, sender: ShardSender, manifest: bytes | None) -> None:

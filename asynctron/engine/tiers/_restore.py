@@ -253,7 +253,7 @@ async def _replica_round(me: _Rank, state: Mapping[str, Any], step: int,
 
     async def receive(sender: int) -> None:
         try:
-            received = await receive_shard(channel, sender, tag=tag, backend=ctx.local,
+            received = await receive_shard(channel, sender, tag=tag, storage=ctx.local,
                                            root=ctx.local_root, buffers=ctx.buffers)
         except (*_TIER_FAILURES, OSError) as error:
             _skip(skipped, f"step {step}: the replica on rank {sender}'s node: {error}")

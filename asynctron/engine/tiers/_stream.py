@@ -161,14 +161,14 @@ class ReceiveBuffers:
         self._free.put_nowait(buffer)
 
 
-async def shard_files(backend: CheckpointStorage, shard: str) -> tuple[dict[str, int], bytes]:
+async def shard_files(storage: CheckpointStorage, shard: str) -> tuple[dict[str, int], bytes]:
     """The committed `shard`'s data files (name -> size, checked against the disk) and its
     manifest's bytes.
 
     Raises:
         CheckpointNotFoundError, CorruptCheckpointError: no such shard, or a damaged one.
     """
-    reader = await backend.open_reader(shard, max_files_at_once=1)
+    reader = await storage.open_reader(shard, max_files_at_once=1)
     try:
         files = (await reader.open()).files
         return files, await reader.read_file(MANIFEST_NAME, MAX_MANIFEST_BYTES)
@@ -186,7 +186,7 @@ class ShardReceived:
 
 
 async def receive_shard(channel: PeerChannel, src: int, *, tag: int,
-                        backend: CheckpointStorage, root: str,
+                        storage: CheckpointStorage, root: str,
                         buffers: ReceiveBuffers) -> ShardReceived | None:
     """Receive the shard rank `src` streams (`ShardSender`) into the local tier `root`, and
     commit it there; None if the sender ended without committing its own.
@@ -204,17 +204,17 @@ async def receive_shard(channel: PeerChannel, src: int, *, tag: int,
         raise ValueError(f"shard stream from rank {src}: expected 'begin', found {begin!r}")
     step, rank = int(begin["step"]), int(begin["rank"])
     path = join(root, shard_name(step, rank))
-    area = backend.area_of(path)
+    area = storage.area_of(path)
     writers: dict[str, FileWriter] = {}
     writes: dict[str, asyncio.Task[None]] = {}
     failure: BaseException | None = None
     try:
         try:
             try:
-                await backend.start_save(area)
+                await storage.start_save(area)
             except FileExistsError:  # an earlier life's copy of this step: replaced
-                await backend.remove_checkpoint(path)
-                await backend.start_save(area)
+                await storage.remove_checkpoint(path)
+                await storage.start_save(area)
         except BaseException as error:  # drain the stream all the same
             failure = error
         while True:
@@ -232,7 +232,7 @@ async def receive_shard(channel: PeerChannel, src: int, *, tag: int,
             if failure is not None:  # only drained
                 buffers.give(buffer)
                 continue
-            _write(header, payload, buffer, buffers, writers, writes, area, backend)
+            _write(header, payload, buffer, buffers, writers, writes, area, storage)
             failure = _first_failure(writes)
         await asyncio.gather(*writes.values(), return_exceptions=True)
         failure = failure or _first_failure(writes)
@@ -243,11 +243,11 @@ async def receive_shard(channel: PeerChannel, src: int, *, tag: int,
                         "discarded", rank, step)
             for writer in writers.values():
                 await writer.aclose()
-            await backend.discard(area)
+            await storage.discard(area)
             return None
         if not all(writer.done for writer in writers.values()):
             raise ValueError(f"shard stream from rank {src}: 'end' before every file was whole")
-        await backend.commit(area, lambda: {MANIFEST_NAME: manifest}, retention=None, seq=0,
+        await storage.commit(area, lambda: {MANIFEST_NAME: manifest}, retention=None, seq=0,
                              move_latest=False)
         return ShardReceived(step, rank, area.final_path)
     except BaseException:
@@ -256,7 +256,7 @@ async def receive_shard(channel: PeerChannel, src: int, *, tag: int,
         await asyncio.gather(*writes.values(), return_exceptions=True)
         for writer in writers.values():
             await writer.aclose()
-        await backend.discard(area)
+        await storage.discard(area)
         raise
 
 
@@ -279,13 +279,13 @@ async def _whole(channel: PeerChannel, src: int, tag: int, header: dict[str, Any
 def _write(header: dict[str, Any], payload: memoryview, buffer: memoryview,
            buffers: ReceiveBuffers, writers: dict[str, FileWriter],
            writes: dict[str, asyncio.Task[None]], area: SaveArea,
-           backend: SaveStorage) -> None:
+           storage: SaveStorage) -> None:
     """Write a data message's payload (after the same file's previous write, as a task); the
     buffer goes back once written."""
     name = str(header["file"])
     writer = writers.get(name)
     if writer is None:
-        writer = writers[name] = backend.open_writer(
+        writer = writers[name] = storage.open_writer(
             area, name, int(header["file_nbytes"]), direct_io=False, checksums=None)
     batch = Chunk(int(header["offset"]), payload.nbytes, payload)
     writes[name] = asyncio.ensure_future(_write_after(writes.get(name), writer, batch,
