@@ -9,6 +9,9 @@ caller's environment and working directory as they are at the call, as a spawned
 
 Unlike `torch.multiprocessing.spawn`, a rank that dies (SIGKILL) does not take the others down:
 the caller waits for every rank up to a deadline, kills what is left, and gets every result.
+The caller hosts the ranks' rendezvous (a TCPStore), as torchrun's agent does, so it outlives
+every rank, and every rank has joined the process group before any runs: a rank that finishes
+first and exits cannot cut off one still joining.
 """
 
 from __future__ import annotations
@@ -17,7 +20,6 @@ import datetime
 import multiprocessing
 import os
 import pickle
-import socket
 import tempfile
 import time
 import traceback
@@ -47,13 +49,6 @@ class RankResult:
         return self.value
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def run_local_ranks(target: Callable[..., Any], world_size: int, *args: Any,
                     backend: str = "gloo", timeout_s: float | None = None,
                     pg_timeout_s: float = 600.0) -> list[RankResult]:
@@ -63,13 +58,18 @@ def run_local_ranks(target: Callable[..., Any], world_size: int, *args: Any,
     A rank still running after `timeout_s` is killed (its exit code is then negative).
     `target` and `args` must be picklable (a module-level function).
     """
-    port = free_port()
+    import torch.distributed as dist
+
+    rendezvous = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                               timeout=datetime.timedelta(seconds=pg_timeout_s),
+                               wait_for_workers=False)
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(list(_PRELOADED))  # taken where the forkserver starts
     caller = _Caller(environ=dict(os.environ), cwd=os.getcwd())
     with tempfile.TemporaryDirectory(prefix="asynctron-ranks-") as scratch:
         processes = [context.Process(target=_rank_main, name=f"asynctron-rank-{rank}", args=(
-            target, rank, world_size, port, backend, pg_timeout_s, scratch, caller, args))
+            target, rank, world_size, rendezvous.port, backend, pg_timeout_s, scratch, caller,
+            args))
             for rank in range(world_size)]
         for process in processes:
             process.start()
@@ -117,9 +117,15 @@ def _rank_main(target: Callable[..., Any], rank: int, world_size: int, port: int
     torch.set_num_threads(1)
     value, error = None, None
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        timeout = datetime.timedelta(seconds=pg_timeout_s)
+        rendezvous = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                                   timeout=timeout)
+        dist.init_process_group(backend, store=rendezvous, rank=rank, world_size=world_size,
+                                timeout=timeout)
+        # every rank joined before any runs (and may exit): a rank still connecting its
+        # process group would find its peer's connection closed
+        rendezvous.set(f"asynctron/joined/{rank}", b"1")
+        rendezvous.wait([f"asynctron/joined/{peer}" for peer in range(world_size)], timeout)
         value = target(rank, world_size, *args)
     except BaseException:
         error = traceback.format_exc()

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from asynctron._launch import free_port
+from asynctron.testing._server_process import free_port
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "checkpoint_ranks.py")
 
