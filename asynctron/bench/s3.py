@@ -25,8 +25,10 @@ each load until the bytes are in the caller's tensors):
   (`engine.prefault_staging`, untimed but counted in its memory).
 Every (round, method) runs in fresh processes (spawned ranks, `--nproc`) with a fresh bucket
 (deleted after, so the server's disk stays bounded), after an untimed small save and load in
-the same process (clients, pools and imports warm). Methods take turns in a shuffled order per
-round after an untimed warm-up round; medians of the rounds are reported.
+the same process (clients, pools and imports warm), and a full garbage collection before the
+timed save and the timed load (one that fell inside stalled every thread of the process for
+0.19-0.28 s here, whichever method's allocations set it off). Methods take turns in a shuffled
+order per round after an untimed warm-up round; medians of the rounds are reported.
 
 Measured per method: save and load GB/s (all ranks' bytes over the slowest rank's time), the
 caller's blocking time (asynctron: until `await task.staged`; the others: the whole call), the
@@ -46,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import importlib
 import io
 import os
@@ -499,6 +502,7 @@ async def measure_method(rank: int, job: Job, method: Method, state: dict[str, t
     await method.load({k: torch.zeros_like(t) for k, t in warmup.items()}, f"{job.url}/warmup")
     await method.setup(state)
     template = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+    gc.collect()
     dist.barrier()
     rss_before = _reset_peak_rss()
     await method.prepare(state)
@@ -508,6 +512,7 @@ async def measure_method(rank: int, job: Job, method: Method, state: dict[str, t
         blocking_s = await method.save(state, job.url)
         save_s, save_cpu_s = time.perf_counter() - started, _cpu_s() - cpu
     save_rss = _status_bytes("VmHWM") - rss_before
+    gc.collect()
     dist.barrier()
     rss_before = _reset_peak_rss()
     async with LoopWatchdog() as load_dog:

@@ -1,8 +1,9 @@
 """Smoke test: `asynctron bench azure` and `asynctron bench gcs` each start their own server,
-run every method once at a tiny size (each round-trips its state: the run fails otherwise; GCS's
-`raw parts + compose` composes its parts, and asynctron's ratio over it is given), print the
-ratios and the target, write their JSON report and leave no scratch directory behind. Structure
-only, never speed. Each runs in a fresh process, as a user runs it."""
+run every method once at a tiny size, `--only` naming them all (each round-trips its state:
+the run fails otherwise; GCS's `raw parts + compose` composes its parts, its `raw resumable
+(in order)` sends its chunks one after another, and asynctron's ratios over both are given),
+print the ratios and the target, write their JSON report and leave no scratch directory
+behind. Structure only, never speed. Each runs in a fresh process, as a user runs it."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def test_quick_run_round_trips_every_method_and_writes_a_complete_report(
     skip_without_server()
     out = f"{tmp_path}/{store}.json"
     run = subprocess.run([sys.executable, "-m", "asynctron", "bench", store, "--quick",
-                          "--dir", str(tmp_path), "--out", out],
+                          "--only", ",".join(bench.METHODS), "--dir", str(tmp_path),
+                          "--out", out],
                          capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stdout + run.stderr
     with open(out) as f:
@@ -59,10 +61,11 @@ def test_quick_run_round_trips_every_method_and_writes_a_complete_report(
         assert "asynctron / peer, load:" in printed
     assert "unknown" not in results["meta"]["versions"].values()
     if store == "gcs":  # --quick: 1 MiB ranges and parts, several in flight together
-        for name in (gcs.RAW, gcs.RAW_COMPOSE):
+        for name in (gcs.RAW, gcs.RAW_COMPOSE, gcs.RAW_RESUMABLE):
             assert results["methods"][name]["most_in_flight"] >= 2, name
-        assert set(results["ratios"]["asynctron_over"][gcs.RAW_COMPOSE]) == {"save", "load"}
-        assert f"asynctron / {gcs.RAW_COMPOSE}: save" in printed
+        for name in (gcs.RAW_COMPOSE, gcs.RAW_RESUMABLE):
+            assert set(results["ratios"]["asynctron_over"][name]) == {"save", "load"}
+            assert f"asynctron / {name}: save" in printed
     assert [name for name in os.listdir(str(tmp_path)) if name.startswith("asynctron-bench")
             ] == []  # its scratch directory (and the server's files) is gone
 
