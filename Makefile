@@ -41,16 +41,15 @@ $(AZURITE_DIR)/.installed-$(AZURITE_VERSION):
 
 setup: $(VENV)/.installed $(if $(shell command -v npm),$(AZURITE_DIR)/.installed-$(AZURITE_VERSION))
 
-# torch through uv: its CUDA wheel and the nvidia-* wheels it needs (4.4 GB, from PyPI) come
-# down in parallel, ~60 s here where pip took ~150 s, and from uv's cache (~/.cache/uv, a few
-# seconds) where this machine fetched them before; pip still installs the rest. torch named
-# again with the package, so the extras never lift it
+# uv, as for $(VENV): torch's CUDA wheel and the nvidia-* wheels it needs (4.4 GB, from PyPI)
+# come down in parallel, ~60 s here where pip took ~150 s, and from uv's cache (~/.cache/uv, a
+# few seconds) where this machine fetched them before; torch named with the package, so the
+# extras never lift it
 $(VENV_OLDEST)/.installed: pyproject.toml setup.py asynctron/_native.c \
 		asynctron/storage/_pickle_costs.c asynctron/datasets/formats/_blending.c
 	$(PYTHON) -m venv $(VENV_OLDEST)
 	$(PY_OLDEST) -m pip install -q --upgrade pip uv
-	$(VENV_OLDEST)/bin/uv pip install -q --python $(PY_OLDEST) $(TORCH_OLDEST)
-	$(PY_OLDEST) -m pip install -q -e '.[test,bench]' $(TORCH_OLDEST)
+	$(VENV_OLDEST)/bin/uv pip install -q --python $(PY_OLDEST) $(TORCH_OLDEST) -e '.[test,bench]'
 	touch $@
 
 demo: setup
