@@ -73,8 +73,7 @@ class StoreBench:
     also_over: tuple[str, ...] = ()
     """Methods asynctron's ratios are also given over (beside the raw one's)."""
     named_only: tuple[str, ...] = ()
-    """Methods run only where `--only` names them (slow, or hard on the server for the
-    methods after them)."""
+    """Methods run only where `--only` names them (the slow ones)."""
     add_arguments: Callable[[argparse.ArgumentParser], None] = lambda parser: None
     job_for: Callable[[Job, argparse.Namespace], Job] = lambda job, args: job
     """The job a method runs, from the common one (a store's own settings added)."""

@@ -21,8 +21,7 @@ answered; each load until the bytes are in the caller's tensors):
   before the next (what lets a client that holds only the chunk in flight retry it); loaded as
   the baseline. With `raw parts + compose`, it shows what a save that streams its bytes costs
   this server against the one upload of a buffer held whole. Run only where `--only` names it:
-  the server hashes the whole object again at each chunk (~45 s a save at 1 GiB here), which
-  leaves it busy for the method after it.
+  the server hashes the whole object again at each chunk, ~45 s a save at 1 GiB here.
 - `DCP FsspecWriter (gcsfs)`: `dcp.save` with `FsspecWriter` on `gs://bucket/run`
   (`--threads` threads, gcsfs blocks of `--part-mib`, `sync_files=False`: a gcsfs file has no
   fsync; `endpoint_url=` the server, `token="anon"`), `dcp.load` with `FsspecReader`. gcsfs
