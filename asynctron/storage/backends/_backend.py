@@ -9,10 +9,10 @@ given buffers. Datasets publish whole files and read (or map) them.
 
 Checkpoint operations are coroutines awaited on the caller's loop, on the backend's
 checkpoints bound to the caller's executor (`Backend.checkpoints(run_blocking)`, a cheap
-binding an engine makes per save or load, the tiers once): a
-backend whose work blocks (the local filesystem) runs it through that door, in as few calls as
-it can (a commit is one call); one whose client is asyncio-native awaits its requests and
-uses the door only for CPU work (hashing, encoding the manifest).
+binding an engine makes per save or load, the tiers once): a backend whose work blocks (the
+local filesystem) runs it through that door, in as few calls as it can (a commit is one call);
+one whose client is asyncio-native awaits its requests and uses the door only for CPU work
+(hashing, encoding the manifest).
 Dataset operations block: datasets call them from worker processes and from index builders,
 never on a loop thread.
 
@@ -448,7 +448,7 @@ class Backend(FileStorage, Protocol):
     """Where a checkpoint's and a dataset's bytes live, one object per storage (`backend_for`
     picks it by URL scheme), in parts because their callers differ: datasets call the file
     operations (`FileStorage`) from worker processes; an engine binds the checkpoints to its
-    executor once (`checkpoints`) and awaits them on its loop."""
+    executor (`checkpoints`, per save or load) and awaits them on its loop."""
 
     def locate(self, path: str | os.PathLike[str]) -> str:
         """The canonical name of `path` on this backend (a local path made absolute; a URL as
