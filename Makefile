@@ -22,11 +22,11 @@ AZURITE_DIR     := .tools/azurite
 
 .PHONY: setup demo test test-oldest lint bench clean
 
-# Installed by uv (from PyPI, into the venv), as the oldest-torch venv is: the same versions as
-# pip (pip freeze compared), 80 s here where pip took 92 s. Bytecode compiled at install, as pip
-# does: where PYTHONDONTWRITEBYTECODE is set (this machine), every process would otherwise
-# compile torch again at import. pip's find-links (where this machine keeps wheels, torch's CPU
-# build among them) are passed on to it
+# Installed by uv (from PyPI, into the venv): the same versions as pip (pip freeze compared),
+# 80 s here where pip took 92 s. Bytecode compiled at install, as pip does: where
+# PYTHONDONTWRITEBYTECODE is set (this machine), every process would otherwise compile torch
+# again at import. pip's find-links (where this machine keeps wheels, torch's CPU build among
+# them) are passed on to it
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 
 $(VENV)/.installed: pyproject.toml setup.py asynctron/_native.c asynctron/storage/_pickle_costs.c \
@@ -51,7 +51,8 @@ $(VENV_OLDEST)/.installed: pyproject.toml setup.py asynctron/_native.c \
 		asynctron/storage/_pickle_costs.c asynctron/datasets/formats/_blending.c
 	$(PYTHON) -m venv $(VENV_OLDEST)
 	$(PY_OLDEST) -m pip install -q --upgrade pip uv
-	$(VENV_OLDEST)/bin/uv pip install -q --compile-bytecode --python $(PY_OLDEST) $(TORCH_OLDEST) -e '.[test,bench]'
+	$(VENV_OLDEST)/bin/uv pip install -q --compile-bytecode --python $(PY_OLDEST) \
+		$(TORCH_OLDEST) -e '.[test,bench]'
 	touch $@
 
 demo: setup
