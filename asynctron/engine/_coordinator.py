@@ -238,6 +238,68 @@ class Coordinator:
         return outcome.committed
 
 
+class ShardCoordinator(Coordinator):
+    """Runs the protocol for saves whose every rank commits a shard of its own (a tier's):
+    `start` makes this rank's area and `finish` commits it, alone; between them the plan is
+    made with every other rank's, as for a checkpoint of the whole job (`exchange_plans`, on
+    the `planning` collectives). What a shard holds is decided there, so a rank commits its
+    shard whatever the others' fate: whether the step is whole is its caller's to agree on.
+    """
+
+    async def start(self, storage: SaveStorage, path: str, digest: str | None,
+                    cached_keys: Sequence[Hashable], *, plain: bool) -> Start:
+        """Make this rank's area, and agree with every rank on the plan key (`Start.area` is
+        this rank's own).
+
+        Raises:
+            FileExistsError, StorageError: this rank could not make its area; `PeerError`
+                naming the rank that could not, on the others (their areas discarded).
+        """
+        area = storage.area_of(path)
+        own_error: Exception | None = None
+        try:
+            await storage.start_save(area)
+        except Exception as error:  # every rank must reach the all-gather
+            own_error = error
+        entries = await self.planning.all_gather_object({
+            "digest": digest, "cached": list(cached_keys), "plain": plain,
+            "error": None if own_error is None else describe(own_error)})
+        if own_error is not None:
+            raise own_error
+        failed = next((rank for rank, entry in enumerate(entries) if entry["error"]), None)
+        if failed is not None:
+            await storage.discard(area)
+            raise PeerError(f"shard {path}: expected every rank to start its shard, found rank "
+                            f"{failed} failing: {entries[failed]['error']}", rank=failed)
+        digests = [entry["digest"] for entry in entries]
+        plan_key = None if None in digests else _global_key(digests)
+        return Start(area=area, plan_key=plan_key,
+                     cached=plan_key is not None and all(plan_key in entry["cached"]
+                                                         for entry in entries),
+                     plain=all(entry["plain"] for entry in entries))
+
+    async def finish(self, report: WriteReport, *, storage: SaveStorage, area: SaveArea,
+                     seq: int, publish: Publish, metadata: Metadata | None) -> Committed:
+        """Commit this rank's shard if it wrote it; else discard its area (its caller raises
+        its error).
+
+        Raises:
+            StorageError, FileExistsError: the commit failed (the area is discarded).
+        """
+        if report.error is not None:
+            await storage.discard(area)
+            return Committed()
+        committed_here = False
+        try:
+            committed = await self._committer.commit(
+                storage, area, functools.partial(publish, [report], metadata), seq)
+            committed_here = True
+            return committed
+        finally:
+            if not committed_here:
+                await storage.discard(area)
+
+
 @dataclass(frozen=True, slots=True)
 class _Outcome:
     """What the coordinator tells every rank at the end of a save."""

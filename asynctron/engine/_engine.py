@@ -131,10 +131,6 @@ class EngineConfig:
         if self.tiers is not None and not isinstance(self.tiers, Tiers):
             raise TypeError(f"tiers: expected asynctron.Tiers or None, found "
                             f"{type(self.tiers).__name__}")
-        if self.tiers is not None and self.num_workers <= 2 * self.tiers.replicas:
-            raise ValueError(f"num_workers: expected more than 2 x Tiers.replicas "
-                             f"({2 * self.tiers.replicas}: a thread waits on each replica sent "
-                             f"and received), found {self.num_workers}; raise num_workers")
 
 
 class EngineOptions(TypedDict, total=False):
@@ -269,13 +265,15 @@ class Engine:
 
     async def _tier_manager(self, tiers: Tiers) -> TierManager:
         """The tiers on this rank: its node, its local tier and the store, and (across ranks)
-        three more gloo groups: the steps' agreement, the replicas' streams, the drains."""
+        four more gloo groups: the shards' planning, the steps' agreement, the drains, the
+        replicas' streams."""
         coordinator = self._started()
         nodes = job_nodes(tiers, coordinator.rank, coordinator.world_size)
         local = self._resources.backend_of(tiers.local_root(nodes.node))
         store = None
         if tiers.store is not None:
             store = self._store_backend or backend_for(tiers.store)
+        planning: Collectives = SoloCollectives()
         agree: Collectives = SoloCollectives()
         drains: Collectives = SoloCollectives()
         channel = None
@@ -284,16 +282,17 @@ class Engine:
             ranks = (None if self._process_group is None
                      else dist.get_process_group_ranks(self._process_group))
             new_group = functools.partial(new_gloo_group, timeout_s=timeout_s, ranks=ranks)
-            groups = [await self.run_blocking(new_group) for _ in range(3)]
-            agree, drains = (CollectiveGroup(group, run_blocking=self.run_blocking,
-                                             timeout_s=timeout_s) for group in groups[:2])
-            channel = PeerChannel(groups[2])
+            groups = [await self.run_blocking(new_group) for _ in range(4)]
+            planning, agree, drains = (CollectiveGroup(group, run_blocking=self.run_blocking,
+                                                       timeout_s=timeout_s)
+                                       for group in groups[:3])
+            channel = PeerChannel(groups[3])
         retention = None
         if tiers.keep_store is not None:
             retention = Retention(job=self.config.job or "asynctron-tiers",
                                   engine=secrets.token_hex(8), keep_last=tiers.keep_store)
         return TierManager(tiers, nodes, resources=self._resources, local=local, store=store,
-                           agree=agree, drains=drains, channel=channel,
+                           planning=planning, agree=agree, drains=drains, channel=channel,
                            plan_cache=self.plan_cache, store_retention=retention)
 
     async def _collectives(self) -> tuple[Collectives, Collectives, Collectives]:
@@ -667,17 +666,11 @@ class Engine:
         if step is not None and (isinstance(step, bool) or not isinstance(step, int)
                                  or step < 0):
             raise ValueError(f"step: expected None or an int >= 0, found {step!r}")
-        return await self._tiers.restore(state_dict, self._load_into_verified, step=step)
-
-    async def _load_into_verified(self, state_dict: Mapping[str, Any], path: str,
-                                  view: str | None) -> dict[str, Any]:
-        """`load_into` with every digest checked, reading the manifest `view` if given (a
-        rank's view of a drained step)."""
-        return await self._load(path, True, lambda loader: loader.into(state_dict), view=view)
+        return await self._tiers.restore(state_dict, step=step)
 
     async def _load(self, path: str | os.PathLike[str], verify: bool,
                     read: Callable[[Loader], Awaitable[dict[str, Any]]], *,
-                    view: str | None = None, collective: bool = False) -> dict[str, Any]:
+                    collective: bool = False) -> dict[str, Any]:
         """`_read` as one store operation (one clock on an object store), counted as a load in
         flight until it ends; with `collective`, one of every rank's loads together
         (`SharedLoads`)."""
@@ -687,16 +680,16 @@ class Engine:
         try:
             with store_operation("load", os.fspath(path)):
                 if not collective:
-                    return await self._read(storage, checkpoint, verify, read, view, None)
-                return await self._read_together(storage, checkpoint, verify, read, view)
+                    return await self._read(storage, checkpoint, verify, read, None)
+                return await self._read_together(storage, checkpoint, verify, read)
         finally:
             self._num_loads -= 1
             if not self._num_loads:
                 self._loads_done.set()
 
     async def _read_together(self, storage: CheckpointStorage, checkpoint: str, verify: bool,
-                             read: Callable[[Loader], Awaitable[dict[str, Any]]],
-                             view: str | None) -> dict[str, Any]:
+                             read: Callable[[Loader], Awaitable[dict[str, Any]]]
+                             ) -> dict[str, Any]:
         """`_read` with the checkpoint found once for every rank, and every rank's outcome
         learned by all at the end."""
         shared = self._shared_loads
@@ -704,7 +697,7 @@ class Engine:
         seq = shared.next_seq()
         error: BaseException | None = None
         try:
-            result = await self._read(storage, checkpoint, verify, read, view,
+            result = await self._read(storage, checkpoint, verify, read,
                                       functools.partial(shared.locate, seq))
         except BaseException as failure:  # told to every rank before it is raised
             error = failure
@@ -714,7 +707,7 @@ class Engine:
         return result
 
     async def _read(self, storage: CheckpointStorage, checkpoint: str, verify: bool,
-                    read: Callable[[Loader], Awaitable[dict[str, Any]]], view: str | None,
+                    read: Callable[[Loader], Awaitable[dict[str, Any]]],
                     locate: Callable[[Callable[[], Awaitable[Located]]], Awaitable[Located]]
                     | None) -> dict[str, Any]:
         """Lease the checkpoint, open its reader, `read` it; close and release on every path.
@@ -725,11 +718,18 @@ class Engine:
         async def find() -> Located:
             reader = await storage.open_reader(checkpoint, max_files_at_once=max_files)
             readers.append(reader)
-            manifest = await reader.open(view=view)
+            manifest = await reader.open()
             return Located(reader.path, manifest)
 
         try:
             located = await (find() if locate is None else locate(find))
+            shard = located.manifest.shard
+            if shard is not None:
+                raise ValueError(
+                    f"checkpoint {located.path}: expected a whole checkpoint, found rank "
+                    f"{shard.rank}'s shard of a step saved to tiers by {shard.world_size} "
+                    "ranks; restore it with Engine(tiers=...).restore(state), or load the "
+                    "store's checkpoint of that step")
             if not readers:  # found by rank 0: read it as it found it
                 reader = await storage.open_reader(located.path, max_files_at_once=max_files)
                 readers.append(reader)

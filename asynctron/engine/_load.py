@@ -13,7 +13,7 @@ each row's range of columns when skipping between them saves reading (`Overlap.r
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,7 @@ from asynctron.storage import (
     NUMPY_DTYPES,
     TORCH_DTYPES,
     ChunkIndex,
+    FlatStateDict,
     ItemReader,
     ItemRecord,
     Manifest,
@@ -119,9 +120,12 @@ class Loader:
 
     def __init__(self, reader: ItemReader, manifest: Manifest, *, pool: SlabPool,
                  copy_streams: CopyStreams, run_blocking: RunBlocking, slab_bytes: int,
-                 verify: bool):
+                 verify: bool, whole_chunks: bool = False):
         self._reader = reader
         self._manifest = manifest
+        self._whole_chunks = whole_chunks
+        """Read a saved chunk a target needs only part of whole (so its digest is checked),
+        not just the runs the target needs."""
         self._run_blocking = run_blocking
         self._slab_bytes = slab_bytes
         self._verify = verify and reader.verifiable
@@ -291,12 +295,64 @@ class Loader:
         object_keys = [key for key in _values_by_key(structure)[0]
                        if key in by_key and by_key[key][0].kind == "object"]
         reads = _Reads()
-        items, jobs = reads.items, reads.jobs
         for key in object_keys:
             reads.decodes.append(_Decode(by_key[key][0], bytearray(by_key[key][0].nbytes),
                                          None))
-            jobs.append(ReadJob(by_key[key][0], memoryview(reads.decodes[-1].buffer)))
-        for key, value in flat.values.items():
+            reads.jobs.append(ReadJob(by_key[key][0], memoryview(reads.decodes[-1].buffer)))
+        self._plan_keys(flat, flat.values, by_key, reads)
+        return structure, saved_values, object_keys, reads
+
+    async def fill(self, target: FlatStateDict, keys: Collection[str]
+                   ) -> tuple[dict[str, bytes], dict[str, str]]:
+        """Fill the items `keys` of `target` (flattened) in place from this checkpoint, whose
+        chunks cover them (its manifest may be a part of one: a tier's shards).
+
+        Returns:
+            the values of bytes items (which cannot be filled in place) by key, and the keys
+            whose bytes failed their digest, with why (those targets may be partly filled).
+
+        Raises:
+            ValueError: a key missing from the checkpoint, or a dtype, shape or kind that
+                differs (names the key).
+            StorageError: a read failed.
+        """
+        reads = await self._run_blocking(self._plan_fill, target, keys)
+        failed: dict[str, str] = {}
+
+        async def read_direct() -> None:
+            for error in await self._reader.read(reads.jobs, verify=self._verify,
+                                                 slab_bytes=self._slab_bytes):
+                failed.setdefault(error.key or "", str(error))
+
+        async def read_staged() -> None:
+            try:
+                await self._filler.fill(reads.staged)
+            except CorruptCheckpointError as error:  # the others were left unread
+                for fill in reads.staged:
+                    failed.setdefault(fill.record.key, str(error))
+
+        async with asyncio.TaskGroup() as group:
+            if reads.jobs:
+                group.create_task(read_direct())
+            if reads.staged:
+                group.create_task(read_staged())
+        await self._run_blocking(_place_chunks, reads.partial)
+        values = {key: bytes(value) for key, value in reads.items.items()
+                  if isinstance(value, bytearray) and key not in failed}
+        return values, failed
+
+    def _plan_fill(self, target: FlatStateDict, keys: Collection[str]) -> _Reads:
+        reads = _Reads()
+        self._plan_keys(target, {key: target.values[key] for key in keys},
+                        self._manifest.by_key(), reads)
+        return reads
+
+    def _plan_keys(self, flat: FlatStateDict, values: Mapping[str, Any],
+                   by_key: Mapping[str, list[ItemRecord]], reads: _Reads) -> None:
+        """Blocks: check each of `values` (items of `flat`) against its saved records and plan
+        the reads that fill it (raises as `into`)."""
+        items, jobs = reads.items, reads.jobs
+        for key, value in values.items():
             kind = flat.kinds[key]
             records = by_key.get(key)
             if records is None:
@@ -325,7 +381,7 @@ class Loader:
                     f"key {key!r}: expected {saved_dtype} {list(first.global_shape or ())} as "
                     f"saved, found {tensor.dtype} {list(tensor.shape)} in the state dict; "
                     "load into a matching tensor, or load() it")
-            local, origin = _target_box(tensor)
+            local, origin = target_box(tensor)
             if len(records) == 1 and local is tensor and _is_whole(first):
                 overlaps = [Overlap(first, origin, tuple(local.shape))]  # the common case
             else:
@@ -333,7 +389,6 @@ class Loader:
             for overlap in overlaps:
                 self._plan_overlap(overlap, local, origin, reads)
             items[key] = flat.original(key)
-        return structure, saved_values, object_keys, reads
 
     def _plan_overlap(self, overlap: Overlap, local: torch.Tensor, origin: tuple[int, ...],
                       reads: _Reads) -> None:
@@ -352,6 +407,13 @@ class Loader:
                 reads.jobs.append(ReadJob(record, tensor_bytes(destination)))
             else:  # CUDA or strided: through budgeted slabs
                 reads.staged.append(SlabFill(record, destination))
+            return
+        if self._whole_chunks:
+            assert record.shape is not None and record.chunk_offsets is not None
+            chunk = torch.empty(record.shape, dtype=_torch_dtype(record))
+            reads.jobs.append(ReadJob(record, tensor_bytes(chunk)))
+            reads.partial.append((destination, _region(chunk, overlap.lo, overlap.hi,
+                                                       origin=record.chunk_offsets)))
             return
         runs, lo, hi = overlap.runs(MAX_GAP_BYTES)
         if destination.device.type == "cpu" and destination.is_contiguous() and (
@@ -373,7 +435,7 @@ def _place_chunks(partial: Sequence[_Placement]) -> None:
         destination.copy_(source)
 
 
-def _target_box(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+def target_box(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
     """The tensor a rank fills and where it sits in the global tensor: a DTensor's local shard
     and its offsets (resharding), or a plain tensor at the origin."""
     if isinstance(tensor, DTensor):
@@ -392,6 +454,16 @@ def _region(tensor: torch.Tensor, lo: Sequence[int], hi: Sequence[int], *,
     for dim, (start, stop, at) in enumerate(zip(lo, hi, origin, strict=True)):
         view = view.narrow(dim, start - at, stop - start)
     return view
+
+
+def rebuild(structure: Structure, items: dict[str, Any], saved: Structure, path: str) -> Any:
+    """`structure` (a target's) holding `items` (its values by key) and, for its JSON values,
+    the ones the saved structure `saved` holds.
+
+    Raises:
+        ValueError: a JSON value of the target that `saved` lacks (naming it and `path`).
+    """
+    return _rebuild(structure, items, _values_by_key(saved)[0], path)
 
 
 def _rebuild(structure: Structure, items: dict[str, Any], saved_values: dict[str, Any],

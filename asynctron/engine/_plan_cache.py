@@ -15,6 +15,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 import numpy as np
+from torch.distributed.tensor import DTensor
 
 from asynctron.storage import PLAIN_TENSORS, Batches, BinLayout, FlatStateDict, ItemRecord
 
@@ -45,9 +46,11 @@ class PlanCacheStatistics:
 
 
 def structure_signature(flat: FlatStateDict, *, num_bins: int, rank: int,
-                        slab_bytes: int) -> str | None:
+                        slab_bytes: int, dtensors: bool = False) -> str | None:
     """What a file plan depends on, as text; None when the state holds tensors whose plan must
-    be made fresh each time (DTensor and other subclasses: their sharding may change)."""
+    be made fresh each time (tensor subclasses, and, unless `dtensors`, DTensor: DCP's planner
+    may place it otherwise; a placement that takes a DTensor's chunk as it is plans it by its
+    chunk)."""
     parts = [f"{num_bins}/{rank}/{slab_bytes}"]
     arrays = flat.arrays
     for key, value in flat.values.items():
@@ -57,6 +60,10 @@ def structure_signature(flat: FlatStateDict, *, num_bins: int, rank: int,
             numpy_dtype = arrays[key][0] if key in arrays else ""
             parts.append(f"{key}\0{numpy_dtype}\0{value.dtype}\0{tuple(value.shape)}\0"
                          f"{value.device}")
+        elif dtensors and type(value) is DTensor:
+            (chunk,) = value.__create_chunk_list__()
+            parts.append(f"{key}\0dtensor\0{value.dtype}\0{tuple(value.shape)}\0"
+                         f"{tuple(chunk.offsets)}\0{tuple(chunk.sizes)}\0{value.device}")
         else:
             return None
     return "\n".join(parts)

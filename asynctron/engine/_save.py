@@ -26,7 +26,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
@@ -55,6 +55,7 @@ from asynctron.storage import (
     PlannedItem,
     SavePlan,
     SaveStorage,
+    ShardInfo,
     StoreOperation,
     encode_manifest,
     flatten,
@@ -69,6 +70,7 @@ from asynctron.storage import (
     store_operation,
 )
 from asynctron.storage import METADATA_NAME as DCP_METADATA_NAME
+from asynctron.storage import digest as digest_of
 
 T = TypeVar("T")
 
@@ -122,6 +124,36 @@ class Abort:
             self._scope = None
 
 
+class Placement(Protocol):
+    """Who writes which item, decided across ranks in place of the job-wide deduplication
+    (a tier's saves: an item once per node, sorted into groups of files); every method
+    blocks (CPU) and runs on the executor."""
+
+    def signature(self, flat: FlatStateDict) -> str | None:
+        """What this rank's plan depends on, as text (None: plan afresh every time)."""
+        ...
+
+    def local_plan(self, flat: FlatStateDict) -> Any:
+        """This rank's items, as the coordinator's `assign` takes them."""
+        ...
+
+    def assign(self, plans: list[Any]) -> tuple[list[Any], None]:
+        """On the coordinator: each rank's share, from every rank's `local_plan`.
+
+        Raises:
+            ValueError: the ranks' items cannot be placed (naming the key).
+        """
+        ...
+
+    def items(self, flat: FlatStateDict, plan: Any, share: Any) -> list[PlannedItem]:
+        """The items this rank writes (each in its group), from its plan and share."""
+        ...
+
+    def shard(self, files: Sequence[str]) -> ShardInfo:
+        """What the manifest of this rank's save, of `files`, says of its shard."""
+        ...
+
+
 @dataclass(slots=True)
 class _Planned:
     """Phase 1's outcome on this rank: the request (and DCP's metadata, on the coordinator of
@@ -140,13 +172,16 @@ class SaveJob:
                  options: SaveOptions, ready: Mapping[torch.device, torch.cuda.Event],
                  storage: SaveStorage, resources: SaveResources, coordinator: Coordinator,
                  plan_cache: PlanCache, on_staged: Callable[[], None],
-                 file_rank: int | None = None, mirror: Mirror | None = None) -> None:
+                 file_rank: int | None = None, mirror: Mirror | None = None,
+                 placement: Placement | None = None) -> None:
         self.path = path
         self.seq = seq
         self._file_rank = coordinator.rank if file_rank is None else file_rank
         """The rank in this save's file names (`__<rank>_<bin>.distcp`): the coordination
         group's, or a tier shard's global rank (saved by a solo coordinator)."""
         self._mirror = mirror
+        self._placement = placement
+        """Who writes which item (a tier's save), or None: each once per job."""
         self._state_dict = state_dict
         self._options = options
         self._ready = ready
@@ -253,6 +288,10 @@ class SaveJob:
         flat = flatten(self._state_dict, values_as_items=options.format == "dcp")
         if options.format == "dcp":
             return flat, None
+        if self._placement is not None:
+            signature = self._placement.signature(flat)
+            return flat, None if signature is None else digest_of(
+                memoryview(signature.encode()))
         return flat, structure_digest(flat, num_bins=options.num_bins,
                                       rank=self._file_rank, slab_bytes=options.slab_bytes)
 
@@ -269,6 +308,8 @@ class SaveJob:
             assert not isinstance(flat, BaseException)
             return await abort.run(self._run_blocking(_request, flat, cached, None,
                                                       options)), None
+        if self._placement is not None:
+            return await self._placed(flat, start), None
         local: Any
         if isinstance(flat, BaseException):
             local = flat
@@ -291,6 +332,21 @@ class SaveJob:
         save_plan = await abort.run(self._run_blocking(plan_final, flat, planner, share,
                                                        metadata))
         return await self._planned(flat, start, dcp_items(save_plan), save_plan), metadata
+
+    async def _placed(self, flat: FlatStateDict | BaseException, start: Start) -> SaveRequest:
+        """This rank's request, its items placed by the placement across ranks."""
+        placement, abort = self._placement, self._abort
+        assert placement is not None
+        local: Any = flat
+        if not isinstance(flat, BaseException):
+            try:
+                local = await abort.run(self._run_blocking(placement.local_plan, flat))
+            except (Exception, asyncio.CancelledError) as error:
+                local = error
+        share, _ = await self._coordinator.exchange_plans(local, placement.assign)
+        assert not isinstance(flat, BaseException)
+        items = await abort.run(self._run_blocking(placement.items, flat, local, share))
+        return await self._planned(flat, start, items, None)
 
     async def _planned(self, flat: FlatStateDict, start: Start, items: list[PlannedItem],
                        save_plan: SavePlan | None) -> SaveRequest:
@@ -355,7 +411,8 @@ class SaveJob:
             checksums = tuple(digest for r in reports for digest in r.checksums or ())
         published = {MANIFEST_NAME: encode_manifest(
             structure=structure, items=records, checksums=checksums, files=files,
-            created_unix_s=self._requested_unix_s, checksum=self._options.checksum)}
+            created_unix_s=self._requested_unix_s, checksum=self._options.checksum,
+            shard=None if self._placement is None else self._placement.shard(list(files)))}
         if self._options.format == "dcp":
             published[DCP_METADATA_NAME] = metadata_bytes(
                 records, [frame for r in reports for frame in r.frames],

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
 from asynctron.engine._plan_cache import FilePlan, structure_signature
 from asynctron.engine._report import WriteReport
@@ -82,20 +83,24 @@ def structure_digest(flat: FlatStateDict, *, num_bins: int, rank: int,
 
 def file_plan(flat: FlatStateDict, items: Sequence[PlannedItem], *, num_bins: int, rank: int,
               slab_bytes: int, torch_save_frames: bool) -> tuple[FilePlan, tuple[int, ...]]:
-    """Blocks (CPU-bound): this rank's items (from DCP's planner or the plain plan) cut into
-    chunks, split onto bins (seed 000), laid out and cut into batches of `slab_bytes`; and per
-    item of the plan, its source (the index of its payload among `items`' sources). With
-    `torch_save_frames` (DCP's format) every tensor item is laid out inside its `torch.save`
-    frame: prefix, raw bytes, suffix."""
+    """Blocks (CPU-bound): this rank's items (from DCP's planner, the plain plan or a
+    placement) cut into chunks, split onto bins (seed 000) group by group (group g's bins are
+    numbered from `g * num_bins`: `file_group` tells a file's), laid out and cut into batches
+    of `slab_bytes`; and per item of the plan, its source (the index of its payload among
+    `items`' sources). With `torch_save_frames` (DCP's format) every tensor item is laid out
+    inside its `torch.save` frame: prefix, raw bytes, suffix."""
     items = chunk_large_items(items, num_bins)
     frames = tuple(_frame(item) if torch_save_frames else None for item in items)
     index_of = {id(item): i for i, item in enumerate(items)}
     pieces = [(len(frame[0]), item.nbytes, len(frame[1])) if frame else (item.nbytes,)
               for item, frame in zip(items, frames, strict=True)]
-    bins = split_by_size_and_type(num_bins, items, lambda item: item.nbytes)
     layouts = tuple(
-        layout_bin(bin_file_name(rank, b), [index_of[id(item)] for item in bin_items], pieces)
-        for b, bin_items in enumerate(bins) if bin_items
+        layout_bin(bin_file_name(rank, group * num_bins + b),
+                   [index_of[id(item)] for item in bin_items], pieces)
+        for group in sorted({item.group for item in items})
+        for b, bin_items in enumerate(split_by_size_and_type(
+            num_bins, [item for item in items if item.group == group], lambda item: item.nbytes))
+        if bin_items
     )
     placed = {item: (layout.file_name, offset)
               for layout in layouts for item, offset in layout.body_offsets().items()}
@@ -107,6 +112,11 @@ def file_plan(flat: FlatStateDict, items: Sequence[PlannedItem], *, num_bins: in
                     frame_addresses=tuple(_frame_addresses(layout, frames)
                                           for layout in layouts),
                     frames=frames), tuple(item.source for item in items)
+
+
+def file_group(name: str, num_bins: int) -> int:
+    """The group whose items the bin file `name` (`__<rank>_<bin>.distcp`) holds."""
+    return int(name.rsplit("_", 1)[1].split(".", 1)[0]) // num_bins
 
 
 def dcp_items(save_plan: SavePlan) -> list[PlannedItem]:
@@ -156,7 +166,7 @@ def build_request(flat: FlatStateDict, plan: FilePlan,
         payloads = [save_plan.payload(item) for item in write_items]
     else:
         values = flat.values
-        payloads = [values[key] for key in plan.keys]
+        payloads = [_local(values[key]) for key in plan.keys]
     sources = Sources([_rows(payload, rows)
                        for payload, rows in zip(payloads, plan.rows, strict=True)])
     bins = tuple(BinSources(layout, batches, piece_addresses(layout, sources, frames), sources)
@@ -165,6 +175,11 @@ def build_request(flat: FlatStateDict, plan: FilePlan,
     checksums = Checksums(len(plan.records)) if checksum else None
     return SaveRequest(structure=flat.structure_json, plan=plan, bins=bins,
                        checksums=checksums)
+
+
+def _local(value: torch.Tensor | bytes) -> torch.Tensor | bytes:
+    """The bytes a value's item holds: a DTensor's local chunk, else the value itself."""
+    return value.to_local().detach() if isinstance(value, DTensor) else value
 
 
 def _rows(payload: torch.Tensor | bytes, rows: tuple[int, int] | None) -> torch.Tensor | bytes:

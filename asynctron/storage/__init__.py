@@ -73,6 +73,7 @@ from asynctron.storage._layout import bin_file_name as bin_file_name
 from asynctron.storage._layout import layout_bin as layout_bin
 from asynctron.storage._manifest import MANIFEST_NAME as MANIFEST_NAME
 from asynctron.storage._manifest import MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES
+from asynctron.storage._manifest import ShardInfo as ShardInfo
 from asynctron.storage._manifest import encode_manifest as encode_manifest
 from asynctron.storage._manifest import parse_manifest as parse_manifest
 from asynctron.storage._manifest import paused_gc as paused_gc

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
 #: Chunks are never cut smaller than this: below it, parallel files buy nothing.
 MIN_CHUNK_BYTES = 32 << 20
@@ -27,7 +29,9 @@ MIN_CHUNK_BYTES = 32 << 20
 class PlannedItem:
     """One item to write: all of payload `source` (its index in the plan), or rows
     [start, stop) of its dim 0 (`rows`). A tensor payload is a chunk of a global tensor: its
-    `shape` at `offsets` in `global_shape` (a plain tensor is the whole of itself)."""
+    `shape` at `offsets` in `global_shape` (a plain tensor is the whole of itself). Items of
+    one `group` share bin files no other group's items are in (a tier's: which copies a file
+    goes to)."""
 
     key: str
     source: int
@@ -38,6 +42,7 @@ class PlannedItem:
     offsets: tuple[int, ...] | None = None
     global_shape: tuple[int, ...] | None = None
     rows: tuple[int, int] | None = None
+    group: int = 0
 
     @classmethod
     def of_write_item(cls, source: int, item: WriteItem, nbytes: int) -> PlannedItem:
@@ -49,13 +54,21 @@ class PlannedItem:
                    tuple(data.chunk.sizes), tuple(data.chunk.offsets), tuple(data.size))
 
     @classmethod
-    def of_value(cls, source: int, key: str, value: torch.Tensor | bytes) -> PlannedItem:
-        """A plain tensor (whole) or bytes value, planned without DCP's planner."""
+    def of_value(cls, source: int, key: str, value: torch.Tensor | bytes, *,
+                 group: int = 0) -> PlannedItem:
+        """A plain tensor (whole), a DTensor's local chunk, or a bytes value, planned without
+        DCP's planner."""
         if isinstance(value, bytes):
-            return cls(key, source, WriteItemType.BYTE_IO, len(value))
+            return cls(key, source, WriteItemType.BYTE_IO, len(value), group=group)
+        if isinstance(value, DTensor):
+            (chunk,) = value.__create_chunk_list__()
+            shape = tuple(chunk.sizes)
+            return cls(key, source, WriteItemType.SHARD, math.prod(shape) * value.dtype.itemsize,
+                       value.dtype, shape, tuple(chunk.offsets), tuple(value.shape),
+                       group=group)
         shape = tuple(value.shape)
         return cls(key, source, WriteItemType.TENSOR, value.numel() * value.dtype.itemsize,
-                   value.dtype, shape, (0,) * len(shape), shape)
+                   value.dtype, shape, (0,) * len(shape), shape, group=group)
 
     def chunk(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(shape, offsets) of this item's chunk within the global tensor."""

@@ -69,12 +69,29 @@ class ItemRecord:
     encoding: Literal["raw", "torch_save"] = "raw"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ShardInfo:
+    """What a shard's manifest says of itself: it holds one rank's part of a checkpoint that
+    `world_size` ranks saved (a tier's shard: `asynctron.engine.tiers`).
+
+    A shard's items are the ones its rank wrote, so they need not cover a tensor (the other
+    ranks' shards hold the rest) and its structure (the rank's whole state) may name keys that
+    only other shards hold. `store_files` are the files a drain copies to the store.
+    """
+
+    rank: int
+    world_size: int
+    store_files: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Manifest:
     """A committed checkpoint: its structure, its items and its files (name -> size in bytes).
 
     `created_unix_s` is when the save was requested: the time the state is from. `checksum`
     names the per-item digest algorithm (`"xxh3_64"`), or is None when items carry none.
+    `shard` is None for a checkpoint (its items cover every tensor its structure names), or
+    says whose part of one a shard holds.
     """
 
     structure: Structure
@@ -82,12 +99,14 @@ class Manifest:
     files: dict[str, int]
     created_unix_s: float
     checksum: str | None
+    shard: ShardInfo | None = None
 
     def to_json(self) -> bytes:
         """The manifest's JSON (see `encode_manifest`)."""
         return encode_manifest(structure=json.dumps(self.structure, separators=_COMPACT),
                                items=self.items, checksums=None, files=self.files,
-                               created_unix_s=self.created_unix_s, checksum=self.checksum)
+                               created_unix_s=self.created_unix_s, checksum=self.checksum,
+                               shard=self.shard)
 
     @property
     def nbytes(self) -> int:
@@ -104,15 +123,21 @@ _string = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
 
 def encode_manifest(*, structure: str, items: Sequence[ItemRecord],
                     checksums: Sequence[str] | None, files: dict[str, int],
-                    created_unix_s: float, checksum: str | None) -> bytes:
+                    created_unix_s: float, checksum: str | None,
+                    shard: ShardInfo | None = None) -> bytes:
     """A manifest's JSON, from its structure's JSON text and its items (`checksums`, when
-    given, are the items' digests in place of their records' own).
+    given, are the items' digests in place of their records' own); a shard's with `shard`.
 
     Encoded item by item, each by a format string: one C encoder call over 100k items would
     hold the GIL (stalling every other thread, the event loop's too) for seconds.
     """
-    head = json.dumps({"format": FORMAT, "version": VERSION, "created_unix_s": created_unix_s,
-                       "checksum": checksum, "files": files}, separators=_COMPACT)
+    fields: dict[str, Any] = {"format": FORMAT, "version": VERSION,
+                              "created_unix_s": created_unix_s, "checksum": checksum,
+                              "files": files}
+    if shard is not None:
+        fields["shard"] = {"rank": shard.rank, "world_size": shard.world_size,
+                           "store_files": list(shard.store_files)}
+    head = json.dumps(fields, separators=_COMPACT)
     if checksums is None:
         checksums = [item.checksum for item in items]
     encoded = ",".join(map(_item_json, items, checksums))
@@ -192,20 +217,42 @@ def _parse_body(body: dict[str, Any], fail: Callable[..., CorruptCheckpointError
         raise fail("field 'items': expected a list")
     for item in items:
         _check_item_place(item, files, algorithm, fail)
-    check_chunks(items, fail)
+    shard = _shard_info(body.get("shard"), files, fail)
+    check_chunks(items, fail, whole=shard is None)
     created = body.get("created_unix_s")
     if isinstance(created, bool) or not isinstance(created, int | float) or not (
             0 <= created <= _LAST_UNIX_S):
         raise fail(f"field 'created_unix_s': expected seconds since 1970 up to the year 9999, "
                    f"found {brief(created)}")
     structure = body.get("structure")
-    _check_structure(structure, {item.key for item in items}, fail)
+    _check_structure(structure, {item.key for item in items}, fail, whole=shard is None)
     return Manifest(structure=structure, items=tuple(items), files=files,
-                    created_unix_s=created, checksum=algorithm)
+                    created_unix_s=created, checksum=algorithm, shard=shard)
+
+
+def _shard_info(raw: Any, files: dict[str, int],
+                fail: Callable[..., CorruptCheckpointError]) -> ShardInfo | None:
+    """The `shard` field, checked (`_Reader._shard` refused any other member or shape)."""
+    if raw is None:
+        return None
+    rank, world_size = raw.get("rank"), raw.get("world_size")
+    if not (is_count(rank) and is_count(world_size) and rank < world_size):
+        raise fail(f"field 'shard': expected 0 <= rank < world_size, found rank {brief(rank)} "
+                   f"of world_size {brief(world_size)}")
+    store_files = tuple(raw.get("store_files", ()))
+    for name in store_files:
+        if name not in files:
+            raise fail(f"field 'shard': store file {name!r}: expected one of the manifest's "
+                       "files")
+    if len(set(store_files)) != len(store_files):
+        raise fail("field 'shard': expected each store file once, found one listed twice")
+    return ShardInfo(rank=rank, world_size=world_size, store_files=store_files)
 
 
 #: A manifest's fields, and an item's (`encoding` only for torch_save items).
-_FIELDS = ("format", "version", "created_unix_s", "checksum", "files", "items", "structure")
+_FIELDS = ("format", "version", "created_unix_s", "checksum", "files", "items", "structure",
+           "shard")
+_SHARD_FIELDS = ("rank", "world_size", "store_files")
 _ITEM_FIELDS = frozenset({"key", "kind", "dtype", "shape", "global_shape", "chunk_offsets",
                           "file", "offset", "nbytes", "checksum", "encoding"})
 #: An item is parsed in a slice of the text of at most this many characters, or alone.
@@ -228,6 +275,8 @@ _LIST_OF_LISTS = re.compile(rf"\[{_WS}(?:\]{_WS}(?:\]|,{_WS}[\[\]])|\[{_WS}[\[\]
 _WHOLE_STRINGS = re.compile(rf'[^"]*+(?:{_STRING}[^"]*+)*+', re.DOTALL)
 _STRING_AT = re.compile(_STRING, re.DOTALL)
 _FILE_SIZE = rf'"{_BIN_FILE.pattern}"{_WS}:{_WS}\d++'
+_FILE_NAMES = re.compile(rf'\[{_WS}(?:"{_BIN_FILE.pattern}"{_WS}'
+                         rf'(?:,{_WS}"{_BIN_FILE.pattern}"{_WS})*+)?\]')
 #: The start of the files: `{` and the members that are a bin file name and a size in digits.
 _FILES = re.compile(rf"\{{{_WS}(?:{_FILE_SIZE}{_WS}(?:,{_WS}{_FILE_SIZE}{_WS})*+)?")
 
@@ -307,11 +356,29 @@ class _Reader:
                                  f"{self._found(at)}")
             self._refuse_lists_of_lists(at)
             return self._scan(self._scan_node, at)
+        if name == "shard":
+            if not self._text.startswith("{", at):
+                raise self._fail(f"field 'shard': expected an object, found {self._found(at)}")
+            return self._members(at, "shard field", self._shard_member)
         if name not in _FIELDS:
             raise self._fail(f"field {brief(name)}: expected one of {list(_FIELDS)} (a "
                              f"manifest has no other)")
         if self._text.startswith(("[", "{"), at):
             raise self._fail(f"field {name!r}: expected a JSON scalar, found {self._found(at)}")
+        return self._scan(self._scan_scalar, at)
+
+    def _shard_member(self, name: str, at: int) -> tuple[Any, int]:
+        """A member of `shard`: two scalars, and `store_files`, a flat list of bin file names
+        (refused unless it is one before it is parsed)."""
+        if name not in _SHARD_FIELDS:
+            raise self._fail(f"shard field {brief(name)}: expected one of {list(_SHARD_FIELDS)}")
+        if name == "store_files":
+            if not _FILE_NAMES.match(self._text, at):
+                raise self._fail("shard field 'store_files': expected a list of "
+                                 "__<rank>_<bin>.distcp names")
+        elif self._text.startswith(("[", "{"), at):
+            raise self._fail(f"shard field {name!r}: expected a JSON scalar, found "
+                             f"{self._found(at)}")
         return self._scan(self._scan_scalar, at)
 
     def _files(self, at: int) -> tuple[dict[str, Any], int]:
@@ -541,9 +608,11 @@ def check_fits(key: str, global_shape: tuple[int, ...], itemsize: int,
 
 
 def check_chunks(items: Sequence[ItemRecord],
-                 fail: Callable[[str, str | None], CorruptCheckpointError]) -> None:
+                 fail: Callable[[str, str | None], CorruptCheckpointError], *,
+                 whole: bool = True) -> None:
     """Check that each key's records agree (kind, dtype, global shape) and that its chunks
-    tile the whole tensor: none overlaps another, and together they cover every element.
+    tile the whole tensor: none overlaps another, and together they cover every element (not
+    required of a shard's, unless `whole`: a shard holds its rank's chunks only).
 
     Near-linear in the number of chunks (`_tiles`), whatever their layout.
 
@@ -562,7 +631,10 @@ def check_chunks(items: Sequence[ItemRecord],
             if len(records) > 1:
                 raise fail(f"item {key!r}: listed {len(records)} times", key)
             continue
-        _check_tiling(key, records, first.global_shape, fail)
+        if whole:
+            _check_tiling(key, records, first.global_shape, fail)
+        else:
+            _check_disjoint(key, records, first.global_shape, fail)
 
 
 def _group_by_key(items: Sequence[ItemRecord]) -> dict[str, list[ItemRecord]]:
@@ -604,6 +676,28 @@ def _check_tiling(key: str, records: list[ItemRecord], global_shape: tuple[int, 
                f"{len(boxes)} chunks (too many to name the pair)", key)
 
 
+def _check_disjoint(key: str, records: list[ItemRecord], global_shape: tuple[int, ...],
+                    fail: Callable[[str, str | None], CorruptCheckpointError]) -> None:
+    """A shard's chunks of one tensor: none overlaps another (they need not cover it)."""
+    boxes: list[_Box] = [(r.chunk_offsets or (), r.shape or ()) for r in records
+                         if 0 not in (r.shape or ())]
+    if len(boxes) < 2:
+        return
+    if sum(math.prod(shape) for _, shape in boxes) > math.prod(global_shape):
+        raise fail(f"item {key!r}: expected chunks that do not overlap, found {len(boxes)} "
+                   f"chunks holding more elements than shape {list(global_shape)}", key)
+    try:
+        pair = _overlapping_pair(boxes, exhaustive=True)
+    except _TooManyComparisons:
+        raise fail(f"item {key!r}: expected chunks whose overlaps at most "
+                   f"{MAX_OVERLAP_COMPARISONS} comparisons rule out, found {len(boxes)} "
+                   "chunks", key) from None
+    if pair is not None:
+        (offsets, shape), (other_offsets, _) = pair
+        raise fail(f"item {key!r}: chunk at {list(offsets)} of shape {list(shape)} overlaps "
+                   f"the chunk at {list(other_offsets)}", key)
+
+
 def _tiles(key: str, boxes: list[_Box], global_shape: tuple[int, ...],
            fail: Callable[[str, str | None], CorruptCheckpointError]) -> bool:
     """Whether non-empty `boxes` (inside the tensor) tile it exactly.
@@ -642,9 +736,15 @@ def _signed_points(points: np.ndarray, signs: np.ndarray) -> tuple[np.ndarray, n
     return points[starts[sums != 0]], sums[sums != 0]
 
 
-def _overlapping_pair(boxes: list[_Box]) -> tuple[_Box, _Box] | None:
+class _TooManyComparisons(Exception):
+    """`_overlapping_pair` ran out of its budget before it could tell."""
+
+
+def _overlapping_pair(boxes: list[_Box], *, exhaustive: bool = False
+                      ) -> tuple[_Box, _Box] | None:
     """Two overlapping boxes, if a sweep finds them within `MAX_OVERLAP_COMPARISONS`: along
-    the dim where the boxes start at the most places, comparing only boxes that meet in it."""
+    the dim where the boxes start at the most places, comparing only boxes that meet in it.
+    Past the budget: None, or with `exhaustive`, `_TooManyComparisons`."""
     if not boxes or not boxes[0][0]:  # 0-dim: any two overlap
         return (boxes[1], boxes[0]) if len(boxes) > 1 else None
     dim = max(range(len(boxes[0][0])), key=lambda d: len({offsets[d] for offsets, _ in boxes}))
@@ -658,6 +758,8 @@ def _overlapping_pair(boxes: list[_Box]) -> tuple[_Box, _Box] | None:
                 return (offsets, shape), (other_offsets, other_shape)
         budget -= len(active) + 1
         if budget < 0:
+            if exhaustive:
+                raise _TooManyComparisons
             return None
         active.append((offsets, shape))
     return None
@@ -668,8 +770,10 @@ def is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT64
 
 
-def _check_structure(structure: Any, keys: set[str], fail: Any) -> None:
-    """Walk the structure iteratively (hostile nesting cannot overflow the stack)."""
+def _check_structure(structure: Any, keys: set[str], fail: Any, *, whole: bool = True) -> None:
+    """Walk the structure iteratively (hostile nesting cannot overflow the stack): every item
+    is referenced, and (`whole`) every reference is to an item (a shard's may name items that
+    other shards hold)."""
     referenced: set[str] = set()
     stack = [structure]
     while stack:
@@ -678,7 +782,7 @@ def _check_structure(structure: Any, keys: set[str], fail: Any) -> None:
             raise fail(f"structure node {brief(node)}: expected an object with one tag")
         (tag, body), = node.items()
         if tag == "item":
-            if not isinstance(body, str) or body not in keys:
+            if not isinstance(body, str) or (whole and body not in keys):
                 raise fail(f"structure references item {brief(body)}, which the manifest lacks")
             referenced.add(body)
         elif tag == "dict":
@@ -695,7 +799,7 @@ def _check_structure(structure: Any, keys: set[str], fail: Any) -> None:
             stack.extend(body)
         elif tag == "value" and isinstance(body, dict | list):
             raise fail("structure value: expected a JSON scalar")
-    if referenced != keys:
+    if not keys <= referenced:
         missing = sorted(keys - referenced)[:3]
         raise fail(f"items {missing} are not referenced by the structure")
 

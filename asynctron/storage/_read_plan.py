@@ -144,18 +144,6 @@ def check_no_overlap(manifest: Manifest, manifest_path: str) -> None:
                     offset=after.offset)
 
 
-def check_view_name(view: str | None, checkpoint: str) -> None:
-    """Refuse a manifest view that is not a plain `.json` name inside the checkpoint.
-
-    Raises:
-        ValueError: naming it.
-    """
-    if view is not None and (not view.endswith(".json") or "/" in view or "\x00" in view
-                             or view.startswith(".")):
-        raise ValueError(f"checkpoint {checkpoint} view {view!r}: expected the name of a "
-                         ".json manifest file in it")
-
-
 class CheckpointReaderBase:
     """What every backend's checkpoint reader shares: the opened manifest and the checks of
     item bytes against it (the I/O is the backend's)."""

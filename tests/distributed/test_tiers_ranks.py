@@ -27,24 +27,30 @@ SMALL = {"slab_bytes": 256 << 10, "memory_budget_bytes": 1 << 20}
 
 
 def state_of(rank: int, step: int) -> dict[str, Any]:
-    """A rank's state at `step`: its own tensors, a replicated one, per-rank values under keys
-    every rank uses (as an RNG state and a loader's cursor are)."""
+    """A rank's state at `step`: its own tensors (under its own keys, as a key names one value
+    of the whole job), a replicated one, and per-rank JSON values under keys every rank uses
+    (a loader's cursor)."""
     g = torch.Generator().manual_seed(step * 1000 + rank)
-    return {"own": torch.randn(300_000, generator=g), "shared": torch.full((4096,), float(step)),
-            "rng": torch.randint(0, 255, (5056,), dtype=torch.uint8, generator=g),
+    return {"own": {f"rank{rank}": torch.randn(300_000, generator=g)},
+            "shared": torch.full((4096,), float(step)),
+            "rng": {f"rank{rank}": torch.randint(0, 255, (5056,), dtype=torch.uint8,
+                                                 generator=g)},
             "cursor": {"rank": rank, "consumed": 16 * step}, "step": step}
 
 
-def empty() -> dict[str, Any]:
-    return {"own": torch.zeros(300_000), "shared": torch.zeros(4096),
-            "rng": torch.zeros(5056, dtype=torch.uint8), "cursor": {"rank": -1, "consumed": 0},
-            "step": -1}
+def empty(rank: int) -> dict[str, Any]:
+    return {"own": {f"rank{rank}": torch.zeros(300_000)}, "shared": torch.zeros(4096),
+            "rng": {f"rank{rank}": torch.zeros(5056, dtype=torch.uint8)},
+            "cursor": {"rank": -1, "consumed": 0}, "step": -1}
 
 
 def exact(rank: int, step: int, target: dict[str, Any], values: dict[str, Any]) -> bool:
     want = state_of(rank, step)
-    return all(torch.equal(want[key], target[key]) for key in ("own", "shared", "rng")) and (
-        values["cursor"] == want["cursor"] and values["step"] == step)
+    mine = f"rank{rank}"
+    return (torch.equal(want["own"][mine], target["own"][mine])
+            and torch.equal(want["shared"], target["shared"])
+            and torch.equal(want["rng"][mine], target["rng"][mine])
+            and values["cursor"] == want["cursor"] and values["step"] == step)
 
 
 def tiers_of(root: str, **fields: Any) -> Tiers:
@@ -63,7 +69,7 @@ def run(rank: int, world: int, root: str, per_node: int, action: str,
             if action == "save":
                 return [(await engine.save(state_of(rank, step), step=step)).step
                         for step in steps]
-            target = empty()
+            target = empty(rank)
             result = await engine.restore(target)
             return {"step": result.step, "sources": result.sources, "skipped": result.skipped,
                     "exact": exact(rank, result.step, target, result.state)}
@@ -88,30 +94,32 @@ def _flip(path: str, offset: int) -> None:
 def test_replicas_serve_lost_and_damaged_shards_and_the_store_serves_two_lost_nodes(
         tmp_path: Any) -> None:
     """4 ranks as 2 nodes of 2, one replica each: every node holds its ranks' shards and the
-    other node's; what a node lost or damaged is restored from the other node's copy; with
-    both nodes lost, from the store."""
+    replicas of the other node's; what a node lost or damaged is restored from the other
+    node's copy, item by item; with both nodes lost, from the store."""
     root = str(tmp_path)
     assert _ranks(4, root, 2, "save", range(1, 5)) == [[1, 2, 3, 4]] * 4
     for node in (0, 1):
         assert sorted(os.listdir(f"{root}/node{node}")) == sorted(
-            f"step_0000000{step}.rank_0000{rank}" for step in (3, 4) for rank in range(4))
+            f"step_0000000{step}.rank_0000{rank}.of_00004" for step in (3, 4)
+            for rank in range(4))
     assert {"step_00000002", "step_00000004"} <= set(os.listdir(f"{root}/store"))
 
-    _flip(f"{root}/node0/step_00000004.rank_00000/__0_0.distcp", 4096)
-    os.truncate(f"{root}/node1/step_00000004.rank_00003/__3_0.distcp", 100)
+    _flip(f"{root}/node0/step_00000004.rank_00000.of_00004/__0_0.distcp", 4096)
+    os.truncate(f"{root}/node1/step_00000004.rank_00003.of_00004/__3_0.distcp", 100)
     found = _ranks(4, root, 2, "restore")
     assert all(f["step"] == 4 and f["exact"] for f in found), found
     assert found[0]["sources"] == ("replica", "local", "local", "replica")
     assert "node0/step_00000004.rank_00000" in found[0]["skipped"][0]
     assert "expected xxh3_64" in found[0]["skipped"][0]
 
-    shutil.rmtree(f"{root}/node1")  # a node lost with its disk; a new one comes up empty
+    # node 1 lost with its disk (a new one comes up empty); a restore writes nothing, so
+    # rank 0's damaged item is still damaged on node 0: that item alone from the store
+    shutil.rmtree(f"{root}/node1")
     found = _ranks(4, root, 2, "restore")
     assert all(f["step"] == 4 and f["exact"] for f in found), found
-    assert found[0]["sources"] == ("local", "local", "replica", "replica")
+    assert found[0]["sources"] == ("store", "local", "replica", "replica")
 
-    shutil.rmtree(f"{root}/node0")
-    shutil.rmtree(f"{root}/node1")
+    shutil.rmtree(f"{root}/node0")  # node 1's new disk is still empty
     found = _ranks(4, root, 2, "restore")
     assert all(f["step"] == 4 and f["exact"] for f in found), found
     assert found[0]["sources"] == ("store",) * 4
@@ -128,7 +136,7 @@ def lose_a_node_mid_save(rank: int, world: int, root: str) -> Any:
             for step in (1, 2):
                 await engine.save(state_of(rank, step), step=step)
             if rank == 1:
-                gate = backend.hold("write", where="step_00000003.rank_00001")
+                gate = backend.hold("write", where="step_00000003.rank_00001.of_00002")
                 threading.Thread(target=lambda: (gate.wait_reached(60),
                                                  os.kill(os.getpid(), signal.SIGKILL)),
                                  daemon=True).start()

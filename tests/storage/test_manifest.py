@@ -173,7 +173,7 @@ _JUNK = b"[" + b",".join([b"[]"] * 2_000_000) + b"]"  # 6 MB: 2M lists of 64 byt
 @pytest.mark.parametrize(("data", "message"), [
     (_HEAD + b',"junk":' + _JUNK + b',"items":[],"structure":{"dict":[]}}',
      r"^manifest m\.json: field 'junk': expected one of \['format', 'version', "
-     r"'created_unix_s', 'checksum', 'files', 'items', 'structure'\] \(a manifest has no "
+     r"'created_unix_s', 'checksum', 'files', 'items', 'structure', 'shard'\] \(a manifest has no "
      r"other\); "),
     (_HEAD + b',"items":' + _JUNK + b',"structure":{"dict":[]}}',
      r"^manifest m\.json: item 0 at char 110: expected a flat object \(at most 11 fields, each "

@@ -4,11 +4,14 @@ and which ranks hold whose replicas."""
 
 from __future__ import annotations
 
+import logging
 import os
 import string
 from dataclasses import dataclass
 
 from asynctron import _knobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -28,7 +31,8 @@ class Tiers:
     """The persistent tier: any backend's URL (`s3://bucket/run`) or a shared path; None: no
     store (only local tiers and replicas)."""
     replicas: int = 1
-    """How many other nodes keep a copy of each rank's shard (at most nodes - 1)."""
+    """How many other nodes keep a copy of what only one node holds (a job of fewer nodes
+    keeps as many as it has other nodes)."""
     store_every: int = 10
     """Drain every `store_every`-th complete step to the store (and the next one after a
     drain that failed)."""
@@ -74,6 +78,9 @@ class Nodes:
     rank: int
     world_size: int
     ranks_per_node: int
+    replicas: int = 0
+    """Other nodes that keep a copy of what only one node holds: `Tiers.replicas`, or fewer
+    where the job has fewer other nodes."""
 
     @property
     def node(self) -> int:
@@ -86,38 +93,44 @@ class Nodes:
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
 
-    def holders(self, rank: int, replicas: int) -> list[int]:
+    def holders(self, rank: int) -> list[int]:
         """The ranks that keep `rank`'s replicas, nearest node first."""
         return [(rank + j * self.ranks_per_node) % self.world_size
-                for j in range(1, replicas + 1)]
+                for j in range(1, self.replicas + 1)]
 
-    def sources(self, rank: int, replicas: int) -> list[int]:
+    def sources(self, rank: int) -> list[int]:
         """The ranks whose replicas `rank` keeps."""
         return [(rank - j * self.ranks_per_node) % self.world_size
-                for j in range(1, replicas + 1)]
+                for j in range(1, self.replicas + 1)]
 
 
 def job_nodes(tiers: Tiers, rank: int, world_size: int) -> Nodes:
     """The nodes of this job, from `ASYNCTRON_RANKS_PER_NODE`, else torchrun's
-    `LOCAL_WORLD_SIZE`, else one node of every rank.
+    `LOCAL_WORLD_SIZE`, else one node of every rank. A job of fewer nodes than
+    `Tiers.replicas + 1` (restarted on fewer, say) keeps as many replicas as it has other nodes,
+    and says so in the log.
 
     Raises:
-        ValueError: the world is not whole nodes; more replicas than other nodes; or nodes
-            simulated on one machine (`ASYNCTRON_RANKS_PER_NODE`) sharing one local tier
-            (no `{node}` in `Tiers.local`).
+        ValueError: the world is not whole nodes, or nodes simulated on one machine
+            (`ASYNCTRON_RANKS_PER_NODE`) sharing one local tier (no `{node}` in
+            `Tiers.local`).
     """
     per_node, simulated = _knobs.ranks_per_node(world_size)
     if world_size % per_node:
         raise ValueError(f"ranks per node: expected a divisor of the world size {world_size}, "
                          f"found {per_node}; set {_knobs.RANKS_PER_NODE} (or LOCAL_WORLD_SIZE) "
                          "to the ranks that share a node")
-    nodes = Nodes(rank, world_size, per_node)
-    if tiers.replicas > nodes.num_nodes - 1:
-        raise ValueError(f"Tiers.replicas: expected at most {nodes.num_nodes - 1} (the other "
-                         f"nodes of {nodes.num_nodes}), found {tiers.replicas}")
-    if simulated and nodes.num_nodes > 1 and "{node}" not in tiers.local:
-        raise ValueError(f"Tiers.local: {_knobs.RANKS_PER_NODE} makes {nodes.num_nodes} nodes "
+    num_nodes = world_size // per_node
+    replicas = min(tiers.replicas, num_nodes - 1)
+    if replicas < tiers.replicas and rank == 0:
+        logger.warning("Tiers.replicas=%d, but the job has %d node%s: keeping %d replica%s "
+                       "(a node lost before the next drain loses what only it held; "
+                       "replicas=%d says so without this warning)", tiers.replicas, num_nodes,
+                       "" if num_nodes == 1 else "s", replicas, "" if replicas == 1 else "s",
+                       replicas)
+    if simulated and num_nodes > 1 and "{node}" not in tiers.local:
+        raise ValueError(f"Tiers.local: {_knobs.RANKS_PER_NODE} makes {num_nodes} nodes "
                          f"on one machine, so each needs its own local tier; found "
                          f"{tiers.local!r} without {{node}}; add it, e.g. "
                          f"{tiers.local}/node{{node}}")
-    return nodes
+    return Nodes(rank, world_size, per_node, replicas)

@@ -5,12 +5,13 @@ one ordinary asynctron checkpoint (what `asynctron.load`, the DCP reader, `inspe
 Stages, every rank at once, on the drain's own collectives:
 1. the coordinator (rank 0) starts the store's save (its claim; a named area every rank
    finds), and broadcasts whether it could;
-2. every rank uploads its own shard's files as they are (no staging, no re-encoding: read in
-   slab-sized chunks through the staging pool, sent as they are read) and its manifest;
-3. the coordinator merges the shards' manifests (an item several ranks hold, replicated, is
-   listed once) and commits the store's checkpoint with the store's commit protocol (the
-   manifest last, `keep_store` pruning), or discards it if any rank failed; every rank learns
-   the outcome.
+2. every rank uploads its shard's store files as they are (no staging, no re-encoding: read
+   in slab-sized chunks through the staging pool, sent as they are read; the placement gave
+   each item one store writer in the job) and its view (its structure, its stored items);
+3. the coordinator merges the views into the checkpoint's manifest (every item once, every
+   tensor whole: checked before the commit) and commits the store's checkpoint with the
+   store's commit protocol (the manifest last, `keep_store` pruning), or discards it if any
+   rank failed; every rank learns the outcome.
 A drain killed anywhere leaves no checkpoint in the store: the next commit under its root
 removes what it left.
 """
@@ -18,6 +19,7 @@ removes what it left.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 from collections.abc import Sequence
@@ -28,14 +30,14 @@ from asynctron.engine._collectives import Collectives
 from asynctron.engine._coordinator import describe
 from asynctron.engine._resources import SaveResources
 from asynctron.engine.tiers._layout import join, rank_view, step_name
-from asynctron.engine.tiers._stream import Chunk, shard_files
+from asynctron.engine.tiers._placement import part_of
+from asynctron.engine.tiers._stream import Chunk, open_shard
 from asynctron.errors import PeerError
 from asynctron.storage import (
     MANIFEST_NAME,
     CheckpointStorage,
     Committed,
     FileStorage,
-    ItemRecord,
     Manifest,
     ReadableFile,
     Retention,
@@ -122,18 +124,22 @@ async def drain_step(step: int, *, shard: str, collectives: Collectives,
 
 async def _upload(shard: str, rank: int, local: CheckpointStorage, local_files: FileStorage,
                   store: SaveStorage, area: SaveArea, resources: SaveResources) -> bytes:
-    """Upload every file of the committed `shard` (rank `rank`'s) into `area`, and its
-    manifest as the rank's view (the files together); returns the manifest."""
-    files, raw = await shard_files(local, shard)
+    """Upload the store files of the committed `shard` (rank `rank`'s) into `area`, and its
+    view (the files together); returns the view."""
+    manifest = await open_shard(local, shard)
+    assert manifest.shard is not None
+    stored = manifest.shard.store_files
+    view = await resources.run_blocking(functools.partial(part_of, manifest, stored,
+                                                          stored=True))
     try:
         async with asyncio.TaskGroup() as group:
-            for name, nbytes in files.items():
-                group.create_task(_upload_file(join(shard, name), name, nbytes, local_files,
-                                               store, area, resources))
-            group.create_task(_upload_bytes(rank_view(rank), raw, store, area))
+            for name in stored:
+                group.create_task(_upload_file(join(shard, name), name, manifest.files[name],
+                                               local_files, store, area, resources))
+            group.create_task(_upload_bytes(rank_view(rank), view, store, area))
     except BaseExceptionGroup as error:
         raise first_error(error) from None
-    return raw
+    return view
 
 
 async def _upload_bytes(name: str, data: bytes, store: SaveStorage, area: SaveArea) -> None:
@@ -212,23 +218,24 @@ async def _commit(store: SaveStorage, area: SaveArea, reports: Sequence[_ShardRe
             await store.discard(area)
 
 
-def merge_manifests(manifests: Sequence[bytes]) -> bytes:
-    """Blocks (CPU): one manifest of several shards' (of one state): every shard's files; an
-    item several hold (a replicated tensor: the same key and chunk) listed once, from the
-    first that has it; the structures merged."""
-    parsed: list[Manifest] = [parse_manifest(raw, "<drained shard>") for raw in manifests]
+def merge_manifests(views: Sequence[bytes]) -> bytes:
+    """Blocks (CPU): one manifest of the ranks' views of one step (each item is in one view:
+    its store writer's), the structures merged.
+
+    Raises:
+        CorruptCheckpointError: the views do not make a whole checkpoint (a tensor not
+            covered, an item twice), naming the key.
+    """
+    parsed: list[Manifest] = [parse_manifest(raw, "<drained view>") for raw in views]
     files: dict[str, int] = {}
-    items: list[ItemRecord] = []
-    seen: set[tuple[str, tuple[int, ...] | None]] = set()
     for manifest in parsed:
         files.update(manifest.files)
-        for item in manifest.items:
-            identity = (item.key, item.chunk_offsets)
-            if identity not in seen:
-                seen.add(identity)
-                items.append(item)
     structure = merge_structures([json.dumps(m.structure, separators=(",", ":"))
                                   for m in parsed])
-    return encode_manifest(structure=structure, items=items, checksums=None, files=files,
-                           created_unix_s=min(m.created_unix_s for m in parsed),
-                           checksum=parsed[0].checksum)
+    merged = encode_manifest(structure=structure,
+                             items=[item for manifest in parsed for item in manifest.items],
+                             checksums=None, files=files,
+                             created_unix_s=min(m.created_unix_s for m in parsed),
+                             checksum=parsed[0].checksum)
+    parse_manifest(merged, "<the store's manifest of the drained step>")
+    return merged

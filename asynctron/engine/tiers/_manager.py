@@ -2,17 +2,18 @@
 the drains to the store, the restore.
 
 One save to the tiers, on every rank at once (`Engine.save(state, step=N)`):
-1. this rank's state is saved as its own shard into its node's local tier: an ordinary
-   asynctron save (plan, stage, write, atomic commit) of one rank, its files named by its
-   rank; every batch written is also streamed, from the same staged slab, to the ranks that
-   keep its replicas (`ShardSender`, a `Mirror` of the pipeline), while this rank receives the
+1. this rank's shard is saved into its node's local tier: an asynctron save (plan, stage,
+   write, atomic commit) of the items the placement gives it (`_placement`: each item once
+   per node, sorted into groups of files), planned with every rank's; the files no other
+   node holds are also streamed, from the same staged slabs, to the ranks that keep their
+   replicas (`ShardSender`, a `Mirror` of the pipeline), while this rank receives the
    replicas it keeps into its own local tier (`receive_shard`);
 2. every rank tells every other whether its shard and the replicas it keeps are committed
    (one all-gather, in save order): the step is complete when all are;
-3. then each rank prunes its local tier beyond `keep_local` complete steps, and on a
-   `store_every`-th step the drain to the store starts in the background (skipped, on every
-   rank alike, while an earlier drain still runs on any; a failed drain is tried again at
-   the next complete step).
+3. then each node's first rank prunes its node's tier beyond `keep_local` complete steps,
+   and on a `store_every`-th step the drain to the store starts in the background (skipped,
+   on every rank alike, while an earlier drain still runs on any; a failed drain is tried
+   again at the next complete step).
 The trainer blocks only for the staging (`task.staged`); `await task` is step 2.
 """
 
@@ -29,7 +30,7 @@ import torch
 from asynctron._concurrency import to_its_end, uncancellable
 from asynctron.comm import PeerChannel
 from asynctron.engine._collectives import Collectives, SoloCollectives
-from asynctron.engine._coordinator import Coordinator, describe
+from asynctron.engine._coordinator import ShardCoordinator, describe
 from asynctron.engine._plan_cache import PlanCache
 from asynctron.engine._resources import SaveResources
 from asynctron.engine._save import SaveJob, SaveOptions
@@ -38,7 +39,8 @@ from asynctron.engine._turns import Turns
 from asynctron.engine.tiers._config import Nodes, Tiers
 from asynctron.engine.tiers._drain import drain_step
 from asynctron.engine.tiers._layout import join, parse_shard, shard_name
-from asynctron.engine.tiers._restore import LoadInto, RestoreContext, RestoreResult, restore
+from asynctron.engine.tiers._placement import NodePlacement, part_of
+from asynctron.engine.tiers._restore import RestoreContext, RestoreResult, restore
 from asynctron.engine.tiers._stream import (
     ReceiveBuffers,
     ShardReceived,
@@ -46,7 +48,7 @@ from asynctron.engine.tiers._stream import (
     receive_shard,
 )
 from asynctron.errors import PeerError
-from asynctron.storage import MANIFEST_NAME, Backend, Committer, Retention
+from asynctron.storage import MANIFEST_NAME, Backend, Committer, Retention, parse_manifest
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +67,9 @@ class TierManager:
     """
 
     def __init__(self, tiers: Tiers, nodes: Nodes, *, resources: SaveResources,
-                 local: Backend, store: Backend | None, agree: Collectives,
-                 drains: Collectives, channel: PeerChannel | None, plan_cache: PlanCache,
-                 store_retention: Retention | None) -> None:
+                 local: Backend, store: Backend | None, planning: Collectives,
+                 agree: Collectives, drains: Collectives, channel: PeerChannel | None,
+                 plan_cache: PlanCache, store_retention: Retention | None) -> None:
         self.tiers = tiers
         self.nodes = nodes
         self.local_files = local
@@ -83,20 +85,18 @@ class TierManager:
         self._channel = channel
         self._plan_cache = plan_cache
         self._store_retention = store_retention
-        run_blocking = resources.run_blocking
-        self._solo = Coordinator(SoloCollectives(), SoloCollectives(), run_blocking,
-                                 Committer(None, points_latest=False))
+        self._shards = ShardCoordinator(planning, SoloCollectives(), resources.run_blocking,
+                                        Committer(None, points_latest=False))
+        """Each rank commits its own shard, planned with every rank's."""
         self._turns = Turns()
         """The steps' agreements, in save order."""
         self._send_turns = Turns()
-        self._receive_turns = {src: Turns() for src in nodes.sources(nodes.rank,
-                                                                     tiers.replicas)}
+        self._receive_turns = {src: Turns() for src in nodes.sources(nodes.rank)}
         """One replica stream to (and one from) each peer at a time, in save order: a thread
         waits on each transfer, so overlapping saves must not multiply them."""
         self._seq = 0
-        self._job_seq = 0
-        """Shard saves started: the solo coordinator's turns count them."""
-        self._buffers = ReceiveBuffers(2 * (tiers.replicas + 1), resources.config.slab_bytes)
+        """Saves to the tiers started (the same on every rank: they are collective)."""
+        self._buffers = ReceiveBuffers(2 * (nodes.replicas + 1), resources.config.slab_bytes)
         self._complete: list[int] = []
         """The steps known complete for every rank (saved, or restored), oldest first."""
         self._drain: asyncio.Task[None] | None = None
@@ -104,24 +104,24 @@ class TierManager:
         self._due: int | None = None
         """The newest complete step whose drain was skipped while another ran: drained next
         (rank 0's decides, for every rank)."""
-        self._held: set[tuple[int, int]] | None = None
-        """The shards this rank keeps in its node's tier, (step, rank): its own and the
-        replicas of its sources; listed once, at the first save (an earlier life's are
-        replaced by a save of their step), then kept up to date."""
+        self._own: set[str] | None = None
+        """The names of this rank's own shards in its node's tier: listed once, at the first
+        save (an earlier life's are replaced by a save of their step), then kept up to
+        date."""
         self._draining: int | None = None
         """The step the drain in flight reads (never pruned meanwhile)."""
 
     @property
     def holders(self) -> list[int]:
-        return self.nodes.holders(self.nodes.rank, self.tiers.replicas)
+        return self.nodes.holders(self.nodes.rank)
 
     @property
     def sources(self) -> list[int]:
-        return self.nodes.sources(self.nodes.rank, self.tiers.replicas)
+        return self.nodes.sources(self.nodes.rank)
 
     def shard_path(self, step: int) -> str:
         """This rank's shard of `step` in its node's local tier."""
-        return join(self.local_root, shard_name(step, self.nodes.rank))
+        return join(self.local_root, shard_name(step, self.nodes.rank, self.nodes.world_size))
 
     # -- save -----------------------------------------------------------------------------
 
@@ -152,13 +152,18 @@ class TierManager:
     async def _save(self, state_dict: Mapping[str, Any], step: int, seq: int,
                     options: SaveOptions, ready: Mapping[torch.device, torch.cuda.Event],
                     on_staged: Callable[[], None], jobs: list[SaveJob]) -> SaveResult:
+        nodes = self.nodes
         tag = seq % _TAGS
         path = self.shard_path(step)
+        placement = NodePlacement(nodes, num_bins=options.num_bins,
+                                  slab_bytes=options.slab_bytes)
         sender = None
         if self.holders:
             assert self._channel is not None
             sender = ShardSender(self._channel, self.holders, tag=tag, step=step,
-                                 rank=self.nodes.rank, turn=self._send_turns.take(seq))
+                                 rank=nodes.rank, world_size=nodes.world_size,
+                                 turn=self._send_turns.take(seq),
+                                 sends=placement.is_replicated)
         receiving = [asyncio.ensure_future(self._receive(src, tag, seq))
                      for src in self.sources]
         result: SaveResult | None = None
@@ -166,29 +171,29 @@ class TierManager:
         error: BaseException | None = None
         try:
             await self._replace_earlier(step)
-            self._job_seq += 1
-            job = SaveJob(state_dict, path, seq=self._job_seq, options=options, ready=ready,
+            job = SaveJob(state_dict, path, seq=seq, options=options, ready=ready,
                           storage=self.local, resources=self._resources,
-                          coordinator=self._solo, plan_cache=self._plan_cache,
-                          on_staged=on_staged, file_rank=self.nodes.rank, mirror=sender)
+                          coordinator=self._shards, plan_cache=self._plan_cache,
+                          on_staged=on_staged, file_rank=nodes.rank, mirror=sender,
+                          placement=placement)
             jobs.append(job)
             result = await job.run()
         except (Exception, asyncio.CancelledError) as failure:  # reported, then raised
             error = failure
         if sender is not None:
-            await self._end_stream(sender, None if result is None or job is None
-                                   else job.published.get(MANIFEST_NAME))
+            replica = None
+            if result is not None and job is not None:
+                replica = await self._resources.run_blocking(
+                    _replica_manifest, job.published[MANIFEST_NAME], path,
+                    placement.is_replicated)
+            await self._end_stream(sender, replica)
         received = await asyncio.gather(*receiving, return_exceptions=True)
         kept = [src for src, got in zip(self.sources, received, strict=True)
                 if isinstance(got, ShardReceived)]
-        if self._held is not None:
-            self._held.update((step, src) for src in kept)
-            if result is not None:
-                self._held.add((step, self.nodes.rank))
         for src, got in zip(self.sources, received, strict=True):
             if isinstance(got, BaseException):
-                logger.warning("step %d: the replica of rank %d's shard was not kept here: %s",
-                               step, src, got)
+                logger.warning("rank %d: step %d: the replica of rank %d's shard was not kept "
+                               "here: %s", nodes.rank, step, src, got)
         async with self._turns.take(seq):
             reports = await self._agree.all_gather_object({
                 "ok": result is not None, "error": None if error is None else describe(error),
@@ -197,7 +202,7 @@ class TierManager:
         if error is not None:
             raise error
         assert result is not None
-        culprit = _culprit(reports, self.nodes, self.tiers.replicas)
+        culprit = _culprit(reports, nodes)
         if culprit is not None:
             rank, what = culprit
             raise PeerError(f"step {step}: expected every rank's shard and replicas committed, "
@@ -207,15 +212,20 @@ class TierManager:
 
     async def _replace_earlier(self, step: int) -> None:
         """Remove this rank's shard of `step` if an earlier life left one (the first save
-        lists the tier once; later ones know what they wrote)."""
-        if self._held is None:
-            names = await self.local.list_checkpoints(self.local_root)
-            mine = {self.nodes.rank, *self.sources}
-            self._held = {shard for name in names if (shard := parse_shard(name)) is not None
-                          and shard[1] in mine}
-        if (step, self.nodes.rank) in self._held:
-            await self.local.remove_checkpoint(self.shard_path(step))
-            self._held.discard((step, self.nodes.rank))
+        lists the tier once; later ones know what they wrote). A failure is logged: the save
+        then fails at its start, with every other rank."""
+        try:
+            if self._own is None:
+                names = await self.local.list_checkpoints(self.local_root)
+                self._own = {name for name in names if (shard := parse_shard(name)) is not None
+                             and shard[1:] == (self.nodes.rank, self.nodes.world_size)}
+            name = shard_name(step, self.nodes.rank, self.nodes.world_size)
+            if name in self._own:
+                await self.local.remove_checkpoint(self.shard_path(step))
+            self._own.add(name)
+        except Exception as error:
+            logger.warning("rank %d: step %d: an earlier life's shard could not be removed: "
+                           "%s", self.nodes.rank, step, describe(error))
 
     async def _receive(self, src: int, tag: int, seq: int) -> ShardReceived | None:
         assert self._channel is not None
@@ -234,7 +244,7 @@ class TierManager:
     async def _after(self, step: int, reports: list[dict[str, Any]]) -> None:
         """Once every rank reported: prune and drain if the step is complete (on every rank
         alike: the decisions are made from the same reports)."""
-        if _culprit(reports, self.nodes, self.tiers.replicas) is not None:
+        if _culprit(reports, self.nodes) is not None:
             return
         self._complete = sorted({*self._complete, step})
         await self._prune()
@@ -279,32 +289,36 @@ class TierManager:
                 self._due = None
 
     async def _prune(self) -> None:
-        """Remove this rank's shards (its own, and the replicas it keeps) of steps older than
-        the `keep_local` newest complete ones; never the step being drained."""
-        if len(self._complete) < self.tiers.keep_local or self._held is None:
+        """On a node's first rank: remove every shard in the node's tier (its ranks' own, the
+        replicas they keep, and an earlier life's or world's) of a step older than the
+        `keep_local` newest complete ones; never the step being drained."""
+        nodes = self.nodes
+        if len(self._complete) < self.tiers.keep_local or nodes.rank % nodes.ranks_per_node:
             return
         cutoff = self._complete[-self.tiers.keep_local]
         self._complete = self._complete[-self.tiers.keep_local:]
-        doomed = [shard for shard in self._held if shard[0] < cutoff
-                  and shard[0] != self._draining]
-        await asyncio.gather(*(self.local.remove_checkpoint(
-            join(self.local_root, shard_name(*shard))) for shard in doomed))
-        self._held.difference_update(doomed)
+        try:
+            names = await self.local.list_checkpoints(self.local_root)
+            doomed = [name for name in names if (shard := parse_shard(name)) is not None
+                      and shard[0] < cutoff and shard[0] != self._draining]
+            await asyncio.gather(*(self.local.remove_checkpoint(join(self.local_root, name))
+                                   for name in doomed))
+        except Exception as error:
+            logger.warning("node %d: pruning %s failed (tried again after the next complete "
+                           "step): %s", nodes.node, self.local_root, describe(error))
 
     # -- restore ---------------------------------------------------------------------------
 
-    async def restore(self, state_dict: Mapping[str, Any], load_into: LoadInto, *,
+    async def restore(self, state_dict: Mapping[str, Any], *,
                       step: int | None) -> RestoreResult:
         """See `Engine.restore`."""
         context = RestoreContext(
-            nodes=self.nodes, replicas=self.tiers.replicas, local=self.local,
-            local_files=self.local_files,
-            local_root=self.local_root, store=self.store, store_root=self.store_root,
-            agree=self._agree, channel=self._channel, resources=self._resources,
-            buffers=self._buffers, load_into=load_into)
+            nodes=self.nodes, local=self.local, local_root=self.local_root, store=self.store,
+            store_root=self.store_root, agree=self._agree, channel=self._channel,
+            resources=self._resources, buffers=self._buffers)
         result = await restore(state_dict, context, step=step)
-        self._complete = [result.step]
-        self._held = None  # listed again at the next save
+        self._complete = [] if result.step is None else [result.step]
+        self._own = None  # listed again at the next save
         return result
 
     async def aclose(self) -> None:
@@ -317,15 +331,20 @@ class TierManager:
                 self._channel.close()
 
 
-def _culprit(reports: list[dict[str, Any]], nodes: Nodes, replicas: int
-             ) -> tuple[int, str] | None:
+def _culprit(reports: list[dict[str, Any]], nodes: Nodes) -> tuple[int, str] | None:
     """The first rank whose shard, or a replica it should keep, is not committed (and what
     failed), or None when the step is complete."""
     for rank, report in enumerate(reports):
         if not report["ok"]:
             return rank, f"failing: {report['error']}"
     for rank in range(nodes.world_size):
-        for holder in nodes.holders(rank, replicas):
+        for holder in nodes.holders(rank):
             if rank not in reports[holder]["kept"]:
                 return holder, f"not keeping rank {rank}'s replica"
     return None
+
+
+def _replica_manifest(manifest: bytes, path: str, replicated: Callable[[str], bool]) -> bytes:
+    """Blocks (CPU): the manifest of a shard's replica (its files that go to the replicas)."""
+    parsed = parse_manifest(manifest, join(path, MANIFEST_NAME))
+    return part_of(parsed, [name for name in parsed.files if replicated(name)], stored=False)

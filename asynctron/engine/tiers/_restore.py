@@ -1,32 +1,52 @@
-"""The restore: every rank agrees on the newest step that is complete somewhere for every
-rank's shard, then reads its own shard from the nearest tier that verifies.
+"""The restore: every rank agrees on the newest step some tier holds whole, then fills its state
+from the nearest copies that verify, item by item.
 
-Rounds, every rank at once (each ends in one all-gather of who has its state):
-1. own: a rank whose node holds its shard loads it from there, every item's digest checked;
-2. replica, once per other holder: a rank still without its state gets its shard streamed
-   by a rank of a node that holds it, over torch.distributed, into its own local tier
-   (repairing it: a damaged copy is replaced), and loads it from there, checked;
-3. store: a rank still without it loads its share of the store's checkpoint of the step.
-A missing, partial or corrupt copy is skipped with a log line naming it, never used. If a
-rank's shard verifies nowhere, every rank goes to the next older step (the store's are
-listed once, by one rank, only then); with none left, the error names what each tier held.
+A step's items are spread over the nodes' tiers (each node holds one copy of what its ranks
+need, the replicas what no other node has) and the store. Rounds, every rank at once (each
+ends in one all-gather of who still needs what):
+1. local: a rank fills every key its node's catalog of the step covers (`NodeCatalog`: its
+   node's shards and the replicas they keep), every digest checked;
+2. peers, once per other node that holds part of the step: a rank still missing keys asks
+   the same local rank of that node, which sends the chunks its node holds whole
+   (`_fetch`), checked where they are read and where they land, straight into the tensors;
+3. store: a rank still missing keys fills them from the store's checkpoint of the step.
+A copy missing, partial or corrupt is skipped with a log line naming it, never used; if a
+rank's state is still not whole, every rank goes to the next older step (the store's are
+listed once, by one rank, only then). The ranks' layout may differ from the saving job's
+(another world size, other DTensor shardings): keys are filled from whatever chunks cover
+them, as `load_into` reshards.
+
+What a restore finds when nothing is restored is three different answers: nothing was ever
+saved (no tier holds a shard, the store answered that it holds no step): a first start,
+`RestoreResult.step` None; the store did not answer and no local tier could serve: a
+`StorageError` naming it, never taken for a first start; steps were saved but none can be
+restored: `CheckpointNotFoundError` naming what each tier held.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from asynctron._concurrency import first_error
 from asynctron.comm import PeerChannel
 from asynctron.engine._collectives import Collectives
 from asynctron.engine._coordinator import describe
+from asynctron.engine._load import Loader, rebuild, target_box
 from asynctron.engine._resources import SaveResources
+from asynctron.engine.tiers._catalog import (
+    SHARD_FAILURES,
+    NodeCatalog,
+    open_catalog,
+    saved_keys,
+    skip,
+)
 from asynctron.engine.tiers._config import Nodes
+from asynctron.engine.tiers._fetch import Want, fetch_items, serve_items
 from asynctron.engine.tiers._layout import (
     join,
     parse_shard,
@@ -35,51 +55,53 @@ from asynctron.engine.tiers._layout import (
     shard_name,
     step_name,
 )
-from asynctron.engine.tiers._stream import (
-    Chunk,
-    ReceiveBuffers,
-    ShardSender,
-    receive_shard,
-    shard_files,
-)
+from asynctron.engine.tiers._stream import ReceiveBuffers
 from asynctron.errors import (
-    AsynctronError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     PeerError,
     StorageError,
 )
-from asynctron.storage import CheckpointStorage, FileStorage, store_operation
+from asynctron.storage import (
+    MAX_MANIFEST_BYTES,
+    CheckpointStorage,
+    FlatStateDict,
+    ItemReader,
+    Manifest,
+    Structure,
+    flatten,
+    parse_manifest,
+    store_operation,
+)
 
 logger = logging.getLogger(__name__)
 
 Source = Literal["local", "replica", "store"]
-LoadInto = Callable[[Mapping[str, Any], str, str | None], Awaitable[dict[str, Any]]]
-"""`engine.load_into(state, path)` with every digest verified, reading the manifest file
-given (a rank's view of a drained step) instead of the checkpoint's own if not None."""
+"""Where a rank's bytes came from: its node's tier, another node's (over torch.distributed),
+the store. A rank's `source` is the farthest it needed."""
+_ORDER: tuple[Source, ...] = ("local", "replica", "store")
 
 _RESTORE_TAG = 1 << 24
 """Restore streams' tags, above any save's."""
-_TIER_FAILURES = (CorruptCheckpointError, CheckpointNotFoundError, StorageError, PeerError,
-                  FileNotFoundError)
-"""What makes a rank skip a tier and try the next; anything else (a state that does not
-match the checkpoint) fails the restore on every rank."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RestoreResult:
     """What `Engine.restore` restored. Not constructed directly."""
 
-    step: int
-    """The step restored: the same on every rank."""
-    source: Source
-    """Where this rank's shard came from: its node's local tier, a replica on another node
-    (streamed over torch.distributed), or the store."""
-    sources: tuple[Source, ...]
-    """Where each rank's came from, by rank."""
+    step: int | None
+    """The step restored, the same on every rank; None when no tier ever held a step (a
+    first start: the state is left as it was)."""
+    source: Source | None
+    """The farthest tier this rank's state came from: its node's (`"local"`), another node's
+    (`"replica"`, over torch.distributed), the store; None on a first start."""
+    sources: tuple[Source | None, ...]
+    """Each rank's `source`, by rank."""
     state: dict[str, Any]
     """The state's structure holding its own tensors (filled in place) and the saved values
-    of its other leaves (steps, RNG states, a loader's position), as `load_into` returns."""
+    of its other leaves (steps, a loader's position), as `load_into` returns."""
+    nbytes: dict[Source, int]
+    """The bytes this rank read from each tier."""
     skipped: tuple[str, ...]
     """Every copy this rank did not use, and why (each also logged)."""
     restore_s: float
@@ -90,9 +112,7 @@ class RestoreContext:
     """What a restore works with: this rank's place, its tiers, the collectives, the doors."""
 
     nodes: Nodes
-    replicas: int
     local: CheckpointStorage
-    local_files: FileStorage
     local_root: str
     store: CheckpointStorage | None
     store_root: str | None
@@ -100,287 +120,405 @@ class RestoreContext:
     channel: PeerChannel | None
     resources: SaveResources
     buffers: ReceiveBuffers
-    load_into: LoadInto
 
 
 async def restore(state: Mapping[str, Any], ctx: RestoreContext, *,
                   step: int | None = None) -> RestoreResult:
-    """Restore `state` in place from the newest step (or `step`) complete for every rank.
+    """Restore `state` in place from the newest step (or `step`) some tier holds whole.
 
     Raises:
-        CheckpointNotFoundError: no step verifies for every rank on any tier (the message
-            names what each tier held).
+        CheckpointNotFoundError: steps were saved, but none verifies whole on any tier (the
+            message names what each tier held).
+        StorageError: no local tier could serve, and the store did not answer within its
+            deadline (naming it): whether a step was saved is unknown.
         PeerError: a rank failed (a state that does not match the checkpoint) or is gone.
+        ValueError: this rank's state does not match the checkpoint (naming the key).
     """
     started = time.perf_counter()
-    nodes, rank = ctx.nodes, ctx.nodes.rank
-    held = await _inventory(ctx)
-    inventories = await ctx.agree.all_gather_object(held)
-    holders: dict[tuple[int, int], list[int]] = {}  # (step, rank) -> nodes holding it
-    for node in range(nodes.num_nodes):
-        for shard in inventories[node * nodes.ranks_per_node]:
-            holders.setdefault(tuple(shard), []).append(node)  # type: ignore[arg-type]
-    complete = sorted({s for s, _ in holders if all(
-        (s, r) in holders for r in range(nodes.world_size))}, reverse=True)
-    if step is not None:
-        complete = [s for s in complete if s == step]
+    run_blocking = ctx.resources.run_blocking
+    target = await run_blocking(flatten, state)
+    wants = await run_blocking(_wants, target)
+    inventories = await ctx.agree.all_gather_object(await _inventory(ctx))
+    nodes = ctx.nodes
+    held = [inventories[node * nodes.ranks_per_node] for node in range(nodes.num_nodes)]
     skipped: list[str] = []
+    store = _StoreSteps(ctx)
+    candidates: list[tuple[int, int | None]] = [
+        (s, world) for s, world in _complete(held, nodes.world_size) if step in (None, s)]
     tried: set[int] = set()
-    store_steps: list[int] | None = None
-    candidates = list(complete)
+    restore_seq = 0
     while True:
         if not candidates:
-            if store_steps is None and ctx.store is not None:
-                store_steps = await _store_steps(ctx)
-                candidates = [s for s in store_steps if s not in tried
-                              and (step is None or s == step)]
+            if store.listed:
+                break
+            candidates = [(s, None) for s in await store.steps() if s not in tried
+                          and step in (None, s)]
             if not candidates:
-                raise CheckpointNotFoundError(_nothing_left(inventories, nodes, ctx,
-                                                            store_steps, skipped, step),
-                                              path=ctx.local_root)
-        candidate = candidates.pop(0)
+                break
+        candidate, world = candidates.pop(0)
         tried.add(candidate)
-        outcome = await _try_step(state, candidate, holders, ctx, skipped,
-                                  store=store_steps is None or candidate in store_steps)
+        restore_seq += 1
+        rank_state = _RankState(dict(wants))
+        outcome = await _try_step(rank_state, target, candidate, world, held, ctx, store,
+                                  skipped, tag=_RESTORE_TAG + restore_seq % (1 << 16) * 64)
         if outcome is not None:
-            loaded, sources = outcome
             await _forget_newer(candidate, ctx)
-            logger.info("restored step %d: rank %d from %s (ranks: %s)", candidate, rank,
-                        sources[rank], ", ".join(sources))
-            return RestoreResult(step=candidate, source=sources[rank], sources=sources,
-                                 state=loaded, skipped=tuple(skipped),
+            sources = outcome
+            logger.info("restored step %d: rank %d from %s (ranks: %s)", candidate,
+                        nodes.rank, sources[nodes.rank], ", ".join(map(str, sources)))
+            items = {key: target.original(key) for key in target.values}
+            items.update(rank_state.values)
+            assert rank_state.structure is not None
+            restored = rebuild(target.structure, items, rank_state.structure,
+                               f"step {candidate}")
+            return RestoreResult(step=candidate, source=sources[nodes.rank], sources=sources,
+                                 state=restored, nbytes=dict(rank_state.nbytes),
+                                 skipped=tuple(skipped),
                                  restore_s=time.perf_counter() - started)
+    if store.error is not None:
+        raise StorageError(
+            f"restore: expected the store {ctx.store_root} to answer, found {store.error}; no "
+            f"local tier could serve a step ({_held_words(held, nodes)}), so whether a step "
+            "was saved is unknown: this is not a first start; restore again once the store "
+            "answers", path=ctx.store_root or "", errno=None)
+    if not any(held) and not store.found:
+        logger.info("restore: no tier holds a step: a first start")
+        return RestoreResult(step=None, source=None, sources=(None,) * nodes.world_size,
+                             state=dict(state), nbytes={}, skipped=tuple(skipped),
+                             restore_s=time.perf_counter() - started)
+    wanted = "" if step is None else f" {step}"
+    why = f"; skipped: {' | '.join(skipped[-6:])}" if skipped else ""
+    raise CheckpointNotFoundError(
+        f"restore: expected a step{wanted} that the tiers hold whole for all "
+        f"{nodes.world_size} ranks, found none that verifies; local tiers held: "
+        f"{_held_words(held, nodes)}; the store held: {store.words()}{why}",
+        path=ctx.local_root)
 
 
-async def _inventory(ctx: RestoreContext) -> list[tuple[int, int]]:
-    """The shards this rank's node holds (committed; not yet verified)."""
+def _wants(target: FlatStateDict) -> dict[str, Want]:
+    """Blocks: every item of the target state, as a rank asks for it."""
+    wants = {}
+    for key, value in target.values.items():
+        if isinstance(value, bytes):
+            wants[key] = Want(key, None, (), (), ())
+            continue
+        local, origin = target_box(value.detach())
+        wants[key] = Want(key, local, tuple(value.shape), origin, tuple(local.shape))
+    return wants
+
+
+async def _inventory(ctx: RestoreContext) -> list[tuple[int, int, int]]:
+    """The shards this rank's node holds, (step, rank, world size) (committed; not yet
+    verified)."""
     names = await ctx.local.list_checkpoints(ctx.local_root)
     return sorted(shard for name in names if (shard := parse_shard(name)) is not None)
 
 
-async def _store_steps(ctx: RestoreContext) -> list[int]:
-    """The store's steps, newest first: one listing, by rank 0, shared (a store that does not
-    answer within its deadline counts as empty, said in the log)."""
-    assert ctx.store is not None and ctx.store_root is not None
-    found: list[int] | str = []
-    if ctx.agree.rank == 0:
-        try:
-            with store_operation("restore listing", ctx.store_root):
-                names = await ctx.store.list_checkpoints(ctx.store_root)
-            found = sorted((s for n in names if (s := parse_step(n)) is not None),
-                           reverse=True)
-        except Exception as error:
-            found = describe(error)
-    found = await ctx.agree.broadcast_object(found, src=0)
-    if isinstance(found, str):
-        logger.warning("restore: the store %s could not be listed (%s); restoring from the "
-                       "local tiers and replicas only", ctx.store_root, found)
-        return []
-    return found
+def _complete(held: list[list[tuple[int, int, int]]], world_size: int
+              ) -> list[tuple[int, int | None]]:
+    """The (step, world size) whose every rank's shard some node holds, newest first (at one
+    step, the current world's first)."""
+    ranks: dict[tuple[int, int], set[int]] = {}
+    for shards in held:
+        for step, rank, world in shards:
+            ranks.setdefault((step, world), set()).add(rank)
+    whole = [key for key, found in ranks.items() if len(found) == key[1]]
+    return sorted(whole, key=lambda key: (-key[0], key[1] != world_size))
 
 
-class _Rank:
-    """This rank during one step's rounds: what it loaded, from where, and an error that is no
-    tier's fault (a state that does not match the checkpoint: every rank then stops)."""
-
-    def __init__(self) -> None:
-        self.loaded: dict[str, Any] | None = None
-        self.source: Source | None = None
-        self.fatal: Exception | None = None
+def _held_words(held: list[list[tuple[int, int, int]]], nodes: Nodes) -> str:
+    return "; ".join(
+        f"node {node}: " + (", ".join(f"step {s} rank {r}/{w}" for s, r, w in shards[:12])
+                            + (f" and {len(shards) - 12} more" if len(shards) > 12 else "")
+                            or "nothing")
+        for node, shards in enumerate(held))
 
 
-async def _try_step(state: Mapping[str, Any], step: int,
-                    holders: dict[tuple[int, int], list[int]], ctx: RestoreContext,
-                    skipped: list[str], *, store: bool) -> tuple[dict[str, Any],
-                                                               tuple[Source, ...]] | None:
-    """Every round for `step`; each rank's state and source, or None if a rank's shard
-    verified nowhere (every rank then tries an older step).
+class _StoreSteps:
+    """The store's steps, listed once when first needed, by rank 0, for every rank."""
+
+    def __init__(self, ctx: RestoreContext) -> None:
+        self._ctx = ctx
+        self.listed = ctx.store is None
+        self.found: list[int] = []
+        """The store's steps, newest first (empty until listed, or when it has none)."""
+        self.error: str | None = None
+        """Why the store could not be listed, if it could not."""
+
+    async def steps(self) -> list[int]:
+        """Collective (every rank at once): the store's steps, newest first."""
+        ctx = self._ctx
+        if self.listed:
+            return self.found
+        assert ctx.store is not None and ctx.store_root is not None
+        found: list[int] | str = []
+        if ctx.agree.rank == 0:
+            try:
+                with store_operation("restore listing", ctx.store_root):
+                    names = await ctx.store.list_checkpoints(ctx.store_root)
+                found = sorted((s for n in names if (s := parse_step(n)) is not None),
+                               reverse=True)
+            except Exception as error:
+                found = describe(error)
+        found = await ctx.agree.broadcast_object(found, src=0)
+        self.listed = True
+        if isinstance(found, str):
+            self.error = found
+            logger.warning("restore: the store %s could not be listed (%s)", ctx.store_root,
+                           found)
+            return []
+        self.found = found
+        return found
+
+    def words(self) -> str:
+        if self._ctx.store is None:
+            return "none configured"
+        if not self.listed:
+            return "not asked"
+        return f"steps {self.found[:12]}" if self.found else "nothing"
+
+
+@dataclass(slots=True)
+class _RankState:
+    """This rank during one step's rounds: the keys it still needs, what it found, from
+    where, and an error that is no tier's fault (every rank then stops)."""
+
+    wants: dict[str, Want]
+    values: dict[str, bytes] = field(default_factory=dict)
+    structure: Structure | None = None
+    used: set[Source] = field(default_factory=set)
+    nbytes: dict[Source, int] = field(default_factory=dict)
+    fatal: Exception | None = None
+
+    @property
+    def needy(self) -> bool:
+        return bool(self.wants) or self.structure is None
+
+    def took(self, source: Source, keys: set[str], nbytes: int) -> None:
+        if keys:
+            self.used.add(source)
+        self.nbytes[source] = self.nbytes.get(source, 0) + nbytes
+        for key in keys:
+            del self.wants[key]
+
+    @property
+    def source(self) -> Source:
+        return max(self.used or {"local"}, key=_ORDER.index)
+
+
+async def _try_step(me: _RankState, target: FlatStateDict, step: int, world: int | None,
+                    held: list[list[tuple[int, int, int]]], ctx: RestoreContext,
+                    store: _StoreSteps, skipped: list[str], *, tag: int
+                    ) -> tuple[Source, ...] | None:
+    """Every round for `step` (saved by `world` ranks; None: a step only the store holds);
+    each rank's source, or None if a rank's state verified nowhere whole (every rank then
+    tries an older step).
 
     Raises:
         ValueError, TypeError, ...: this rank's state does not match the checkpoint (no tier
             can help); PeerError naming the rank, on every other rank.
     """
-    nodes, rank = ctx.nodes, ctx.nodes.rank
-    world = nodes.world_size
-    me = _Rank()
-    if nodes.node in holders.get((step, rank), []):
-        await _load(me, "local", state, join(ctx.local_root, shard_name(step, rank)), ctx,
-                    skipped, "local tier")
-    sources = await _gather(ctx, me)
-    attempt = 0
-    while None in sources:
-        pairs = {r: _holder(step, r, attempt, holders, nodes) for r in range(world)
-                 if sources[r] is None}
-        pairs = {r: sender for r, sender in pairs.items() if sender is not None}
-        if not pairs:
-            break
-        if ctx.channel is None:
-            break
-        await _replica_round(me, state, step, pairs, attempt, ctx, skipped)
-        sources = await _gather(ctx, me)
-        attempt += 1
-    if None in sources and store and ctx.store is not None and ctx.store_root is not None:
-        if me.source is None:
-            await _load(me, "store", state, join(ctx.store_root, step_name(step)), ctx,
-                        skipped, "store", view=rank_view(rank))
-        sources = await _gather(ctx, me)
-    if None in sources:
-        missing = [r for r, found in enumerate(sources) if found is None]
-        skipped.append(f"step {step}: no tier verified the shards of ranks {missing}")
-        logger.warning("restore: step %d skipped: no tier verified the shards of ranks %s; "
-                       "trying an older step", step, missing)
-        return None
-    assert me.loaded is not None
-    return me.loaded, tuple(sources)  # type: ignore[arg-type]
-
-
-async def _replica_round(me: _Rank, state: Mapping[str, Any], step: int,
-                         pairs: dict[int, int], attempt: int, ctx: RestoreContext,
-                         skipped: list[str]) -> None:
-    """Holders stream shards to the ranks in `pairs` (receiver -> sender); each receiver
-    loads what it got."""
-    rank, channel = ctx.nodes.rank, ctx.channel
-    assert channel is not None
-    tag = _RESTORE_TAG + step % (1 << 20) * 8 + attempt % 8
-
-    async def send(to: int) -> None:
-        shard = join(ctx.local_root, shard_name(step, to))
-        try:
-            await send_shard(channel, to, step, to, shard, ctx, tag=tag)
-        except PeerError as error:
-            logger.warning("restore: sending rank %d's shard of step %d failed: %s", to, step,
-                           error)
-
-    async def receive(sender: int) -> None:
-        try:
-            received = await receive_shard(channel, sender, tag=tag, storage=ctx.local,
-                                           root=ctx.local_root, buffers=ctx.buffers)
-        except (*_TIER_FAILURES, OSError) as error:
-            _skip(skipped, f"step {step}: the replica on rank {sender}'s node: {error}")
-            return
-        if received is None:
-            _skip(skipped, f"step {step}: the replica on rank {sender}'s node could not be "
-                           "read there")
-            return
-        await _load(me, "replica", state, received.path, ctx, skipped,
-                    f"replica from rank {sender}")
-
-    async with asyncio.TaskGroup() as group:
-        for to, sender in pairs.items():
-            if sender == rank:
-                group.create_task(send(to))
-        if rank in pairs:
-            group.create_task(receive(pairs[rank]))
-
-
-async def send_shard(channel: PeerChannel, dst: int, step: int, rank: int, shard: str,
-                     ctx: RestoreContext, *, tag: int) -> None:
-    """Stream the committed `shard` (rank `rank`'s of `step`, from this node's local tier)
-    to `dst`, file by file from its bytes on disk; a copy that cannot be read here is sent as
-    not committed (the receiver skips it)."""
-    sender = ShardSender(channel, [dst], tag=tag, step=step, rank=rank,
-                         turn=contextlib.nullcontext())
-    manifest: bytes | None = None
+    nodes = ctx.nodes
+    structure_of = nodes.rank if world in (None, nodes.world_size) else 0
+    catalog = None
     try:
-        files, raw = await shard_files(ctx.local, shard)
-        for name, nbytes in files.items():
-            await _send_file(sender, join(shard, name), name, nbytes, ctx)
-        manifest = raw
-    except (AsynctronError, OSError) as error:
-        if isinstance(error, PeerError):
-            raise
-        logger.warning("restore: rank %d's shard of step %d here (%s) could not be read: %s",
-                       rank, step, shard, error)
-    await sender.end(manifest)
-
-
-async def _send_file(sender: ShardSender, path: str, name: str, nbytes: int,
-                     ctx: RestoreContext) -> None:
-    run_blocking = ctx.resources.run_blocking
-    source = await run_blocking(ctx.local_files.open_file, path)
-    try:
-        if nbytes == 0:
-            await sender.send(name, 0, [])
-        offset = 0
-        while offset < nbytes:
-            buffer = await ctx.buffers.take()
-            try:
-                size = min(buffer.nbytes, nbytes - offset)
-                got = await run_blocking(source.pread_into, buffer[:size], offset)
-                if got != size:
-                    raise CorruptCheckpointError(
-                        f"file {path}: expected {nbytes} bytes, found {offset + got}; it is "
-                        "truncated", path=path, offset=offset + got)
-                await sender.send(name, nbytes, [Chunk(offset, size, buffer[:size])])
-            finally:
-                ctx.buffers.give(buffer)
-            offset += size
+        if world is not None:
+            mine = [rank for s, rank, w in held[nodes.node] if (s, w) == (step, world)]
+            catalog = await open_catalog(
+                ctx.local, ctx.local_root, mine, step=step, world_size=world,
+                max_files_at_once=ctx.resources.config.num_workers, skipped=skipped)
+            await _guard(me, _fill_local(me, target, catalog, structure_of, ctx, skipped))
+        needy = await _gather(ctx, me)
+        if world is not None and ctx.channel is not None:
+            servers = _servers(step, world, held, nodes)
+            attempt = 0
+            while any(needy) and attempt < len(servers[0]):
+                await _peer_round(me, catalog, needy, servers, attempt, structure_of, ctx,
+                                  skipped, tag=tag + attempt)
+                needy = await _gather(ctx, me)
+                attempt += 1
+        if any(needy) and step in await store.steps():
+            if me.needy:
+                await _guard(me, _fill_from_store(me, target, step, world, ctx, skipped))
+            needy = await _gather(ctx, me)
     finally:
-        await run_blocking(source.close)
+        if catalog is not None:
+            await catalog.aclose()
+    if any(needy):
+        missing = [rank for rank, need in enumerate(needy) if need]
+        if me.needy:
+            skip(skipped, f"step {step}: no tier verified keys {sorted(me.wants)[:6]}"
+                          + ("" if me.structure is not None else " nor the saved values")
+                          + " of this rank's state")
+        logger.warning("restore: step %d skipped: no tier verified the state of ranks %s "
+                       "whole; trying an older step", step, missing)
+        return None
+    return tuple(await ctx.agree.all_gather_object(me.source))
 
 
-async def _load(me: _Rank, source: Source, state: Mapping[str, Any], path: str,
-                ctx: RestoreContext, skipped: list[str], tier: str,
-                view: str | None = None) -> None:
-    """Load `state` from `path` (through the manifest `view`, if given), every digest
-    checked, and say so in `me`; a copy missing, damaged or unreachable is skipped with a
-    log line naming it and what was wrong."""
+async def _guard(me: _RankState, work: Any) -> None:
+    """Run `work`; an error no tier can fix is kept for the next gather to raise."""
     try:
-        me.loaded, me.source = await ctx.load_into(state, path, view), source
-    except _TIER_FAILURES as error:
-        _skip(skipped, f"{tier} {path}: {error}")
-    except Exception as error:  # no tier can help; every rank stops at the next gather
+        await work
+    except SHARD_FAILURES:
+        raise
+    except (ValueError, TypeError) as error:  # the state does not match the checkpoint
         me.fatal = error
 
 
-def _skip(skipped: list[str], what: str) -> None:
-    skipped.append(what)
-    logger.warning("restore: skipping %s", what)
+async def _fill_local(me: _RankState, target: FlatStateDict, catalog: NodeCatalog,
+                      structure_of: int, ctx: RestoreContext, skipped: list[str]) -> None:
+    """Fill every key the node's catalog covers whole; take the saved structure if there."""
+    me.structure = catalog.structures.get(structure_of)
+    if me.structure is not None and structure_of == ctx.nodes.rank:
+        unknown = sorted(set(me.wants) - saved_keys(me.structure))
+        if unknown:
+            raise ValueError(f"keys {unknown[:6]}: expected in the saved state of step "
+                             f"{catalog.step} (rank {structure_of}'s), found no such items; "
+                             "restore into the state that was saved")
+    covered = {key for key, want in me.wants.items()
+               if catalog.covering(key, want.origin, want.shape) is not None}
+    if not covered:
+        return
+    try:
+        values, failed = await _loader(catalog, catalog.manifest(), ctx).fill(target, covered)
+    except SHARD_FAILURES as error:
+        skip(skipped, f"local tier {catalog.path}: {describe(error)}")
+        return
+    for key, why in failed.items():
+        skip(skipped, f"local tier {catalog.path}: key {key!r}: {why}")
+    done = covered - set(failed)
+    me.values.update(values)
+    me.took("local", done, sum(record.nbytes for key in done
+                               for record in catalog.records(key)))
 
 
-async def _gather(ctx: RestoreContext, me: _Rank) -> list[Source | None]:
-    """Every rank's source so far; raise if any rank failed for a reason no tier can fix."""
+def _loader(reader: ItemReader, manifest: Manifest, ctx: RestoreContext) -> Loader:
+    resources = ctx.resources
+    return Loader(reader, manifest, pool=resources.pool, copy_streams=resources.copy_streams,
+                  run_blocking=resources.run_blocking, slab_bytes=resources.config.slab_bytes,
+                  verify=True, whole_chunks=True)
+
+
+def _servers(step: int, world: int, held: list[list[tuple[int, int, int]]],
+             nodes: Nodes) -> list[list[int]]:
+    """Per rank, the ranks it asks in turn: the same local rank of each other node that
+    holds a shard of the step, nearest (next) node first."""
+    holding = {node for node, shards in enumerate(held)
+               if any((s, w) == (step, world) for s, _, w in shards)}
+    servers = []
+    for rank in range(nodes.world_size):
+        node = nodes.node_of(rank)
+        order = [(node + j) % nodes.num_nodes for j in range(1, nodes.num_nodes)]
+        servers.append([other * nodes.ranks_per_node + rank % nodes.ranks_per_node
+                        for other in order if other in holding])
+    width = max(map(len, servers), default=0)
+    return [found + [-1] * (width - len(found)) for found in servers]
+
+
+async def _peer_round(me: _RankState, catalog: NodeCatalog | None, needy: list[bool],
+                      servers: list[list[int]], attempt: int, structure_of: int,
+                      ctx: RestoreContext, skipped: list[str], *, tag: int) -> None:
+    """Every needy rank asks its `attempt`-th server; every server answers its askers."""
+    rank, channel = ctx.nodes.rank, ctx.channel
+    assert channel is not None
+    clients = [client for client, need in enumerate(needy)
+               if need and servers[client][attempt] == rank]
+
+    async def ask(server: int) -> None:
+        wants = list(me.wants.values())
+        fetched = await fetch_items(channel, server, wants, tag=tag,
+                                    structure_of=None if me.structure is not None
+                                    else structure_of, buffers=ctx.buffers,
+                                    run_blocking=ctx.resources.run_blocking)
+        for key, why in fetched.failed.items():
+            skip(skipped, f"the copy on rank {server}'s node: key {key!r}: {why}")
+        if me.structure is None:
+            me.structure = fetched.structure
+        me.values.update(fetched.values)
+        me.took("replica", fetched.done, fetched.nbytes)
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            for client in clients:
+                group.create_task(serve_items(channel, client, catalog, tag=tag,
+                                              buffers=ctx.buffers))
+            server = servers[rank][attempt] if needy[rank] else -1
+            if server >= 0:
+                group.create_task(_guard(me, ask(server)))
+    except BaseExceptionGroup as error:
+        raise first_error(error) from None
+
+
+async def _fill_from_store(me: _RankState, target: FlatStateDict, step: int,
+                           world: int | None, ctx: RestoreContext, skipped: list[str]) -> None:
+    """Fill the keys still needed from the store's checkpoint of `step`; the saved values
+    from this rank's view there (rank 0's, if the saving world was another)."""
+    assert ctx.store is not None and ctx.store_root is not None
+    path = join(ctx.store_root, step_name(step))
+    try:
+        with store_operation("restore", path):
+            reader = await ctx.store.open_reader(
+                path, max_files_at_once=ctx.resources.config.num_workers)
+            try:
+                manifest = await reader.open()
+                if me.structure is None:
+                    me.structure = await _view_structure(reader, path, ctx.nodes)
+                keys = set(me.wants)
+                values, failed = await _loader(reader, manifest, ctx).fill(target, keys)
+            finally:
+                await reader.aclose()
+    except SHARD_FAILURES as error:
+        skip(skipped, f"store {path}: {describe(error)}")
+        return
+    for key, why in failed.items():
+        skip(skipped, f"store {path}: key {key!r}: {why}")
+    done = keys - set(failed)
+    me.values.update(values)
+    me.took("store", done, sum(record.nbytes for record in manifest.items
+                               if record.key in done))
+
+
+async def _view_structure(reader: Any, path: str, nodes: Nodes) -> Structure:
+    """This rank's saved structure, from its view in a drained step, if the step was saved by
+    a world of this size; else rank 0's (whose view says the saving world's size)."""
+    first = await _view(reader, path, 0)
+    assert first.shard is not None
+    if nodes.rank == 0 or first.shard.world_size != nodes.world_size:
+        return first.structure
+    return (await _view(reader, path, nodes.rank)).structure
+
+
+async def _view(reader: Any, path: str, rank: int) -> Manifest:
+    name = rank_view(rank)
+    view = parse_manifest(await reader.read_file(name, MAX_MANIFEST_BYTES), join(path, name))
+    if view.shard is None or view.shard.rank != rank:
+        raise CorruptCheckpointError(f"store {join(path, name)}: expected rank {rank}'s view "
+                                     "(a shard's manifest), found another manifest",
+                                     path=join(path, name))
+    return view
+
+
+async def _gather(ctx: RestoreContext, me: _RankState) -> list[bool]:
+    """Which ranks still need something; raise if any rank failed for a reason no tier can
+    fix."""
     found = await ctx.agree.all_gather_object(
-        (me.source, None if me.fatal is None else describe(me.fatal)))
+        (me.needy, None if me.fatal is None else describe(me.fatal)))
     if me.fatal is not None:
         raise me.fatal
     for rank, (_, fatal) in enumerate(found):
         if fatal is not None:
             raise PeerError(f"restore: rank {rank} failed: {fatal}", rank=rank)
-    return [source for source, _ in found]
-
-
-def _holder(step: int, rank: int, attempt: int, holders: dict[tuple[int, int], list[int]],
-            nodes: Nodes) -> int | None:
-    """The rank that streams `rank`'s shard of `step` on replica attempt `attempt`: the
-    same local rank on the attempt-th other node that holds it; None when none is left."""
-    others = [node for node in holders.get((step, rank), []) if node != nodes.node_of(rank)]
-    if attempt >= len(others):
-        return None
-    return others[attempt] * nodes.ranks_per_node + rank % nodes.ranks_per_node
+    return [need for need, _ in found]
 
 
 async def _forget_newer(step: int, ctx: RestoreContext) -> None:
-    """Remove this rank's shards (its own, and the replicas it holds) of steps after the one
-    restored: an earlier life's, incomplete or damaged; training saves them again."""
+    """On a node's first rank: remove the node's shards of steps after the one restored (an
+    earlier life's, incomplete or damaged; training saves them again)."""
     nodes = ctx.nodes
-    mine = {nodes.rank, *nodes.sources(nodes.rank, ctx.replicas)}
-    for found_step, rank in await _inventory(ctx):
-        if found_step > step and rank in mine:
+    if nodes.rank % nodes.ranks_per_node:
+        return
+    for found_step, rank, world in await _inventory(ctx):
+        if found_step > step:
             await ctx.local.remove_checkpoint(join(ctx.local_root,
-                                                   shard_name(found_step, rank)))
-
-
-def _nothing_left(inventories: list[list[tuple[int, int]]], nodes: Nodes, ctx: RestoreContext,
-                  store_steps: list[int] | None, skipped: list[str], step: int | None) -> str:
-    held = "; ".join(
-        f"node {node}: " + (", ".join(f"step {s} rank {r}" for s, r in
-                                      inventories[node * nodes.ranks_per_node]) or "nothing")
-        for node in range(nodes.num_nodes))
-    store = ("none configured" if ctx.store is None else
-             f"steps {store_steps}" if store_steps else "nothing (or it did not answer)")
-    wanted = "" if step is None else f" {step}"
-    why = f"; skipped: {' | '.join(skipped[-6:])}" if skipped else ""
-    return (f"restore: expected a step{wanted} complete for all {nodes.world_size} ranks on a "
-            f"tier that verifies, found none; local tiers held: {held}; the store held: "
-            f"{store}{why}")
+                                                   shard_name(found_step, rank, world)))

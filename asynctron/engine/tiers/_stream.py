@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -29,11 +29,12 @@ import torch
 from asynctron._concurrency import first_error
 from asynctron.comm import PeerChannel
 from asynctron.engine.tiers._layout import join, shard_name
+from asynctron.errors import CorruptCheckpointError
 from asynctron.storage import (
     MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
     CheckpointStorage,
     FileWriter,
+    Manifest,
     SaveArea,
     SaveStorage,
     WriteBatch,
@@ -43,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 
 class ShardSender:
-    """Sends one shard to `destinations` (ranks of `channel`'s group): a save's `Mirror`.
+    """Sends one shard's files (those `sends` names) to `destinations` (ranks of `channel`'s
+    group): a save's `Mirror`.
 
     The stream begins with its first message (so waiting for `turn`, one stream to a peer at
     a time, never delays the staging before it) and `end` ends it; a sender that is ended
@@ -54,14 +56,17 @@ class ShardSender:
     """
 
     def __init__(self, channel: PeerChannel, destinations: Sequence[int], *, tag: int,
-                 step: int, rank: int,
-                 turn: contextlib.AbstractAsyncContextManager[None]) -> None:
+                 step: int, rank: int, world_size: int,
+                 turn: contextlib.AbstractAsyncContextManager[None],
+                 sends: Callable[[str], bool]) -> None:
         self.destinations = list(destinations)
         self._channel = channel
         self._tag = tag
         self._step = step
         self._rank = rank
+        self._world_size = world_size
         self._turn = turn
+        self._sends = sends
         self._stack: contextlib.AsyncExitStack | None = None
         self._begun: asyncio.Lock = asyncio.Lock()
         self.failed: dict[int, BaseException] = {}
@@ -92,10 +97,14 @@ class ShardSender:
             stack = contextlib.AsyncExitStack()
             await stack.enter_async_context(self._turn)
             self._stack = stack
-            await self._to_all({"kind": "begin", "step": self._step, "rank": self._rank})
+            await self._to_all({"kind": "begin", "step": self._step, "rank": self._rank,
+                                "world_size": self._world_size})
 
     async def send(self, name: str, file_nbytes: int, batches: Sequence[WriteBatch]) -> None:
-        """`batches` of the file `name` to every destination, from where they lie."""
+        """`batches` of the file `name` to every destination, from where they lie (nothing,
+        for a file the stream does not carry)."""
+        if not self._sends(name):
+            return
         await self._begin()
         for batch in batches:
             buffers = list(batch.buffers())
@@ -161,19 +170,22 @@ class ReceiveBuffers:
         self._free.put_nowait(buffer)
 
 
-async def shard_files(storage: CheckpointStorage, shard: str) -> tuple[dict[str, int], bytes]:
-    """The committed `shard`'s data files (name -> size, checked against the disk) and its
-    manifest's bytes.
+async def open_shard(storage: CheckpointStorage, shard: str) -> Manifest:
+    """The committed `shard`'s manifest, its files' sizes checked against the disk.
 
     Raises:
-        CheckpointNotFoundError, CorruptCheckpointError: no such shard, or a damaged one.
+        CheckpointNotFoundError, CorruptCheckpointError: no such shard, or a damaged one (or
+            a checkpoint that is not a shard).
     """
     reader = await storage.open_reader(shard, max_files_at_once=1)
     try:
-        files = (await reader.open()).files
-        return files, await reader.read_file(MANIFEST_NAME, MAX_MANIFEST_BYTES)
+        manifest = await reader.open()
     finally:
         await reader.aclose()
+    if manifest.shard is None:
+        raise CorruptCheckpointError(f"shard {shard}: expected a shard's manifest (one rank's "
+                                     "part of a step), found a whole checkpoint's", path=shard)
+    return manifest
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,7 +215,7 @@ async def receive_shard(channel: PeerChannel, src: int, *, tag: int,
     if begin.get("kind") != "begin":
         raise ValueError(f"shard stream from rank {src}: expected 'begin', found {begin!r}")
     step, rank = int(begin["step"]), int(begin["rank"])
-    path = join(root, shard_name(step, rank))
+    path = join(root, shard_name(step, rank, int(begin["world_size"])))
     area = storage.area_of(path)
     writers: dict[str, FileWriter] = {}
     writes: dict[str, asyncio.Task[None]] = {}

@@ -51,7 +51,9 @@ class SaveArea:
     final_path: str
     """The checkpoint the save publishes."""
     location: str
-    """The area itself (a tmp dir beside `final_path` on a filesystem)."""
+    """The area itself (a tmp dir beside `final_path` on a filesystem, a claim object on a
+    store). Its name holds nothing of `final_path`'s: a scan that picks checkpoints by name
+    (torchtitan's newest `step-<digits>` folder) never takes an area for a checkpoint."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,11 +166,9 @@ class CheckpointReader(ItemReader, Protocol):
     requested_path: str
     manifest: Manifest | None
 
-    async def open(self, *, view: str | None = None) -> Manifest:
+    async def open(self) -> Manifest:
         """Find the checkpoint (following `latest`), read and validate its manifest against
-        its files (each present, with its recorded size). With `view`, read that file of the
-        checkpoint as its manifest instead (a tier's drained step: one rank's view of the
-        step's files).
+        its files (each present, with its recorded size).
 
         Raises:
             CheckpointNotFoundError: nothing committed at the path.
@@ -212,7 +212,8 @@ class SaveStorage(Protocol):
     def area_of(self, final_path: str, name: str | None = None) -> SaveArea:
         """The area of a save to `final_path`, named: every rank of a save that must find it
         without being told (DCP's) gets the same one for the same `name`. None names a fresh,
-        unique one. Makes nothing (see `start_save`)."""
+        unique one. Its location's name holds nothing of `final_path`'s (see `SaveArea`).
+        Makes nothing (see `start_save`)."""
         ...
 
     async def start_save(self, area: SaveArea) -> None:

@@ -34,26 +34,25 @@ def test_the_node_placeholder_names_each_nodes_tier(tmp_path: object) -> None:
     assert Tiers(local="/nvme/ckpt").local_root(3) == "/nvme/ckpt"
 
 
-def test_the_engine_refuses_a_non_tiers_setting_and_too_few_threads() -> None:
+def test_the_engine_refuses_a_non_tiers_setting() -> None:
     with pytest.raises(TypeError, match=r"tiers: expected asynctron\.Tiers or None, found dict"):
         EngineConfig(tiers={"local": "/x"})  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"num_workers: expected more than 2 x Tiers\.replicas "
-                                         r"\(4: .*found 4"):
-        EngineConfig(tiers=Tiers(local="/x", replicas=2), num_workers=4)
+    EngineConfig(tiers=Tiers(local="/x", replicas=2), num_workers=1)  # replicas need no thread
     with pytest.raises(ValueError, match=r"store_backend: expected with tiers that have a "
                                          r"store"):
         asynctron.Engine(store_backend=asynctron.storage.LocalBackend())
 
 
 def test_replicas_go_to_the_same_local_rank_on_the_next_nodes() -> None:
-    nodes = Nodes(rank=1, world_size=8, ranks_per_node=2)  # 4 nodes of 2
+    nodes = Nodes(rank=1, world_size=8, ranks_per_node=2, replicas=2)  # 4 nodes of 2
     assert (nodes.node, nodes.num_nodes) == (0, 4)
-    assert nodes.holders(1, 2) == [3, 5]
-    assert nodes.sources(1, 2) == [7, 5]
-    assert nodes.holders(7, 1) == [1]  # wraps around
+    assert nodes.holders(1) == [3, 5]
+    assert nodes.sources(1) == [7, 5]
+    assert Nodes(rank=7, world_size=8, ranks_per_node=2, replicas=1).holders(7) == [1]  # wraps
+    nodes = Nodes(rank=0, world_size=8, ranks_per_node=2, replicas=3)
     for rank in range(8):  # each rank keeps exactly the replicas whose holder it is
-        for holder in nodes.holders(rank, 3):
-            assert rank in nodes.sources(holder, 3)
+        for holder in nodes.holders(rank):
+            assert rank in nodes.sources(holder)
             assert nodes.node_of(holder) != nodes.node_of(rank)
 
 
@@ -61,9 +60,9 @@ def test_nodes_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.delenv("ASYNCTRON_RANKS_PER_NODE", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     tiers = Tiers(local="/x/{node}", replicas=1)
-    assert job_nodes(tiers, 5, 8) == Nodes(5, 8, 4)
+    assert job_nodes(tiers, 5, 8) == Nodes(5, 8, 4, replicas=1)
     monkeypatch.setenv("ASYNCTRON_RANKS_PER_NODE", "2")  # the override wins
-    assert job_nodes(tiers, 5, 8) == Nodes(5, 8, 2)
+    assert job_nodes(tiers, 5, 8) == Nodes(5, 8, 2, replicas=1)
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.delenv("ASYNCTRON_RANKS_PER_NODE")
     assert job_nodes(Tiers(local="/x", replicas=0), 5, 8).num_nodes == 1  # one node
@@ -72,8 +71,6 @@ def test_nodes_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
 @pytest.mark.parametrize(("env", "world", "tiers", "message"), [
     ("3", 8, Tiers(local="/x/{node}"), r"ranks per node: expected a divisor of the world size "
                                       r"8, found 3"),
-    ("4", 8, Tiers(local="/x/{node}", replicas=2), r"Tiers\.replicas: expected at most 1 \(the "
-                                                   r"other nodes of 2\), found 2"),
     ("2", 4, Tiers(local="/x", replicas=0), r"Tiers\.local: ASYNCTRON_RANKS_PER_NODE makes 2 "
                                            r"nodes on one machine, .*without \{node\}"),
     ("x", 4, Tiers(local="/x"), r"ASYNCTRON_RANKS_PER_NODE: expected an int >= 1 \(ranks per "
@@ -87,10 +84,21 @@ def test_a_world_the_tiers_cannot_serve_is_refused(monkeypatch: pytest.MonkeyPat
         job_nodes(tiers, 0, world)
 
 
+def test_a_job_of_fewer_nodes_keeps_the_replicas_it_can_and_says_so(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A job restarted on fewer nodes (or one process) with the same `Tiers` starts."""
+    monkeypatch.setenv("ASYNCTRON_RANKS_PER_NODE", "4")
+    assert job_nodes(Tiers(local="/x/{node}", replicas=2), 0, 8).replicas == 1
+    assert "Tiers.replicas=2, but the job has 2 nodes: keeping 1 replica" in caplog.text
+    monkeypatch.delenv("ASYNCTRON_RANKS_PER_NODE")
+    assert job_nodes(Tiers(local="/x"), 0, 1).replicas == 0
+
+
 def test_names_on_the_tiers_round_trip() -> None:
-    assert shard_name(100, 3) == "step_00000100.rank_00003"
-    assert parse_shard(shard_name(123456789012, 70000)) == (123456789012, 70000)
+    assert shard_name(100, 3, 4) == "step_00000100.rank_00003.of_00004"
+    assert parse_shard(shard_name(123456789012, 70000, 70001)) == (123456789012, 70000, 70001)
     assert parse_step(step_name(7)) == 7
-    for name in ("step_1", "step_1.rank_", "latest", ".step_1.rank_2.tmp-x", "step_-1.rank_0"):
+    for name in ("step_1", "step_1.rank_1", "latest", ".step_1.rank_2.of_3.tmp-x",
+                 "step_-1.rank_0.of_1", "step_00000001.rank_00004.of_00004"):
         assert parse_shard(name) is None
-    assert parse_step("step_00000001.rank_00000") is None
+    assert parse_step("step_00000001.rank_00000.of_00001") is None

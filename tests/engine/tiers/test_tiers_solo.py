@@ -5,8 +5,10 @@ nearest tier that verifies, and every misuse refused."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
+import shutil
 from typing import Any
 
 import pytest
@@ -21,6 +23,8 @@ from asynctron import (
     Tiers,
 )
 from asynctron.cli import verify_checkpoint
+from asynctron.storage import LocalBackend
+from asynctron.storage.backends.local import LocalCheckpoints
 from asynctron.testing import FaultyBackend
 from tests.conftest import assert_same
 
@@ -67,20 +71,21 @@ async def test_a_step_saved_to_the_local_tier_restores_bit_for_bit(tmp_path: Any
     tiers = _tiers(tmp_path)
     results = await _save_steps(tiers, range(1, 4))
     assert [r.step for r in results] == [1, 2, 3]
-    assert results[-1].path == f"{tmp_path}/local/step_00000003.rank_00000"
+    assert results[-1].path == f"{tmp_path}/local/step_00000003.rank_00000.of_00001"
     assert all(name.startswith("__0_") for name in results[-1].files)
     target = _empty()
     async with Engine(tiers=tiers, **SMALL) as engine:
         result = await engine.restore(target)
     _restored(result, target, 3)
     assert (result.source, result.sources, result.skipped) == ("local", ("local",), ())
-    assert_same(_state(3)["model"], (await _load(results[-1].path))["model"])  # ordinary
+    with pytest.raises(ValueError, match=r"rank 0's shard of a step saved to tiers .* restore"):
+        await _load(results[-1].path)  # a shard is not a checkpoint of its own
 
 
 async def test_the_local_tier_keeps_its_newest_complete_steps(tmp_path: Any) -> None:
     await _save_steps(_tiers(tmp_path, keep_local=2), range(1, 6))
     assert sorted(os.listdir(f"{tmp_path}/local")) == [
-        "step_00000004.rank_00000", "step_00000005.rank_00000"]
+        "step_00000004.rank_00000.of_00001", "step_00000005.rank_00000.of_00001"]
 
 
 async def test_a_failed_save_prunes_nothing_and_the_last_complete_step_restores(
@@ -91,7 +96,7 @@ async def test_a_failed_save_prunes_nothing_and_the_last_complete_step_restores(
     async with Engine(tiers=tiers, backend=failing, **SMALL) as engine:
         with pytest.raises(StorageError, match="ENOSPC"):
             await engine.save(_state(3), step=3)
-    assert sorted(os.listdir(f"{tmp_path}/local")) == ["step_00000002.rank_00000"]
+    assert sorted(os.listdir(f"{tmp_path}/local")) == ["step_00000002.rank_00000.of_00001"]
     target = _empty()
     async with Engine(tiers=tiers, **SMALL) as engine:
         _restored(await engine.restore(target), target, 2)
@@ -138,16 +143,59 @@ async def test_a_missing_or_damaged_local_shard_is_skipped_and_the_store_serves(
     if damage != "deleted":
         assert len(result.skipped) == 1 and shard in result.skipped[0]
         assert ("expected xxh3_64" if damage == "flipped" else "bytes") in result.skipped[0]
-        assert f"restore: skipping local tier {shard}" in caplog.text
+        assert "restore: skipping local tier" in caplog.text and shard in caplog.text
 
 
-async def test_nothing_anywhere_is_an_error_naming_what_each_tier_held(tmp_path: Any) -> None:
+async def test_a_first_start_is_its_own_outcome(tmp_path: Any) -> None:
+    """Nothing in any tier and a store that answered so: `step` None, the state untouched."""
     tiers = _tiers(tmp_path, store=f"{tmp_path}/store")
+    target = _state(0)
     async with Engine(tiers=tiers, **SMALL) as engine:
-        with pytest.raises(CheckpointNotFoundError, match=r"restore: expected a step complete "
-                                                          r"for all 1 ranks .*node 0: nothing; "
-                                                          r"the store held: nothing"):
+        result = await engine.restore(target)
+    assert (result.step, result.source, result.sources) == (None, None, (None,))
+    assert_same(_state(0)["model"], target["model"]) and result.state["step"] == 0
+
+
+async def test_steps_saved_but_none_whole_is_an_error_naming_what_each_tier_held(
+        tmp_path: Any) -> None:
+    tiers = _tiers(tmp_path, store=f"{tmp_path}/store", store_every=100)
+    results = await _save_steps(tiers, range(1, 2))
+    os.truncate(os.path.join(results[0].path, results[0].files[0]), 10)
+    async with Engine(tiers=tiers, **SMALL) as engine:
+        with pytest.raises(CheckpointNotFoundError, match=r"restore: expected a step that the "
+                                                          r"tiers hold whole for all 1 ranks, .*"
+                                                          r"node 0: step 1 rank 0/1; the store "
+                                                          r"held: nothing"):
             await engine.restore(_empty())
+
+
+class _UnlistableStore(LocalBackend):
+    """A store whose listing fails as an unreachable one's does (on an object store, the
+    same case runs against a stopped server: tests/objects)."""
+
+    def checkpoints(self, run_blocking: Any) -> LocalCheckpoints:
+        class Unlistable(LocalCheckpoints):
+            async def list_checkpoints(self, root: str) -> list[str]:
+                raise StorageError(f"listing {root} failed: ETIMEDOUT (injected)", path=root,
+                                   errno=errno.ETIMEDOUT)
+
+        return Unlistable(self.file_io, self._live, run_blocking)
+
+
+async def test_a_store_that_does_not_answer_is_never_taken_for_a_first_start(
+        tmp_path: Any) -> None:
+    """With the local tier gone and the store unlistable, restore raises a store error that
+    names the store, not `CheckpointNotFoundError` (which a trainer may take for a first
+    start)."""
+    tiers = _tiers(tmp_path, store=f"{tmp_path}/store")
+    await _save_steps(tiers, range(1, 3))
+    shutil.rmtree(f"{tmp_path}/local")
+    async with Engine(tiers=tiers, store_backend=_UnlistableStore(), **SMALL) as engine:
+        with pytest.raises(StorageError, match=r"restore: expected the store .*store to "
+                                               r"answer, found .*ETIMEDOUT.*not a first "
+                                               r"start") as raised:
+            await engine.restore(_empty())
+    assert not isinstance(raised.value, CheckpointNotFoundError)
 
 
 async def test_a_state_that_does_not_match_fails_the_restore_not_a_tier(tmp_path: Any) -> None:
@@ -166,7 +214,8 @@ async def test_a_step_restored_is_saved_again_and_newer_ones_are_forgotten(
     async with Engine(tiers=tiers, **SMALL) as engine:
         _restored(await engine.restore(target, step=2), target, 2)
         assert sorted(os.listdir(f"{tmp_path}/local")) == [
-            "step_00000001.rank_00000", "step_00000002.rank_00000"]  # 3, 4: another life's
+            "step_00000001.rank_00000.of_00001",
+            "step_00000002.rank_00000.of_00001"]  # 3, 4: another life's
         await engine.save(_state(2), step=2)  # the restored step again: replaced
         await engine.save(_state(3), step=3)
     async with Engine(tiers=tiers, **SMALL) as engine:
@@ -188,9 +237,8 @@ async def test_misuse_is_refused_at_the_call(tmp_path: Any) -> None:
             engine.save({}, step=1, format="dcp")
         with pytest.raises(ValueError, match=r"step: expected an int >= 0, found -1"):
             engine.save({}, step=-1)
-    with pytest.raises(ValueError, match=r"Tiers\.replicas: expected at most 0 .* found 1"):
-        async with Engine(tiers=Tiers(local=f"{tmp_path}/l", replicas=1)):
-            pass
+    async with Engine(tiers=Tiers(local=f"{tmp_path}/l", replicas=1)) as engine:
+        await engine.save(_state(1), step=1)  # one node: no replicas (a warning says so)
 
 
 async def test_closing_the_engine_waits_for_the_drain(tmp_path: Any) -> None:
@@ -221,7 +269,7 @@ async def test_a_cancelled_save_leaves_the_previous_step(tmp_path: Any) -> None:
         gate.release()
         with pytest.raises(asyncio.CancelledError):
             await task
-    assert os.listdir(f"{tmp_path}/local") == ["step_00000001.rank_00000"]
+    assert os.listdir(f"{tmp_path}/local") == ["step_00000001.rank_00000.of_00001"]
     target = _empty()
     async with Engine(tiers=tiers, **SMALL) as engine:
         _restored(await engine.restore(target), target, 1)

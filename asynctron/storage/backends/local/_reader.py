@@ -34,7 +34,6 @@ from asynctron.storage._read_plan import (
     ReadJob,
     check_files,
     check_no_overlap,
-    check_view_name,
     plan_reads,
 )
 from asynctron.storage.backends.local import _sysio
@@ -43,12 +42,12 @@ from asynctron.storage.backends.local._publish import is_dcp_checkpoint, resolve
 from asynctron.storage.backends.local._sysio import FileIO
 
 
-def read_manifest(checkpoint: str, view: str | None = None) -> Manifest:
+def read_manifest(checkpoint: str) -> Manifest:
     """Blocks: read, parse and validate `checkpoint/manifest.json` (or, for a stock DCP
-    checkpoint, its `.metadata`; or the manifest file `view`); check that every file has its
-    recorded size and that no two items of a file overlap."""
-    manifest_path = os.path.join(checkpoint, MANIFEST_NAME if view is None else view)
-    if view is None and not _sysio.is_file(manifest_path) and is_dcp_checkpoint(checkpoint):
+    checkpoint, its `.metadata`); check that every file has its recorded size and that no two
+    items of a file overlap."""
+    manifest_path = os.path.join(checkpoint, MANIFEST_NAME)
+    if not _sysio.is_file(manifest_path) and is_dcp_checkpoint(checkpoint):
         manifest = read_dcp_manifest(checkpoint)
         check_no_overlap(manifest, os.path.join(checkpoint, METADATA_NAME))
         return manifest
@@ -103,17 +102,15 @@ class LocalCheckpointReader(CheckpointReaderBase):
         self._fds: dict[str, int] = {}
         self._maps: dict[str, mmap.mmap] = {}
 
-    async def open(self, *, view: str | None = None) -> Manifest:
-        """Find the checkpoint (following `latest`), read and validate its manifest (or the
-        manifest file `view`).
+    async def open(self) -> Manifest:
+        """Find the checkpoint (following `latest`), read and validate its manifest.
 
         Raises:
             CheckpointNotFoundError: nothing committed at the path.
             CorruptCheckpointError: a bad manifest, or a file of the wrong size.
         """
-        check_view_name(view, self.requested_path)
         self.path = await self._run_blocking(resolve_checkpoint, self.requested_path)
-        self.manifest = await self._run_blocking(read_manifest, self.path, view)
+        self.manifest = await self._run_blocking(read_manifest, self.path)
         return self.manifest
 
     async def fd(self, name: str) -> int:

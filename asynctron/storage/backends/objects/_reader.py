@@ -35,7 +35,6 @@ from asynctron.storage._read_plan import (
     ReadJob,
     check_files,
     check_no_overlap,
-    check_view_name,
     plan_reads,
 )
 from asynctron.storage.backends.objects._client import ObjectClient
@@ -62,15 +61,13 @@ class ObjectReader(CheckpointReaderBase):
         """Ranges read only to be hashed (verification) in flight at once: each holds a
         scratch buffer of up to `RANGE_BYTES`."""
 
-    async def open(self, *, view: str | None = None) -> Manifest:
-        """Find the checkpoint (following `latest`), read and check its manifest (or the
-        manifest object `view` in it).
+    async def open(self) -> Manifest:
+        """Find the checkpoint (following `latest`), read and check its manifest.
 
         Raises:
             CheckpointNotFoundError: nothing committed at the URL.
             CorruptCheckpointError: a bad manifest, or an object missing or of another size.
         """
-        check_view_name(view, self.requested_path)
         url = self._parse(self.requested_path)
         named = await self._latest_name(url)
         if named is not None:
@@ -93,13 +90,9 @@ class ObjectReader(CheckpointReaderBase):
                 "have committed, or the URL is wrong", path=str(url))
         self.path = str(url)
         self._sizes = sizes
-        if view is not None or MANIFEST_NAME in sizes:
-            name = MANIFEST_NAME if view is None else view
-            manifest_path = self.path_of(name)
-            if name not in sizes:
-                raise CheckpointNotFoundError(f"checkpoint {self.path}: expected its manifest "
-                                              f"{name}, found none", path=manifest_path)
-            raw = await self._get_small(name, MAX_MANIFEST_BYTES)
+        if MANIFEST_NAME in sizes:
+            manifest_path = self.path_of(MANIFEST_NAME)
+            raw = await self._get_small(MANIFEST_NAME, MAX_MANIFEST_BYTES)
             manifest = await self._run_blocking(parse_manifest, raw, manifest_path)
             check_files(manifest, sizes.get, self.path_of)
         else:

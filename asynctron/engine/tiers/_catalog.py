@@ -1,0 +1,194 @@
+"""`NodeCatalog`: one step's shards in a node's tier, open as one checkpoint.
+
+A node's tier holds, for a step, the shards its ranks wrote and the replicas they keep. Each
+is a part of the step (`storage.ShardInfo`): together they hold one copy of every item the
+node's ranks need (the placement wrote each once per node), and the replicas the items of
+other nodes that no other node has. The catalog lists their items as one collection (an item
+in two shards once), reads each through its own shard's reader, and answers, for a box of a
+tensor a rank wants, which chunks cover it, or that it holds no whole copy of it.
+
+A shard that is missing, damaged or not a shard is left out (said in `skipped`): what it held
+then comes from another tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from asynctron.engine._coordinator import describe
+from asynctron.engine.tiers._layout import join, shard_name
+from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from asynctron.storage import (
+    CheckpointReader,
+    CheckpointStorage,
+    ChunkIndex,
+    ItemHasher,
+    ItemRecord,
+    Manifest,
+    Overlap,
+    ReadJob,
+    Structure,
+)
+
+logger = logging.getLogger(__name__)
+
+SHARD_FAILURES = (CorruptCheckpointError, CheckpointNotFoundError, StorageError,
+                  FileNotFoundError)
+"""What makes a shard (or a copy of an item) unusable here: the next tier serves instead."""
+
+
+class NodeCatalog:
+    """The items of step `step` (saved by `world_size` ranks) in one node's tier, read
+    through their shards' readers (an `ItemReader`); made by `open_catalog`; `aclose` when
+    done."""
+
+    def __init__(self, step: int, world_size: int, root: str) -> None:
+        self.step = step
+        self.world_size = world_size
+        self.path = f"{root} (step {step})"
+        self.structures: dict[int, Structure] = {}
+        """The saved structure of each rank whose shard (or replica) is here, by rank."""
+        self._readers: list[CheckpointReader] = []
+        self._reader_of: dict[str, CheckpointReader] = {}
+        """Each file's shard reader, by file name (a file name is its writer's: unique)."""
+        self._records: dict[str, list[ItemRecord]] = {}
+        self._seen: set[tuple[str, tuple[int, ...] | None]] = set()
+        self._indexes: dict[str, ChunkIndex] = {}
+        self._checksummed = True
+
+    def add(self, reader: CheckpointReader, manifest: Manifest, rank: int) -> None:
+        """Take the open shard of `rank` (its reader, now the catalog's to close)."""
+        self._readers.append(reader)
+        self.structures[rank] = manifest.structure
+        self._checksummed = self._checksummed and manifest.checksum is not None
+        for name in manifest.files:
+            self._reader_of.setdefault(name, reader)
+        for record in manifest.items:
+            identity = (record.key, record.chunk_offsets)
+            if self._reader_of[record.file] is reader and identity not in self._seen:
+                self._seen.add(identity)
+                self._records.setdefault(record.key, []).append(record)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(record.nbytes for records in self._records.values() for record in records)
+
+    def records(self, key: str) -> list[ItemRecord]:
+        return self._records.get(key, [])
+
+    def covering(self, key: str, origin: Sequence[int], shape: Sequence[int]
+                 ) -> list[Overlap] | None:
+        """The chunks of `key` that overlap the box at `origin` of `shape`, if together they
+        cover it whole; else None. (Bytes and 0-dim items: their one record.)"""
+        records = self._records.get(key)
+        if not records:
+            return None
+        first = records[0]
+        if first.global_shape is None or not first.global_shape:
+            return [Overlap(first, (), ())]
+        index = self._indexes.get(key)
+        if index is None:
+            index = self._indexes[key] = ChunkIndex(records)
+        overlaps = index.overlapping(origin, shape)
+        covered = sum(math.prod(h - low for low, h in zip(overlap.lo, overlap.hi, strict=True))
+                      for overlap in overlaps)
+        return overlaps if covered == math.prod(shape) else None
+
+    def manifest(self) -> Manifest:
+        """The catalog's items as a manifest (for a loader): no structure, no files."""
+        return Manifest(structure={"dict": []}, files={}, created_unix_s=0.0,
+                        checksum="xxh3_64" if self._checksummed else None,
+                        items=tuple(record for records in self._records.values()
+                                    for record in records))
+
+    # -- ItemReader -------------------------------------------------------------------------
+
+    @property
+    def verifiable(self) -> bool:
+        return self._checksummed and bool(self._readers)
+
+    def file_path(self, record: ItemRecord) -> str:
+        return self._reader_of[record.file].file_path(record)
+
+    async def read(self, jobs: Sequence[ReadJob], *, verify: bool, slab_bytes: int,
+                   progress: Callable[[int], None] | None = None
+                   ) -> list[CorruptCheckpointError]:
+        by_reader: dict[int, list[ReadJob]] = {}
+        for job in jobs:
+            by_reader.setdefault(id(self._reader_of[job.record.file]), []).append(job)
+        errors: list[CorruptCheckpointError] = []
+        for reader_jobs in by_reader.values():
+            reader = self._reader_of[reader_jobs[0].record.file]
+            errors += await reader.read(reader_jobs, verify=verify, slab_bytes=slab_bytes,
+                                        progress=progress)
+        return errors
+
+    async def read_range(self, record: ItemRecord, start: int, destination: memoryview,
+                         hasher: ItemHasher | None) -> None:
+        await self._reader_of[record.file].read_range(record, start, destination, hasher)
+
+    def digest_error(self, record: ItemRecord, found: str) -> CorruptCheckpointError | None:
+        return self._reader_of[record.file].digest_error(record, found)
+
+    async def map(self, record: ItemRecord) -> memoryview:
+        return await self._reader_of[record.file].map(record)
+
+    async def check_mapped(self, record: ItemRecord, view: memoryview) -> None:
+        await self._reader_of[record.file].check_mapped(record, view)
+
+    async def aclose(self) -> None:
+        for reader in self._readers:
+            await reader.aclose()
+        self._readers.clear()
+
+    def __repr__(self) -> str:
+        return (f"<NodeCatalog {self.path}: {len(self._readers)} shards, "
+                f"{sum(map(len, self._records.values()))} chunks>")
+
+
+async def open_catalog(storage: CheckpointStorage, root: str, ranks: Sequence[int], *,
+                       step: int, world_size: int, max_files_at_once: int,
+                       skipped: list[str]) -> NodeCatalog:
+    """The catalog of the shards of `ranks` (of `step`, saved by `world_size` ranks) in the
+    tier `root`; each one that cannot be opened is logged, added to `skipped` and left out."""
+    catalog = NodeCatalog(step, world_size, root)
+    for rank in ranks:
+        path = join(root, shard_name(step, rank, world_size))
+        reader = await storage.open_reader(path, max_files_at_once=max_files_at_once)
+        try:
+            manifest = await reader.open()
+            if manifest.shard is None or manifest.shard.rank != rank:
+                found = ("a whole checkpoint" if manifest.shard is None
+                         else f"rank {manifest.shard.rank}'s")
+                raise CorruptCheckpointError(f"shard {path}: expected rank {rank}'s shard, "
+                                             f"found {found}", path=path)
+        except SHARD_FAILURES as error:
+            await reader.aclose()
+            skip(skipped, f"local tier {path}: {describe(error)}")
+            continue
+        catalog.add(reader, manifest, rank)
+    return catalog
+
+
+def skip(skipped: list[str], what: str) -> None:
+    """Note a copy not used, and why (logged too)."""
+    skipped.append(what)
+    logger.warning("restore: skipping %s", what)
+
+
+def saved_keys(structure: Structure) -> set[str]:
+    """The item keys a saved structure names."""
+    keys: set[str] = set()
+    stack: list[Any] = [structure]
+    while stack:
+        (tag, body), = stack.pop().items()
+        if tag == "item":
+            keys.add(body)
+        elif tag == "dict":
+            stack.extend(node for _, node in body)
+        elif tag in ("list", "tuple"):
+            stack.extend(body)
+    return keys
