@@ -32,7 +32,9 @@ import io
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
@@ -46,7 +48,9 @@ from asynctron.storage import (
     ItemRecord,
     Manifest,
     ReadJob,
+    dcp_values,
     decode_blob,
+    saved_value,
     tensor_of,
 )
 
@@ -57,11 +61,14 @@ RecordKey = tuple[str, tuple[int, ...] | None]
 @dataclass(frozen=True, slots=True)
 class OpenCheckpoint:
     """A checkpoint ready to read: its reader (leased, until `read` closes it), its validated
-    manifest, its items by (key, chunk offsets)."""
+    manifest, its items by (key, chunk offsets) (a bytes or ndarray item by (key, None): a
+    bytes entry to DCP), its structure's JSON values by key (an asynctron-format checkpoint's:
+    DCP's planner loads them as bytes entries)."""
 
     reader: CheckpointReader
     manifest: Manifest
     records: Mapping[RecordKey, ItemRecord]
+    values: Mapping[str, Any]
 
     @property
     def path(self) -> str:
@@ -69,8 +76,9 @@ class OpenCheckpoint:
 
     @classmethod
     def of(cls, reader: CheckpointReader, manifest: Manifest) -> OpenCheckpoint:
-        return cls(reader, manifest, {(record.key, record.chunk_offsets): record
-                                      for record in manifest.items})
+        return cls(reader, manifest, {(record.key, record.chunk_offsets if record.kind == "tensor"
+                                       else None): record for record in manifest.items},
+                   dcp_values(manifest.structure))
 
 
 #: The most temporary bytes (blobs, chunks read apart) one wave holds, below
@@ -119,7 +127,9 @@ async def read(runtime: Runtime, checkpoint: OpenCheckpoint, plan: LoadPlan,
     run_blocking = runtime.run_blocking
     reader = checkpoint.reader
     try:
-        reads = await run_blocking(_plan, checkpoint, plan, planner)
+        reads, values = await run_blocking(_plan, checkpoint, plan, planner)
+        if values:
+            await run_blocking(_load_values, values, planner)
         filled = [read_ for read_ in reads if read_.through_slabs]
         if filled:
             filler = SlabFiller(reader, pool=runtime.pool, copy_streams=runtime.copy_streams,
@@ -189,14 +199,20 @@ def _allocate(wave: Sequence[_Read]) -> list[list[ReadJob]]:
     return [jobs]
 
 
-def _plan(checkpoint: OpenCheckpoint, plan: LoadPlan, planner: LoadPlanner) -> list[_Read]:
-    """Blocks: each read item's stored item, target and read (its buffer not allocated)."""
+def _plan(checkpoint: OpenCheckpoint, plan: LoadPlan, planner: LoadPlanner
+          ) -> tuple[list[_Read], list[tuple[ReadItem, Any]]]:
+    """Blocks: each read item's stored item, target and read (its buffer not allocated); and
+    the read items that are the structure's JSON values, with their values."""
     reads: list[_Read] = []
+    values: list[tuple[ReadItem, Any]] = []
     for item in plan.items:
         index = item.storage_index
         key = index.fqn
         offsets = None if index.offset is None else tuple(index.offset)
         record = checkpoint.records.get((key, offsets))
+        if record is None and item.type == LoadItemType.BYTE_IO and key in checkpoint.values:
+            values.append((item, checkpoint.values[key]))
+            continue
         if record is None:
             where = "" if offsets is None else f" chunk at {list(offsets)}"
             raise CorruptCheckpointError(
@@ -211,7 +227,13 @@ def _plan(checkpoint: OpenCheckpoint, plan: LoadPlan, planner: LoadPlanner) -> l
             continue
         target = _target(planner, item, record, checkpoint.path)
         reads.append(_raw_read(item, record, target))
-    return reads
+    return reads, values
+
+
+def _load_values(values: Sequence[tuple[ReadItem, Any]], planner: LoadPlanner) -> None:
+    """Blocks: hand DCP's planner each JSON value as the `torch.save`d bytes it loads."""
+    for item, value in values:
+        planner.load_bytes(item, io.BytesIO(saved_value(value)))
 
 
 def _target(planner: LoadPlanner, item: ReadItem, record: ItemRecord, path: str
@@ -266,6 +288,10 @@ def _finish(reads: Sequence[_Read], planner: LoadPlanner,
     """Blocks: decode blobs, place chunks read apart, hand every item to the planner."""
     for read in reads:
         record, item = read.record, read.item
+        if read.blob and record.encoding == "raw":  # asynctron's bytes or ndarray item
+            assert read.buffer is not None
+            planner.load_bytes(item, io.BytesIO(saved_value(_raw_value(record, read.buffer))))
+            continue
         if read.blob:
             assert read.buffer is not None
             file = file_path(record)
@@ -283,3 +309,12 @@ def _finish(reads: Sequence[_Read], planner: LoadPlanner,
         if source is not None:
             read.target.copy_(source)
         planner.commit_tensor(item, read.target)
+
+
+def _raw_value(record: ItemRecord, buffer: torch.Tensor) -> Any:
+    """The value of a raw bytes or ndarray item read into `buffer`."""
+    if record.kind == "bytes":
+        return bytes(tensor_bytes(buffer))
+    assert record.dtype is not None and record.shape is not None
+    return np.frombuffer(tensor_bytes(buffer), dtype=np.dtype(record.dtype)).reshape(
+        record.shape).copy()

@@ -32,6 +32,7 @@ from asynctron.storage import (
     METADATA_NAME,
     Backend,
     MetadataUnpickler,
+    metadata_of,
     paused_gc,
 )
 
@@ -48,8 +49,9 @@ class StorageReader(dcp_storage.StorageReader):
 
     Reads DCP checkpoints: those stock `FileSystemWriter` writes, and those
     `asynctron.dcp.StorageWriter` and `Engine.save(format="dcp")` write (whose items it verifies
-    against their digests). Stock planners plan, so DTensor targets and resharding work as with
-    stock DCP.
+    against their digests); and checkpoints in asynctron's own format (`Engine.save`, a drained
+    step of the tiers), whose DCP metadata it makes from their manifest. Stock planners plan, so
+    DTensor targets and resharding work as with stock DCP.
 
     Args:
         path: the checkpoint directory (or a directory whose `latest` names one);
@@ -106,7 +108,7 @@ class StorageReader(dcp_storage.StorageReader):
             CheckpointNotFoundError: nothing committed at the path.
             CorruptCheckpointError: a damaged or hostile `.metadata` or manifest (a foreign
                 global, an item outside its file, a missing data file), naming file and field.
-            ValueError: the checkpoint is in asynctron's format, without DCP's metadata.
+            ValueError: the path holds one rank's shard of a step saved to tiers.
 
         On torch older than 2.12, whose `dcp.load` drops this error and fails on "metadata is
         None", the error is also logged at WARNING, so the reason and the path reach the user.
@@ -181,15 +183,18 @@ async def _open(runtime: Runtime, backend: Backend, path: str
         path, max_files_at_once=runtime.config.num_workers)
     try:
         manifest = await reader.open()
+        if manifest.shard is not None:
+            raise ValueError(f"checkpoint {reader.path}: expected a whole checkpoint, found rank "
+                             f"{manifest.shard.rank}'s shard of a step saved to tiers; load the "
+                             "store's checkpoint of that step")
         try:
             raw = await reader.read_file(METADATA_NAME, MAX_METADATA_BYTES)
         except StorageError as error:
             if error.errno != errno.ENOENT:
                 raise
-            raise ValueError(f"checkpoint {reader.path}: expected DCP's {METADATA_NAME}, "
-                             "found an asynctron checkpoint without one; load it with "
-                             "asynctron.load, or save with format='dcp'") from None
-        metadata = await run_blocking(_unpickle, raw, reader.path_of(METADATA_NAME))
+            metadata = await run_blocking(metadata_of, manifest)  # asynctron's own format
+        else:
+            metadata = await run_blocking(_unpickle, raw, reader.path_of(METADATA_NAME))
     except BaseException:
         await reader.aclose()
         raise

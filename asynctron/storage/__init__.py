@@ -56,8 +56,11 @@ from asynctron.storage._dcp import METADATA_NAME as METADATA_NAME
 from asynctron.storage._dcp import MetadataUnpickler as MetadataUnpickler
 from asynctron.storage._dcp import check_object_blob as check_object_blob
 from asynctron.storage._dcp import dcp_structure as dcp_structure
+from asynctron.storage._dcp import dcp_values as dcp_values
 from asynctron.storage._dcp import decode_blob as decode_blob
 from asynctron.storage._dcp import metadata_bytes as metadata_bytes
+from asynctron.storage._dcp import metadata_of as metadata_of
+from asynctron.storage._dcp import saved_value as saved_value
 from asynctron.storage._dcp import tensor_of as tensor_of
 from asynctron.storage._dcp import torch_save_frame as torch_save_frame
 from asynctron.storage._dtypes import NUMPY_DTYPES as NUMPY_DTYPES

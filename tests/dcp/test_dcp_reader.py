@@ -106,11 +106,22 @@ def test_a_missing_checkpoint_is_named(tmp_path: Any,
         assert logged == []
 
 
-def test_an_asynctron_format_checkpoint_is_refused_with_the_fix(tmp_path: Any) -> None:
-    asynctron.save({"w": torch.ones(2)}, f"{tmp_path}/native")
-    with pytest.raises(ValueError, match=r"expected DCP's \.metadata, found an asynctron "
-                                         r"checkpoint without one; load it with asynctron"):
-        StorageReader(f"{tmp_path}/native").read_metadata()
+def test_stock_dcp_load_reads_an_asynctron_format_checkpoint(tmp_path: Any) -> None:
+    """Its DCP metadata is made from its manifest: tensors (a chunked one too), bytes, an
+    ndarray and the structure's JSON values come back as `dcp.load` of a DCP save would."""
+    big = torch.arange(1 << 22, dtype=torch.float32).reshape(1 << 12, 1 << 10)
+    saved = {"model": {"w": torch.ones(2), "big": big}, "blob": b"\x00\xffbytes",
+             "array": np.arange(6, dtype=np.int16).reshape(2, 3),
+             "meta": {"step": 7, "name": "run", "betas": [0.9, 0.99]}}
+    asynctron.save(saved, f"{tmp_path}/native", num_bins=4)
+    target = {"model": {"w": torch.zeros(2), "big": torch.zeros_like(big)}, "blob": b"",
+              "array": np.zeros((2, 3), dtype=np.int16),
+              "meta": {"step": 0, "name": "", "betas": [0.0, 0.0]}}
+    dcp.load(target, storage_reader=StorageReader(f"{tmp_path}/native"))
+    assert torch.equal(target["model"]["w"], saved["model"]["w"])
+    assert torch.equal(target["model"]["big"], big)
+    assert target["blob"] == saved["blob"] and np.array_equal(target["array"], saved["array"])
+    assert target["meta"] == saved["meta"]
 
 
 @pytest.mark.parametrize(("content", "message"), [

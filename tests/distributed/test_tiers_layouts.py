@@ -12,10 +12,14 @@ import shutil
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 import uvloop
 
+import asynctron
 from asynctron import Engine, Tiers
 from asynctron._launch import run_local_ranks
+from asynctron.cli import verify_checkpoint
 from asynctron.storage import MANIFEST_NAME, parse_manifest
 from asynctron.testing._layouts import LAYOUTS, Job, build, full_digests, full_nbytes
 
@@ -154,3 +158,16 @@ def test_every_layout_restores_bit_for_bit_from_every_tier_and_elastically(
         shutil.rmtree(f"{root}/{layout}/node1", ignore_errors=True)
     found = _ranks(restore_and_resume, 4, root, 2, False)
     _check(found, STEPS + 2, ("store",) * 4, two)
+
+    # the drained step is an ordinary checkpoint: one process loads it whole, stock
+    # `dcp.load` reads it through the plugin, `asynctron verify` checks every item
+    for layout in LAYOUTS:
+        store = f"{root}/{layout}/store"
+        whole = asynctron.load(store)
+        into = torch.utils._pytree.tree_map(
+            lambda v: torch.zeros_like(v) if isinstance(v, torch.Tensor) else v, whole)
+        dcp.load(into, storage_reader=asynctron.dcp.StorageReader(store))
+        assert full_digests(into) == full_digests(whole), layout
+        assert whole["step"] == into["step"] == STEPS + 2
+        path, _, failures = uvloop.run(verify_checkpoint(store))
+        assert failures == [] and path.endswith("step_00000006"), (layout, failures)

@@ -1,7 +1,9 @@
 """Tiers with an S3 store (a real SeaweedFS behind a TCP proxy the test turns off and on), two
 real ranks as two nodes: saves go on while the store is down and its drains say they failed,
 the next drain once it is back catches up, a node lost with the store down is restored from
-replicas, two nodes lost from the store; the drained step is an ordinary checkpoint."""
+replicas, two nodes lost from the store; with both nodes lost and the store down, restore
+raises a store error within the store's deadline (never "nothing saved"); the drained step
+is an ordinary checkpoint."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -106,8 +109,14 @@ def restore_through(rank: int, world: int, root: str, store: str, endpoint: str)
     async def main() -> Any:
         async with Engine(tiers=tiers_of(root, store=store), store_backend=backend,
                           **SMALL) as engine:
-            target = empty()
-            result = await engine.restore(target)
+            target = empty(rank)
+            started = time.monotonic()
+            try:
+                result = await engine.restore(target)
+            except Exception as error:
+                return {"error": type(error).__name__, "message": str(error),
+                        "not found": isinstance(error, asynctron.CheckpointNotFoundError),
+                        "seconds": time.monotonic() - started}
             return {"step": result.step, "sources": result.sources,
                     "exact": exact(rank, result.step, target, result.state)}
 
@@ -137,8 +146,13 @@ def test_a_store_down_stops_no_save_and_no_restore_from_replicas(
     assert all(f["step"] == 3 and f["exact"] for f in found), found
     assert found[0]["sources"] == ("local", "replica")
 
+    # both nodes lost, the store down: not a first start, a store error within its deadline
     shutil.rmtree(f"{root}/node0")
-    shutil.rmtree(f"{root}/node1")
+    found = restore()
+    assert all(f.get("error") == "StorageError" and not f["not found"] for f in found), found
+    assert "not a first start" in found[0]["message"] and s3_root in found[0]["message"]
+    assert all(f["seconds"] < 60 for f in found), found  # a guard against a hang, not timing
+
     proxy.pass_through()
     found = restore()
     assert all(f["step"] == 3 and f["exact"] for f in found), found
