@@ -291,9 +291,12 @@ class Engine:
         if tiers.keep_store is not None:
             retention = Retention(job=self.config.job or "asynctron-tiers",
                                   engine=secrets.token_hex(8), keep_last=tiers.keep_store)
-        return TierManager(tiers, nodes, resources=self._resources, local=local, store=store,
-                           planning=planning, agree=agree, drains=drains, channel=channel,
-                           plan_cache=self.plan_cache, store_retention=retention)
+        manager = TierManager(tiers, nodes, resources=self._resources, local=local,
+                              store=store, planning=planning, agree=agree, drains=drains,
+                              channel=channel, plan_cache=self.plan_cache,
+                              store_retention=retention)
+        await manager.start()
+        return manager
 
     async def _collectives(self) -> tuple[Collectives, Collectives, Collectives]:
         """The save protocol's two groups (planning, finishing) and the collective loads':

@@ -151,32 +151,33 @@ class NodeCatalog:
 
 async def open_catalog(storage: CheckpointStorage, root: str, ranks: Sequence[int], *,
                        step: int, world_size: int, max_files_at_once: int,
-                       skipped: list[str]) -> NodeCatalog:
+                       skipped: list[str], rank: int) -> NodeCatalog:
     """The catalog of the shards of `ranks` (of `step`, saved by `world_size` ranks) in the
-    tier `root`; each one that cannot be opened is logged, added to `skipped` and left out."""
+    tier `root`; each one that cannot be opened is logged (by rank `rank`), added to
+    `skipped` and left out."""
     catalog = NodeCatalog(step, world_size, root)
-    for rank in ranks:
-        path = join(root, shard_name(step, rank, world_size))
+    for owner in ranks:
+        path = join(root, shard_name(step, owner, world_size))
         reader = await storage.open_reader(path, max_files_at_once=max_files_at_once)
         try:
             manifest = await reader.open()
-            if manifest.shard is None or manifest.shard.rank != rank:
+            if manifest.shard is None or manifest.shard.rank != owner:
                 found = ("a whole checkpoint" if manifest.shard is None
                          else f"rank {manifest.shard.rank}'s")
-                raise CorruptCheckpointError(f"shard {path}: expected rank {rank}'s shard, "
+                raise CorruptCheckpointError(f"shard {path}: expected rank {owner}'s shard, "
                                              f"found {found}", path=path)
         except SHARD_FAILURES as error:
             await reader.aclose()
-            skip(skipped, f"local tier {path}: {describe(error)}")
+            skip(skipped, rank, f"local tier {path}: {describe(error)}")
             continue
-        catalog.add(reader, manifest, rank)
+        catalog.add(reader, manifest, owner)
     return catalog
 
 
-def skip(skipped: list[str], what: str) -> None:
-    """Note a copy not used, and why (logged too)."""
+def skip(skipped: list[str], rank: int, what: str) -> None:
+    """Note a copy rank `rank` did not use, and why (logged too)."""
     skipped.append(what)
-    logger.warning("restore: skipping %s", what)
+    logger.warning("restore: rank %d: skipping %s", rank, what)
 
 
 def saved_keys(structure: Structure) -> set[str]:

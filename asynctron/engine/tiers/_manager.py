@@ -47,13 +47,15 @@ from asynctron.engine.tiers._stream import (
     ShardSender,
     receive_shard,
 )
-from asynctron.errors import PeerError
+from asynctron.errors import PeerError, StorageError
 from asynctron.storage import MANIFEST_NAME, Backend, Committer, Retention, parse_manifest
 
 logger = logging.getLogger(__name__)
 
 _TAGS = 1 << 20
 """Save streams' tags cycle through this many (restore streams use tags above)."""
+_PROBE = ".asynctron-probe"
+"""The checkpoint name whose save area `start` makes and discards in each local tier."""
 
 
 class TierManager:
@@ -122,6 +124,32 @@ class TierManager:
     def shard_path(self, step: int) -> str:
         """This rank's shard of `step` in its node's local tier."""
         return join(self.local_root, shard_name(step, self.nodes.rank, self.nodes.world_size))
+
+    async def start(self) -> None:
+        """Check, on every rank at once, that each node's local tier takes a save (made, and
+        written to: a read-only or missing disk is found now, not at the first save).
+
+        Raises:
+            StorageError: this rank's local tier cannot be written (naming it); `PeerError`
+                naming the rank whose cannot, on the others.
+        """
+        probe = self.local.area_of(join(self.local_root, _PROBE))
+        error: Exception | None = None
+        try:
+            await self.local.start_save(probe)
+            await self.local.discard(probe)
+        except Exception as failure:  # every rank must reach the all-gather
+            error = failure
+        found = await self._agree.all_gather_object(None if error is None else describe(error))
+        if error is not None:
+            raise StorageError(f"Tiers.local {self.local_root}: expected a directory this node "
+                               f"can write its checkpoints in, found {describe(error)}; "
+                               "checked when the engine starts", path=self.local_root,
+                               errno=getattr(error, "errno", None)) from error
+        failed = next((rank for rank, what in enumerate(found) if what is not None), None)
+        if failed is not None:
+            raise PeerError(f"rank {failed}'s local tier cannot be written: {found[failed]}",
+                            rank=failed)
 
     # -- save -----------------------------------------------------------------------------
 
@@ -238,8 +266,8 @@ class TierManager:
         try:
             await sender.end(manifest)
         except PeerError as error:  # a holder gone: it reports itself at the agreement
-            logger.warning("step's replica stream to %s broke: %s", sorted(sender.failed),
-                           error)
+            logger.warning("rank %d: a replica stream to %s broke: %s", self.nodes.rank,
+                           sorted(sender.failed), error)
 
     async def _after(self, step: int, reports: list[dict[str, Any]]) -> None:
         """Once every rank reported: prune and drain if the step is complete (on every rank
@@ -252,9 +280,9 @@ class TierManager:
                                            or self._drain_failed):
             return
         if any(report["draining"] for report in reports):
-            logger.info("drain of step %d to %s deferred: an earlier drain is still running; "
-                        "the newest complete step is drained once it ends", step,
-                        self.store_root)
+            logger.info("rank %d: drain of step %d to %s deferred: an earlier drain is still "
+                        "running; the newest complete step is drained once it ends",
+                        self.nodes.rank, step, self.store_root)
             self._due = step
             return
         self._drain = asyncio.ensure_future(self._run_drains(step))
@@ -275,12 +303,14 @@ class TierManager:
                                              resources=self._resources,
                                              retention=self._store_retention)
                 self._drain_failed = False
-                logger.info("step %d drained to %s%s", step, self.store_root,
+                logger.info("rank %d: step %d drained to %s%s", self.nodes.rank, step,
+                            self.store_root,
                             f"; pruned {list(committed.pruned)}" if committed.pruned else "")
             except Exception as error:
                 self._drain_failed = True
-                logger.warning("drain of step %d to %s failed (the next complete step is "
-                               "drained instead): %s", step, self.store_root, describe(error))
+                logger.warning("rank %d: drain of step %d to %s failed (the next complete step "
+                               "is drained instead): %s", self.nodes.rank, step,
+                               self.store_root, describe(error))
             finally:
                 self._draining = None
             due = self._due if self._due is not None and self._due > step else None

@@ -164,8 +164,8 @@ async def restore(state: Mapping[str, Any], ctx: RestoreContext, *,
         if outcome is not None:
             await _forget_newer(candidate, ctx)
             sources = outcome
-            logger.info("restored step %d: rank %d from %s (ranks: %s)", candidate,
-                        nodes.rank, sources[nodes.rank], ", ".join(map(str, sources)))
+            logger.info("restore: rank %d: restored step %d from %s (ranks: %s)", nodes.rank,
+                        candidate, sources[nodes.rank], ", ".join(map(str, sources)))
             items = {key: target.original(key) for key in target.values}
             items.update(rank_state.values)
             assert rank_state.structure is not None
@@ -182,7 +182,7 @@ async def restore(state: Mapping[str, Any], ctx: RestoreContext, *,
             "was saved is unknown: this is not a first start; restore again once the store "
             "answers", path=ctx.store_root or "", errno=None)
     if not any(held) and not store.found:
-        logger.info("restore: no tier holds a step: a first start")
+        logger.info("restore: rank %d: no tier holds a step: a first start", nodes.rank)
         return RestoreResult(step=None, source=None, sources=(None,) * nodes.world_size,
                              state=dict(state), nbytes={}, skipped=tuple(skipped),
                              restore_s=time.perf_counter() - started)
@@ -326,7 +326,8 @@ async def _try_step(me: _RankState, target: FlatStateDict, step: int, world: int
             mine = [rank for s, rank, w in held[nodes.node] if (s, w) == (step, world)]
             catalog = await open_catalog(
                 ctx.local, ctx.local_root, mine, step=step, world_size=world,
-                max_files_at_once=ctx.resources.config.num_workers, skipped=skipped)
+                max_files_at_once=ctx.resources.config.num_workers, skipped=skipped,
+                rank=nodes.rank)
             await _guard(me, _fill_local(me, target, catalog, structure_of, ctx, skipped))
         needy = await _gather(ctx, me)
         if world is not None and ctx.channel is not None:
@@ -347,11 +348,11 @@ async def _try_step(me: _RankState, target: FlatStateDict, step: int, world: int
     if any(needy):
         missing = [rank for rank, need in enumerate(needy) if need]
         if me.needy:
-            skip(skipped, f"step {step}: no tier verified keys {sorted(me.wants)[:6]}"
-                          + ("" if me.structure is not None else " nor the saved values")
-                          + " of this rank's state")
-        logger.warning("restore: step %d skipped: no tier verified the state of ranks %s "
-                       "whole; trying an older step", step, missing)
+            values = "" if me.structure is not None else " nor the saved values"
+            skip(skipped, nodes.rank, f"step {step}: no tier verified keys "
+                                      f"{sorted(me.wants)[:6]}{values} of this rank's state")
+        logger.warning("restore: rank %d: step %d skipped: no tier verified the state of ranks "
+                       "%s whole; trying an older step", nodes.rank, step, missing)
         return None
     return tuple(await ctx.agree.all_gather_object(me.source))
 
@@ -383,10 +384,10 @@ async def _fill_local(me: _RankState, target: FlatStateDict, catalog: NodeCatalo
     try:
         values, failed = await _loader(catalog, catalog.manifest(), ctx).fill(target, covered)
     except SHARD_FAILURES as error:
-        skip(skipped, f"local tier {catalog.path}: {describe(error)}")
+        skip(skipped, ctx.nodes.rank, f"local tier {catalog.path}: {describe(error)}")
         return
     for key, why in failed.items():
-        skip(skipped, f"local tier {catalog.path}: key {key!r}: {why}")
+        skip(skipped, ctx.nodes.rank, f"local tier {catalog.path}: key {key!r}: {why}")
     done = covered - set(failed)
     me.values.update(values)
     me.took("local", done, sum(record.nbytes for key in done
@@ -432,7 +433,7 @@ async def _peer_round(me: _RankState, catalog: NodeCatalog | None, needy: list[b
                                     else structure_of, buffers=ctx.buffers,
                                     run_blocking=ctx.resources.run_blocking)
         for key, why in fetched.failed.items():
-            skip(skipped, f"the copy on rank {server}'s node: key {key!r}: {why}")
+            skip(skipped, ctx.nodes.rank, f"the copy on rank {server}'s node: key {key!r}: {why}")
         if me.structure is None:
             me.structure = fetched.structure
         me.values.update(fetched.values)
@@ -469,10 +470,10 @@ async def _fill_from_store(me: _RankState, target: FlatStateDict, step: int,
             finally:
                 await reader.aclose()
     except SHARD_FAILURES as error:
-        skip(skipped, f"store {path}: {describe(error)}")
+        skip(skipped, ctx.nodes.rank, f"store {path}: {describe(error)}")
         return
     for key, why in failed.items():
-        skip(skipped, f"store {path}: key {key!r}: {why}")
+        skip(skipped, ctx.nodes.rank, f"store {path}: key {key!r}: {why}")
     done = keys - set(failed)
     me.values.update(values)
     me.took("store", done, sum(record.nbytes for record in manifest.items

@@ -143,7 +143,7 @@ async def test_a_missing_or_damaged_local_shard_is_skipped_and_the_store_serves(
     if damage != "deleted":
         assert len(result.skipped) == 1 and shard in result.skipped[0]
         assert ("expected xxh3_64" if damage == "flipped" else "bytes") in result.skipped[0]
-        assert "restore: skipping local tier" in caplog.text and shard in caplog.text
+        assert "restore: rank 0: skipping local tier" in caplog.text and shard in caplog.text
 
 
 async def test_a_first_start_is_its_own_outcome(tmp_path: Any) -> None:
@@ -239,6 +239,12 @@ async def test_misuse_is_refused_at_the_call(tmp_path: Any) -> None:
             engine.save({}, step=-1)
     async with Engine(tiers=Tiers(local=f"{tmp_path}/l", replicas=1)) as engine:
         await engine.save(_state(1), step=1)  # one node: no replicas (a warning says so)
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(StorageError, match=r"Tiers\.local .*a-file/tier: expected a directory "
+                                           r"this node can write .* checked when the engine "
+                                           r"starts"):
+        async with Engine(tiers=Tiers(local=f"{tmp_path}/a-file/tier")):
+            pass  # found at the start, not at the first save
 
 
 async def test_closing_the_engine_waits_for_the_drain(tmp_path: Any) -> None:
