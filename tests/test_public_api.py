@@ -66,7 +66,9 @@ def test_subpackages() -> None:
         "preprocess",
     }
     assert set(asynctron.testing.__all__) == {"FaultyBackend", "Gate", "GatedObjectClient",
-                                              "LoopWatchdog", "LoopWatchdogReport"}
+                                              "LoopWatchdog", "LoopWatchdogReport",
+                                              "ShapingProxy", "ShapingStatistics",
+                                              "StoreProfile"}
     assert set(asynctron.dcp.__all__) == {"AsyncStager", "StorageReader", "StorageWriter"}
 
 

@@ -39,7 +39,10 @@ asynctron, which count them). Ratios: asynctron over raw and over the fastest pe
 
 Run: `asynctron bench s3` (`python -m asynctron.bench.s3`; ~15 min at the defaults on a 2-core
 VM whose local server takes ~0.05-0.08 GB/s); `--size-gib 3` for the large state, `--nproc 2`
-for two ranks (gloo), `--quick` for a smoke run (one round, no warm-up round).
+for two ranks (gloo), `--quick` for a smoke run (one round, no warm-up round),
+`--store-profile s3-node` to reach the server as one node reaches a remote store (a
+`ShapingProxy` between every method and the server: bandwidth, first-byte latency; see
+`asynctron.testing.store_profile`; buckets are made and removed around it).
 Results: printed, and written as JSON (`--out`; default ./asynctron-bench/).
 """
 
@@ -48,6 +51,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import importlib
 import io
@@ -56,6 +60,7 @@ import resource
 import shutil
 import statistics
 import time
+import urllib.parse
 import warnings
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -799,6 +804,11 @@ def report(result: dict[str, Any]) -> None:
             cost = throttle["ratios"]["throttled_over_budget_4"]
             print(f"throttled / budget 4, no throttle: save {cost['save']:.2f}x, "
                   f"load {cost['load']:.2f}x")
+    if "store_profile" in result:
+        shaped = result["store_profile"]
+        print(f"store profile {shaped['profile']}: {shaped['num_requests']} requests "
+              f"({shaped['num_slowdowns']} answered 503 by the proxy), "
+              f"{shaped['up_bytes'] / 1e9:.2f} GB up, {shaped['down_bytes'] / 1e9:.2f} GB down")
     for name, reason in result["skipped"].items():
         print(f"not run: {name}: {reason}")
 
@@ -842,8 +852,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--throttle-gib", type=float, default=0.5,
                         help="state size of the throttled scenario (one process; 0: skip it)")
     parser.add_argument("--quick", action="store_true", help="tiny state, one round (smoke)")
+    parser.add_argument("--store-profile", default=None,
+                        help="reach the server through a ShapingProxy with this StoreProfile: "
+                             "a preset (s3-node, s3-express-node, gcs-node, loopback) and/or "
+                             "key=value overrides; default: no proxy")
     parser.add_argument("--out", default=None, help=_results.OUT_HELP)
     args = parser.parse_args(argv)
+    from asynctron.testing import ShapingProxy, StoreProfile
+
+    try:
+        profile = None if args.store_profile is None else StoreProfile.parse(args.store_profile)
+    except ValueError as error:
+        parser.error(f"--store-profile: {error}")
     if args.quick:
         args.size_gib, args.repeats, args.part_mib = min(args.size_gib, 0.008), 1, 5
         args.throttle_gib = min(args.throttle_gib, 0.008)
@@ -867,8 +887,13 @@ def main(argv: list[str] | None = None) -> int:
     saved_env = dict(os.environ)
     try:
         server = SeaweedFS.start(os.path.join(base, "seaweedfs"))
+        proxy = None
         try:
             os.environ.update(server.environment())  # the spawned ranks inherit it
+            if profile is not None:  # the methods' endpoint; `Buckets` keeps the server's
+                address = urllib.parse.urlsplit(server.endpoint)
+                proxy = ShapingProxy.start(address.hostname or "", address.port or 0, profile)
+                os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint
             rounds = run_rounds(server, methods, args, size_gib=args.size_gib)
             throttled = None
             if args.throttle_gib > 0 and OURS in methods:
@@ -876,6 +901,8 @@ def main(argv: list[str] | None = None) -> int:
                                        argparse.Namespace(**{**vars(args), "nproc": 1}),
                                        size_gib=args.throttle_gib)
         finally:
+            if proxy is not None:
+                proxy.stop()
             server.stop()
     except (FileNotFoundError, RuntimeError) as error:  # no `weed`; a failed start or run
         print(f"asynctron bench s3: {error}", flush=True)
@@ -889,6 +916,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {"nbytes": nbytes, "world_size": args.nproc,
               "num_tensors": first_rank[0]["num_tensors"], **summarize(rounds),
               "skipped": skipped}
+    if proxy is not None:
+        result["store_profile"] = {"profile": str(proxy.profile),
+                                   **dataclasses.asdict(proxy.statistics())}
     if throttled is not None:
         throttled_bytes = next(iter(throttled.values()))[0]["ranks"][0]["nbytes"]
         result["throttle"] = {"nbytes": throttled_bytes, "limit": THROTTLE_LIMIT,
@@ -896,7 +926,8 @@ def main(argv: list[str] | None = None) -> int:
     report(result)
     result["meta"] = _results.run_meta(started, args, versions=_results.versions(_DISTRIBUTIONS),
                                        warmed_guest_memory_bytes=warmed,
-                                       server="SeaweedFS `weed mini` on 127.0.0.1")
+                                       server="SeaweedFS `weed mini` on 127.0.0.1",
+                                       store_profile=args.store_profile)
     _results.write_results("s3", result, out=args.out)
     return 0
 

@@ -5,7 +5,9 @@ writes, and slow or failing fsyncs, and holds an operation at an exact point unt
 releases it (`hold`), so crash and cancellation tests need neither monkeypatching nor sleeps
 timed against injected delays; `GatedObjectClient` holds an object store's calls the same
 way. `LoopWatchdog` measures how late the event loop runs a periodic heartbeat: the worst
-delay is the longest the loop was blocked.
+delay is the longest the loop was blocked. `ShapingProxy` puts a `StoreProfile` (one node's
+bandwidth to a remote store, its first-byte latency, its limit of requests in flight) between
+a client and a test store on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -21,12 +23,23 @@ from dataclasses import dataclass
 from typing import Literal
 
 from asynctron._concurrency import RunBlocking
-from asynctron.storage import Committed, LocalBackend, LocalFileIO, Retention, SaveArea
+from asynctron.storage import (
+    Checksums,
+    Committed,
+    LocalBackend,
+    LocalFileIO,
+    Retention,
+    SaveArea,
+)
 from asynctron.storage.backends.local import LocalCheckpoints
+from asynctron.storage.backends.local._writer import BinWriter
 from asynctron.testing._gate import Gate
 from asynctron.testing._gated_objects import GatedObjectClient
+from asynctron.testing.shaping_proxy import ShapingProxy, ShapingStatistics
+from asynctron.testing.store_profile import StoreProfile
 
-__all__ = ["FaultyBackend", "Gate", "GatedObjectClient", "LoopWatchdog", "LoopWatchdogReport"]
+__all__ = ["FaultyBackend", "Gate", "GatedObjectClient", "LoopWatchdog", "LoopWatchdogReport",
+           "ShapingProxy", "ShapingStatistics", "StoreProfile"]
 
 HoldPoint = Literal["open", "write", "fsync", "read", "start_save", "commit"]
 """Where `FaultyBackend.hold` stops an operation: a data file's creation (`open`), a write,
@@ -66,12 +79,15 @@ class FaultyBackend(LocalBackend):
         self._gates: list[tuple[HoldPoint, str, Gate]] = []
         self._paths: dict[int, str] = {}
         """Each data file open for writing, by descriptor."""
+        self._areas: dict[str, str] = {}
+        """The checkpoint path of each save's area a writer was opened in, by location."""
 
     def hold(self, point: HoldPoint, *, where: str = "") -> Gate:
         """Hold the next operation at `point` on a path containing `where` (a file's for file
         operations, the checkpoint's for `start_save` and `commit`) at its start, until the
         returned gate is released: `gate = backend.hold("fsync"); ...; await gate.reached();
-        ...; gate.release()`."""
+        ...; gate.release()`. A file in a save's area also goes by the path it will have in
+        the checkpoint (`<checkpoint>/<file>`): an area's own name says nothing of it."""
         gate = Gate(point)
         with self._lock:
             self._gates.append((point, where, gate))
@@ -79,8 +95,11 @@ class FaultyBackend(LocalBackend):
 
     def _gate(self, point: HoldPoint, path: str) -> Gate | None:
         with self._lock:
+            area, _, name = path.rpartition("/")
+            final = self._areas.get(area)
+            committed = path if final is None else f"{final}/{name}"
             for held in self._gates:
-                if held[0] == point and held[1] in path:
+                if held[0] == point and (held[1] in path or held[1] in committed):
                     self._gates.remove(held)
                     return held[2]
         return None
@@ -106,6 +125,13 @@ class _FaultyCheckpoints(LocalCheckpoints):
         if gate is not None:
             await gate._pass()
         await super().start_save(area)
+
+    def open_writer(self, area: SaveArea, name: str, nbytes: int, *, direct_io: bool,
+                    checksums: Checksums | None) -> BinWriter:
+        with self._backend._lock:
+            self._backend._areas[area.location] = area.final_path
+        return super().open_writer(area, name, nbytes, direct_io=direct_io,
+                                   checksums=checksums)
 
     async def commit(self, area: SaveArea, files: Callable[[], Mapping[str, bytes]], *,
                      retention: Retention | None, seq: int, move_latest: bool) -> Committed:

@@ -64,3 +64,34 @@ def test_quick_run_round_trips_every_method_and_writes_a_complete_report(
         assert "throttled / budget 4, no throttle: save" in printed
     else:
         assert f"not run: {s3.OURS}" in printed
+
+
+def test_a_bad_store_profile_is_refused_before_anything_starts(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        s3.main(["--quick", "--store-profile", "s3-node,first_byte=soon"])
+    assert exit_info.value.code == 2
+    assert ("--store-profile: store profile first_byte: expected a duration such as 100ms"
+            in capsys.readouterr().err)
+
+
+@pytest.mark.slow
+def test_a_store_profile_puts_a_shaping_proxy_between_the_methods_and_the_server(
+        tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every method's requests go through the proxy (its counters see the state's bytes both
+    ways); the report names the profile."""
+    try:
+        weed_binary()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    out = f"{tmp_path}/s3.json"
+    assert s3.main(["--quick", "--dir", str(tmp_path), "--out", out, "--only", s3.RAW,
+                    "--throttle-gib", "0", "--store-profile", "s3-node,first_byte=5ms"]) == 0
+    with open(out) as f:
+        results = json.load(f)
+    shaped = results["store_profile"]
+    assert shaped["profile"].endswith("first_byte=5ms,max_in_flight=none")
+    assert shaped["up_bytes"] >= results["nbytes"] and shaped["down_bytes"] >= results["nbytes"]
+    assert shaped["num_requests"] > 0 and shaped["num_slowdowns"] == 0
+    assert results["meta"]["store_profile"] == "s3-node,first_byte=5ms"
+    assert "store profile bandwidth=352MB/s" in capsys.readouterr().out
