@@ -14,7 +14,7 @@ results; each rank's data files are already durable by then):
 A crash before the publish leaves only the area, which no reader takes for a checkpoint and
 the next commit beside it (or the next save to that path) removes.
 
-The area is named after the checkpoint path alone (`area_of`), which is unique per save:
+The area is named from the checkpoint path alone (`area_of`), which is unique per save:
 every rank finds it without being told, so no plan carries per-save state (DCP's plan caching
 hands a later save the plans of the first).
 """
@@ -46,7 +46,9 @@ from asynctron.storage import (
     encode_manifest,
 )
 
-#: The name of a DCP save's area: on a filesystem the tmp dir `.<name>.tmp-dcp`.
+#: The name of a DCP save's area. With the checkpoint's name it names the area, the same on
+#: every rank: on a filesystem the tmp dir `.asynctron.tmp-<digest of both>`, which holds
+#: nothing of the checkpoint's name (a scan for `step-<digits>` folders never takes it for one).
 AREA_NAME = "dcp"
 
 

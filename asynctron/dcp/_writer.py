@@ -4,9 +4,9 @@ DCP drives a save in steps (`dcp.save`): every rank sets the writer up and plans
 coordinator plans globally; every rank writes (`write_data`); the coordinator, given every
 rank's results, finishes. This writer maps them onto asynctron's save:
 - `prepare_global_plan` (coordinator): makes the save's area (a tmp dir beside the checkpoint
-  path), named after the path (`_commit.area_of`), so every rank finds it without a plan saying
-  so (DCP's plan caching reuses the first save's plans); a plan says only which rank's files to
-  write;
+  path), named from the path alone (`_commit.area_of`), so every rank finds it without a plan
+  saying so (DCP's plan caching reuses the first save's plans); a plan says only which rank's
+  files to write;
 - `write_data` (every rank): asynctron's per-bin writers on the runtime's loop (`_write_job`);
   returns a future at once;
 - `finish` (coordinator): `.metadata` and `manifest.json` written into the area last, the area

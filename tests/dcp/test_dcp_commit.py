@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import gc
 import os
+import pathlib
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -22,6 +23,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 
 from asynctron.dcp import StorageReader, StorageWriter
+from asynctron.dcp._commit import area_of
+from asynctron.storage import LocalBackend
 from asynctron.testing import FaultyBackend
 from tests.conftest import assert_same, interrupted_once_reached
 
@@ -122,7 +125,7 @@ def test_a_writer_freed_inside_a_runtime_call_does_not_deadlock(
 
 
 def test_a_dead_saves_tmp_dir_is_replaced_a_live_ones_refused(tmp_path: Any) -> None:
-    stale = tmp_path / ".ck.tmp-dcp"
+    stale = pathlib.Path(_area(f"{tmp_path}/ck"))
     stale.mkdir()
     (stale / "__0_0.distcp").write_bytes(b"half")
     dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(f"{tmp_path}/ck"))
@@ -134,9 +137,14 @@ def test_a_dead_saves_tmp_dir_is_replaced_a_live_ones_refused(tmp_path: Any) -> 
     live.prepare_global_plan([SavePlan([])])
     with pytest.raises(CheckpointException, match="another save to this path is in progress"):
         dcp.save({"w": torch.ones(3)}, storage_writer=StorageWriter(f"{tmp_path}/d"))
-    assert leftovers(tmp_path) == [".d.tmp-dcp"]
+    assert leftovers(tmp_path) == [os.path.basename(_area(f"{tmp_path}/d"))]
     live.close()
     assert sorted(os.listdir(tmp_path)) == ["ck"]
+
+
+def _area(path: str) -> str:
+    """Where a DCP save to `path` makes its tmp dir (every rank finds it from the path)."""
+    return area_of(LocalBackend().checkpoints(asyncio.to_thread), path).location
 
 
 def _load(path: str) -> dict[str, Any]:

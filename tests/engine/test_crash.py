@@ -64,7 +64,7 @@ def test_sigkill_mid_save_keeps_previous_checkpoint(tmp_path: object, phase: str
     expected = _state(1)
     assert loaded["step"] == 1 and torch.equal(loaded["w"], expected["w"])
     assert not os.path.exists(f"{root}/step_2")
-    leftovers = [name for name in os.listdir(root) if name.startswith(".step_2.tmp-")]
+    leftovers = [name for name in os.listdir(root) if name.startswith(".asynctron.tmp-")]
     assert len(leftovers) == 1
     with pytest.raises(CheckpointNotFoundError):
         resolve_checkpoint(f"{root}/{leftovers[0]}")

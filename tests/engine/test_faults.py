@@ -122,7 +122,7 @@ def test_the_kernel_refusing_a_write_keeps_the_previous_checkpoint(tmp_path: obj
     done = subprocess.run([sys.executable, "-c", REAL_LIMIT_CHILD, root], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert f"raised: {errno.EFBIG} writing '{root}/.step_2.tmp-" in done.stdout
+    assert f"raised: {errno.EFBIG} writing '{root}/.asynctron.tmp-" in done.stdout
     assert "failed: EFBIG (File too large); check the storage and retry" in done.stdout
     assert _leftovers(root) == [] and not os.path.exists(f"{root}/step_2")
     assert sorted(os.listdir(root)) == ["latest", "step_1", "step_3"]

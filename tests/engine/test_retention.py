@@ -131,7 +131,10 @@ async def test_hostile_ledger_lines_are_ignored_never_followed(
 
 async def test_a_commit_removes_dead_saves_debris_never_a_live_saves_tmp_dir(
         shm_path: str) -> None:
-    os.makedirs(f"{shm_path}/.step_0.tmp-host-1-dead")  # a killed save's: nobody holds it
+    # Killed saves' tmp dirs, which nobody holds (the second as earlier versions named it):
+    dead = [".asynctron.tmp-0dead", ".step_0.tmp-host-1-dead"]
+    for name in dead:
+        os.makedirs(f"{shm_path}/{name}")
     with open(f"{shm_path}/latest.tmp-1-dead", "w"):
         pass
     backend = FaultyBackend()
@@ -141,7 +144,8 @@ async def test_a_commit_removes_dead_saves_debris_never_a_live_saves_tmp_dir(
         await held.reached()  # its tmp dir is live, its file being made durable
         await fast.save({"w": torch.ones(10)}, f"{shm_path}/fast")
         hidden = [name for name in os.listdir(shm_path) if name.startswith(".")]
-        assert len(hidden) == 1 and hidden[0].startswith(".slow.tmp-")  # the live one stays
+        assert len(hidden) == 1 and hidden[0] not in dead  # the live one stays
+        assert hidden[0].startswith(".asynctron.tmp-")
         held.release()
         await in_flight
     assert sorted(os.listdir(shm_path)) == ["fast", "latest", "slow"]

@@ -46,7 +46,7 @@ def _gated(store: Store) -> tuple[GatedObjectClient, ObjectStoreBackend]:
 
 
 SAVE_POINTS: list[tuple[ObjectGatePoint, str]] = [
-    ("put", ".step_1.tmp-"),           # start: the claim is about to be written
+    ("put", ".asynctron.tmp-"),        # start: the claim is about to be written
     ("upload_part", "step_1/"),        # write: a part is about to go up
     ("complete_upload", "step_1/"),    # write: a file is about to be whole
 ]

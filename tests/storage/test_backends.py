@@ -132,12 +132,20 @@ def test_a_registered_scheme_is_served_by_its_factory() -> None:
 
 
 def test_a_named_area_is_the_same_on_every_rank_a_fresh_one_unique() -> None:
+    """Named areas (DCP's, a tier drain's) are the same for the same checkpoint and name,
+    distinct otherwise; fresh ones are unique; none holds the checkpoint's name (each is
+    `.asynctron.tmp-<hex>`)."""
     backend = LocalBackend().checkpoints(asyncio.to_thread)
-    named = backend.area_of("/r/step_1", "dcp")
-    assert named == LocalBackend().checkpoints(asyncio.to_thread).area_of("/r/step_1", "dcp")
-    assert named.location == "/r/.step_1.tmp-dcp"
-    fresh = {backend.area_of("/r/step_1").location for _ in range(3)}
-    assert len(fresh) == 3 and all(f.startswith("/r/.step_1.tmp-") for f in fresh)
+    named = backend.area_of("/r/step-4", "dcp")
+    assert named == LocalBackend().checkpoints(asyncio.to_thread).area_of("/r/step-4", "dcp")
+    others = {backend.area_of("/r/step-5", "dcp").location,
+              backend.area_of("/r/step-4", "drain-4").location}
+    fresh = {backend.area_of("/r/step-4").location for _ in range(3)}
+    locations = {named.location, *others, *fresh}
+    assert len(locations) == 6
+    for location in locations:
+        parent, name = os.path.split(location)
+        assert parent == "/r" and re.fullmatch(r"\.asynctron\.tmp-[0-9a-f]{16}", name), name
 
 
 async def test_a_discarded_area_is_removed_and_an_unknown_one_left(tmp_path: object) -> None:
@@ -151,7 +159,7 @@ async def test_a_discarded_area_is_removed_and_an_unknown_one_left(tmp_path: obj
         assert os.path.isdir(mine.location)
         await backend.checkpoints(asyncio.to_thread).discard(mine)  # another binding's
         assert not os.path.exists(mine.location)
-        theirs = SaveArea(f"{tmp_path}/theirs", f"{tmp_path}/.theirs.tmp-other")
+        theirs = SaveArea(f"{tmp_path}/theirs", f"{tmp_path}/.asynctron.tmp-other")
         os.mkdir(theirs.location)
         await checkpoints.discard(theirs)
         assert os.path.isdir(theirs.location)

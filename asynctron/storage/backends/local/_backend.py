@@ -1,12 +1,12 @@
 """`LocalBackend`: checkpoints and datasets on a local (POSIX) filesystem.
 
-A save's area is a tmp dir beside its checkpoint, `.<name>.tmp-<host>-<pid>-<token>`, held
-under a shared `flock` while the save is live; `commit` is ONE executor call that seals it
-(manifest written and fsynced, the directory fsynced), records it in the root's ledger,
-renames it into place, moves `latest`, prunes and claims the debris of dead saves, all under
-the root's exclusive lock (`_publish`, `_retention`). Data files are written with
-pwritev/preadv on the caller's executor, O_DIRECT where the filesystem takes it (`_writer`,
-`_reader`, `_sysio`).
+A save's area is a tmp dir beside its checkpoint, `.asynctron.tmp-<hex>` (nothing of the
+checkpoint's name in it: `_publish.tmp_dir_for`), held under a shared `flock` while the save
+is live; `commit` is ONE executor call that seals it (manifest written and fsynced, the
+directory fsynced), records it in the root's ledger, renames it into place, moves `latest`,
+prunes and claims the debris of dead saves, all under the root's exclusive lock (`_publish`,
+`_retention`). Data files are written with pwritev/preadv on the caller's executor, O_DIRECT
+where the filesystem takes it (`_writer`, `_reader`, `_sysio`).
 """
 
 from __future__ import annotations
@@ -66,10 +66,7 @@ class LocalCheckpoints:
         self._run_blocking = run_blocking
 
     def area_of(self, final_path: str, name: str | None = None) -> SaveArea:
-        if name is None:
-            return SaveArea(final_path, _publish.tmp_dir_for(final_path))
-        parent, leaf = os.path.split(final_path)
-        return SaveArea(final_path, os.path.join(parent, f".{leaf}{_publish.TMP_MARK}{name}"))
+        return SaveArea(final_path, _publish.tmp_dir_for(final_path, name))
 
     async def start_save(self, area: SaveArea) -> None:
         self._live[area.location] = await self._run_blocking(_make_area, area)

@@ -1,20 +1,23 @@
 """The commit protocol: a checkpoint becomes visible all at once, or not at all.
 
 Stages (all blocking; run on the engine's executor):
-1. the writers fsync every data file in the tmp dir `.<name>.tmp-<host>-<pid>-<token>`;
+1. the writers fsync every data file in the save's tmp dir beside it, `.asynctron.tmp-<hex>`
+   (`tmp_dir_for`), whose name holds nothing of `<name>`;
 2. `seal_dir`: write + fsync `manifest.json`, fsync the tmp dir; `publish_dir`: rename it
    to `<name>` (never over an existing path), fsync the parent;
 3. `point_latest`: replace `<parent>/latest` atomically with the new name.
 A crash before the rename leaves only a tmp dir, which no reader takes for a checkpoint (and
-the next commit removes, see `_retention`).
+the next commit removes, see `_retention`): not asynctron's, which skip tmp dir names, nor a
+scan that picks checkpoints by name (torchtitan resumes from the newest folder named
+`step-<digits>` that holds a `.metadata`), since nothing of the checkpoint's name is in it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import secrets
-import socket
 from collections.abc import Mapping
 
 from asynctron.errors import CheckpointNotFoundError, StorageError
@@ -24,16 +27,29 @@ from asynctron.storage.backends.local import _sysio
 
 LATEST_NAME = "latest"
 TMP_MARK = ".tmp-"
+TMP_DIR_PREFIX = f".asynctron{TMP_MARK}"
+"""How every tmp dir asynctron makes beside a checkpoint is named: this, then hex digits."""
 
 
-def tmp_dir_for(final_path: str) -> str:
-    """A fresh tmp dir name beside `final_path`, unique per host, process and call."""
+def tmp_dir_for(final_path: str, area: str | None = None) -> str:
+    """A tmp dir beside `final_path`, `.asynctron.tmp-<hex>`, with nothing of its name in it.
+
+    Args:
+        area: names the tmp dir: `<hex>` is a digest of the checkpoint's name and `area`, the
+            same in every process (a DCP save's ranks find it so). None makes a fresh one,
+            `<hex>` random.
+    """
     parent, name = os.path.split(os.path.abspath(final_path))
-    host = socket.gethostname().replace("-", "_")
-    return os.path.join(parent, f".{name}{TMP_MARK}{host}-{os.getpid()}-{secrets.token_hex(4)}")
+    if area is None:
+        key = secrets.token_hex(8)
+    else:
+        key = hashlib.sha256(f"{name}\0{area}".encode()).hexdigest()[:16]
+    return os.path.join(parent, TMP_DIR_PREFIX + key)
 
 
 def is_tmp_dir_name(name: str) -> bool:
+    """Whether `name` is a tmp dir's (`tmp_dir_for`'s, or `.<name>.tmp-…`, as earlier
+    versions named them), never a checkpoint's."""
     return name.startswith(".") and TMP_MARK in name
 
 

@@ -58,6 +58,8 @@ from asynctron.storage.backends.objects._layout import (
     claim_name,
     claimed_checkpoint,
     is_checkpoint_name,
+    is_claim_name,
+    is_claim_to,
     parse_url,
 )
 from asynctron.storage.backends.objects._reader import ObjectReader
@@ -70,8 +72,9 @@ _COMMIT_POINTS = (MANIFEST_NAME, METADATA_NAME)
 _SAVE_TOKEN = "asynctron-save"
 """The user metadata on a manifest naming the save that wrote it (the ledger's identity)."""
 _LEDGER_ATTEMPTS = 8
-_LIVE_CLAIMS: set[str] = set()
-"""The claims of this process's saves in progress, by URL (every backend object's)."""
+_LIVE_CLAIMS: dict[str, str] = {}
+"""The claims of this process's saves in progress, by URL (every backend object's): the name
+of the checkpoint each is for."""
 
 
 class ObjectStoreBackend:
@@ -166,11 +169,11 @@ class ObjectCheckpoints:
                     f"checkpoint {url}: another save to this path is in progress (it holds "
                     f"{claim}); save to a new path") from None
             await self.client.put(claim, body)
-        _LIVE_CLAIMS.add(str(claim))
+        _LIVE_CLAIMS[str(claim)] = url.name
         try:
             await self._settle_rivals(url, claim, found)
         except BaseException:
-            _LIVE_CLAIMS.discard(str(claim))
+            _LIVE_CLAIMS.pop(str(claim), None)
             await self._delete_quietly([claim])
             raise
 
@@ -178,7 +181,7 @@ class ObjectCheckpoints:
         """Back off if another live save claims `url`; delete what dead saves to it left."""
         root = await self.client.list(url.parent)
         rivals = [url.parent.child(name) for name in root.sizes
-                  if name != claim.name and claimed_checkpoint(name) == url.name]
+                  if name != claim.name and is_claim_to(name, url.name)]
         dead = []
         for rival in rivals:
             if await self._claim_is_live(rival, root):
@@ -236,7 +239,7 @@ class ObjectCheckpoints:
         except StorageError as error:
             warnings.append(f"checkpoint {url} is committed, but pruning older ones and "
                             f"removing debris failed: {error}")
-        _LIVE_CLAIMS.discard(area.location)
+        _LIVE_CLAIMS.pop(area.location, None)
         await self._delete_quietly([self._url(area.location)])
         return Committed(moved, tuple(pruned), tuple(warnings))
 
@@ -251,7 +254,7 @@ class ObjectCheckpoints:
         except StorageError as error:
             logger.warning("could not remove the objects of a save that did not commit (the "
                            "next commit under %s does): %s", url.parent, error)
-        _LIVE_CLAIMS.discard(area.location)
+        _LIVE_CLAIMS.pop(area.location, None)
         await self._delete_quietly([self._url(area.location)])
 
     async def open_reader(self, path: str, *,
@@ -352,16 +355,25 @@ class ObjectCheckpoints:
         return head.metadata.get(_SAVE_TOKEN)
 
     async def _sweep(self, root: ObjectUrl) -> None:
-        """Delete what dead saves under `root` left (their claims name it), and abort uploads
-        under the root older than `abandoned_after_s` that no live save claims."""
+        """Delete what dead saves under `root` left (their claims' bodies name it), and abort
+        uploads under the root older than `abandoned_after_s` that no live save claims."""
         listing = await self.client.list(root)
         live: set[str] = set()
         for name in listing.sizes:
-            checkpoint = claimed_checkpoint(name)
-            if checkpoint is None:
+            if not is_claim_name(name):
                 continue
             claim = root.child(name)
-            if await self._claim_is_live(claim, listing):
+            ours = _LIVE_CLAIMS.get(str(claim))
+            if ours is not None:
+                live.add(ours)
+                continue
+            owner = await self._read_claim(claim)
+            if owner is None:
+                continue  # gone meanwhile: its save committed or was discarded
+            checkpoint = claimed_checkpoint(name, owner)
+            if checkpoint is None:
+                continue  # not a claim asynctron wrote: nothing is known to be its debris
+            if await self._claim_is_live(claim, listing, owner):
                 live.add(checkpoint)
                 continue
             inside = (await self.client.list(root.child(checkpoint))).sizes
@@ -373,24 +385,35 @@ class ObjectCheckpoints:
             age_s > self.config.abandoned_after_s
             and key[len(root.prefix):].partition("/")[0] not in live), listing)
 
-    async def _claim_is_live(self, claim: ObjectUrl, listing: Listing | None) -> bool:
-        """Whether the save that wrote `claim` may still be running: ours, or its process
-        alive on this host, or (another host's) younger than `abandoned_after_s`."""
+    async def _claim_is_live(self, claim: ObjectUrl, listing: Listing | None,
+                             owner: Mapping[str, object] | None = None) -> bool:
+        """Whether the save that wrote `claim` (whose body is `owner`, if already read) may
+        still be running: ours, or its process alive on this host, or (another host's) younger
+        than `abandoned_after_s`."""
         if str(claim) in _LIVE_CLAIMS:
             return True
-        body = await self._read_small(claim)
-        if body is None:
+        if owner is None:
+            owner = await self._read_claim(claim)
+        if owner is None:
             return False  # gone meanwhile: its save committed or was discarded
-        try:
-            owner = json.loads(body)
-            host, pid = owner["host"], owner["pid"]
-        except (ValueError, KeyError, TypeError):
-            host, pid = None, None
+        host, pid = owner.get("host"), owner.get("pid")
         if host == socket.gethostname() and isinstance(pid, int):
             return pid != os.getpid() and process_exists(pid)
         if listing is None:
             listing = await self.client.list(claim.parent)
         return listing.age_s(claim.name) <= self.config.abandoned_after_s
+
+    async def _read_claim(self, claim: ObjectUrl) -> dict[str, object] | None:
+        """The body of `claim` (its save's checkpoint, host and process; empty if it is not
+        such a record), or None if there is no such object."""
+        body = await self._read_small(claim)
+        if body is None:
+            return None
+        try:
+            owner = json.loads(body)
+        except ValueError:
+            return {}
+        return owner if isinstance(owner, dict) else {}
 
     async def _remove_debris(self, checkpoint: ObjectUrl) -> None:
         """Abort every upload under `checkpoint` and delete every object in it."""

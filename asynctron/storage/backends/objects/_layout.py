@@ -4,22 +4,27 @@
         step_100/manifest.json, data files   a checkpoint: committed iff its manifest exists
         latest                               the name of the newest checkpoint
         .asynctron-ledger                    the retention ledger (JSON lines, as locally)
-        .step_200.tmp-<host>-<pid>-<token>   a save's claim: present from start to commit
+        .asynctron.tmp-<key>-<hex>           a save's claim: present from start to commit
 
 Nothing else is written under a root: a save's data objects sit at their final keys, and a
-save that dies leaves its claim, which names them for the next commit to delete.
+save that dies leaves its claim, whose body names its checkpoint (and so them) for the next
+commit to delete. A claim's name holds nothing of the checkpoint's name, so a scan that picks
+checkpoints by name (torchtitan's `step-<digits>`) never takes one for a checkpoint: `<key>`
+is a digest of it (shared by every claim to it: `is_claim_to`), `<hex>` random, or a digest of
+the area's name for a named area.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
+import hashlib
 import secrets
-import socket
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 LATEST_NAME = "latest"
 CLAIM_MARK = ".tmp-"
+CLAIM_PREFIX = f".asynctron{CLAIM_MARK}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,18 +78,35 @@ def parse_url(url: str, schemes: tuple[str, ...]) -> ObjectUrl:
 
 def claim_name(checkpoint: str, area: str | None) -> str:
     """The claim of a save to `checkpoint` beside it: `area` names it (every rank of a DCP
-    save finds the same one), else it is fresh, unique per host, process and call."""
-    if area is None:
-        host = socket.gethostname().replace("-", "_")
-        area = f"{host}-{os.getpid()}-{secrets.token_hex(4)}"
-    return f".{checkpoint}{CLAIM_MARK}{area}"
+    save finds the same one), else it is fresh, unique per call."""
+    tail = secrets.token_hex(8) if area is None else _digest(area)
+    return f"{CLAIM_PREFIX}{_digest(checkpoint)}-{tail}"
 
 
-def claimed_checkpoint(name: str) -> str | None:
-    """The checkpoint a claim named `name` is for, or None if `name` is no claim."""
-    if not name.startswith(".") or CLAIM_MARK not in name:
+def is_claim_to(name: str, checkpoint: str) -> bool:
+    """Whether `name` is that of a claim of a save to `checkpoint` (`claim_name`'s, or
+    `.<checkpoint>.tmp-…`, as earlier versions named them)."""
+    return name.startswith((f"{CLAIM_PREFIX}{_digest(checkpoint)}-",
+                            f".{checkpoint}{CLAIM_MARK}"))
+
+
+def is_claim_name(name: str) -> bool:
+    """Whether `name` is a claim's (`claim_name`'s, or `.<checkpoint>.tmp-…`, as earlier
+    versions named them), never a checkpoint's."""
+    return name.startswith(".") and CLAIM_MARK in name
+
+
+def claimed_checkpoint(name: str, owner: Mapping[str, object]) -> str | None:
+    """The checkpoint the claim `name`, whose body is `owner`, is for: the one its body names,
+    if the claim's name is that of a claim to it; else None (not a claim asynctron wrote)."""
+    checkpoint = owner.get("checkpoint")
+    if not isinstance(checkpoint, str) or not is_checkpoint_name(checkpoint):
         return None
-    return name[1:].rpartition(CLAIM_MARK)[0] or None
+    return checkpoint if is_claim_to(name, checkpoint) else None
+
+
+def _digest(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()[:16]
 
 
 def is_checkpoint_name(name: str) -> bool:
