@@ -416,7 +416,8 @@ def _node_loss_summary(report: DemoReport, exact: bool) -> list[str]:
     by_source = "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)} from "
                           f"{source}" for source, ranks in groups.items())
     lines = [f"node loss: {world} ranks as {config.num_nodes} nodes of {config.ranks_per_node}, "
-             f"saving to tiers (each node's local tier, a replica on the next node, a store); "
+             f"the model under FSDP2 (fully_shard), saving to tiers (each node's local tier, a "
+             f"replica on the next node, a store); "
              f"node {lost} lost after step {config.lost_at_step} (its ranks SIGKILLed, its "
              f"local tier deleted); restarted on a fresh node: restored step "
              f"{resumed.first_step - 1} in {resumed.restore_s:.2f} s ({by_source})"]

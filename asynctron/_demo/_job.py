@@ -6,11 +6,12 @@
 3. **reference**: steps 1 .. last without interruption.
 The resumed run must reproduce the reference's losses bit for bit, on every rank.
 
-Then the node-loss run, on `num_nodes` "nodes" of `ranks_per_node` ranks, saving to tiers (each
-node's local tier, a replica on the next node, a store): the last node's ranks are SIGKILLed
-mid-run and its local tier deleted; the job restarts on a fresh node, restores each rank from
-the nearest tier (that node's ranks from their replicas) and trains to the end, which must
-repeat an uninterrupted run of the same ranks bit for bit.
+Then the node-loss run, on `num_nodes` "nodes" of `ranks_per_node` ranks, the model under FSDP2
+(`fully_shard`: its state DTensors, each rank's shard its own), saving to tiers (each node's
+local tier, a replica on the next node, a store): the last node's ranks are SIGKILLed mid-run
+and its local tier deleted; the job restarts on a fresh node, restores each rank from the
+nearest tier (that node's ranks from the replicas on the other node) and trains to the end,
+which must repeat an uninterrupted run of the same ranks bit for bit.
 """
 
 from __future__ import annotations
@@ -123,14 +124,14 @@ def _tiered_rank(rank: int, world_size: int, config: DemoConfig, prefix: str,
             return {"first": await train(
                 config, rank, samples, "first", stop_step=config.num_steps,
                 checkpoints=checkpoints, resume=False, world_size=world_size,
-                die_at=config.lost_at_step if last_node else None)}
+                lost_at=config.lost_at_step, dies=last_node, sharded=True)}
         return {
             "resumed": await train(config, rank, samples, "resumed",
                                    stop_step=config.num_steps, checkpoints=checkpoints,
-                                   resume=True, world_size=world_size),
+                                   resume=True, world_size=world_size, sharded=True),
             "reference": await train(config, rank, samples, "reference",
                                      stop_step=config.num_steps, checkpoints=None,
-                                     resume=False, world_size=world_size),
+                                     resume=False, world_size=world_size, sharded=True),
         }
 
     return uvloop.run(main())

@@ -1,11 +1,12 @@
-"""One rank of the demo: a small GPT trained data-parallel on one uvloop loop, with every part
-of asynctron at work.
+"""One rank of the demo: a small GPT trained on one uvloop loop, with every part of asynctron
+at work.
 
 Per step: the next batch comes from the `AsyncLoader` (assembled by a worker process),
 forward and backward run on the loop, gradients are all-reduced bucket by bucket while backward
-runs (`AsyncDataParallel`), and every K steps the whole state (model, optimizer, loader position,
-step) is saved asynchronously: training waits only for `task.staged`, then goes on while the
-engine writes.
+runs (`AsyncDataParallel`; or, `sharded`, the model is FSDP2's: `fully_shard` per block and on
+the root, its state DTensors from `get_state_dict`), and every K steps the whole state (model,
+optimizer, loader position, step) is saved asynchronously: training waits only for
+`task.staged`, then goes on while the engine writes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import time
 from typing import Any, Protocol
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from asynctron.comm import AsyncDataParallel
 from asynctron.datasets import AsyncLoader, ByteTokenizer, GPTDatasetConfig, build_gpt_datasets
@@ -205,13 +209,18 @@ class _Progress:
 
 async def train(config: DemoConfig, rank: int, samples: Any, name: str, *, stop_step: int,
                 checkpoints: Checkpoints | None, resume: bool, world_size: int,
-                die_at: int | None = None) -> RunReport:
+                lost_at: int | None = None, dies: bool = False,
+                sharded: bool = False) -> RunReport:
     """Train from step 1 (or, with `resume`, from the newest checkpoint) up to `stop_step`,
-    saving after every `save_every`-th step (if `checkpoints` are given).
+    saving after every `save_every`-th step (if `checkpoints` are given); data-parallel, or
+    with `sharded` FSDP2 over every rank.
 
-    With `die_at`, this rank's process is SIGKILLed right after that step, as when its node
-    is lost; a rank that then finds a peer gone (`PeerError`) stops there and reports the
-    steps it made, as a trainer's log would keep them."""
+    After step `lost_at`, every rank waits for its saves to commit (so the node lost then
+    has its last checkpoint done), and a rank that `dies` is SIGKILLed, as when its node is
+    lost; a rank that then finds a peer gone (`PeerError`) stops there and reports the steps
+    it made, as a trainer's log would keep them. (Every rank waits at once: a rank waiting
+    for a save while another is in a training collective would wait for ever, the save's
+    collectives needing that rank's loop, which the collective holds.)"""
     torch.manual_seed(config.seed)
     model = TinyGPT(vocab_size=ByteTokenizer.vocab_size, sequence_length=config.sequence_length,
                     hidden=config.hidden, num_layers=config.num_layers,
@@ -220,7 +229,7 @@ async def train(config: DemoConfig, rank: int, samples: Any, name: str, *, stop_
     try:
         await _run(config, rank, samples, model, progress, stop_step=stop_step,
                    checkpoints=checkpoints, resume=resume, world_size=world_size,
-                   die_at=die_at)
+                   lost_at=lost_at, dies=dies, sharded=sharded)
     except PeerError as error:
         if checkpoints is None or not isinstance(checkpoints, TieredCheckpoints):
             raise
@@ -238,10 +247,71 @@ async def train(config: DemoConfig, rank: int, samples: Any, name: str, *, stop_
                      restore_s=progress.restored.get("restore_s", 0.0))
 
 
+class _Parallel(Protocol):
+    """How a run's model is trained across ranks, and its state taken and given back."""
+
+    async def start(self) -> None: ...
+
+    async def step(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+    def state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]: ...
+
+    def load(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None: ...
+
+
+class _DataParallel:
+    """`AsyncDataParallel`: every rank a whole replica, gradients all-reduced in buckets."""
+
+    def __init__(self, model: TinyGPT) -> None:
+        self.model = model
+        self.parallel = AsyncDataParallel(model, bucket_size_bytes=1 * MiB)
+
+    async def start(self) -> None:
+        await self.parallel.broadcast_parameters()
+
+    async def step(self, optimizer: torch.optim.Optimizer) -> None:
+        await self.parallel.step(optimizer)
+
+    def state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": optimizer.state_dict()}
+
+    def load(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+
+
+class _Sharded:
+    """FSDP2 over every rank: `fully_shard` on each block and the root; the state DTensors
+    from `get_state_dict`, given back by `set_state_dict` (as torchtitan does)."""
+
+    def __init__(self, model: TinyGPT, world_size: int) -> None:
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        self.model = model
+
+    async def start(self) -> None:
+        """Every rank built the same weights from the seed: nothing to broadcast."""
+
+    async def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        model, optim = get_state_dict(self.model, optimizer)
+        return {"model": model, "optimizer": optim}
+
+    def load(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+
+
 async def _run(config: DemoConfig, rank: int, samples: Any, model: TinyGPT,
                progress: _Progress, *, stop_step: int, checkpoints: Checkpoints | None,
-               resume: bool, world_size: int, die_at: int | None) -> None:
-    parallel = AsyncDataParallel(model, bucket_size_bytes=1 * MiB)
+               resume: bool, world_size: int, lost_at: int | None, dies: bool,
+               sharded: bool) -> None:
+    parallel: _Parallel = _Sharded(model, world_size) if sharded else _DataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     tasks: list[SaveTask] = []
     options = {} if checkpoints is None else checkpoints.engine_options()
@@ -255,15 +325,14 @@ async def _run(config: DemoConfig, rank: int, samples: Any, model: TinyGPT,
         if resume:
             assert checkpoints is not None
             _init_optimizer_state(optimizer)  # the tensors the checkpoint fills in place
-            restored = await checkpoints.resume(engine, _state(model, optimizer, loader, 0))
-            model.load_state_dict(restored["model"])
-            optimizer.load_state_dict(restored["optimizer"])
+            restored = await checkpoints.resume(engine, _state(parallel, optimizer, loader, 0))
+            parallel.load(optimizer, restored)
             loader.load_state_dict(restored["loader"])
             torch.set_rng_state(restored["rng"])
             progress.restored = restored
             progress.first_step = restored["step"] + 1
         else:
-            await parallel.broadcast_parameters()
+            await parallel.start()
         async with loader, LoopWatchdog() as watchdog:
             batches = aiter(loader)
             started = time.perf_counter()
@@ -273,20 +342,21 @@ async def _run(config: DemoConfig, rank: int, samples: Any, model: TinyGPT,
                     batch = await anext(batches)
                     computing = time.perf_counter()
                     progress.data_wait_s += computing - waited
-                    loss = language_model_loss(parallel, batch)
+                    loss = language_model_loss(model, batch)
                     loss.backward()
                     await parallel.step(optimizer)
                     progress.longest_step_s = max(progress.longest_step_s,
                                                   time.perf_counter() - computing)
                     progress.losses.append(loss.item())
-                    if step == die_at:  # the node is lost, its last checkpoint long done
+                    if step == lost_at:  # a node is lost, its last checkpoint long done
                         for task in tasks:
                             await task
-                        os.kill(os.getpid(), signal.SIGKILL)
+                        if dies:
+                            os.kill(os.getpid(), signal.SIGKILL)
                     if checkpoints is not None and step % config.save_every == 0:
                         requested = time.perf_counter()
-                        task = checkpoints.save(engine, _state(model, optimizer, loader, step),
-                                                step)
+                        task = checkpoints.save(engine, _state(parallel, optimizer, loader,
+                                                               step), step)
                         await task.staged  # the next optimizer step may now change them
                         progress.blocked_s += time.perf_counter() - requested
                         tasks.append(task)
@@ -296,12 +366,12 @@ async def _run(config: DemoConfig, rank: int, samples: Any, model: TinyGPT,
                 progress.worst_loop_delay_s = watchdog.report().worst_delay_s
 
 
-def _state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: AsyncLoader,
+def _state(parallel: _Parallel, optimizer: torch.optim.Optimizer, loader: AsyncLoader,
            step: int) -> dict[str, Any]:
     """Everything a resume needs, in one commit: the model, the optimizer, the loader's
-    position, the RNG state and the step."""
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-            "loader": loader.state_dict(), "rng": torch.get_rng_state(), "step": step}
+    position, the RNG state (every rank's is the same: one value of the job) and the step."""
+    return {**parallel.state(optimizer), "loader": loader.state_dict(),
+            "rng": torch.get_rng_state(), "step": step}
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
