@@ -5,7 +5,8 @@ is a part of the step (`storage.ShardInfo`): together they hold one copy of ever
 node's ranks need (the placement wrote each once per node), and the replicas the items of
 other nodes that no other node has. The catalog lists their items as one collection (an item
 in two shards once), reads each through its own shard's reader, and answers, for a box of a
-tensor a rank wants, which chunks cover it, or that it holds no whole copy of it.
+tensor a rank wants, which chunks cover it, or that it holds no whole copy of it. Shards are
+opened as they are needed, nearest first: an FSDP2 rank's own shard holds all it needs.
 
 A shard that is missing, damaged or not a shard is left out (said in `skipped`): what it held
 then comes from another tier.
@@ -42,15 +43,29 @@ SHARD_FAILURES = (CorruptCheckpointError, CheckpointNotFoundError, StorageError,
 
 class NodeCatalog:
     """The items of step `step` (saved by `world_size` ranks) in one node's tier, read
-    through their shards' readers (an `ItemReader`); made by `open_catalog`; `aclose` when
-    done."""
+    through their shards' readers (an `ItemReader`); `aclose` when done.
 
-    def __init__(self, step: int, world_size: int, root: str) -> None:
+    Its shards are opened when needed, in the order given (a rank's own first): `open_until`
+    stops once a condition holds (what the rank needs is covered), `open_all` opens the rest
+    (before it serves another node). A shard that cannot be opened is logged (by rank
+    `rank`), added to `skipped` and left out.
+    """
+
+    def __init__(self, storage: CheckpointStorage, root: str, ranks: Sequence[int], *,
+                 step: int, world_size: int, max_files_at_once: int, skipped: list[str],
+                 rank: int) -> None:
         self.step = step
         self.world_size = world_size
         self.path = f"{root} (step {step})"
         self.structures: dict[int, Structure] = {}
-        """The saved structure of each rank whose shard (or replica) is here, by rank."""
+        """The saved structure of each rank whose shard (or replica) is open here, by rank."""
+        self._storage = storage
+        self._root = root
+        self._pending = list(ranks)
+        """The ranks whose shards are not opened yet, in order."""
+        self._max_files_at_once = max_files_at_once
+        self._skipped = skipped
+        self._rank = rank
         self._readers: list[CheckpointReader] = []
         self._reader_of: dict[str, CheckpointReader] = {}
         """Each file's shard reader, by file name (a file name is its writer's: unique)."""
@@ -58,6 +73,31 @@ class NodeCatalog:
         self._seen: set[tuple[str, tuple[int, ...] | None]] = set()
         self._indexes: dict[str, ChunkIndex] = {}
         self._checksummed = True
+
+    async def open_until(self, enough: Callable[[], bool]) -> None:
+        """Open the pending shards in order until `enough()` holds (or none is left)."""
+        while self._pending and not enough():
+            await self._open(self._pending.pop(0))
+
+    async def open_all(self) -> None:
+        await self.open_until(lambda: False)
+
+    async def _open(self, owner: int) -> None:
+        path = join(self._root, shard_name(self.step, owner, self.world_size))
+        reader = await self._storage.open_reader(path,
+                                                 max_files_at_once=self._max_files_at_once)
+        try:
+            manifest = await reader.open()
+            if manifest.shard is None or manifest.shard.rank != owner:
+                found = ("a whole checkpoint" if manifest.shard is None
+                         else f"rank {manifest.shard.rank}'s")
+                raise CorruptCheckpointError(f"shard {path}: expected rank {owner}'s shard, "
+                                             f"found {found}", path=path)
+        except SHARD_FAILURES as error:
+            await reader.aclose()
+            skip(self._skipped, self._rank, f"local tier {path}: {describe(error)}")
+            return
+        self.add(reader, manifest, owner)
 
     def add(self, reader: CheckpointReader, manifest: Manifest, rank: int) -> None:
         """Take the open shard of `rank` (its reader, now the catalog's to close)."""
@@ -71,6 +111,7 @@ class NodeCatalog:
             if self._reader_of[record.file] is reader and identity not in self._seen:
                 self._seen.add(identity)
                 self._records.setdefault(record.key, []).append(record)
+                self._indexes.pop(record.key, None)
 
     @property
     def nbytes(self) -> int:
@@ -147,31 +188,6 @@ class NodeCatalog:
     def __repr__(self) -> str:
         return (f"<NodeCatalog {self.path}: {len(self._readers)} shards, "
                 f"{sum(map(len, self._records.values()))} chunks>")
-
-
-async def open_catalog(storage: CheckpointStorage, root: str, ranks: Sequence[int], *,
-                       step: int, world_size: int, max_files_at_once: int,
-                       skipped: list[str], rank: int) -> NodeCatalog:
-    """The catalog of the shards of `ranks` (of `step`, saved by `world_size` ranks) in the
-    tier `root`; each one that cannot be opened is logged (by rank `rank`), added to
-    `skipped` and left out."""
-    catalog = NodeCatalog(step, world_size, root)
-    for owner in ranks:
-        path = join(root, shard_name(step, owner, world_size))
-        reader = await storage.open_reader(path, max_files_at_once=max_files_at_once)
-        try:
-            manifest = await reader.open()
-            if manifest.shard is None or manifest.shard.rank != owner:
-                found = ("a whole checkpoint" if manifest.shard is None
-                         else f"rank {manifest.shard.rank}'s")
-                raise CorruptCheckpointError(f"shard {path}: expected rank {owner}'s shard, "
-                                             f"found {found}", path=path)
-        except SHARD_FAILURES as error:
-            await reader.aclose()
-            skip(skipped, rank, f"local tier {path}: {describe(error)}")
-            continue
-        catalog.add(reader, manifest, owner)
-    return catalog
 
 
 def skip(skipped: list[str], rank: int, what: str) -> None:

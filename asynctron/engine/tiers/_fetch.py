@@ -87,20 +87,36 @@ async def fetch_items(channel: PeerChannel, server: int, wants: Sequence[Want], 
     fetched = Fetched(structure=have["structure"])
     served = set(by_key) - set(have["missing"])
     landing = _Landing(by_key, fetched, run_blocking)
-    while True:
-        meta = await _receive_meta(channel, server, tag)
-        if meta["kind"] == "end":
-            break
-        if meta["kind"] == "items":
-            buffer = await buffers.take()
-            try:
-                nbytes = await _receive_data(channel, server, tag, buffer, meta["nbytes"])
-                await landing.batch([_record(raw) for raw in meta["records"]],
-                                    set(meta["bad"]), buffer[:nbytes])
-            finally:
-                buffers.give(buffer)
-        else:
-            await landing.piece(channel, server, tag, meta, buffers)
+    placing: list[asyncio.Task[None]] = []  # a batch is checked and placed while the next lands
+
+    async def place(records: list[ItemRecord], bad: set[int], buffer: memoryview,
+                    nbytes: int) -> None:
+        try:
+            await landing.batch(records, bad, buffer[:nbytes])
+        finally:
+            buffers.give(buffer)
+
+    try:
+        while True:
+            meta = await _receive_meta(channel, server, tag)
+            if meta["kind"] == "end":
+                break
+            if meta["kind"] == "items":
+                buffer = await buffers.take()
+                try:
+                    nbytes = await _receive_data(channel, server, tag, buffer, meta["nbytes"])
+                except BaseException:
+                    buffers.give(buffer)
+                    raise
+                placing.append(asyncio.ensure_future(place(
+                    [_record(raw) for raw in meta["records"]], set(meta["bad"]), buffer,
+                    nbytes)))
+            else:
+                await landing.piece(channel, server, tag, meta, buffers)
+    finally:
+        await asyncio.gather(*placing, return_exceptions=True)
+    for task in placing:
+        task.result()
     await landing.finish()
     if landing.mismatch is not None:
         raise landing.mismatch
@@ -337,9 +353,45 @@ async def serve_items(channel: PeerChannel, client: int, catalog: NodeCatalog | 
                                             "structure": structure})
     sent = 0
     if catalog is not None:
-        for batch in _batches(records, buffers.nbytes):
-            sent += await _serve_batch(channel, client, tag, catalog, batch, buffers)
+        sent = await _send_batches(channel, client, tag, catalog, _batches(records,
+                                                                           buffers.nbytes),
+                                   buffers)
     await _send_meta(channel, client, tag, {"kind": "end"})
+    return sent
+
+
+async def _send_batches(channel: PeerChannel, client: int, tag: int, catalog: NodeCatalog,
+                        batches: list[list[ItemRecord]], buffers: ReceiveBuffers) -> int:
+    """Every batch, in order: the next one read (its digests checked) while one is sent."""
+    ready: asyncio.Queue[tuple[dict[str, Any], memoryview, int] | None] = asyncio.Queue(1)
+
+    async def read_ahead() -> None:
+        for batch in batches:
+            if len(batch) == 1 and batch[0].nbytes > buffers.nbytes:
+                await _read_pieces(catalog, batch[0], buffers, ready)
+            else:
+                await ready.put(await _read_batch(catalog, batch, buffers))
+        await ready.put(None)
+
+    reading = asyncio.ensure_future(read_ahead())
+    sent = 0
+    try:
+        while (message := await ready.get()) is not None:
+            meta, buffer, nbytes = message
+            try:
+                await _send_meta(channel, client, tag, meta)
+                await channel.send(client, {"kind": "data", "sizes": [nbytes]},
+                                   [buffer[:nbytes]], tag=tag)
+            finally:
+                buffers.give(buffer)
+            sent += nbytes
+    finally:
+        reading.cancel()
+        await asyncio.gather(reading, return_exceptions=True)
+        while not ready.empty():
+            message = ready.get_nowait()
+            if message is not None:
+                buffers.give(message[1])
     return sent
 
 
@@ -359,10 +411,10 @@ def _batches(records: Sequence[ItemRecord], nbytes: int) -> list[list[ItemRecord
     return batches
 
 
-async def _serve_batch(channel: PeerChannel, client: int, tag: int, catalog: NodeCatalog,
-                       batch: list[ItemRecord], buffers: ReceiveBuffers) -> int:
-    if len(batch) == 1 and batch[0].nbytes > buffers.nbytes:
-        return await _serve_pieces(channel, client, tag, catalog, batch[0], buffers)
+async def _read_batch(catalog: NodeCatalog, batch: list[ItemRecord], buffers: ReceiveBuffers
+                      ) -> tuple[dict[str, Any], memoryview, int]:
+    """Whole records back to back into a buffer, their digests checked (a record that fails
+    is marked bad): the batch's meta message, the buffer, its bytes."""
     buffer = await buffers.take()
     try:
         jobs, at = [], 0
@@ -376,19 +428,18 @@ async def _serve_batch(channel: PeerChannel, client: int, tag: int, catalog: Nod
                           for error in errors)]
         except SHARD_FAILURES:
             bad = list(range(len(batch)))
-        await _send_meta(channel, client, tag, {
-            "kind": "items", "records": [_record_json(record) for record in batch],
-            "bad": bad, "nbytes": at})
-        await channel.send(client, {"kind": "data", "sizes": [at]}, [buffer[:at]], tag=tag)
-        return at
-    finally:
+    except BaseException:
         buffers.give(buffer)
+        raise
+    return ({"kind": "items", "records": [_record_json(record) for record in batch],
+             "bad": bad, "nbytes": at}, buffer, at)
 
 
-async def _serve_pieces(channel: PeerChannel, client: int, tag: int, catalog: NodeCatalog,
-                        record: ItemRecord, buffers: ReceiveBuffers) -> int:
-    """A record larger than a buffer, piece by piece, its digest checked as it is read (the
-    last piece says whether it matched)."""
+async def _read_pieces(catalog: NodeCatalog, record: ItemRecord, buffers: ReceiveBuffers,
+                       ready: asyncio.Queue[tuple[dict[str, Any], memoryview, int] | None]
+                       ) -> None:
+    """A record larger than a buffer, piece by piece into `ready`, its digest checked as it
+    is read (the last piece's meta says whether it matched)."""
     hasher: ItemHasher | None = ItemHasher() if record.checksum is not None else None
     bad = False
     start = 0
@@ -404,15 +455,12 @@ async def _serve_pieces(channel: PeerChannel, client: int, tag: int, catalog: No
             last = start + nbytes == record.nbytes
             if last and hasher is not None and not bad:
                 bad = catalog.digest_error(record, hasher.hexdigest()) is not None
-            await _send_meta(channel, client, tag, {
-                "kind": "piece", "record": _record_json(record), "start": start,
-                "nbytes": nbytes, "last": last, "bad": bad})
-            await channel.send(client, {"kind": "data", "sizes": [nbytes]}, [buffer[:nbytes]],
-                               tag=tag)
-        finally:
+        except BaseException:
             buffers.give(buffer)
+            raise
+        await ready.put(({"kind": "piece", "record": _record_json(record), "start": start,
+                          "nbytes": nbytes, "last": last, "bad": bad}, buffer, nbytes))
         start += nbytes
-    return record.nbytes
 
 
 def _record_json(record: ItemRecord) -> dict[str, Any]:

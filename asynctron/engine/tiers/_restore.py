@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -38,13 +38,7 @@ from asynctron.engine._collectives import Collectives
 from asynctron.engine._coordinator import describe
 from asynctron.engine._load import Loader, rebuild, target_box
 from asynctron.engine._resources import SaveResources
-from asynctron.engine.tiers._catalog import (
-    SHARD_FAILURES,
-    NodeCatalog,
-    open_catalog,
-    saved_keys,
-    skip,
-)
+from asynctron.engine.tiers._catalog import SHARD_FAILURES, NodeCatalog, saved_keys, skip
 from asynctron.engine.tiers._config import Nodes
 from asynctron.engine.tiers._fetch import Want, fetch_items, serve_items
 from asynctron.engine.tiers._layout import (
@@ -64,6 +58,7 @@ from asynctron.errors import (
 )
 from asynctron.storage import (
     MAX_MANIFEST_BYTES,
+    CheckpointReader,
     CheckpointStorage,
     FlatStateDict,
     ItemReader,
@@ -323,11 +318,15 @@ async def _try_step(me: _RankState, target: FlatStateDict, step: int, world: int
     catalog = None
     try:
         if world is not None:
-            mine = [rank for s, rank, w in held[nodes.node] if (s, w) == (step, world)]
-            catalog = await open_catalog(
-                ctx.local, ctx.local_root, mine, step=step, world_size=world,
-                max_files_at_once=ctx.resources.config.num_workers, skipped=skipped,
-                rank=nodes.rank)
+            here = {rank for s, rank, w in held[nodes.node] if (s, w) == (step, world)}
+            nearest = sorted(here, key=lambda owner: (owner != structure_of,
+                                                      nodes.node_of(owner) != nodes.node
+                                                      if world == nodes.world_size else 0,
+                                                      owner))
+            catalog = NodeCatalog(ctx.local, ctx.local_root, nearest, step=step,
+                                  world_size=world,
+                                  max_files_at_once=ctx.resources.config.num_workers,
+                                  skipped=skipped, rank=nodes.rank)
             await _guard(me, _fill_local(me, target, catalog, structure_of, ctx, skipped))
         needy = await _gather(ctx, me)
         if world is not None and ctx.channel is not None:
@@ -339,8 +338,11 @@ async def _try_step(me: _RankState, target: FlatStateDict, step: int, world: int
                 needy = await _gather(ctx, me)
                 attempt += 1
         if any(needy) and step in await store.steps():
-            if me.needy:
-                await _guard(me, _fill_from_store(me, target, step, world, ctx, skipped))
+            found = await _locate(step, ctx)
+            if me.needy and isinstance(found, _StoreStep):
+                await _guard(me, _fill_from_store(me, target, found, ctx, skipped))
+            elif me.needy:
+                skip(skipped, nodes.rank, found)
             needy = await _gather(ctx, me)
     finally:
         if catalog is not None:
@@ -357,7 +359,7 @@ async def _try_step(me: _RankState, target: FlatStateDict, step: int, world: int
     return tuple(await ctx.agree.all_gather_object(me.source))
 
 
-async def _guard(me: _RankState, work: Any) -> None:
+async def _guard(me: _RankState, work: Awaitable[None]) -> None:
     """Run `work`; an error no tier can fix is kept for the next gather to raise."""
     try:
         await work
@@ -369,7 +371,11 @@ async def _guard(me: _RankState, work: Any) -> None:
 
 async def _fill_local(me: _RankState, target: FlatStateDict, catalog: NodeCatalog,
                       structure_of: int, ctx: RestoreContext, skipped: list[str]) -> None:
-    """Fill every key the node's catalog covers whole; take the saved structure if there."""
+    """Fill every key the node's catalog covers whole (its shards opened nearest first, until
+    they cover what this rank needs); take the saved structure if there."""
+    await catalog.open_until(lambda: structure_of in catalog.structures and all(
+        catalog.covering(key, want.origin, want.shape) is not None
+        for key, want in me.wants.items()))
     me.structure = catalog.structures.get(structure_of)
     if me.structure is not None and structure_of == ctx.nodes.rank:
         unknown = sorted(set(me.wants) - saved_keys(me.structure))
@@ -439,11 +445,14 @@ async def _peer_round(me: _RankState, catalog: NodeCatalog | None, needy: list[b
         me.values.update(fetched.values)
         me.took("replica", fetched.done, fetched.nbytes)
 
+    if clients and catalog is not None:
+        await catalog.open_all()  # its askers may need what this rank did not
+    serving = ReceiveBuffers(2, ctx.buffers.nbytes)  # apart: a rank may serve and ask at once
     try:
         async with asyncio.TaskGroup() as group:
             for client in clients:
                 group.create_task(serve_items(channel, client, catalog, tag=tag,
-                                              buffers=ctx.buffers))
+                                              buffers=serving))
             server = servers[rank][attempt] if needy[rank] else -1
             if server >= 0:
                 group.create_task(_guard(me, ask(server)))
@@ -451,48 +460,77 @@ async def _peer_round(me: _RankState, catalog: NodeCatalog | None, needy: list[b
         raise first_error(error) from None
 
 
-async def _fill_from_store(me: _RankState, target: FlatStateDict, step: int,
-                           world: int | None, ctx: RestoreContext, skipped: list[str]) -> None:
-    """Fill the keys still needed from the store's checkpoint of `step`; the saved values
-    from this rank's view there (rank 0's, if the saving world was another)."""
+@dataclass(frozen=True, slots=True)
+class _StoreStep:
+    """The store's checkpoint of a step, as rank 0 found it for every rank: its path, its
+    manifest, rank 0's saved structure (its view's) and the saving world's size."""
+
+    path: str
+    manifest: Manifest
+    structure: Structure
+    world_size: int
+
+
+async def _locate(step: int, ctx: RestoreContext) -> _StoreStep | str:
+    """Collective: rank 0 opens the store's checkpoint of `step` (one listing and manifest for
+    the job, not one per rank) and tells every rank; or why it could not."""
     assert ctx.store is not None and ctx.store_root is not None
-    path = join(ctx.store_root, step_name(step))
+    found: _StoreStep | str = ""
+    if ctx.agree.rank == 0:
+        path = join(ctx.store_root, step_name(step))
+        try:
+            with store_operation("restore", path):
+                reader = await ctx.store.open_reader(path, max_files_at_once=1)
+                try:
+                    manifest = await reader.open()
+                    view = await _view(reader, reader.path, 0, ctx)
+                finally:
+                    await reader.aclose()
+            assert view.shard is not None
+            found = _StoreStep(reader.path, manifest, view.structure, view.shard.world_size)
+        except SHARD_FAILURES as error:
+            found = f"store {path}: {describe(error)}"
+    return await ctx.agree.broadcast_object(found, src=0)
+
+
+async def _fill_from_store(me: _RankState, target: FlatStateDict, found: _StoreStep,
+                           ctx: RestoreContext, skipped: list[str]) -> None:
+    """Fill the keys still needed from the store's checkpoint `found`; the saved values from
+    this rank's view there (rank 0's, if the saving world was another)."""
+    assert ctx.store is not None
+    path, manifest = found.path, found.manifest
+    nodes = ctx.nodes
     try:
         with store_operation("restore", path):
             reader = await ctx.store.open_reader(
                 path, max_files_at_once=ctx.resources.config.num_workers)
             try:
-                manifest = await reader.open()
+                reader.adopt(path, manifest)
                 if me.structure is None:
-                    me.structure = await _view_structure(reader, path, ctx.nodes)
+                    me.structure = found.structure if (
+                        nodes.rank == 0 or found.world_size != nodes.world_size) else (
+                        await _view(reader, path, nodes.rank, ctx)).structure
                 keys = set(me.wants)
                 values, failed = await _loader(reader, manifest, ctx).fill(target, keys)
             finally:
                 await reader.aclose()
     except SHARD_FAILURES as error:
-        skip(skipped, ctx.nodes.rank, f"store {path}: {describe(error)}")
+        skip(skipped, nodes.rank, f"store {path}: {describe(error)}")
         return
     for key, why in failed.items():
-        skip(skipped, ctx.nodes.rank, f"store {path}: key {key!r}: {why}")
+        skip(skipped, nodes.rank, f"store {path}: key {key!r}: {why}")
     done = keys - set(failed)
     me.values.update(values)
     me.took("store", done, sum(record.nbytes for record in manifest.items
                                if record.key in done))
 
 
-async def _view_structure(reader: Any, path: str, nodes: Nodes) -> Structure:
-    """This rank's saved structure, from its view in a drained step, if the step was saved by
-    a world of this size; else rank 0's (whose view says the saving world's size)."""
-    first = await _view(reader, path, 0)
-    assert first.shard is not None
-    if nodes.rank == 0 or first.shard.world_size != nodes.world_size:
-        return first.structure
-    return (await _view(reader, path, nodes.rank)).structure
-
-
-async def _view(reader: Any, path: str, rank: int) -> Manifest:
+async def _view(reader: CheckpointReader, path: str, rank: int, ctx: RestoreContext
+                ) -> Manifest:
+    """Rank `rank`'s view in a drained step (a shard's manifest: its structure)."""
     name = rank_view(rank)
-    view = parse_manifest(await reader.read_file(name, MAX_MANIFEST_BYTES), join(path, name))
+    view = await ctx.resources.run_blocking(
+        parse_manifest, await reader.read_file(name, MAX_MANIFEST_BYTES), join(path, name))
     if view.shard is None or view.shard.rank != rank:
         raise CorruptCheckpointError(f"store {join(path, name)}: expected rank {rank}'s view "
                                      "(a shard's manifest), found another manifest",
