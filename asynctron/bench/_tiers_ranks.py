@@ -223,14 +223,14 @@ async def _saves_and_restores(rank: int, world: int, config: RunConfig, state: d
             await clock.time("raw read", lambda: asyncio.to_thread(_read_raw, files, received),
                              keep=keep)
             _evict(files)
-            restored = await clock.time("restore local",
-                                        lambda: tiered.restore({**target.state(), "step": -1}),
+            into = {**target.state(), "step": -1}  # get_state_dict: not the restore's time
+            restored = await clock.time("restore local", lambda i=into: tiered.restore(i),
                                         keep=keep)
             check("local", restored, state, target)
             if rank == (nodes - 1) * per_node:  # the last node lost: its tier deleted
                 shutil.rmtree(tiers.local_root(nodes - 1), ignore_errors=True)
-            restored = await clock.time("restore replica",
-                                        lambda: tiered.restore({**target.state(), "step": -1}),
+            into = {**target.state(), "step": -1}
+            restored = await clock.time("restore replica", lambda i=into: tiered.restore(i),
                                         keep=keep)
             check("replica", restored, state, target)
             clock.notes["replica sources"] = list(restored.sources)
@@ -273,8 +273,9 @@ async def _store_phase(rank: int, config: RunConfig, state: dict[str, Any], targ
         async with Engine(tiers=draining, store_backend=backend,
                           coordination_timeout_s=600) as engine:
             for round_index in range(config.repeats + 1):  # it writes no tier: each the same
-                restored = await clock.time(name, lambda e=engine: e.restore(
-                    {**target.state(), "step": -1}), keep=round_index > 0)
+                into = {**target.state(), "step": -1}
+                restored = await clock.time(name, lambda e=engine, i=into: e.restore(i),
+                                            keep=round_index > 0)
                 check("store", restored, state, target)
     await _stock_dcp(rank, config, state, target, clock)
 
@@ -405,13 +406,15 @@ async def _elastic(rank: int, world: int, config: RunConfig) -> dict[str, Any]:
                       ) as engine:
         for round_index in range(config.repeats + 1):
             keep = round_index > 0
-            restored = await clock.time("elastic restore from the store", lambda: engine.restore(
-                {**target.state(), "step": -1}), keep=keep)
+            into = {**target.state(), "step": -1}
+            restored = await clock.time("elastic restore from the store",
+                                        lambda i=into: engine.restore(i), keep=keep)
             clock.notes["elastic step"] = restored.step
             clock.notes["elastic sources"] = list(restored.sources)
             path = f"{config.store}/step_{restored.step:08d}"
-            await clock.time("load_into of the same checkpoint", lambda p=path: engine.load_into(
-                {**target.state(), "step": -1}, p, collective=True), keep=keep)
+            into = {**target.state(), "step": -1}
+            await clock.time("load_into of the same checkpoint", lambda p=path, i=into:
+                             engine.load_into(i, p, collective=True), keep=keep)
     return clock.result()
 
 

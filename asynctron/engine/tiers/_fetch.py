@@ -87,12 +87,11 @@ async def fetch_items(channel: PeerChannel, server: int, wants: Sequence[Want], 
     fetched = Fetched(structure=have["structure"])
     served = set(by_key) - set(have["missing"])
     landing = _Landing(by_key, fetched, run_blocking)
-    placing: list[asyncio.Task[None]] = []  # a batch is checked and placed while the next lands
+    settling: list[asyncio.Task[None]] = []  # a batch is checked while the next one lands
 
-    async def place(records: list[ItemRecord], bad: set[int], buffer: memoryview,
-                    nbytes: int) -> None:
+    async def settle(batch: _Batch, buffer: memoryview) -> None:
         try:
-            await landing.batch(records, bad, buffer[:nbytes])
+            await landing.settle(batch)
         finally:
             buffers.give(buffer)
 
@@ -104,18 +103,18 @@ async def fetch_items(channel: PeerChannel, server: int, wants: Sequence[Want], 
             if meta["kind"] == "items":
                 buffer = await buffers.take()
                 try:
-                    nbytes = await _receive_data(channel, server, tag, buffer, meta["nbytes"])
+                    batch = landing.batch([_record(raw) for raw in meta["records"]],
+                                          set(meta["bad"]), buffer)
+                    await _receive_into(channel, server, tag, batch.views)
                 except BaseException:
                     buffers.give(buffer)
                     raise
-                placing.append(asyncio.ensure_future(place(
-                    [_record(raw) for raw in meta["records"]], set(meta["bad"]), buffer,
-                    nbytes)))
+                settling.append(asyncio.ensure_future(settle(batch, buffer)))
             else:
                 await landing.piece(channel, server, tag, meta, buffers)
     finally:
-        await asyncio.gather(*placing, return_exceptions=True)
-    for task in placing:
+        await asyncio.gather(*settling, return_exceptions=True)
+    for task in settling:
         task.result()
     await landing.finish()
     if landing.mismatch is not None:
@@ -156,26 +155,37 @@ class _Landing:
                 "matching state")
         return want if fits else None
 
-    async def batch(self, records: list[ItemRecord], bad: set[int],
-                    data: memoryview) -> None:
-        """Whole records back to back in `data`: each checked, then placed."""
-        self._fetched.nbytes += data.nbytes
+    def batch(self, records: list[ItemRecord], bad: set[int], scratch: memoryview) -> _Batch:
+        """Where each record of a batch lands: straight into its target where it lies whole
+        in contiguous CPU memory, else (a part wanted, CUDA or strided, bytes, bad or not
+        asked for) into `scratch`, placed once checked."""
+        batch = _Batch(records)
         at = 0
-        placed = []
         for index, record in enumerate(records):
-            view = data[at:at + record.nbytes]
-            at += record.nbytes
+            want = None if index in bad else self._check(record)
             if index in bad:
                 self._fail(record.key, "its chunk was damaged on the serving node")
-                continue
-            want = self._check(record)
-            if want is not None:
-                placed.append((record, want, view))
-        errors = await self._run_blocking(_verify_and_place, placed)
+            region = None if want is None or want.local is None else _overlap_region(
+                record, want)
+            if region is not None and region.device.type == "cpu" and (
+                    region.is_contiguous() and tuple(region.shape) == record.shape):
+                view = tensor_bytes(region) if record.nbytes else memoryview(b"")
+                batch.landed.append((want, view, True))
+            else:
+                view = scratch[at:at + record.nbytes]
+                at += record.nbytes
+                batch.landed.append((want, view, False))
+            batch.views.append(view)
+        self._fetched.nbytes += sum(record.nbytes for record in records)
+        return batch
+
+    async def settle(self, batch: _Batch) -> None:
+        """Check every record of a landed batch, and place what landed apart."""
+        errors = await self._run_blocking(_check_and_place, batch)
         for key, why in errors.items():
             self._fail(key, why)
-        for record, want, view in placed:
-            if want.local is None and record.key not in errors:
+        for record, (want, view, _) in zip(batch.records, batch.landed, strict=True):
+            if want is not None and want.local is None and record.key not in errors:
                 self._fetched.values[record.key] = bytes(view)
 
     async def piece(self, channel: PeerChannel, server: int, tag: int, meta: dict[str, Any],
@@ -272,12 +282,23 @@ async def _hash_after(before: asyncio.Future[None] | None, hasher: ItemHasher,
     await run_blocking(hasher.update, view)
 
 
-def _verify_and_place(placed: Sequence[tuple[ItemRecord, Want, memoryview]]
-                      ) -> dict[str, str]:
-    """Blocks: check each record's bytes against its digest and copy the verified ones'
-    wanted part into their targets; the keys that failed, and why."""
+@dataclass(slots=True, eq=False)
+class _Batch:
+    """A batch of whole records as it lands: per record its want (None: dropped), the view it
+    lands in, and whether that view is its target's own memory."""
+
+    records: list[ItemRecord]
+    landed: list[tuple[Want | None, memoryview, bool]] = field(default_factory=list)
+    views: list[memoryview] = field(default_factory=list)
+
+
+def _check_and_place(batch: _Batch) -> dict[str, str]:
+    """Blocks: check each record's bytes against its digest and copy the wanted part of each
+    verified one that landed apart into its target; the keys that failed, and why."""
     errors: dict[str, str] = {}
-    for record, want, view in placed:
+    for record, (want, view, direct) in zip(batch.records, batch.landed, strict=True):
+        if want is None:
+            continue
         if record.checksum is not None:
             hasher = ItemHasher()
             hasher.update(view)
@@ -286,7 +307,7 @@ def _verify_and_place(placed: Sequence[tuple[ItemRecord, Want, memoryview]]
                                               f"expected xxh3_64 {record.checksum}, received "
                                               f"{hasher.hexdigest()}")
                 continue
-        if want.local is not None:
+        if want.local is not None and not direct:
             assert record.shape is not None
             chunk = torch.frombuffer(view, dtype=_dtype(record)).view(record.shape) if (
                 view.nbytes) else torch.empty(record.shape, dtype=_dtype(record))
@@ -378,10 +399,15 @@ async def _send_batches(channel: PeerChannel, client: int, tag: int, catalog: No
     try:
         while (message := await ready.get()) is not None:
             meta, buffer, nbytes = message
+            sizes = ([record["nbytes"] for record in meta["records"]]
+                     if meta["kind"] == "items" else [nbytes])
+            pieces, at = [], 0
+            for size in sizes:
+                pieces.append(buffer[at:at + size])
+                at += size
             try:
                 await _send_meta(channel, client, tag, meta)
-                await channel.send(client, {"kind": "data", "sizes": [nbytes]},
-                                   [buffer[:nbytes]], tag=tag)
+                await channel.send(client, {"kind": "data", "sizes": sizes}, pieces, tag=tag)
             finally:
                 buffers.give(buffer)
             sent += nbytes
@@ -505,13 +531,23 @@ async def _receive_payload(channel: PeerChannel, src: int, tag: int) -> memoryvi
 async def _receive_data(channel: PeerChannel, src: int, tag: int, into: memoryview,
                         nbytes: int) -> int:
     """The next data message from `src` (of `nbytes`) into `into`."""
-    header, got = await channel.receive(src, into[:nbytes], tag=tag)
-    if header.get("kind") != "data" or got != nbytes:
-        raise ValueError(f"restore stream from rank {src}: expected {nbytes} bytes of data, "
-                         f"found {describe_header(header)}")
-    return got
+    await _receive_into(channel, src, tag, [into[:nbytes]])
+    return nbytes
 
 
-def describe_header(header: dict[str, Any]) -> str:
+async def _receive_into(channel: PeerChannel, src: int, tag: int,
+                        views: Sequence[memoryview]) -> None:
+    """The next data message from `src`, its payload's pieces into `views` (one each)."""
+    header, _ = await channel.receive(src, memoryview(b""), tag=tag)
+    sizes = [int(size) for size in header.get("sizes", ())]
+    if header.get("kind") != "data" or sizes != [view.nbytes for view in views]:
+        raise ValueError(f"restore stream from rank {src}: expected data of "
+                         f"{[view.nbytes for view in views]} bytes, found "
+                         f"{_describe_header(header)}")
+    if sum(sizes):
+        await channel.receive_into(src, views, tag=tag)
+
+
+def _describe_header(header: dict[str, Any]) -> str:
     return f"a {header.get('kind')!r} message of {sum(header.get('sizes', ()))} bytes"
 
