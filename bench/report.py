@@ -442,21 +442,25 @@ def section_data_s3(result: dict[str, Any], docs: str) -> list[str]:
 
 
 def section_tiers(result: dict[str, Any], docs: str) -> list[str]:
-    """Tiered checkpoints: saves, replication, restores and drains against their baselines
-    and peers (issue 35)."""
+    """Tiered checkpoints on FSDP2 state: saves, restores and drains against their baselines
+    and peers, the bytes each tier holds (issue 46)."""
     from asynctron.bench.tiers import TARGETS
 
     median, world = result["median_s"], result["world_size"]
-    nbytes = result["nbytes_per_rank"]
-    rows = [[name, f"{value:.3f} s", "" if name.startswith("trainer")
-             else f"{nbytes / value / 1e9:.2f}"] for name, value in median.items()]
+    nbytes, cpu = result["nbytes_per_rank"], result.get("cpu_s", {})
+    rows = [[name, f"{value:.3f} s", "" if "trainer" in name
+             else f"{nbytes / value / 1e9:.2f}",
+             f"{cpu[name] / (nbytes / 1e9):.2f}" if name in cpu else ""]
+            for name, value in median.items()]
     plot = f"benchmarks_{'tiers_shm' if result['target'] == '/dev/shm' else 'tiers'}.png"
     _plot_tiers(result, os.path.join(docs, plot))
     lines = [f"{world} ranks as {world // result['ranks_per_node']} nodes of "
-             f"{result['ranks_per_node']}, {nbytes * world / GiB:.2f} GiB in all, local tiers "
-             f"on {result['target']}, a local SeaweedFS as the store; medians of "
+             f"{result['ranks_per_node']}, an FSDP2 state of "
+             f"{result['state_nbytes'] / GiB:.2f} GiB (AdamW's moments included), local "
+             f"tiers on {result['target']}, a local SeaweedFS as the store, reached through a "
+             f"proxy per node modelling `{result['store_profile']}`; medians of "
              f"{result['meta']['args']['repeats']} rounds, each the slowest rank's.", "",
-             *_table(["measure", "median", "GB/s per rank"], rows), "",
+             *_table(["measure", "median", "GB/s per rank", "CPU s/GB"], rows), "",
              f"![restores and saves, tiers against their peers]({plot})", ""]
     for name, ratio in result["ratios"].items():
         target = TARGETS.get(name)
@@ -466,6 +470,14 @@ def section_tiers(result: dict[str, Any], docs: str) -> list[str]:
         sign, bound = target
         met = ratio <= bound if sign == "<=" else ratio >= bound
         lines.append(f"- {name}: {ratio:.2f}x {_ok(met)} (target {sign} {bound:g}x)")
+    held = result["notes"].get("tier bytes", {})
+    if held:
+        lines += ["", *_table(["state", "size MiB", "each node's tier (x the state)",
+                               "replicas in it", "store"], [
+            [layout, f"{found['state'] / (1 << 20):.1f}",
+             ", ".join(f"{b / found['state']:.2f}" for b in found["local"]),
+             ", ".join(f"{b / found['state']:.2f}" for b in found["replicas"]),
+             f"{found['store'] / found['state']:.2f}"] for layout, found in held.items()])]
     return lines
 
 
@@ -474,24 +486,27 @@ def _plot_tiers(result: dict[str, Any], path: str) -> None:
     median = result["median_s"]
     groups = {
         "restore": ["restore local", "restore replica", "restore store",
-                    "nvidia-resiliency-ext restore local", "dcp.load (s3torchconnector)",
-                    "dcp.load (FsspecReader, s3fs)", "raw read", "raw send"],
+                    "restore store, proxied", "elastic restore from the store",
+                    "load_into of the same checkpoint", "nvidia-resiliency-ext restore local",
+                    "dcp.load (s3torchconnector), proxied",
+                    "dcp.load (FsspecReader, s3fs), proxied", "raw read", "raw send"],
         "save": ["tiers blocking", "plain blocking", "nvidia-resiliency-ext save (blocking)",
-                 "tiers committed", "plain committed"],
+                 "tiers committed", "plain committed", "raw write", "raw send"],
     }
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.6))
     for axis, (title, names) in zip(axes, groups.items(), strict=True):
         names = [name for name in names if name in median]
-        ours = ("restore", "tiers", "plain")
+        ours = ("restore", "tiers", "plain", "elastic", "load_into")
         colors = ["tab:gray" if name.startswith("raw") else "tab:orange"
                   if name.startswith(ours) else "tab:blue" for name in names]
         axis.barh(names, [median[name] for name in names], color=colors)
         axis.invert_yaxis()
-        axis.set_xlabel("seconds (median; the slowest rank)")
+        axis.set_xscale("log")
+        axis.set_xlabel("seconds (median; the slowest rank; log scale)")
         axis.set_title(title, fontsize=10)
         axis.tick_params(axis="y", labelsize=8)
-    figure.suptitle(f"tiered checkpoints, local tiers on {result['target']} (orange: asynctron, "
-                    "blue: peers, gray: raw transfers)", fontsize=10)
+    figure.suptitle(f"tiered checkpoints of FSDP2 state, local tiers on {result['target']} "
+                    "(orange: asynctron, blue: peers, gray: raw transfers)", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
@@ -748,8 +763,10 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any], str], list[str]]]] = {
     "dcp": ("Stock DCP through asynctron's plugin (issue 14)", section_dcp),
     "s3": ("Checkpoints on object storage (issue 28)", section_s3),
     "data_s3": ("Datasets on object storage (issue 29)", section_data_s3),
-    "tiers": ("Tiered checkpoints, local tiers on the disk (issue 35)", section_tiers),
-    "tiers_shm": ("Tiered checkpoints, local tiers in memory (issue 35)", section_tiers),
+    "tiers": ("Tiered checkpoints of FSDP2 state, local tiers on the disk (issue 46)",
+              section_tiers),
+    "tiers_shm": ("Tiered checkpoints of FSDP2 state, local tiers in memory (issue 46)",
+                  section_tiers),
 }
 
 

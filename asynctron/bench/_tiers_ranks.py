@@ -436,9 +436,11 @@ def _nvrx(rank: int, config: RunConfig, state: dict[str, torch.Tensor], clock: C
         def restore(iteration: int = iteration) -> None:
             found = manager(root, per_node)
             assert found.find_latest() == iteration
-            loaded, _ = found.load()
+            loaded, _ = found.load()  # its files read cold, as the tiers' are
             assert all(torch.equal(loaded.state()[key], value) for key, value in state.items())
 
+        _evict([os.path.join(folder, name) for folder, _, names in os.walk(root)
+                for name in names])
         _timed(clock, "nvidia-resiliency-ext restore local", restore, keep)
     # Its restore of a lost node's shards from their replicas cannot run here: the retrieval
     # moves every tensor to CUDA before sending it (`isend_state_dict`: `ten.cuda()`).

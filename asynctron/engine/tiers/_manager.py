@@ -211,9 +211,13 @@ class TierManager:
         if sender is not None:
             replica = None
             if result is not None and job is not None:
-                replica = await self._resources.run_blocking(
-                    _replica_manifest, job.published[MANIFEST_NAME], path,
-                    placement.is_replicated)
+                try:
+                    replica = await self._resources.run_blocking(
+                        _replica_manifest, job.published[MANIFEST_NAME], path,
+                        placement.is_replicated)
+                except Exception as failure:  # its holders then discard what they received
+                    logger.warning("rank %d: step %d: the replica's manifest could not be "
+                                   "made: %s", nodes.rank, step, describe(failure))
             await self._end_stream(sender, replica)
         received = await asyncio.gather(*receiving, return_exceptions=True)
         kept = [src for src, got in zip(self.sources, received, strict=True)

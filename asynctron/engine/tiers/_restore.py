@@ -315,28 +315,39 @@ async def _try_step(me: _RankState, target: FlatStateDict, step: int, world: int
     """
     nodes = ctx.nodes
     structure_of = nodes.rank if world in (None, nodes.world_size) else 0
+    holding = {node for node, shards in enumerate(held)
+               if world is not None and any((s, w) == (step, world) for s, _, w in shards)}
     catalog = None
+    if nodes.node in holding:
+        assert world is not None
+        here = {rank for s, rank, w in held[nodes.node] if (s, w) == (step, world)}
+        nearest = sorted(here, key=lambda owner: (owner != structure_of,
+                                                  nodes.node_of(owner) != nodes.node
+                                                  if world == nodes.world_size else 0, owner))
+        catalog = NodeCatalog(ctx.local, ctx.local_root, nearest, step=step, world_size=world,
+                              max_files_at_once=ctx.resources.config.num_workers,
+                              skipped=skipped, rank=nodes.rank)
+    servers = _servers(holding, nodes) if ctx.channel is not None else []
+    attempts = [0] * nodes.world_size
+    """Per rank, the next of its servers to ask (the same on every rank)."""
     try:
-        if world is not None:
-            here = {rank for s, rank, w in held[nodes.node] if (s, w) == (step, world)}
-            nearest = sorted(here, key=lambda owner: (owner != structure_of,
-                                                      nodes.node_of(owner) != nodes.node
-                                                      if world == nodes.world_size else 0,
-                                                      owner))
-            catalog = NodeCatalog(ctx.local, ctx.local_root, nearest, step=step,
-                                  world_size=world,
-                                  max_files_at_once=ctx.resources.config.num_workers,
-                                  skipped=skipped, rank=nodes.rank)
-            await _guard(me, _fill_local(me, target, catalog, structure_of, ctx, skipped))
+        # Round 1: every rank fills what its node holds; a rank whose node holds nothing of
+        # the step asks its first server meanwhile (that server serves while it fills).
+        asking = [nodes.node_of(rank) not in holding and bool(servers)
+                  and attempts[rank] < len(servers[rank]) for rank in range(nodes.world_size)]
+        local = None if catalog is None else _guard(me, _fill_local(
+            me, target, catalog, structure_of, ctx, skipped))
+        await _peer_round(me, catalog, asking, servers, attempts, structure_of, ctx, skipped,
+                          tag=tag, alongside=local)
         needy = await _gather(ctx, me)
-        if world is not None and ctx.channel is not None:
-            servers = _servers(step, world, held, nodes)
-            attempt = 0
-            while any(needy) and attempt < len(servers[0]):
-                await _peer_round(me, catalog, needy, servers, attempt, structure_of, ctx,
-                                  skipped, tag=tag + attempt)
-                needy = await _gather(ctx, me)
-                attempt += 1
+        while True:
+            asking = [need and bool(servers) and attempts[rank] < len(servers[rank])
+                      for rank, need in enumerate(needy)]
+            if not any(asking):
+                break
+            await _peer_round(me, catalog, asking, servers, attempts, structure_of, ctx,
+                              skipped, tag=tag + max(attempts))
+            needy = await _gather(ctx, me)
         if any(needy) and step in await store.steps():
             found = await _locate(step, ctx)
             if me.needy and isinstance(found, _StoreStep):
@@ -407,39 +418,39 @@ def _loader(reader: ItemReader, manifest: Manifest, ctx: RestoreContext) -> Load
                   verify=True, whole_chunks=True)
 
 
-def _servers(step: int, world: int, held: list[list[tuple[int, int, int]]],
-             nodes: Nodes) -> list[list[int]]:
+def _servers(holding: set[int], nodes: Nodes) -> list[list[int]]:
     """Per rank, the ranks it asks in turn: the same local rank of each other node that
     holds a shard of the step, nearest (next) node first."""
-    holding = {node for node, shards in enumerate(held)
-               if any((s, w) == (step, world) for s, _, w in shards)}
     servers = []
     for rank in range(nodes.world_size):
         node = nodes.node_of(rank)
         order = [(node + j) % nodes.num_nodes for j in range(1, nodes.num_nodes)]
         servers.append([other * nodes.ranks_per_node + rank % nodes.ranks_per_node
                         for other in order if other in holding])
-    width = max(map(len, servers), default=0)
-    return [found + [-1] * (width - len(found)) for found in servers]
+    return servers
 
 
-async def _peer_round(me: _RankState, catalog: NodeCatalog | None, needy: list[bool],
-                      servers: list[list[int]], attempt: int, structure_of: int,
-                      ctx: RestoreContext, skipped: list[str], *, tag: int) -> None:
-    """Every needy rank asks its `attempt`-th server; every server answers its askers."""
+async def _peer_round(me: _RankState, catalog: NodeCatalog | None, asking: list[bool],
+                      servers: list[list[int]], attempts: list[int], structure_of: int,
+                      ctx: RestoreContext, skipped: list[str], *, tag: int,
+                      alongside: Awaitable[None] | None = None) -> None:
+    """Every asking rank asks its next server; every server answers its askers; `alongside`
+    (this rank's own fill) runs meanwhile. Then each asking rank's next server is the one
+    after."""
     rank, channel = ctx.nodes.rank, ctx.channel
-    assert channel is not None
-    clients = [client for client, need in enumerate(needy)
-               if need and servers[client][attempt] == rank]
+    clients = [client for client, ask in enumerate(asking)
+               if ask and servers[client][attempts[client]] == rank]
 
     async def ask(server: int) -> None:
+        assert channel is not None
         wants = list(me.wants.values())
         fetched = await fetch_items(channel, server, wants, tag=tag,
                                     structure_of=None if me.structure is not None
                                     else structure_of, buffers=ctx.buffers,
                                     run_blocking=ctx.resources.run_blocking)
         for key, why in fetched.failed.items():
-            skip(skipped, ctx.nodes.rank, f"the copy on rank {server}'s node: key {key!r}: {why}")
+            skip(skipped, ctx.nodes.rank, f"the copy on rank {server}'s node: key {key!r}: "
+                                          f"{why}")
         if me.structure is None:
             me.structure = fetched.structure
         me.values.update(fetched.values)
@@ -450,14 +461,19 @@ async def _peer_round(me: _RankState, catalog: NodeCatalog | None, needy: list[b
     serving = ReceiveBuffers(2, ctx.buffers.nbytes)  # apart: a rank may serve and ask at once
     try:
         async with asyncio.TaskGroup() as group:
+            if alongside is not None:
+                group.create_task(alongside)
+            assert channel is not None or not clients
             for client in clients:
                 group.create_task(serve_items(channel, client, catalog, tag=tag,
                                               buffers=serving))
-            server = servers[rank][attempt] if needy[rank] else -1
-            if server >= 0:
-                group.create_task(_guard(me, ask(server)))
+            if asking[rank]:
+                group.create_task(_guard(me, ask(servers[rank][attempts[rank]])))
     except BaseExceptionGroup as error:
         raise first_error(error) from None
+    for client, ask_ in enumerate(asking):
+        if ask_:
+            attempts[client] += 1
 
 
 @dataclass(frozen=True, slots=True)
