@@ -78,7 +78,8 @@ def report(job: list[dict[str, Any]], smaller: list[dict[str, Any]],
     for name, value in median.items():
         rate = "" if "trainer" in name else f"{nbytes / value / 1e9:>15.2f}"
         if "trainer" in name:
-            rate = f"{'(per save)' if 'blocked' in name else '(per step)':>15}"
+            per_save = 'blocked' in name or 'planned' in name
+            rate = f"{'(per save)' if per_save else '(per step)':>15}"
         cost = f"{cpu[name] / (nbytes / 1e9):>10.2f}" if name in cpu else ""
         print(f"{name:<56}{value:>10.3f}{rate}{cost}")
     floor = max(median["raw send"], median["raw write"])

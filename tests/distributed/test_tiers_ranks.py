@@ -112,6 +112,13 @@ def test_replicas_serve_lost_and_damaged_shards_and_the_store_serves_two_lost_no
     assert "node0/step_00000004.rank_00000" in found[0]["skipped"][0]
     assert "expected xxh3_64" in found[0]["skipped"][0]
 
+    # the replica damaged too: rank 0 finds it where the bytes land, and takes the store's
+    _flip(f"{root}/node1/step_00000004.rank_00000.of_00004/__0_0.distcp", 4096)
+    found = _ranks(4, root, 2, "restore")
+    assert all(f["step"] == 4 and f["exact"] for f in found), found
+    assert found[0]["sources"] == ("store", "local", "local", "replica")
+    assert any("rank 2's node" in why and "received" in why for why in found[0]["skipped"])
+
     # node 1 lost with its disk (a new one comes up empty); a restore writes nothing, so
     # rank 0's damaged item is still damaged on node 0: that item alone from the store
     shutil.rmtree(f"{root}/node1")

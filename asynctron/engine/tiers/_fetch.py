@@ -13,9 +13,10 @@ whose payload is the bytes, so the receiver picks where they land before they ar
                        ...                                           piece
                        end
 
-Every record is checked where it is read (the server reads it with its digest checked, and
-marks it `bad` if it differs) and where it lands (the client hashes what it received).
-A key is fetched when every chunk the server sent of it verified on both ends.
+Every record is checked where it lands: the client hashes what it received against the
+record's digest, so a copy damaged on the serving node's disk or on the way is caught there
+(the server reads without a second pass over the bytes, and marks `bad` what it could not
+read). A key is fetched when every chunk the server sent of it verified.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ class _Landing:
         for index, record in enumerate(records):
             want = None if index in bad else self._check(record)
             if index in bad:
-                self._fail(record.key, "its chunk was damaged on the serving node")
+                self._fail(record.key, "its chunk could not be read on the serving node")
             region = None if want is None or want.local is None else _overlap_region(
                 record, want)
             if region is not None and region.device.type == "cpu" and (
@@ -221,7 +222,7 @@ class _Landing:
         if pieces.hashing is not None:
             await pieces.hashing
         if bad:
-            self._fail(record.key, "its chunk was damaged on the serving node")
+            self._fail(record.key, "its chunk could not be read on the serving node")
         elif pieces.want is None:
             return
         elif record.checksum is not None and pieces.hasher.hexdigest() != record.checksum:
@@ -439,8 +440,8 @@ def _batches(records: Sequence[ItemRecord], nbytes: int) -> list[list[ItemRecord
 
 async def _read_batch(catalog: NodeCatalog, batch: list[ItemRecord], buffers: ReceiveBuffers
                       ) -> tuple[dict[str, Any], memoryview, int]:
-    """Whole records back to back into a buffer, their digests checked (a record that fails
-    is marked bad): the batch's meta message, the buffer, its bytes."""
+    """Whole records back to back into a buffer (a record that cannot be read is marked bad):
+    the batch's meta message, the buffer, its bytes."""
     buffer = await buffers.take()
     try:
         jobs, at = [], 0
@@ -448,10 +449,8 @@ async def _read_batch(catalog: NodeCatalog, batch: list[ItemRecord], buffers: Re
             jobs.append(ReadJob(record, buffer[at:at + record.nbytes]))
             at += record.nbytes
         try:
-            errors = await catalog.read(jobs, verify=True, slab_bytes=buffers.nbytes)
-            bad = [index for index, record in enumerate(batch)
-                   if any(error.key == record.key and error.offset == record.offset
-                          for error in errors)]
+            await catalog.read(jobs, verify=False, slab_bytes=buffers.nbytes)
+            bad: list[int] = []
         except SHARD_FAILURES:
             bad = list(range(len(batch)))
     except BaseException:
@@ -464,9 +463,8 @@ async def _read_batch(catalog: NodeCatalog, batch: list[ItemRecord], buffers: Re
 async def _read_pieces(catalog: NodeCatalog, record: ItemRecord, buffers: ReceiveBuffers,
                        ready: asyncio.Queue[tuple[dict[str, Any], memoryview, int] | None]
                        ) -> None:
-    """A record larger than a buffer, piece by piece into `ready`, its digest checked as it
-    is read (the last piece's meta says whether it matched)."""
-    hasher: ItemHasher | None = ItemHasher() if record.checksum is not None else None
+    """A record larger than a buffer, piece by piece into `ready` (the last piece's meta says
+    whether it could all be read)."""
     bad = False
     start = 0
     while start < record.nbytes:
@@ -475,17 +473,15 @@ async def _read_pieces(catalog: NodeCatalog, record: ItemRecord, buffers: Receiv
         try:
             if not bad:
                 try:
-                    await catalog.read_range(record, start, buffer[:nbytes], hasher)
+                    await catalog.read_range(record, start, buffer[:nbytes], None)
                 except SHARD_FAILURES:
                     bad = True
-            last = start + nbytes == record.nbytes
-            if last and hasher is not None and not bad:
-                bad = catalog.digest_error(record, hasher.hexdigest()) is not None
         except BaseException:
             buffers.give(buffer)
             raise
         await ready.put(({"kind": "piece", "record": _record_json(record), "start": start,
-                          "nbytes": nbytes, "last": last, "bad": bad}, buffer, nbytes))
+                          "nbytes": nbytes, "last": start + nbytes == record.nbytes,
+                          "bad": bad}, buffer, nbytes))
         start += nbytes
 
 
