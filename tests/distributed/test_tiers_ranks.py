@@ -1,8 +1,9 @@
-"""Tiers across real gloo ranks, several "nodes" on this machine (`ASYNCTRON_RANKS_PER_NODE`,
-a `{node}` local tier each): replicas on the next node, a node lost (its tier deleted, its
-ranks killed) restored from replicas, damaged shards skipped, two nodes lost restored from the
-store, a node lost mid-save, a drain killed midway. Every restore is checked bit for bit
-against the step it names."""
+"""Tiers across real gloo ranks holding FSDP2 state (`fully_shard`, AdamW, `get_state_dict`),
+several "nodes" on this machine (`ASYNCTRON_RANKS_PER_NODE`, a `{node}` local tier each):
+replicas on the next node, a node lost (its tier deleted, its ranks killed) restored from the
+other node, damaged shards skipped item by item, two nodes lost restored from the store, a node
+lost mid-save, a drain killed midway. Every restore is checked bit for bit (each tensor's
+whole bytes) against the step it names, retrained from scratch."""
 
 from __future__ import annotations
 
@@ -13,44 +14,65 @@ import threading
 from typing import Any
 
 import pytest
-import torch
 import uvloop
 
 import asynctron
 from asynctron import Engine, PeerError, Tiers
 from asynctron._launch import run_local_ranks
 from asynctron.testing import FaultyBackend
+from asynctron.testing._layouts import Job, build, full_digests
 
 pytestmark = pytest.mark.slow
 
 SMALL = {"slab_bytes": 256 << 10, "memory_budget_bytes": 1 << 20}
 
 
-def state_of(rank: int, step: int) -> dict[str, Any]:
-    """A rank's state at `step`: its own tensors (under its own keys, as a key names one value
-    of the whole job), a replicated one, and per-rank JSON values under keys every rank uses
-    (a loader's cursor)."""
-    g = torch.Generator().manual_seed(step * 1000 + rank)
-    return {"own": {f"rank{rank}": torch.randn(300_000, generator=g)},
-            "shared": torch.full((4096,), float(step)),
-            "rng": {f"rank{rank}": torch.randint(0, 255, (5056,), dtype=torch.uint8,
-                                                 generator=g)},
-            "cursor": {"rank": rank, "consumed": 16 * step}, "step": step}
+def state_of(rank: int, job: Job, step: int) -> dict[str, Any]:
+    """A rank's state at `step`: the FSDP2 model's and optimizer's, and per-rank JSON values
+    under keys every rank uses (a loader's cursor)."""
+    return {**job.state(), "cursor": {"rank": rank, "consumed": 16 * step}, "step": step}
 
 
-def empty(rank: int) -> dict[str, Any]:
-    return {"own": {f"rank{rank}": torch.zeros(300_000)}, "shared": torch.zeros(4096),
-            "rng": {f"rank{rank}": torch.zeros(5056, dtype=torch.uint8)},
-            "cursor": {"rank": -1, "consumed": 0}, "step": -1}
+def trained(per_node: int, step: int) -> Job:
+    """This test's FSDP2 job trained to `step` (the same on every run: collective)."""
+    job = build("fsdp", per_node=per_node)
+    for done in range(1, step + 1):
+        job.train_step(done)
+    return job
 
 
-def exact(rank: int, step: int, target: dict[str, Any], values: dict[str, Any]) -> bool:
-    want = state_of(rank, step)
-    mine = f"rank{rank}"
-    return (torch.equal(want["own"][mine], target["own"][mine])
-            and torch.equal(want["shared"], target["shared"])
-            and torch.equal(want["rng"][mine], target["rng"][mine])
-            and values["cursor"] == want["cursor"] and values["step"] == step)
+def empty(per_node: int) -> Job:
+    """A fresh job (other weights), its optimizer's state made, to restore into."""
+    job = build("fsdp", per_node=per_node, seed=7)
+    job.init_optimizer_state()
+    return job
+
+
+def exact(rank: int, per_node: int, step: int, target: Job, values: dict[str, Any]) -> bool:
+    """Collective: `target` holds `step`'s state bit for bit, and `values` its values."""
+    return (full_digests(target.state()) == full_digests(trained(per_node, step).state())
+            and values["cursor"] == {"rank": rank, "consumed": 16 * step}
+            and values["step"] == step)
+
+
+async def save_steps(rank: int, per_node: int, engine: Engine, steps: list[int]) -> list[int]:
+    """Train a fresh job to the last of `steps`, saving each of them."""
+    job = build("fsdp", per_node=per_node)
+    saved = []
+    for step in range(1, max(steps) + 1):
+        job.train_step(step)
+        if step in steps:
+            saved.append((await engine.save(state_of(rank, job, step), step=step)).step)
+    return saved
+
+
+async def restore_into(rank: int, per_node: int, engine: Engine) -> dict[str, Any]:
+    """Restore into a fresh job; what was found, and whether it is exact."""
+    target = empty(per_node)
+    result = await engine.restore(state_of(rank, target, -1))
+    target.load(result.state)
+    return {"step": result.step, "sources": result.sources, "skipped": result.skipped,
+            "exact": exact(rank, per_node, result.step, target, result.state)}
 
 
 def tiers_of(root: str, **fields: Any) -> Tiers:
@@ -67,12 +89,8 @@ def run(rank: int, world: int, root: str, per_node: int, action: str,
     async def main() -> Any:
         async with Engine(tiers=tiers, **SMALL) as engine:
             if action == "save":
-                return [(await engine.save(state_of(rank, step), step=step)).step
-                        for step in steps]
-            target = empty(rank)
-            result = await engine.restore(target)
-            return {"step": result.step, "sources": result.sources, "skipped": result.skipped,
-                    "exact": exact(rank, result.step, target, result.state)}
+                return await save_steps(rank, per_node, engine, steps)
+            return await restore_into(rank, per_node, engine)
 
     return uvloop.run(main())
 
@@ -108,7 +126,9 @@ def test_replicas_serve_lost_and_damaged_shards_and_the_store_serves_two_lost_no
     os.truncate(f"{root}/node1/step_00000004.rank_00003.of_00004/__3_0.distcp", 100)
     found = _ranks(4, root, 2, "restore")
     assert all(f["step"] == 4 and f["exact"] for f in found), found
-    assert found[0]["sources"] == ("replica", "local", "local", "replica")
+    # rank 3's shard (holding also node 1's copy of some of rank 2's replicated items) from
+    # node 0: rank 0's replica of its shard, node 0's own copy of the replicated items
+    assert found[0]["sources"] == ("replica", "local", "replica", "replica")
     assert "node0/step_00000004.rank_00000" in found[0]["skipped"][0]
     assert "expected xxh3_64" in found[0]["skipped"][0]
 
@@ -116,7 +136,7 @@ def test_replicas_serve_lost_and_damaged_shards_and_the_store_serves_two_lost_no
     _flip(f"{root}/node1/step_00000004.rank_00000.of_00004/__0_0.distcp", 4096)
     found = _ranks(4, root, 2, "restore")
     assert all(f["step"] == 4 and f["exact"] for f in found), found
-    assert found[0]["sources"] == ("store", "local", "local", "replica")
+    assert found[0]["sources"] == ("store", "local", "replica", "replica")
     assert any("rank 2's node" in why and "received" in why for why in found[0]["skipped"])
 
     # node 1 lost with its disk (a new one comes up empty); a restore writes nothing, so
@@ -140,15 +160,18 @@ def lose_a_node_mid_save(rank: int, world: int, root: str) -> Any:
 
     async def main() -> Any:
         async with Engine(tiers=tiers, backend=backend, **SMALL) as engine:
+            job = build("fsdp", per_node=1)
             for step in (1, 2):
-                await engine.save(state_of(rank, step), step=step)
+                job.train_step(step)
+                await engine.save(state_of(rank, job, step), step=step)
+            job.train_step(3)
             if rank == 1:
                 gate = backend.hold("write", where="step_00000003.rank_00001.of_00002")
                 threading.Thread(target=lambda: (gate.wait_reached(60),
                                                  os.kill(os.getpid(), signal.SIGKILL)),
                                  daemon=True).start()
             try:
-                await engine.save(state_of(rank, 3), step=3)
+                await engine.save(state_of(rank, job, 3), step=3)
             except PeerError as error:
                 return f"PeerError: {error}"
             return "saved"
@@ -179,8 +202,7 @@ def kill_the_drain(rank: int, world: int, root: str) -> Any:
 
     async def main() -> Any:
         async with Engine(tiers=tiers_of(root), store_backend=store, **SMALL) as engine:
-            for step in (1, 2):
-                await engine.save(state_of(rank, step), step=step)
+            await save_steps(rank, 1, engine, [1, 2])
         return "closed"
 
     return uvloop.run(main())

@@ -26,7 +26,7 @@ from asynctron._launch import run_local_ranks
 from asynctron.storage.backends.s3 import S3Backend, S3Config
 from asynctron.testing.seaweedfs import SeaweedFS
 from asynctron.testing.tcp_proxy import TcpFaultProxy
-from tests.distributed.test_tiers_ranks import SMALL, empty, exact, state_of, tiers_of
+from tests.distributed.test_tiers_ranks import SMALL, restore_into, save_steps, tiers_of
 from tests.s3.conftest import keys_under
 
 pytestmark = pytest.mark.slow
@@ -84,13 +84,13 @@ def drain_while_the_store_is_down(rank: int, world: int, root: str, store: str,
     async def main() -> list[int]:
         async with Engine(tiers=tiers_of(root, store=store, store_every=2),
                           store_backend=backend, **SMALL) as engine:
-            saved = [(await engine.save(state_of(rank, s), step=s)).step for s in (1, 2)]
+            saved = await save_steps(rank, 1, engine, [1, 2])
             await lines.wait_for("drain of step 2 to ")
             await asyncio.to_thread(dist.barrier)
             if proxy is not None:
                 proxy.pass_through()
             await asyncio.to_thread(dist.barrier)
-            saved.append((await engine.save(state_of(rank, 3), step=3)).step)
+            saved += await save_steps(rank, 1, engine, [3])
             await lines.wait_for("step 3 drained to ")
         return saved
 
@@ -109,16 +109,13 @@ def restore_through(rank: int, world: int, root: str, store: str, endpoint: str)
     async def main() -> Any:
         async with Engine(tiers=tiers_of(root, store=store), store_backend=backend,
                           **SMALL) as engine:
-            target = empty(rank)
             started = time.monotonic()
             try:
-                result = await engine.restore(target)
+                return await restore_into(rank, 1, engine)
             except Exception as error:
                 return {"error": type(error).__name__, "message": str(error),
                         "not found": isinstance(error, asynctron.CheckpointNotFoundError),
                         "seconds": time.monotonic() - started}
-            return {"step": result.step, "sources": result.sources,
-                    "exact": exact(rank, result.step, target, result.state)}
 
     return uvloop.run(main())
 
