@@ -48,10 +48,10 @@ from asynctron.storage import (
     ItemRecord,
     Manifest,
     ReadJob,
-    dcp_values,
     decode_blob,
     saved_value,
     tensor_of,
+    value_paths,
 )
 
 RecordKey = tuple[str, tuple[int, ...] | None]
@@ -78,7 +78,7 @@ class OpenCheckpoint:
     def of(cls, reader: CheckpointReader, manifest: Manifest) -> OpenCheckpoint:
         return cls(reader, manifest, {(record.key, record.chunk_offsets if record.kind == "tensor"
                                        else None): record for record in manifest.items},
-                   dcp_values(manifest.structure))
+                   value_paths(manifest.structure, whole_lists=True))
 
 
 #: The most temporary bytes (blobs, chunks read apart) one wave holds, below

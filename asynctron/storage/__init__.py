@@ -56,7 +56,6 @@ from asynctron.storage._dcp import METADATA_NAME as METADATA_NAME
 from asynctron.storage._dcp import MetadataUnpickler as MetadataUnpickler
 from asynctron.storage._dcp import check_object_blob as check_object_blob
 from asynctron.storage._dcp import dcp_structure as dcp_structure
-from asynctron.storage._dcp import dcp_values as dcp_values
 from asynctron.storage._dcp import decode_blob as decode_blob
 from asynctron.storage._dcp import metadata_bytes as metadata_bytes
 from asynctron.storage._dcp import metadata_of as metadata_of

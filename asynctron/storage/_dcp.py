@@ -62,7 +62,7 @@ from asynctron.storage._manifest import (
     is_count,
     paused_gc,
 )
-from asynctron.storage._plan import Structure, item_paths
+from asynctron.storage._plan import Structure, item_paths, value_paths
 
 METADATA_NAME = ".metadata"
 #: A `.metadata` larger than this is refused before unpickling. A stock DCP checkpoint takes
@@ -560,49 +560,11 @@ def metadata_of(manifest: Manifest) -> Metadata:
         assert isinstance(entry, TensorStorageMetadata)
         entry.chunks.append(ChunkStorageMetadata(offsets=torch.Size(record.chunk_offsets),
                                                  sizes=torch.Size(record.shape)))
-    for key in dcp_values(manifest.structure):
+    for key in value_paths(manifest.structure, whole_lists=True):
         state_dict_metadata.setdefault(key, BytesStorageMetadata())
     return Metadata(state_dict_metadata=state_dict_metadata,
                     planner_data=item_paths(manifest.structure), storage_data={},
                     version=CURRENT_DCP_VERSION)
-
-
-def dcp_values(structure: Structure) -> dict[str, Any]:
-    """The structure's JSON values cut as DCP's traversal cuts a state dict: by dotted key, a
-    tuple, or a list holding no item or dict, as one value (`betas`)."""
-    values: dict[str, Any] = {}
-    stack: list[tuple[str, Structure]] = [("", structure)]
-    while stack:
-        path, node = stack.pop()
-        (tag, body), = node.items()
-        if tag == "value":
-            values[path] = body
-        elif tag == "dict":
-            stack.extend((f"{path}.{key}" if path else str(key), child) for key, child in body)
-        elif tag in ("list", "tuple"):
-            whole = _whole_value(node)
-            if whole is not _NOT_A_VALUE:
-                values[path] = whole
-            else:
-                stack.extend((f"{path}.{i}" if path else str(i), c) for i, c in enumerate(body))
-    return values
-
-
-_NOT_A_VALUE = object()
-
-
-def _whole_value(node: Structure) -> Any:
-    """A list or tuple node of only values (and such lists) as its value, else
-    `_NOT_A_VALUE`."""
-    (tag, body), = node.items()
-    if tag == "value":
-        return body
-    if tag not in ("list", "tuple"):
-        return _NOT_A_VALUE
-    parts = [_whole_value(child) for child in body]
-    if any(part is _NOT_A_VALUE for part in parts):
-        return _NOT_A_VALUE
-    return parts if tag == "list" else tuple(parts)
 
 
 def saved_value(value: Any) -> bytes:

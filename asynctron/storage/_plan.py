@@ -254,9 +254,10 @@ def item_paths(structure: Structure) -> dict[str, tuple[str | int, ...]]:
     return paths
 
 
-def value_paths(structure: Structure) -> dict[str, Any]:
+def value_paths(structure: Structure, *, whole_lists: bool = False) -> dict[str, Any]:
     """Every JSON value leaf (a step, a learning rate, a name) by its dotted key, as items are
-    keyed, in the saved order."""
+    keyed, in the saved order. With `whole_lists`, the state dict is cut where DCP's traversal
+    cuts it: a tuple, or a list holding only values (`betas`), is one value."""
     values: dict[str, Any] = {}
 
     def visit(prefix: str, node: Structure) -> None:
@@ -267,11 +268,32 @@ def value_paths(structure: Structure) -> dict[str, Any]:
             for key, child in body:
                 visit(f"{prefix}.{key}" if prefix else str(key), child)
         elif tag in ("list", "tuple"):
+            whole = _whole_value(node) if whole_lists else _NOT_A_VALUE
+            if whole is not _NOT_A_VALUE:
+                values[prefix] = whole
+                return
             for i, child in enumerate(body):
                 visit(f"{prefix}.{i}" if prefix else str(i), child)
 
     visit("", structure)
     return values
+
+
+_NOT_A_VALUE = object()
+
+
+def _whole_value(node: Structure) -> Any:
+    """A value node, or a list or tuple node of only such nodes, as its value; else
+    `_NOT_A_VALUE`."""
+    (tag, body), = node.items()
+    if tag == "value":
+        return body
+    if tag not in ("list", "tuple"):
+        return _NOT_A_VALUE
+    parts = [_whole_value(child) for child in body]
+    if any(part is _NOT_A_VALUE for part in parts):
+        return _NOT_A_VALUE
+    return parts if tag == "list" else tuple(parts)
 
 
 def merge_structures(structures: list[str]) -> str:

@@ -97,29 +97,26 @@ def build(layout: Layout, *, per_node: int, width: int = 64, depth: int = 2,
     world = dist.get_world_size()
     torch.manual_seed(seed)
     model = torch.nn.Sequential(*(Block(width) for _ in range(depth)))
-    if layout == "fsdp":
-        mesh = init_device_mesh("cpu", (world,))
-        for block in model:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    elif layout == "hsdp":
-        mesh = init_device_mesh("cpu", (world // per_node, per_node),
-                                mesh_dim_names=("replicate", "shard"))
-        for block in model:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    elif layout == "tp":
-        mesh = init_device_mesh("cpu", (world // per_node, per_node),
-                                mesh_dim_names=("dp", "tp"))
-        for block in model:
-            parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(),
-                                                   "down": RowwiseParallel()})
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-    elif layout == "ddp":
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, found {layout!r}")
+    if layout == "ddp":
         model = DistributedDataParallel(model)
     else:
-        raise ValueError(f"layout: expected one of {LAYOUTS}, found {layout!r}")
+        if layout == "fsdp":
+            shard_mesh = init_device_mesh("cpu", (world,))
+        elif layout == "hsdp":
+            shard_mesh = init_device_mesh("cpu", (world // per_node, per_node),
+                                          mesh_dim_names=("replicate", "shard"))
+        else:  # tp
+            mesh = init_device_mesh("cpu", (world // per_node, per_node),
+                                    mesh_dim_names=("dp", "tp"))
+            for block in model:
+                parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(),
+                                                       "down": RowwiseParallel()})
+            shard_mesh = mesh["dp"]
+        for block in model:
+            fully_shard(block, mesh=shard_mesh)
+        fully_shard(model, mesh=shard_mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     return Job(layout, model, optimizer, width)
 
