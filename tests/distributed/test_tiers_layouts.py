@@ -19,6 +19,7 @@ import uvloop
 import asynctron
 from asynctron import Engine, Tiers
 from asynctron._launch import run_local_ranks
+from asynctron.cli import main as cli_main
 from asynctron.cli import verify_checkpoint
 from asynctron.storage import MANIFEST_NAME, parse_manifest
 from asynctron.testing._layouts import LAYOUTS, Job, build, full_digests, full_nbytes
@@ -160,7 +161,8 @@ def test_every_layout_restores_bit_for_bit_from_every_tier_and_elastically(
     _check(found, STEPS + 2, ("store",) * 4, two)
 
     # the drained step is an ordinary checkpoint: one process loads it whole, stock
-    # `dcp.load` reads it through the plugin, `asynctron verify` checks every item
+    # `dcp.load` reads it through the plugin, `asynctron verify` checks every item and
+    # `asynctron inspect` lists it
     for layout in LAYOUTS:
         store = f"{root}/{layout}/store"
         whole = asynctron.load(store)
@@ -171,3 +173,4 @@ def test_every_layout_restores_bit_for_bit_from_every_tier_and_elastically(
         assert whole["step"] == into["step"] == STEPS + 2
         path, _, failures = uvloop.run(verify_checkpoint(store))
         assert failures == [] and path.endswith("step_00000006"), (layout, failures)
+        assert cli_main(["inspect", store]) == 0
