@@ -14,6 +14,7 @@ import socket
 from collections import deque
 from dataclasses import dataclass, field
 
+from asynctron.testing import _selector_proxy
 from asynctron.testing._http_framing import Framer, Head
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -57,13 +58,10 @@ class Chunk:
     """The proxy's own answer."""
 
 
-@dataclass(eq=False, slots=True)
-class Pipe:
+@dataclass(eq=False, slots=True, kw_only=True)
+class Pipe(_selector_proxy.Pipe):
     """One direction of a connection: bytes read from `src`, shaped, written to `dst`."""
 
-    src: socket.socket
-    dst: socket.socket
-    up: bool
     framer: Framer
     node: Link
     """The node's link this way, shared by every connection."""
@@ -78,10 +76,6 @@ class Pipe:
     """The head of the message being read."""
     timer_s: float | None = None
     want_write: bool = False
-    eof: bool = False
-    """`src` ended."""
-    shut: bool = False
-    """`dst` was shut down for writing."""
 
     def queue(self, chunk: Chunk, now_s: float) -> None:
         self.unpaid.append(chunk)
@@ -116,15 +110,11 @@ class Pipe:
         return self.paid[0].release_s if self.paid else self.hold_s
 
 
-@dataclass(eq=False, slots=True)
-class Connection:
+@dataclass(eq=False, slots=True, kw_only=True)
+class Connection(_selector_proxy.Connection[Pipe]):
     """A client's connection and its own to the server, and the HTTP bookkeeping that pairs
     requests with responses."""
 
-    client: socket.socket
-    upstream: socket.socket
-    up: Pipe
-    down: Pipe
     methods: deque[str]
     """Forwarded requests' methods, for framing their responses (the down framer's)."""
     request_ends_s: deque[float] = field(default_factory=deque)
@@ -138,7 +128,6 @@ class Connection:
     """Forwarded requests whose responses have not fully gone to the client."""
     refusing: bool = False
     """The request being read now was refused."""
-    closed: bool = False
 
     def request_ended(self, now_s: float) -> None:
         """A forwarded request went whole to the server: its response counts from now."""
@@ -159,10 +148,12 @@ def new_connection(client: socket.socket, upstream: socket.socket, up_node: Link
     methods: deque[str] = deque()
     return Connection(
         client, upstream,
-        Pipe(client, upstream, True, Framer(None), up_node, Link(connection_bytes_per_s)),
-        Pipe(upstream, client, False, Framer(lambda: methods.popleft() if methods else None),
-             down_node, Link(connection_bytes_per_s)),
-        methods)
+        Pipe(client, upstream, True, framer=Framer(None), node=up_node,
+             link=Link(connection_bytes_per_s)),
+        Pipe(upstream, client, False,
+             framer=Framer(lambda: methods.popleft() if methods else None), node=down_node,
+             link=Link(connection_bytes_per_s)),
+        methods=methods)
 
 
 def slowdown(method: str) -> bytes:

@@ -30,27 +30,26 @@ What it does to the bytes, each direction on its own:
 Mechanism: the proxy reads HTTP/1.1 framing (`_http_framing`: heads, Content-Length,
 chunked coding) to know where each request ends and each response begins on keep-alive
 connections, forwarding the bytes unchanged; what it holds per connection, and when each
-chunk of bytes may go, is `_shaping`'s. One plain thread runs a `selectors` loop with a
-timer heap, as `TcpFaultProxy` does (the code under test may block its own loop). A
-connection whose bytes are not HTTP/1.1 as the framer reads it is reset, with a warning.
-It costs about one CPU-second per GB moved: ~1 GB/s one way on a core of its own, a third
-of a core for `s3-node`'s 352 MB/s (docs/benchmarks.md, "The remote-store profile").
+chunk of bytes may go, is `_shaping`'s. One plain thread runs a `selectors` loop, with a
+timer heap, on the machinery it shares with `TcpFaultProxy` (`_selector_proxy`; the code
+under test may block its own loop). A connection whose bytes are not HTTP/1.1 as the framer
+reads it is reset, with a warning. It costs about one CPU-second per GB moved: ~1 GB/s one
+way on a core of its own, a third of a core for `s3-node`'s 352 MB/s (docs/benchmarks.md,
+"The remote-store profile").
 """
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import logging
 import selectors
 import socket
-import struct
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from asynctron.testing._http_framing import Head, Piece, ProtocolError
+from asynctron.testing._selector_proxy import SelectorProxy, listen
 from asynctron.testing._shaping import (
     CONTINUE,
     Chunk,
@@ -66,14 +65,9 @@ __all__ = ["ShapingProxy", "ShapingStatistics"]
 
 logger = logging.getLogger(__name__)
 
-_HOST = "127.0.0.1"
 _READ_BYTES = 256 << 10
 _QUEUE_BYTES = 1 << 20
 """A direction of a connection stops reading while this many bytes wait in the proxy."""
-_BACKLOG = 128
-_CONNECT_TIMEOUT_S = 2.0
-_STOP_TIMEOUT_S = 2.0
-_LINGER_ZERO = struct.pack("ii", 1, 0)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,59 +92,37 @@ class ShapingStatistics:
     peak_in_flight: int
 
 
-class ShapingProxy:
+class ShapingProxy(SelectorProxy[Connection, Pipe]):
     """A proxy on 127.0.0.1 to one upstream HTTP/1.1 store, shaping it as `profile` says.
 
     Not constructed directly; returned by `ShapingProxy.start`. `statistics`, `wait_until`
     and `stop` are thread-safe.
     """
 
+    _label = "shaping proxy"
+
     def __init__(self, listener: socket.socket, upstream: tuple[str, int],
                  profile: StoreProfile) -> None:
-        self.host, self.port = listener.getsockname()[:2]
-        self.upstream = upstream
+        super().__init__(listener, upstream)
         self.profile = profile
-        self._listener = listener
-        self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
         self._up_link = Link(profile.up_bandwidth_bytes_per_s)
         self._down_link = Link(profile.down_bandwidth_bytes_per_s)
-        self._connections: set[Connection] = set()
         self._timers: list[tuple[float, int, Pipe, Connection]] = []
         self._timer_seq = 0
-        self._running = True
         # Shared with other threads, under `_cond`:
-        self._cond = threading.Condition()
-        self._stop_requested = False
-        self._closed = False
         self._counts = dict.fromkeys(("num_connections", "num_requests", "num_slowdowns",
                                       "up_bytes", "down_bytes", "num_in_flight",
                                       "peak_in_flight"), 0)
         """`ShapingStatistics`' fields; written by the proxy thread only."""
-        self._selector.register(listener, selectors.EVENT_READ, self._accept)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, self._on_wake)
-        self._thread = threading.Thread(target=self._run, name=f"shaping-proxy-{self.port}",
-                                        daemon=True)
 
     @classmethod
     def start(cls, upstream_host: str, upstream_port: int,
               profile: StoreProfile) -> ShapingProxy:
         """Listen on a free 127.0.0.1 port and forward every connection to the upstream
         address, shaped as `profile` says, on a new thread. Listening when this returns."""
-        listener = socket.socket()
-        listener.bind((_HOST, 0))
-        listener.listen(_BACKLOG)
-        listener.setblocking(False)
-        proxy = cls(listener, (upstream_host, upstream_port), profile)
+        proxy = cls(listen(), (upstream_host, upstream_port), profile)
         proxy._thread.start()
         return proxy
-
-    @property
-    def endpoint(self) -> str:
-        """`http://127.0.0.1:<port>`, the URL to give the client instead of the store's."""
-        return f"http://{self.host}:{self.port}"
 
     def statistics(self) -> ShapingStatistics:
         """The counters now."""
@@ -164,29 +136,6 @@ class ShapingProxy:
         with self._cond:
             return self._cond.wait_for(lambda: self._closed or predicate(self._statistics()),
                                        timeout_s) and predicate(self._statistics())
-
-    def stop(self) -> None:
-        """Reset every connection, close every socket and join the thread (within about 2 s).
-        Stopping again does nothing.
-
-        Raises:
-            RuntimeError: the thread did not end within 2 s.
-        """
-        with self._cond:
-            self._stop_requested = True
-        with contextlib.suppress(OSError):  # closed: stopped already
-            self._wake_w.send(b"\0")
-        self._thread.join(_STOP_TIMEOUT_S)
-        if self._thread.is_alive():
-            raise RuntimeError(f"shaping proxy {self.host}:{self.port}: expected its thread "
-                               f"to end within {_STOP_TIMEOUT_S} s, found it running")
-        self._wake_w.close()
-
-    def __enter__(self) -> ShapingProxy:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
 
     def __repr__(self) -> str:
         return (f"<ShapingProxy {self.host}:{self.port} -> {self.upstream[0]}:"
@@ -205,65 +154,37 @@ class ShapingProxy:
 
     # The proxy thread only, from here on.
 
-    def _run(self) -> None:
-        try:
-            while self._running:
-                timeout = max(0.0, self._timers[0][0] - time.monotonic()) if self._timers \
-                    else None
-                for key, mask in self._selector.select(timeout):
-                    if isinstance(key.data, Connection):
-                        self._on_ready(key.data, key.fileobj, mask)  # type: ignore[arg-type]
-                    else:
-                        key.data()
-                now = time.monotonic()
-                while self._timers and self._timers[0][0] <= now:
-                    at, _, pipe, connection = heapq.heappop(self._timers)
-                    if pipe.timer_s == at:
-                        pipe.timer_s = None
-                    if not connection.closed:
-                        self._service(connection, pipe, now)
-        finally:
-            for connection in list(self._connections):
-                self._close(connection, reset=True)
-            self._selector.close()
-            self._listener.close()
-            self._wake_r.close()
-            with self._cond:
-                self._closed = True
-                self._cond.notify_all()
-
-    def _on_wake(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            self._wake_r.recv(4096)
-        with self._cond:
-            self._running = not self._stop_requested
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:  # nothing left to accept, or it was reset while queued
-                return
-            self._count("num_connections")
-            try:
-                upstream = socket.create_connection(self.upstream, timeout=_CONNECT_TIMEOUT_S)
-            except OSError:
-                _abort(client)
-                continue
-            for sock in (client, upstream):
-                sock.setblocking(False)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            connection = new_connection(client, upstream, self._up_link, self._down_link,
-                                        self.profile.connection_bandwidth_bytes_per_s)
-            self._connections.add(connection)
-            self._watch(connection)
-
-    def _on_ready(self, connection: Connection, sock: socket.socket, mask: int) -> None:
-        if connection.closed:  # closed by an earlier event of the same batch
-            return
+    def _tick(self) -> float | None:
+        """Service the pipes whose timers are due; how long until the next one."""
         now = time.monotonic()
-        out, into = ((connection.up, connection.down) if sock is connection.client
-                     else (connection.down, connection.up))
+        while self._timers and self._timers[0][0] <= now:
+            at, _, pipe, connection = heapq.heappop(self._timers)
+            if pipe.timer_s == at:
+                pipe.timer_s = None
+            if not connection.closed:
+                self._service(connection, pipe, now)
+        return max(0.0, self._timers[0][0] - time.monotonic()) if self._timers else None
+
+    def _admit(self, client: socket.socket) -> bool:
+        self._count("num_connections")
+        return True
+
+    def _new_connection(self, client: socket.socket, upstream: socket.socket) -> Connection:
+        return new_connection(client, upstream, self._up_link, self._down_link,
+                              self.profile.connection_bandwidth_bytes_per_s)
+
+    def _interest(self, out: Pipe, into: Pipe) -> int:
+        """Read a socket unless its outgoing pipe ended or holds `_QUEUE_BYTES`; write it when
+        its incoming pipe has more than the socket took."""
+        events = 0
+        if not out.eof and out.queued_bytes < _QUEUE_BYTES:
+            events |= selectors.EVENT_READ
+        if into.want_write:
+            events |= selectors.EVENT_WRITE
+        return events
+
+    def _on_ready(self, connection: Connection, out: Pipe, into: Pipe, mask: int) -> None:
+        now = time.monotonic()
         if mask & selectors.EVENT_WRITE:
             self._service(connection, into, now)
         if not connection.closed and mask & selectors.EVENT_READ:
@@ -343,14 +264,8 @@ class ShapingProxy:
             self._timer_seq += 1
             heapq.heappush(self._timers, (wake, self._timer_seq, pipe, connection))
         if pipe.eof and not pipe.paid and not pipe.unpaid and not pipe.shut:
-            pipe.shut = True
-            try:
-                pipe.dst.shutdown(socket.SHUT_WR)
-            except OSError:
-                self._close(connection, reset=True)
-                return
-            if connection.up.shut and connection.down.shut:
-                self._close(connection, reset=False)
+            self._pass_eof(connection, pipe)
+            if connection.closed:
                 return
         self._watch(connection)
 
@@ -359,12 +274,8 @@ class ShapingProxy:
         if chunk.drop:
             self._count("up_bytes", len(chunk.data))
             return True
-        try:
-            sent = pipe.dst.send(chunk.data[chunk.sent:])
-        except BlockingIOError:
-            sent = 0
-        except OSError:
-            self._close(connection, reset=True)
+        sent = self._send_some(connection, pipe.dst, chunk.data[chunk.sent:])
+        if sent is None:
             return False
         chunk.sent += sent
         if sent:
@@ -392,42 +303,7 @@ class ShapingProxy:
                 connection.num_forwarded_open -= 1
                 self._count("num_in_flight", -1)
 
-    def _watch(self, connection: Connection) -> None:
-        for sock, out, into in ((connection.client, connection.up, connection.down),
-                                (connection.upstream, connection.down, connection.up)):
-            events = 0
-            if not out.eof and out.queued_bytes < _QUEUE_BYTES:
-                events |= selectors.EVENT_READ
-            if into.want_write:
-                events |= selectors.EVENT_WRITE
-            try:
-                key = self._selector.get_key(sock)
-            except KeyError:
-                if events:
-                    self._selector.register(sock, events, connection)
-                continue
-            if not events:
-                self._selector.unregister(sock)
-            elif key.events != events:
-                self._selector.modify(sock, events, connection)
-
     def _close(self, connection: Connection, *, reset: bool) -> None:
-        if connection.closed:
-            return
-        connection.closed = True
-        self._connections.discard(connection)
-        self._count("num_in_flight", -connection.num_forwarded_open)
-        for sock in (connection.client, connection.upstream):
-            with contextlib.suppress(KeyError):
-                self._selector.unregister(sock)
-            if reset:
-                _abort(sock)
-            else:
-                sock.close()
-
-
-def _abort(sock: socket.socket) -> None:
-    """Close with RST rather than FIN (SO_LINGER 0); any unsent bytes are dropped."""
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_ZERO)
-    sock.close()
+        if not connection.closed:
+            self._count("num_in_flight", -connection.num_forwarded_open)
+        super()._close(connection, reset=reset)

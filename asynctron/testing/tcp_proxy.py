@@ -12,10 +12,11 @@ the next byte either side sends already meets the new fault. The counters
 an exact point of a transfer without sleeping. The counters keep the names the tests use
 rather than a `num_` prefix.
 
-Mechanism: one plain thread runs a `selectors` loop over non-blocking sockets. It does not use
-an asyncio loop. The code under test owns the test's loop and may block it, so the proxy needs
-a thread of its own either way. On that thread a selector loop gives the faults three things
-that asyncio transports hide:
+Mechanism: one plain thread runs a `selectors` loop over non-blocking sockets, on the
+machinery shared with `ShapingProxy` (`_selector_proxy`). It does not use an asyncio loop.
+The code under test owns the test's loop and may block it, so the proxy needs a thread of its
+own either way. On that thread a selector loop gives the faults three things that asyncio
+transports hide:
 - a switch is applied between two socket operations, so no transport keeps flushing its buffer
   after `stall`;
 - a reset is `SO_LINGER 0` and then close, on the real socket;
@@ -28,59 +29,37 @@ loopback.
 
 from __future__ import annotations
 
-import contextlib
 import selectors
 import socket
-import struct
 import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
 from asynctron.errors import ClosedError
+from asynctron.testing._selector_proxy import BACKLOG, Connection, Pipe, SelectorProxy, listen
 
 __all__ = ["Fault", "TcpFaultProxy"]
 
 Fault = Literal["pass_through", "reset", "refuse", "stall", "drop_after", "reset_each_after"]
 """What the proxy does now; each is the `TcpFaultProxy` method of that name."""
 
-_HOST = "127.0.0.1"
 _CHUNK_BYTES = 1 << 20
-_BACKLOG = 128
-_BIND_ATTEMPTS = 16
-_CONNECT_TIMEOUT_S = 2.0
 _SWITCH_TIMEOUT_S = 5.0
-_STOP_TIMEOUT_S = 2.0
-_LINGER_ZERO = struct.pack("ii", 1, 0)
 _AFTER_DROP = ("pass_through", "reset", "refuse", "stall")
 
 
-@dataclass(eq=False, slots=True)
-class _Pipe:
-    """One direction of a connection: bytes read from `src` are written to `dst`."""
+@dataclass(eq=False, slots=True, kw_only=True)
+class _Pipe(Pipe):
+    """A `Pipe` that forwards each read whole before it reads again."""
 
-    src: socket.socket
-    dst: socket.socket
-    up: bool
-    """Client to server."""
     pending: memoryview | None = None
     """Read from `src` and not yet taken by `dst`; nothing more is read until it is."""
-    eof: bool = False
-    """`src` sent EOF (so `dst` was shut down for writing)."""
 
 
-@dataclass(eq=False, slots=True)
-class _Connection:
-    client: socket.socket
-    upstream: socket.socket
-    up: _Pipe = field(init=False)
-    down: _Pipe = field(init=False)
-    closed: bool = False
+@dataclass(eq=False, slots=True, kw_only=True)
+class _Connection(Connection[_Pipe]):
     bytes_up: int = 0
     """Client-to-server bytes forwarded on this connection."""
-
-    def __post_init__(self) -> None:
-        self.up = _Pipe(self.client, self.upstream, up=True)
-        self.down = _Pipe(self.upstream, self.client, up=False)
 
 
 @dataclass(eq=False, slots=True)
@@ -97,7 +76,7 @@ class _Switch:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-class TcpFaultProxy:
+class TcpFaultProxy(SelectorProxy[_Connection, _Pipe]):
     """A TCP proxy on 127.0.0.1 to one upstream address, injecting faults on demand.
 
     Not constructed directly; returned by `TcpFaultProxy.start`. Every method is thread-safe.
@@ -107,48 +86,30 @@ class TcpFaultProxy:
     half-close.
     """
 
+    _label = "tcp fault proxy"
+
     def __init__(self, listener: socket.socket, upstream: tuple[str, int]) -> None:
-        self.host, self.port = listener.getsockname()[:2]
-        self.upstream = upstream
-        self._listener = listener
+        super().__init__(listener, upstream)
         self._listening = True
-        self._selector = selectors.DefaultSelector()
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
         self._buffer = bytearray(_CHUNK_BYTES)
         self._view = memoryview(self._buffer)
-        self._connections: set[_Connection] = set()
         self._budget_bytes: int | None = None
         self._per_connection_bytes: int | None = None
         self._then: Fault = "reset"
-        self._running = True
         # Shared with other threads, under `_cond`:
-        self._cond = threading.Condition()
         self._fault: Fault = "pass_through"
         self._switches: list[_Switch] = []
-        self._stop_requested = False
-        self._closed = False
         self._connections_opened = 0
         self._bytes_up = 0
         self._bytes_down = 0
-        self._selector.register(listener, selectors.EVENT_READ, self._accept)
-        self._selector.register(self._wake_r, selectors.EVENT_READ, self._on_wake)
-        self._thread = threading.Thread(target=self._run, name=f"tcp-fault-proxy-{self.port}",
-                                        daemon=True)
 
     @classmethod
     def start(cls, upstream_host: str, upstream_port: int) -> TcpFaultProxy:
         """Listen on a free 127.0.0.1 port and forward every connection to the upstream
         address, on a new thread. The proxy is listening when this returns."""
-        proxy = cls(_listen(), (upstream_host, upstream_port))
+        proxy = cls(listen(), (upstream_host, upstream_port))
         proxy._thread.start()
         return proxy
-
-    @property
-    def endpoint(self) -> str:
-        """`http://127.0.0.1:<port>`, the URL to give the client instead of the server's."""
-        return f"http://{self.host}:{self.port}"
 
     @property
     def fault(self) -> Fault:
@@ -235,28 +196,6 @@ class TcpFaultProxy:
             raise ValueError(f"reset_each_after nbytes: expected >= 0, found {nbytes!r}")
         self._switch("reset_each_after", nbytes)
 
-    def stop(self) -> None:
-        """Reset every connection, close every socket and join the thread (within about 2 s).
-        Stopping again does nothing.
-
-        Raises:
-            RuntimeError: the thread did not end within 2 s.
-        """
-        with self._cond:
-            self._stop_requested = True
-        self._wake()
-        self._thread.join(_STOP_TIMEOUT_S)
-        if self._thread.is_alive():
-            raise RuntimeError(f"tcp fault proxy {self.host}:{self.port}: expected its "
-                               f"thread to end within {_STOP_TIMEOUT_S} s, found it running")
-        self._wake_w.close()
-
-    def __enter__(self) -> TcpFaultProxy:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.stop()
-
     def __repr__(self) -> str:
         with self._cond:
             return (f"<TcpFaultProxy {self.host}:{self.port} -> {self.upstream[0]}:"
@@ -284,40 +223,21 @@ class TcpFaultProxy:
         if switch.error is not None:
             raise switch.error
 
-    def _wake(self) -> None:
-        # Full buffer: a wake is pending anyway. Closed: the proxy has stopped.
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"\0")
-
     # The proxy thread only, from here on.
 
     def _run(self) -> None:
         try:
-            while self._running:
-                for key, mask in self._selector.select():
-                    if isinstance(key.data, _Connection):
-                        self._on_ready(key.data, key.fileobj, mask)  # type: ignore[arg-type]
-                    else:
-                        key.data()
-        finally:
-            for connection in list(self._connections):
-                self._close(connection, reset=True)
-            self._selector.close()
-            self._listener.close()
-            self._wake_r.close()
+            super()._run()
+        finally:  # `_closed` is set: no switch is queued after these
             with self._cond:
-                self._closed = True
                 leftovers, self._switches = self._switches, []
-                self._cond.notify_all()
             for switch in leftovers:
                 switch.done.set()
 
     def _on_wake(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            self._wake_r.recv(4096)
+        super()._on_wake()
         with self._cond:
             switches, self._switches = self._switches, []
-            self._running = not self._stop_requested
         for switch in switches:
             try:
                 self._apply(switch.fault, switch.budget_bytes, switch.then)
@@ -353,14 +273,13 @@ class TcpFaultProxy:
         connections = list(self._connections)
         self._apply(self._then)
         for connection in connections:
-            if not connection.closed:
-                self._close(connection, reset=True)
+            self._close(connection, reset=True)
 
     def _set_listening(self, listening: bool) -> None:
         if listening == self._listening:
             return
         if listening:
-            self._listener.listen(_BACKLOG)
+            self._listener.listen(BACKLOG)
             self._selector.register(self._listener, selectors.EVENT_READ, self._accept)
         else:
             self._selector.unregister(self._listener)
@@ -368,58 +287,31 @@ class TcpFaultProxy:
             self._listener.shutdown(socket.SHUT_RD)
         self._listening = listening
 
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:  # nothing left to accept, or it was reset while queued
-                return
-            with self._cond:
-                self._connections_opened += 1
-            if self._fault == "reset":
-                _abort(client)
-                continue
-            try:
-                upstream = socket.create_connection(self.upstream, timeout=_CONNECT_TIMEOUT_S)
-            except OSError:
-                _abort(client)
-                continue
-            for sock in (client, upstream):
-                sock.setblocking(False)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            connection = _Connection(client, upstream)
-            self._connections.add(connection)
-            self._watch(connection)
+    def _admit(self, client: socket.socket) -> bool:
+        with self._cond:
+            self._connections_opened += 1
+        return self._fault != "reset"
 
-    def _watch(self, connection: _Connection) -> None:
-        """Ask the selector for what each socket of `connection` can do next: read it when its
-        outgoing pipe has nothing pending, write it when its incoming pipe does, and nothing
-        while stalled."""
-        forwarding = self._fault != "stall"
-        for sock, out, into in ((connection.client, connection.up, connection.down),
-                                (connection.upstream, connection.down, connection.up)):
-            events = 0
-            if forwarding and out.pending is None and not out.eof:
-                events |= selectors.EVENT_READ
-            if forwarding and into.pending is not None:
-                events |= selectors.EVENT_WRITE
-            try:
-                key = self._selector.get_key(sock)
-            except KeyError:
-                if events:
-                    self._selector.register(sock, events, connection)
-                continue
-            if not events:
-                self._selector.unregister(sock)
-            elif key.events != events:
-                self._selector.modify(sock, events, connection)
+    def _new_connection(self, client: socket.socket, upstream: socket.socket) -> _Connection:
+        return _Connection(client, upstream, _Pipe(client, upstream, True),
+                           _Pipe(upstream, client, False))
 
-    def _on_ready(self, connection: _Connection, sock: socket.socket, mask: int) -> None:
+    def _interest(self, out: _Pipe, into: _Pipe) -> int:
+        """Read a socket when its outgoing pipe has nothing pending, write it when its
+        incoming pipe does, and nothing while stalled."""
+        if self._fault == "stall":
+            return 0
+        events = 0
+        if out.pending is None and not out.eof:
+            events |= selectors.EVENT_READ
+        if into.pending is not None:
+            events |= selectors.EVENT_WRITE
+        return events
+
+    def _on_ready(self, connection: _Connection, out: _Pipe, into: _Pipe, mask: int) -> None:
         # Events selected before a switch in the same batch may be stale: check again.
-        if connection.closed or self._fault == "stall":
+        if self._fault == "stall":
             return
-        out, into = ((connection.up, connection.down) if sock is connection.client
-                     else (connection.down, connection.up))
         if mask & selectors.EVENT_WRITE and into.pending is not None:
             self._send(connection, into)
         if (not connection.closed and mask & selectors.EVENT_READ and out.pending is None
@@ -441,13 +333,7 @@ class TcpFaultProxy:
             self._send(connection, pipe)
             return
         pipe.eof = True
-        try:
-            pipe.dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            self._close(connection, reset=True)
-            return
-        if connection.up.eof and connection.down.eof:
-            self._close(connection, reset=False)
+        self._pass_eof(connection, pipe)
 
     def _send(self, connection: _Connection, pipe: _Pipe) -> None:
         data = pipe.pending
@@ -456,12 +342,8 @@ class TcpFaultProxy:
         limit = self._per_connection_bytes if pipe.up else None
         if limit is not None:
             budget = max(0, limit - connection.bytes_up)
-        try:
-            sent = pipe.dst.send(data if budget is None else data[:budget])
-        except BlockingIOError:
-            sent = 0
-        except OSError:
-            self._close(connection, reset=True)
+        sent = self._send_some(connection, pipe.dst, data if budget is None else data[:budget])
+        if sent is None:
             return
         if sent:
             with self._cond:
@@ -488,45 +370,3 @@ class TcpFaultProxy:
             pipe.pending = memoryview(bytes(rest))
         else:
             pipe.pending = rest
-
-    def _close(self, connection: _Connection, *, reset: bool) -> None:
-        connection.closed = True
-        self._connections.discard(connection)
-        for sock in (connection.client, connection.upstream):
-            with contextlib.suppress(KeyError):
-                self._selector.unregister(sock)
-            if reset:
-                _abort(sock)
-            else:
-                sock.close()
-
-
-def _abort(sock: socket.socket) -> None:
-    """Close with RST rather than FIN (SO_LINGER 0); any unsent bytes are dropped."""
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_ZERO)
-    sock.close()
-
-
-def _listen() -> socket.socket:
-    """A non-blocking socket listening on a free 127.0.0.1 port that it bound explicitly. A
-    socket bound through port 0 would lose its port when `refuse` un-listens it."""
-    error: OSError | None = None
-    for _ in range(_BIND_ATTEMPTS):
-        with socket.socket() as probe:
-            probe.bind((_HOST, 0))
-            port = probe.getsockname()[1]
-        listener = socket.socket()
-        # Else listening again after `refuse` fails (EADDRINUSE) while a connection is open.
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            listener.bind((_HOST, port))
-        except OSError as exc:  # taken between the probe and the bind
-            listener.close()
-            error = exc
-            continue
-        listener.listen(_BACKLOG)
-        listener.setblocking(False)
-        return listener
-    assert error is not None
-    raise error
