@@ -637,21 +637,26 @@ class Engine:
     async def restore(self, state_dict: Mapping[str, Any], *,
                       step: int | None = None) -> RestoreResult:
         """Restore `state_dict` in place from the engine's tiers: the newest step (or `step`)
-        that is complete for every rank, each rank's shard from the nearest tier that
-        verifies: its node's local tier, else a replica on another node (streamed over
-        torch.distributed into its own tier), else the store. Collective: every rank calls it,
+        some tier holds whole, each key of this rank's state from the nearest copy that
+        covers it and verifies: its node's local tier, else another node's (sent over
+        torch.distributed straight into the tensors), else the store. The job may have another
+        world size than the one that saved (resharding). Collective: every rank calls it,
         before training resumes (no save to the tiers in flight).
 
         Returns:
-            a `RestoreResult`: the `step` (the same on every rank), this rank's `source`
-            (`"local"`, `"replica"` or `"store"`) and every rank's, the restored `state`
-            (`load_into`'s value: the tensors filled in place, the saved values of the other
-            leaves), and the copies `skipped`.
+            a `RestoreResult`: the `step` (the same on every rank; None when no tier ever held
+            a step: a first start, `state_dict` left as it was), this rank's `source` (the
+            farthest tier it read: `"local"`, `"replica"` or `"store"`) and every rank's, the
+            restored `state` (`load_into`'s value: the tensors filled in place, the saved
+            values of the other leaves), the bytes read from each tier, and the copies
+            `skipped`.
 
         Raises:
             ValueError: the engine has no tiers.
-            CheckpointNotFoundError: no step verifies for every rank on any tier; the message
-                names what each tier held.
+            CheckpointNotFoundError: steps were saved, but none verifies whole on any tier;
+                the message names what each tier held.
+            StorageError: no local tier could serve and the store did not answer within its
+                deadline (whether a step was saved is unknown: never a first start).
             PeerError: another rank failed or is gone. A state that does not match the
                 checkpoint (a key or shape) raises its `ValueError` on its rank.
 
