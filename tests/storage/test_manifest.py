@@ -258,3 +258,58 @@ def test_real_manifests_round_trip_whatever_their_keys_layout_and_spacing(
     assert parse_manifest(reordered, "m.json") == manifest
     spaced = json.dumps(fields, indent=1).encode()
     assert parse_manifest(spaced, "m.json") == manifest
+
+
+def _shard_manifest(tiles: list[ItemRecord], *, rank: int = 1, world_size: int = 4,
+                    store_files: tuple[str, ...] = ("__0_0.distcp",),
+                    structure: str = '{"dict":[["w",{"item":"w"}],["b",{"item":"b"}]]}',
+                    shard: bool = True) -> bytes:
+    from asynctron.storage import ShardInfo
+
+    return encode_manifest(structure=structure, items=tiles, checksums=None,
+                           files={"__0_0.distcp": 1 << 20}, created_unix_s=1.0, checksum=None,
+                           shard=ShardInfo(rank=rank, world_size=world_size,
+                                           store_files=store_files) if shard else None)
+
+
+def test_a_shard_holds_part_of_a_tensor_and_names_items_other_shards_hold() -> None:
+    """A tier's shard: its chunks need not cover the tensor, its structure may name keys
+    only other shards hold; it says whose part it is and which files the store takes."""
+    manifest = parse_manifest(_shard_manifest([_tile((0, 0)), _tile((2, 2))]), "m.json")
+    assert manifest.shard is not None
+    assert (manifest.shard.rank, manifest.shard.world_size) == (1, 4)
+    assert manifest.shard.store_files == ("__0_0.distcp",)
+    assert parse_manifest(manifest.to_json(), "again.json") == manifest
+    with pytest.raises(CorruptCheckpointError, match=r"expected chunks covering all 16"):
+        parse_manifest(_shard_manifest([_tile((0, 0))], shard=False,
+                                       structure='{"dict":[["w",{"item":"w"}]]}'), "m.json")
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"tiles": [_tile((0, 0)), _tile((1, 1))]},
+     r"item 'w': chunk at \[1, 1\] of shape \[2, 2\] overlaps the chunk at \[0, 0\]"),
+    ({"rank": 4}, r"field 'shard': expected 0 <= rank < world_size, found rank 4 of "
+                  r"world_size 4"),
+    ({"store_files": ("__0_9.distcp",)}, r"field 'shard': store file '__0_9.distcp': "
+                                         r"expected one of the manifest's files"),
+    ({"store_files": ("__0_0.distcp", "__0_0.distcp")}, r"expected each store file once"),
+    ({"structure": '{"dict":[]}'}, r"items \['w'\] are not referenced by the structure"),
+])
+def test_a_bad_shard_is_refused_naming_the_fault(fields: dict, message: str) -> None:
+    tiles = fields.pop("tiles", [_tile((0, 0))])
+    with pytest.raises(CorruptCheckpointError, match=message):
+        parse_manifest(_shard_manifest(tiles, **fields), "m.json")
+
+
+@pytest.mark.parametrize(("shard", "message"), [
+    (b'{"rank":0,"world_size":1,"junk":1}', r"shard field 'junk': expected one of"),
+    (b'{"rank":0,"world_size":1,"store_files":[["x"]]}',
+     r"shard field 'store_files': expected a list of __<rank>_<bin>.distcp names"),
+    (b'{"rank":[0],"world_size":1}', r"shard field 'rank': expected a JSON scalar"),
+    (b"[]", r"field 'shard': expected an object, found a list"),
+])
+def test_a_hostile_shard_field_is_refused_unbuilt(shard: bytes, message: str) -> None:
+    data = _shard_manifest([_tile((0, 0))]).replace(
+        b'"shard":{"rank":1,"world_size":4,"store_files":["__0_0.distcp"]}', b'"shard":' + shard)
+    with pytest.raises(CorruptCheckpointError, match=message):
+        parse_manifest(data, "m.json")

@@ -59,10 +59,12 @@ Chunk = tuple[tuple[int, ...], tuple[int, ...]] | None
 @dataclass(frozen=True, slots=True)
 class LocalItems:
     """One rank's items, as the placement compares them across ranks: per item its key, its
-    chunk, its bytes, its dtype (None for bytes) and, for a small one, its digest."""
+    chunk, its global shape (None for bytes), its bytes, its dtype (None for bytes) and, for
+    a small one, its digest."""
 
     keys: tuple[str, ...]
     chunks: tuple[Chunk, ...]
+    shapes: tuple[tuple[int, ...] | None, ...]
     nbytes: tuple[int, ...]
     dtypes: tuple[str | None, ...]
     digests: tuple[str | None, ...]
@@ -90,23 +92,25 @@ class NodePlacement:
         Raises:
             TypeError: a value the tiers cannot place (a tensor subclass other than DTensor).
         """
-        keys, chunks, nbytes, dtypes, digests = [], [], [], [], []
+        keys, chunks, shapes, nbytes, dtypes, digests = [], [], [], [], [], []
         for key, value in flat.values.items():
             keys.append(key)
             if isinstance(value, bytes):
                 chunks.append(None)
+                shapes.append(None)
                 nbytes.append(len(value))
                 dtypes.append(None)
                 digests.append(_digest(value) if len(value) <= CHECKED_BYTES else None)
                 continue
             local = _local(key, value)
             chunks.append(_chunk(value))
+            shapes.append(tuple(value.shape))
             size = local.numel() * local.dtype.itemsize
             nbytes.append(size)
             dtypes.append(str(value.dtype))
             digests.append(_digest(local) if size <= CHECKED_BYTES else None)
-        return LocalItems(tuple(keys), tuple(chunks), tuple(nbytes), tuple(dtypes),
-                          tuple(digests))
+        return LocalItems(tuple(keys), tuple(chunks), tuple(shapes), tuple(nbytes),
+                          tuple(dtypes), tuple(digests))
 
     def assign(self, plans: list[LocalItems]) -> tuple[list[tuple[int | None, ...]], None]:
         """On the coordinator: per rank, per item, the group it writes the item in, or None
@@ -116,9 +120,12 @@ class NodePlacement:
             ValueError: ranks hold different values under one key and chunk (naming it).
         """
         holders: dict[tuple[str, Chunk], list[tuple[int, int]]] = {}
+        first: dict[str, tuple[int, int]] = {}
         for rank, plan in enumerate(plans):
             for index, identity in enumerate(zip(plan.keys, plan.chunks, strict=True)):
                 holders.setdefault(identity, []).append((rank, index))
+                seen = first.setdefault(identity[0], (rank, index))
+                _check_kind(identity[0], seen, (rank, index), plans)
         node_bytes = [0] * len(plans)
         store_bytes = [0] * len(plans)
         shares: list[list[int | None]] = [[None] * len(plan.keys) for plan in plans]
@@ -187,32 +194,42 @@ def _digest(value: torch.Tensor | bytes) -> str:
     return digest(tensor_bytes(data) if data.numel() else memoryview(b""))
 
 
+def _check_kind(key: str, first: tuple[int, int], other: tuple[int, int],
+                plans: list[LocalItems]) -> None:
+    """Two ranks' items of one key are of one kind, dtype and global shape."""
+    (first_rank, first_index), (rank, index) = first, other
+    if (plans[rank].dtypes[index], plans[rank].shapes[index]) != (
+            plans[first_rank].dtypes[first_index], plans[first_rank].shapes[first_index]):
+        raise ValueError(
+            f"tiers: key {key!r} is {_what(plans[first_rank], first_index)} on rank "
+            f"{first_rank} and {_what(plans[rank], index)} on rank {rank}; a key names one "
+            "value of the whole job: every rank that holds it must hold the same")
+
+
 def _check_same(key: str, chunk: Chunk, where: list[tuple[int, int]],
                 plans: list[LocalItems]) -> None:
-    """Every rank holding `key`'s `chunk` holds the same kind, dtype and size, and (when small
-    enough to compare) the same bytes."""
+    """Every rank holding `key`'s `chunk` holds as many bytes and (when small enough to
+    compare) the same bytes."""
     first_rank, first_index = where[0]
     first = plans[first_rank]
     at = "" if chunk is None or not any(chunk[0]) else f" chunk at {list(chunk[0])}"
     for rank, index in where[1:]:
         plan = plans[rank]
-        if (plan.dtypes[index], plan.nbytes[index]) != (first.dtypes[first_index],
-                                                        first.nbytes[first_index]):
-            raise ValueError(
-                f"tiers: key {key!r}{at} is {_what(first, first_index)} on rank {first_rank} "
-                f"and {_what(plan, index)} on rank {rank}; a key names one value of the whole "
-                "job: every rank that holds it must hold the same")
-        if plan.digests[index] != first.digests[first_index]:
+        sizes = sorted({first.nbytes[first_index], plan.nbytes[index]})
+        if (plan.nbytes[index], plan.digests[index]) != (first.nbytes[first_index],
+                                                         first.digests[first_index]):
             raise ValueError(
                 f"tiers: key {key!r}{at} holds different values on ranks {first_rank} and "
-                f"{rank} ({first.nbytes[first_index]} bytes); a key names one value of the "
+                f"{rank} ({' and '.join(map(str, sizes))} bytes); a key names one value of the "
                 "whole job, kept once, so a restore would give every rank one of them: give "
                 "state that differs per rank its own key on each rank (e.g. "
                 f"'{key}.rank{rank}' on rank {rank}), or make it one DTensor")
 
 
 def _what(plan: LocalItems, index: int) -> str:
-    return f"{plan.dtypes[index] or 'bytes'} of {plan.nbytes[index]} bytes"
+    shape = plan.shapes[index]
+    return (f"{plan.nbytes[index]} bytes" if shape is None
+            else f"{plan.dtypes[index]} {list(shape)}")
 
 
 def part_of(manifest: Manifest, files: Collection[str], *, stored: bool) -> bytes:
