@@ -175,7 +175,7 @@ class StoreRequests:
                                 if self.failure_of(error) is Failure.THROTTLED:
                                     slowed = budget.throttled(slot)  # before the slot frees
                                 raise
-                            budget.answered()
+                            budget.answered(slot)
                 except StoreExpired as expired:
                     raise self._expired(operation, url, clock, tries) from expired
                 except AsynctronError:
