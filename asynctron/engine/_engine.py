@@ -30,6 +30,7 @@ from asynctron.engine._plan_cache import PlanCache
 from asynctron.engine._resources import SaveResources
 from asynctron.engine._save import SaveJob, SaveOptions
 from asynctron.engine._shared_loads import Located, SharedLoads
+from asynctron.engine._shared_reads import ReadShare
 from asynctron.engine._staging import mark_ready
 from asynctron.engine._task import SaveResult, SaveTask
 from asynctron.engine.tiers import RestoreResult, TierManager, Tiers, job_nodes
@@ -94,6 +95,12 @@ class EngineConfig:
     tiers: Tiers | None = None
     """Save to tiers (`save(state, step=N)`: the node's local tier, replicas on other nodes,
     a store in the background) and `restore` from the nearest that verifies; see `Tiers`."""
+    share_reads: bool | None = None
+    """In collective loads (and the tiers' restore from the store), read each stored item once
+    per job, by one of the ranks that need it, and send it to the others over torch.distributed
+    (replicated state is then read once, not once per rank). None: on object stores, where
+    every byte read costs the store's bandwidth; not on local paths, whose ranks on a node
+    share the page cache."""
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "num_bins"):
@@ -128,6 +135,9 @@ class EngineConfig:
                                          and self.job.isprintable()):
             raise ValueError(f"job: expected None or a printable name of 1 to 256 characters, "
                              f"found {self.job!r}")
+        if self.share_reads is not None and not isinstance(self.share_reads, bool):
+            raise ValueError(f"share_reads: expected None, True or False, found "
+                             f"{self.share_reads!r}")
         if self.tiers is not None and not isinstance(self.tiers, Tiers):
             raise TypeError(f"tiers: expected asynctron.Tiers or None, found "
                             f"{type(self.tiers).__name__}")
@@ -149,6 +159,7 @@ class EngineOptions(TypedDict, total=False):
     coordination_timeout_s: float
     worker_nice_increment: int
     tiers: Tiers | None
+    share_reads: bool | None
 
 
 class Engine:
@@ -162,9 +173,9 @@ class Engine:
     Across ranks: when torch.distributed is initialized with several ranks, every rank saves
     its share of the same checkpoint (its own files, replicated tensors written once) and the
     checkpoint commits only if every rank succeeded. Coordination runs on dedicated gloo
-    groups (two for saves, one for collective loads; made on entry, of all ranks or of
-    `process_group`'s: entering is collective, like `dist.new_group`), never on the training
-    group.
+    groups (two for saves, two for collective loads and their shared reads; made on entry,
+    of all ranks or of `process_group`'s: entering is collective, like `dist.new_group`),
+    never on the training group.
 
     With `tiers` (`Engine(tiers=Tiers(local=..., store=...))`), `save(state, step=N)` saves to
     the tiers and `restore(state)` restores from the nearest that verifies; `store_backend`
@@ -238,14 +249,14 @@ class Engine:
         self._loop = asyncio.get_running_loop()
         self._resources.start()
         try:
-            planning, finishing, loads = await self._collectives()
+            planning, finishing, loads, channel = await self._collectives()
         except BaseException:  # e.g. a rank never joined: leave nothing running
             self._loop = None
             self._resources.shutdown(unbind=True)
             raise
         self._coordinator = Coordinator(planning, finishing, self.run_blocking,
                                         Committer(self._retention()))
-        self._shared_loads = SharedLoads(loads)
+        self._shared_loads = SharedLoads(loads, channel)
         if self.config.tiers is not None:
             try:
                 self._tiers = await self._tier_manager(self.config.tiers)
@@ -298,12 +309,13 @@ class Engine:
         await manager.start()
         return manager
 
-    async def _collectives(self) -> tuple[Collectives, Collectives, Collectives]:
-        """The save protocol's two groups (planning, finishing) and the collective loads':
-        gloo groups across ranks."""
+    async def _collectives(self) -> tuple[Collectives, Collectives, Collectives,
+                                          PeerChannel | None]:
+        """The save protocol's two groups (planning, finishing), the collective loads' and
+        their shared reads' channel: gloo groups across ranks."""
         if self._process_group is None and not (dist.is_available() and dist.is_initialized()
                                                 and dist.get_world_size() > 1):
-            return SoloCollectives(), SoloCollectives(), SoloCollectives()
+            return SoloCollectives(), SoloCollectives(), SoloCollectives(), None
         timeout_s = self.config.coordination_timeout_s
         ranks = (None if self._process_group is None
                  else dist.get_process_group_ranks(self._process_group))
@@ -312,14 +324,17 @@ class Engine:
             planning = self._process_group or await self.run_blocking(new_group)
             finishing = await self.run_blocking(new_group)
             loads = await self.run_blocking(new_group)
+            channel = PeerChannel(await self.run_blocking(new_group))
         except RuntimeError as error:  # dist.DistError: a rank never came
             raise PeerTimeoutError(
                 "engine start: expected every rank to start its Engine (creating the "
                 f"coordination groups), found a rank absent within {timeout_s:g} s "
                 f"({type(error).__name__}: {error}); start an Engine on every rank, in the same "
                 "order relative to other process-group creations", rank=None) from error
-        return tuple(CollectiveGroup(group, run_blocking=self.run_blocking, timeout_s=timeout_s)
-                     for group in (planning, finishing, loads))  # type: ignore[return-value]
+        planning, finishing, loads = (
+            CollectiveGroup(group, run_blocking=self.run_blocking, timeout_s=timeout_s)
+            for group in (planning, finishing, loads))
+        return planning, finishing, loads, channel
 
     @property
     def rank(self) -> int:
@@ -367,6 +382,8 @@ class Engine:
         else:
             if self._tiers is not None:
                 await self._tiers.aclose()
+            if self._shared_loads is not None:
+                self._shared_loads.close()
             unobserved = [handle for handle in self._failed if not handle.observed]
             if unobserved and raise_unobserved:
                 raise unobserved[0].failure()
@@ -683,33 +700,41 @@ class Engine:
         flight until it ends; with `collective`, one of every rank's loads together
         (`SharedLoads`)."""
         storage, checkpoint = self._resources.locate(path)
+        share = self.config.share_reads
+        if share is None:
+            share = self._resources.backend_of(path).remote
         self._num_loads += 1
         self._loads_done.clear()
         try:
             with store_operation("load", os.fspath(path)):
                 if not collective:
-                    return await self._read(storage, checkpoint, verify, read, None)
-                return await self._read_together(storage, checkpoint, verify, read)
+                    return await self._read(storage, checkpoint, verify, read, None, None)
+                return await self._read_together(storage, checkpoint, verify, read,
+                                                 sharing=share)
         finally:
             self._num_loads -= 1
             if not self._num_loads:
                 self._loads_done.set()
 
     async def _read_together(self, storage: CheckpointStorage, checkpoint: str, verify: bool,
-                             read: Callable[[Loader], Awaitable[dict[str, Any]]]
-                             ) -> dict[str, Any]:
-        """`_read` with the checkpoint found once for every rank, and every rank's outcome
-        learned by all at the end."""
+                             read: Callable[[Loader], Awaitable[dict[str, Any]]], *,
+                             sharing: bool) -> dict[str, Any]:
+        """`_read` with the checkpoint found once for every rank, its items read once per job
+        (with `sharing`), and every rank's outcome learned by all at the end."""
         shared = self._shared_loads
         assert shared is not None
         seq = shared.next_seq()
         error: BaseException | None = None
-        try:
-            result = await self._read(storage, checkpoint, verify, read,
-                                      functools.partial(shared.locate, seq))
-        except BaseException as failure:  # told to every rank before it is raised
-            error = failure
-        await shared.finish(seq, error)
+        share = shared.share(seq, self.run_blocking) if sharing else None
+        async with shared.turn(seq):
+            try:
+                result = await self._read(storage, checkpoint, verify, read, shared.locate,
+                                          share)
+            except BaseException as failure:  # told to every rank before it is raised
+                error = failure
+                if share is not None:
+                    await share.abandon(failure)
+            await shared.finish(error)
         if error is not None:
             raise error
         return result
@@ -717,9 +742,10 @@ class Engine:
     async def _read(self, storage: CheckpointStorage, checkpoint: str, verify: bool,
                     read: Callable[[Loader], Awaitable[dict[str, Any]]],
                     locate: Callable[[Callable[[], Awaitable[Located]]], Awaitable[Located]]
-                    | None) -> dict[str, Any]:
+                    | None, share: ReadShare | None) -> dict[str, Any]:
         """Lease the checkpoint, open its reader, `read` it; close and release on every path.
-        With `locate`, rank 0's reader finds the checkpoint and the other ranks adopt it."""
+        With `locate`, rank 0's reader finds the checkpoint and the other ranks adopt it; with
+        `share`, the ranks read each item once between them."""
         readers: list[CheckpointReader] = []
         max_files = self.config.num_workers
 
@@ -746,7 +772,8 @@ class Engine:
             return await read(Loader(readers[0], located.manifest, pool=resources.pool,
                                      copy_streams=resources.copy_streams,
                                      run_blocking=self.run_blocking,
-                                     slab_bytes=self.config.slab_bytes, verify=verify))
+                                     slab_bytes=self.config.slab_bytes, verify=verify,
+                                     share=share))
         finally:
             for reader in readers:
                 await reader.aclose()

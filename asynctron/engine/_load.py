@@ -8,20 +8,26 @@ structure is JSON and bytes items come back as `bytes`.
 
 Resharding, a rank reads of each saved chunk only the runs its shard holds: a range of rows, or
 each row's range of columns when skipping between them saves reading (`Overlap.runs`).
+
+In a collective load with a `ReadShare`, an item several ranks need is read whole by one of
+them and sent to the others (`_shared_reads`); the load checks its target first, then agrees
+with the other ranks on who reads what, then plans and reads.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 
 from asynctron._concurrency import RunBlocking, first_error
 from asynctron._memory import tensor_bytes
+from asynctron.engine._shared_reads import ReadShare, SharePlan
 from asynctron.engine._slab_fill import SlabFill, SlabFiller
 from asynctron.engine._slabs import SlabPool
 from asynctron.engine._staging import CopyStreams
@@ -46,6 +52,17 @@ from asynctron.storage import (
 
 #: (destination, source): bytes read apart, copied into their place once read.
 _Placement = tuple[torch.Tensor, torch.Tensor]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class _Wanted:
+    """Part of a saved chunk a target wants: where they meet, the target's local tensor and
+    its place in the global tensor."""
+
+    overlap: Overlap
+    local: torch.Tensor
+    origin: tuple[int, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,8 +137,13 @@ class Loader:
 
     def __init__(self, reader: ItemReader, manifest: Manifest, *, pool: SlabPool,
                  copy_streams: CopyStreams, run_blocking: RunBlocking, slab_bytes: int,
-                 verify: bool, whole_chunks: bool = False):
+                 verify: bool, whole_chunks: bool = False, share: ReadShare | None = None):
         self._reader = reader
+        self._share = share
+        """Across ranks, the load's shared reads (None: this rank reads all it needs)."""
+        self.read_bytes = 0
+        """The bytes this loader read from the checkpoint's storage (not those another rank
+        read for it)."""
         self._manifest = manifest
         self._whole_chunks = whole_chunks
         """Read a saved chunk a target needs only part of whole (so its digest is checked),
@@ -132,23 +154,69 @@ class Loader:
         self._filler = SlabFiller(reader, pool=pool, copy_streams=copy_streams,
                                   run_blocking=run_blocking, verify=verify)
 
-    async def _read_all(self, reads: _Reads) -> None:
+    async def _agreed(self, check: Callable[[], T], needs: Callable[[T], np.ndarray]
+                      ) -> tuple[T, SharePlan | None]:
+        """`check()` (off the loop: it raises where the target does not match the checkpoint)
+        and, with a `ReadShare`, the plan every rank agreed on for the records `needs(result)`
+        marks. A rank's failure there is raised on every rank (as `PeerError` elsewhere)."""
+        if self._share is None:
+            return await self._run_blocking(check), None
+        outcome: np.ndarray | BaseException
+        try:
+            checked = await self._run_blocking(check)
+            outcome = await self._run_blocking(needs, checked)
+        except Exception as error:  # every rank must reach the agreement
+            outcome = error
+        sizes = np.array([record.nbytes for record in self._manifest.items], dtype=np.int64)
+        return checked, await self._share.agree(outcome, sizes)
+
+    def _record_index(self) -> dict[int, int]:
+        return {id(record): at for at, record in enumerate(self._manifest.items)}
+
+    def _needs(self, reads: _Reads, wanted: Sequence[_Wanted]) -> np.ndarray:
+        """Blocks: which of the manifest's records `reads` and `wanted` need."""
+        index = self._record_index()
+        needs = np.zeros(len(self._manifest.items), dtype=bool)
+        needs[[index[id(job.record)] for job in reads.jobs]] = True
+        needs[[index[id(want.overlap.record)] for want in wanted]] = True
+        return needs
+
+    async def _read_jobs(self, jobs: Sequence[ReadJob], plan: SharePlan | None
+                         ) -> list[CorruptCheckpointError]:
+        """`ItemReader.read` of `jobs`, or with a plan that shares items, the shared read."""
+        if plan is None or not plan.readers:
+            self.read_bytes += sum(job.record.nbytes for job in jobs)
+            return await self._reader.read(jobs, verify=self._verify,
+                                           slab_bytes=self._slab_bytes)
+        assert self._share is not None
+        try:
+            return await self._share.read(plan, self._manifest.items,
+                                          await self._run_blocking(self._record_index), jobs,
+                                          self._reader, verify=self._verify,
+                                          slab_bytes=self._slab_bytes)
+        finally:
+            self.read_bytes += self._share.read_bytes
+
+    async def _fill_slabs(self, staged: Sequence[SlabFill]) -> None:
+        self.read_bytes += sum(fill.record.nbytes for fill in staged)
+        await self._filler.fill(staged)
+
+    async def _read_all(self, reads: _Reads, plan: SharePlan | None = None) -> None:
         """Read `reads`: its jobs straight into their destinations and its staged targets
         through slabs, at once; then place the chunks read apart and decode the blobs (off
         the loop). Raises the first corrupt item."""
 
         async def read_direct() -> None:
-            errors = await self._reader.read(reads.jobs, verify=self._verify,
-                                             slab_bytes=self._slab_bytes)
+            errors = await self._read_jobs(reads.jobs, plan)
             if errors:
                 raise errors[0]
 
         try:
             async with asyncio.TaskGroup() as group:
-                if reads.jobs:
+                if reads.jobs or (plan is not None and plan.readers):
                     group.create_task(read_direct())
                 if reads.staged:
-                    group.create_task(self._filler.fill(reads.staged))
+                    group.create_task(self._fill_slabs(reads.staged))
         except BaseExceptionGroup as error:
             raise first_error(error)  # noqa: B904 (the group stays as __context__)
         await self._run_blocking(_place_chunks, reads.partial)
@@ -184,8 +252,9 @@ class Loader:
 
     async def fresh(self) -> dict[str, Any]:
         """The saved structure with fresh CPU tensors, numpy arrays and bytes."""
-        reads = await self._run_blocking(self._plan_fresh)
-        await self._read_all(reads)
+        reads, plan = await self._agreed(
+            self._plan_fresh, lambda _: np.ones(len(self._manifest.items), dtype=bool))
+        await self._read_all(reads, plan)
         return unflatten(self._manifest.structure, self._finish(reads.items))
 
     def _plan_fresh(self) -> _Reads:
@@ -265,9 +334,10 @@ class Loader:
             CorruptCheckpointError: two of the checkpoint's values or items join to one key
                 (names it).
         """
-        structure, saved_values, object_keys, reads = await self._run_blocking(
-            self._plan_into, target)
-        await self._read_all(reads)
+        (structure, saved_values, object_keys, reads, wanted), plan = await self._agreed(
+            lambda: self._check_into(target), lambda checked: self._needs(*checked[3:]))
+        await self._run_blocking(self._plan_wanted, wanted, reads, plan)
+        await self._read_all(reads, plan)
         items = reads.items
         saved_values.update((key, items.pop(key)) for key in object_keys)
         for key, value in items.items():
@@ -275,11 +345,11 @@ class Loader:
                 items[key] = bytes(value)
         return _rebuild(structure, items, saved_values, self._reader.path)
 
-    def _plan_into(self, target: Mapping[str, Any]
-                   ) -> tuple[Structure, dict[str, Any], list[str], _Reads]:
-        """Blocks: check `target` against the checkpoint and plan the reads that fill it;
-        also the target's structure, the checkpoint's values by key, and its pickled ones'
-        keys (raises as `into`)."""
+    def _check_into(self, target: Mapping[str, Any]
+                    ) -> tuple[Structure, dict[str, Any], list[str], _Reads, list[_Wanted]]:
+        """Blocks: check `target` against the checkpoint (raises as `into`): the target's
+        structure, the checkpoint's values by key, its pickled ones' keys, the reads of
+        whole items and the parts of saved chunks the target wants."""
         flat = flatten(target)
         structure = flat.structure
         by_key = self._manifest.by_key()
@@ -299,8 +369,8 @@ class Loader:
             reads.decodes.append(_Decode(by_key[key][0], bytearray(by_key[key][0].nbytes),
                                          None))
             reads.jobs.append(ReadJob(by_key[key][0], memoryview(reads.decodes[-1].buffer)))
-        self._plan_keys(flat, flat.values, by_key, reads)
-        return structure, saved_values, object_keys, reads
+        wanted = self._check_keys(flat, flat.values, by_key, reads)
+        return structure, saved_values, object_keys, reads, wanted
 
     async def fill(self, target: FlatStateDict, keys: Collection[str]
                    ) -> tuple[dict[str, bytes], dict[str, str]]:
@@ -316,41 +386,58 @@ class Loader:
                 differs (names the key).
             StorageError: a read failed.
         """
-        reads = await self._run_blocking(self._plan_fill, target, keys)
+        (reads, wanted), plan = await self._agreed(
+            lambda: self._check_fill(target, keys), lambda checked: self._needs(*checked))
+        await self._run_blocking(self._plan_wanted, wanted, reads, plan)
         failed: dict[str, str] = {}
 
         async def read_direct() -> None:
-            for error in await self._reader.read(reads.jobs, verify=self._verify,
-                                                 slab_bytes=self._slab_bytes):
+            for error in await self._read_jobs(reads.jobs, plan):
                 failed.setdefault(error.key or "", str(error))
 
         async def read_staged() -> None:
             try:
-                await self._filler.fill(reads.staged)
+                await self._fill_slabs(reads.staged)
             except CorruptCheckpointError as error:  # the others were left unread
                 for fill in reads.staged:
                     failed.setdefault(fill.record.key, str(error))
 
-        async with asyncio.TaskGroup() as group:
-            if reads.jobs:
-                group.create_task(read_direct())
-            if reads.staged:
-                group.create_task(read_staged())
+        try:
+            async with asyncio.TaskGroup() as group:
+                if reads.jobs or (plan is not None and plan.readers):
+                    group.create_task(read_direct())
+                if reads.staged:
+                    group.create_task(read_staged())
+        except BaseExceptionGroup as error:
+            raise first_error(error)  # noqa: B904 (the group stays as __context__)
         await self._run_blocking(_place_chunks, reads.partial)
         values = {key: bytes(value) for key, value in reads.items.items()
                   if isinstance(value, bytearray) and key not in failed}
         return values, failed
 
-    def _plan_fill(self, target: FlatStateDict, keys: Collection[str]) -> _Reads:
+    def _check_fill(self, target: FlatStateDict, keys: Collection[str]
+                    ) -> tuple[_Reads, list[_Wanted]]:
         reads = _Reads()
-        self._plan_keys(target, {key: target.values[key] for key in keys},
-                        self._manifest.by_key(), reads)
-        return reads
+        wanted = self._check_keys(target, {key: target.values[key] for key in keys},
+                                  self._manifest.by_key(), reads)
+        return reads, wanted
 
-    def _plan_keys(self, flat: FlatStateDict, values: Mapping[str, Any],
-                   by_key: Mapping[str, list[ItemRecord]], reads: _Reads) -> None:
-        """Blocks: check each of `values` (items of `flat`) against its saved records and plan
-        the reads that fill it (raises as `into`)."""
+    def _plan_wanted(self, wanted: Sequence[_Wanted], reads: _Reads,
+                     plan: SharePlan | None) -> None:
+        """Blocks: plan the reads of every part of a saved chunk a target wants (an item
+        another rank reads too, whole and through host memory)."""
+        shared = frozenset() if plan is None else plan.shared
+        index = self._record_index() if shared else {}
+        for want in wanted:
+            self._plan_overlap(want.overlap, want.local, want.origin, reads,
+                               shared=index.get(id(want.overlap.record)) in shared)
+
+    def _check_keys(self, flat: FlatStateDict, values: Mapping[str, Any],
+                    by_key: Mapping[str, list[ItemRecord]], reads: _Reads) -> list[_Wanted]:
+        """Blocks: check each of `values` (items of `flat`) against its saved records (raises
+        as `into`); plan the reads of bytes items, and return the parts of saved chunks the
+        tensors want."""
+        wanted: list[_Wanted] = []
         items, jobs = reads.items, reads.jobs
         for key, value in values.items():
             kind = flat.kinds[key]
@@ -386,14 +473,15 @@ class Loader:
                 overlaps = [Overlap(first, origin, tuple(local.shape))]  # the common case
             else:
                 overlaps = ChunkIndex(records).overlapping(origin, tuple(local.shape))
-            for overlap in overlaps:
-                self._plan_overlap(overlap, local, origin, reads)
+            wanted.extend(_Wanted(overlap, local, origin) for overlap in overlaps)
             items[key] = flat.original(key)
+        return wanted
 
     def _plan_overlap(self, overlap: Overlap, local: torch.Tensor, origin: tuple[int, ...],
-                      reads: _Reads) -> None:
+                      reads: _Reads, *, shared: bool) -> None:
         """How to read the part of a saved chunk a target wants: straight into the target
-        where it can be, else through slabs (CUDA, strided) or a piece read apart."""
+        where it can be, else through slabs (CUDA, strided) or a piece read apart (a whole
+        chunk, when it is `shared`: read by one rank, sent to others)."""
         record = overlap.record
         destination = _region(local, overlap.lo, overlap.hi, origin=origin)
         if record.encoding == "torch_save":
@@ -405,10 +493,15 @@ class Loader:
             if destination.device.type == "cpu" and destination.is_contiguous() and (
                     tuple(destination.shape) == record.shape):
                 reads.jobs.append(ReadJob(record, tensor_bytes(destination)))
-            else:  # CUDA or strided: through budgeted slabs
+            elif not shared:  # CUDA or strided: through budgeted slabs
                 reads.staged.append(SlabFill(record, destination))
+            else:
+                assert record.shape is not None
+                chunk = torch.empty(record.shape, dtype=_torch_dtype(record))
+                reads.jobs.append(ReadJob(record, tensor_bytes(chunk)))
+                reads.partial.append((destination, chunk))
             return
-        if self._whole_chunks:
+        if self._whole_chunks or shared:
             assert record.shape is not None and record.chunk_offsets is not None
             chunk = torch.empty(record.shape, dtype=_torch_dtype(record))
             reads.jobs.append(ReadJob(record, tensor_bytes(chunk)))

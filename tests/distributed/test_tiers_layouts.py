@@ -64,10 +64,10 @@ def train_and_save(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def restore_and_resume(rank: int, world: int, root: str, per_node: int,
-                       save: bool) -> dict[str, Any]:
+                       save: bool, share_reads: bool | None = None) -> dict[str, Any]:
     """Every layout: a fresh job (another seed) restores, then trains two more steps (saved
-    to the tiers if `save`). What it restored (step, sources, digests) and the digests two
-    steps later."""
+    to the tiers if `save`). What it restored (step, sources, digests, bytes read from the
+    store) and the digests two steps later."""
     os.environ["ASYNCTRON_RANKS_PER_NODE"] = str(per_node)
     found: dict[str, Any] = {}
 
@@ -76,7 +76,8 @@ def restore_and_resume(rank: int, world: int, root: str, per_node: int,
             job = build(layout, per_node=per_node, seed=7)
             job.init_optimizer_state()
             state = _state(job, -1)
-            async with Engine(tiers=tiers_of(root, layout), **SMALL) as engine:
+            async with Engine(tiers=tiers_of(root, layout), share_reads=share_reads,
+                              **SMALL) as engine:
                 result = await engine.restore(state)
                 job.load(result.state)
                 restored = full_digests(job.state())
@@ -86,6 +87,7 @@ def restore_and_resume(rank: int, world: int, root: str, per_node: int,
                         await engine.save(_state(job, step), step=step)
             found[layout] = {"step": result.step, "sources": result.sources,
                              "values": result.state["step"], "restored": restored,
+                             "store_read": result.nbytes.get("store", 0),
                              "later": full_digests(job.state())}
 
     uvloop.run(main())
@@ -108,13 +110,16 @@ def _check(found: list[dict[str, Any]], step: int, sources: tuple[str, ...],
             assert got["restored"] == expected[layout], (layout, rank)
 
 
-def _store_bytes(root: str, layout: str) -> int:
-    """The bytes of the data files of the store's newest step."""
+def _store_bytes(root: str, layout: str, *, items: bool = False) -> int:
+    """The bytes of the data files of the store's newest step (or of its items alone)."""
     store = f"{root}/{layout}/store"
     with open(f"{store}/latest") as latest:
         step = latest.read().strip()
-    with open(f"{store}/{step}/{MANIFEST_NAME}", "rb") as manifest:
-        return sum(parse_manifest(manifest.read(), step).files.values())
+    with open(f"{store}/{step}/{MANIFEST_NAME}", "rb") as file:
+        manifest = parse_manifest(file.read(), step)
+    if items:
+        return sum(record.nbytes for record in manifest.items)
+    return sum(manifest.files.values())
 
 
 def test_every_layout_restores_bit_for_bit_from_every_tier_and_elastically(
@@ -153,12 +158,20 @@ def test_every_layout_restores_bit_for_bit_from_every_tier_and_elastically(
     found = _ranks(restore_and_resume, 4, root, 2, False)
     _check(found, STEPS + 2, ("local", "local", "replica", "replica"), two)
 
-    # both nodes lost: from the store (the 2-rank job drained its step 6), on 4 ranks
+    # both nodes lost: from the store (the 2-rank job drained its step 6), on 4 ranks,
+    # each rank reading its own; then each stored item read once for the job, by one of the
+    # ranks that need it (replicated state too), and sent to the others
     for layout in LAYOUTS:
         shutil.rmtree(f"{root}/{layout}/node0")
         shutil.rmtree(f"{root}/{layout}/node1", ignore_errors=True)
-    found = _ranks(restore_and_resume, 4, root, 2, False)
+    found = _ranks(restore_and_resume, 4, root, 2, False, False)
     _check(found, STEPS + 2, ("store",) * 4, two)
+    found = _ranks(restore_and_resume, 4, root, 2, False, True)
+    _check(found, STEPS + 2, ("store",) * 4, two)
+    for layout in LAYOUTS:
+        read = [f[layout]["store_read"] for f in found]
+        assert sum(read) == _store_bytes(root, layout, items=True), (layout, read)
+        assert sum(part > 0 for part in read) >= 2, (layout, read)  # spread over the ranks
 
     # the drained step is an ordinary checkpoint: one process loads it whole, stock
     # `dcp.load` reads it through the plugin, `asynctron verify` checks every item and

@@ -21,9 +21,9 @@ async def test_load_planning_and_read_batches_run_off_the_loop(
     threads: dict[str, set[int]] = {"plan": set(), "batches": set()}
     real_overlap, real_batches = _load.Loader._plan_overlap, _reader.plan_reads
 
-    def plan_overlap(self: Any, *args: Any) -> None:
+    def plan_overlap(self: Any, *args: Any, **kwargs: Any) -> None:
         threads["plan"].add(threading.get_ident())
-        real_overlap(self, *args)
+        real_overlap(self, *args, **kwargs)
 
     def plan_reads(*args: Any) -> Any:
         threads["batches"].add(threading.get_ident())

@@ -9,7 +9,9 @@ ends in one all-gather of who still needs what):
 2. peers, once per other node that holds part of the step: a rank still missing keys asks
    the same local rank of that node, which sends the chunks its node holds whole
    (`_fetch`), checked where they are read and where they land, straight into the tensors;
-3. store: a rank still missing keys fills them from the store's checkpoint of the step.
+3. store: a rank still missing keys fills them from the store's checkpoint of the step; with
+   `EngineConfig.share_reads` (the default on object stores), each item the ranks need is
+   read once per job and sent to the other ranks that need it (`ReadShare`).
 A copy missing, partial or corrupt is skipped with a log line naming it, never used; if a
 rank's state is still not whole, every rank goes to the next older step (the store's are
 listed once, by one rank, only then). The ranks' layout may differ from the saving job's
@@ -38,6 +40,7 @@ from asynctron.engine._collectives import Collectives
 from asynctron.engine._coordinator import describe
 from asynctron.engine._load import Loader, rebuild, target_box
 from asynctron.engine._resources import SaveResources
+from asynctron.engine._shared_reads import ReadShare
 from asynctron.engine.tiers._catalog import SHARD_FAILURES, NodeCatalog, saved_keys, skip
 from asynctron.engine.tiers._config import Nodes
 from asynctron.engine.tiers._fetch import Want, fetch_items, serve_items
@@ -115,6 +118,9 @@ class RestoreContext:
     channel: PeerChannel | None
     resources: SaveResources
     buffers: ReceiveBuffers
+    share_store_reads: bool = False
+    """Read each of the store's items once per job, sending it to the other ranks that need
+    it (every rank then takes part in the store round)."""
 
 
 async def restore(state: Mapping[str, Any], ctx: RestoreContext, *,
@@ -350,8 +356,8 @@ async def _try_step(me: _RankState, target: FlatStateDict, step: int, world: int
             needy = await _gather(ctx, me)
         if any(needy) and step in await store.steps():
             found = await _locate(step, ctx)
-            if me.needy and isinstance(found, _StoreStep):
-                await _guard(me, _fill_from_store(me, target, found, ctx, skipped))
+            if isinstance(found, _StoreStep) and (me.needy or ctx.share_store_reads):
+                await _guard(me, _fill_from_store(me, target, found, ctx, skipped, tag=tag))
             elif me.needy:
                 skip(skipped, nodes.rank, found)
             needy = await _gather(ctx, me)
@@ -411,11 +417,12 @@ async def _fill_local(me: _RankState, target: FlatStateDict, catalog: NodeCatalo
                                for record in catalog.records(key)))
 
 
-def _loader(reader: ItemReader, manifest: Manifest, ctx: RestoreContext) -> Loader:
+def _loader(reader: ItemReader, manifest: Manifest, ctx: RestoreContext,
+            share: ReadShare | None = None) -> Loader:
     resources = ctx.resources
     return Loader(reader, manifest, pool=resources.pool, copy_streams=resources.copy_streams,
                   run_blocking=resources.run_blocking, slab_bytes=resources.config.slab_bytes,
-                  verify=True, whole_chunks=True)
+                  verify=True, whole_chunks=True, share=share)
 
 
 def _servers(holding: set[int], nodes: Nodes) -> list[list[int]]:
@@ -510,35 +517,44 @@ async def _locate(step: int, ctx: RestoreContext) -> _StoreStep | str:
 
 
 async def _fill_from_store(me: _RankState, target: FlatStateDict, found: _StoreStep,
-                           ctx: RestoreContext, skipped: list[str]) -> None:
+                           ctx: RestoreContext, skipped: list[str], *, tag: int) -> None:
     """Fill the keys still needed from the store's checkpoint `found`; the saved values from
-    this rank's view there (rank 0's, if the saving world was another)."""
+    this rank's view there (rank 0's, if the saving world was another). With shared reads
+    every rank takes part, needy or not."""
     assert ctx.store is not None
     path, manifest = found.path, found.manifest
     nodes = ctx.nodes
+    share = None
+    if ctx.share_store_reads:
+        assert ctx.channel is not None
+        share = ReadShare(ctx.agree, ctx.channel, tag=tag,
+                          run_blocking=ctx.resources.run_blocking)
     try:
         with store_operation("restore", path):
             reader = await ctx.store.open_reader(
                 path, max_files_at_once=ctx.resources.config.num_workers)
             try:
                 reader.adopt(path, manifest)
-                if me.structure is None:
+                if me.needy and me.structure is None:
                     me.structure = found.structure if (
                         nodes.rank == 0 or found.world_size != nodes.world_size) else (
                         await _view(reader, path, nodes.rank, ctx)).structure
                 keys = set(me.wants)
-                values, failed = await _loader(reader, manifest, ctx).fill(target, keys)
+                loader = _loader(reader, manifest, ctx, share)
+                values, failed = await loader.fill(target, keys)
             finally:
                 await reader.aclose()
-    except SHARD_FAILURES as error:
+    except (*SHARD_FAILURES, PeerError) as error:
+        # Another rank's failure (PeerError) is raised by the round's gather, or is its own.
+        if share is not None:
+            await share.abandon(error)
         skip(skipped, nodes.rank, f"store {path}: {describe(error)}")
         return
     for key, why in failed.items():
         skip(skipped, nodes.rank, f"store {path}: key {key!r}: {why}")
     done = keys - set(failed)
     me.values.update(values)
-    me.took("store", done, sum(record.nbytes for record in manifest.items
-                               if record.key in done))
+    me.took("store", done, loader.read_bytes)
 
 
 async def _view(reader: CheckpointReader, path: str, rank: int, ctx: RestoreContext

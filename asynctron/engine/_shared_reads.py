@@ -1,0 +1,348 @@
+"""Reads shared across ranks: in a collective load each stored item is read once per job, by
+one of the ranks that need it, and sent to the others over torch.distributed.
+
+A load of replicated state (data parallel: every rank wants every tensor; HSDP's replica
+groups) would otherwise read the checkpoint once per rank from the store. Per load, every rank
+at once:
+1. `agree`: each rank says which of the checkpoint's items (its manifest's records) it needs.
+   An item one rank needs is read by that rank alone, as without sharing (only the parts of
+   it the rank holds, when resharding). An item several ranks need is read whole by one of
+   them: largest items first, each to the rank that has the fewest bytes to read so far, so
+   the store's bytes are spread over the ranks, not all read by rank 0.
+2. `read`: every rank reads its items (the reader checks each digest) and sends each shared
+   one, once read, to the other ranks that need it, a message per peer per batch; the
+   receivers take the bytes straight into their destinations and check the digest of what
+   they received. A rank that cannot read an item tells the ranks waiting for it, so every
+   rank ends the exchange and the load fails everywhere, naming the rank and its error.
+
+Bytes travel through host memory on the channel's gloo group (CUDA targets are filled from
+the received host copy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+from collections.abc import Coroutine, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asynctron._concurrency import RunBlocking, first_error
+from asynctron.comm import PeerChannel
+from asynctron.engine._collectives import Collectives
+from asynctron.engine._coordinator import describe
+from asynctron.errors import CorruptCheckpointError, PeerError, StorageError
+from asynctron.storage import ItemReader, ItemRecord, ReadJob, digest
+
+MiB = 1 << 20
+_BATCH_BYTES = 64 * MiB
+"""A reader reads its shared items in batches of about this size, sending each batch while
+it reads the next."""
+_MAX_RECORDS_PER_MESSAGE = 256
+"""Record indices per message header (a header is a 4 KiB JSON frame)."""
+_MAX_WHY_CHARS = 1500
+_NOTHING = memoryview(b"")
+
+
+@dataclass(frozen=True, slots=True)
+class SharePlan:
+    """Who reads each item several ranks need (by the item's index in the manifest), and
+    which other ranks receive it. An item absent from `readers` is read by the one rank that
+    needs it."""
+
+    readers: dict[int, int]
+    receivers: dict[int, tuple[int, ...]]
+
+    @property
+    def shared(self) -> frozenset[int]:
+        return frozenset(self.readers)
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    """A rank's failure before the exchange, as told to the others."""
+
+    rank: int
+    what: str
+
+
+class ReadShare:
+    """One collective load's shared reads: the agreement on `group`, the bytes on `channel`
+    (a gloo group of its own), messages on `tag`. Every rank of the group calls `agree`, then
+    `read`, once per load (a load may agree to share nothing and skip `read`).
+
+    Not constructed directly: `SharedLoads.share` (a collective load) or the tiers' restore
+    makes one.
+    """
+
+    def __init__(self, group: Collectives, channel: PeerChannel, *, tag: int,
+                 run_blocking: RunBlocking) -> None:
+        self._group = group
+        self._channel = channel
+        self._tag = tag
+        self._run_blocking = run_blocking
+        self._agreed = False
+        self.read_bytes = 0
+        """The bytes this rank read from the checkpoint's storage."""
+
+    @property
+    def rank(self) -> int:
+        return self._group.rank
+
+    async def agree(self, needs: np.ndarray | BaseException, sizes: np.ndarray) -> SharePlan:
+        """Tell every rank which items this rank needs (`needs`: a bool per manifest record),
+        or that it failed before knowing (`needs` the error); learn who reads what.
+
+        Raises:
+            the error given, on its rank; `PeerError` naming the failed rank on the others.
+        """
+        gathered = await self._gather(needs)
+        if isinstance(needs, BaseException):
+            raise needs
+        failed = [found for found in gathered if isinstance(found, _Failed)]
+        if failed:
+            raise PeerError(f"load: expected every rank to plan its reads, found rank "
+                            f"{failed[0].rank} failing: {failed[0].what}", rank=failed[0].rank)
+        return await self._run_blocking(_assign, gathered, sizes)
+
+    async def abandon(self, error: BaseException) -> None:
+        """This rank failed before `agree` (opening the checkpoint): tell the others, whose
+        `agree` then raises. Nothing once this rank agreed."""
+        if not self._agreed:
+            await self._gather(error)
+
+    async def _gather(self, needs: np.ndarray | BaseException) -> list[bytes | _Failed]:
+        self._agreed = True
+        return await self._group.all_gather_object(
+            _Failed(self.rank, describe(needs)) if isinstance(needs, BaseException)
+            else np.packbits(needs).tobytes())
+
+    async def read(self, plan: SharePlan, records: Sequence[ItemRecord],
+                   index: dict[int, int], jobs: Sequence[ReadJob], reader: ItemReader, *,
+                   verify: bool, slab_bytes: int) -> list[CorruptCheckpointError]:
+        """Fill `jobs` (this rank's reads; `index` maps `id(record)` to its place in the
+        manifest's `records`): read its own and the shared items `plan` gives it, send those
+        to the ranks that need them, receive the rest.
+
+        Returns:
+            as `ItemReader.read`: one error per item whose digest differs (checked where the
+            item was read, and where it was received).
+
+        Raises:
+            StorageError: this rank's read failed, or (naming the rank) the read of a rank
+                that reads items for this one.
+            PeerError: a rank is gone.
+        """
+        me = self.rank
+        own: list[ReadJob] = []
+        to_send: list[ReadJob] = []
+        landing: dict[int, memoryview] = {}
+        for job in jobs:
+            at = index.get(id(job.record))
+            reader_rank = None if at is None else plan.readers.get(at)
+            assert job.destination is not None
+            if reader_rank is None:
+                own.append(job)
+            elif reader_rank == me:
+                to_send.append(job)
+            else:
+                landing[at] = job.destination  # type: ignore[index]
+        self.read_bytes += sum(job.record.nbytes for job in (*own, *to_send))
+        expected: dict[int, set[int]] = {}
+        for at in landing:
+            expected.setdefault(plan.readers[at], set()).add(at)
+        errors: list[CorruptCheckpointError] = []
+
+        async def read_own() -> None:
+            errors.extend(await reader.read(own, verify=verify, slab_bytes=slab_bytes))
+
+        tasks = [self._read_and_send(plan, index, to_send, reader, verify=verify,
+                                     slab_bytes=slab_bytes, errors=errors)]
+        if own:
+            tasks.append(read_own())
+        tasks.extend(self._receive(src, records, landing, wanted, reader, verify=verify,
+                                   errors=errors) for src, wanted in expected.items())
+        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+        if failures:
+            raise first_error(BaseExceptionGroup("shared reads", failures))
+        return errors
+
+    async def _read_and_send(self, plan: SharePlan, index: dict[int, int],
+                             jobs: list[ReadJob], reader: ItemReader, *, verify: bool,
+                             slab_bytes: int, errors: list[CorruptCheckpointError]) -> None:
+        """Read `jobs` (this rank's shared items) in batches, sending each batch while the
+        next is read; on a failed read, tell every receiver of what was not sent."""
+        sending: asyncio.Task[None] | None = None
+        batches = _batches(jobs)
+        try:
+            for number, batch in enumerate(batches):
+                try:
+                    found = await reader.read(batch, verify=verify, slab_bytes=slab_bytes)
+                except BaseException as error:
+                    unsent = [job for later in batches[number:] for job in later]
+                    if sending is not None:
+                        await sending
+                        sending = None
+                    await self._send_failure(plan, index, unsent, error)
+                    raise
+                errors.extend(found)
+                if sending is not None:
+                    await sending
+                sending = asyncio.ensure_future(self._send(plan, index, batch, found))
+        finally:
+            if sending is not None:
+                await sending
+
+    async def _send(self, plan: SharePlan, index: dict[int, int], batch: list[ReadJob],
+                    bad: list[CorruptCheckpointError]) -> None:
+        """Send each item of `batch` to the ranks that need it (those whose digest failed
+        here as failures naming why)."""
+        why = {error.key: str(error) for error in bad}
+        by_peer: dict[int, list[tuple[int, ReadJob]]] = {}
+        for job in batch:
+            at = index[id(job.record)]
+            for peer in plan.receivers[at]:
+                by_peer.setdefault(peer, []).append((at, job))
+
+        async def to_peer(peer: int, items: list[tuple[int, ReadJob]]) -> None:
+            good = [(at, job) for at, job in items if job.record.key not in why]
+            for start in range(0, len(good), _MAX_RECORDS_PER_MESSAGE):
+                part = good[start:start + _MAX_RECORDS_PER_MESSAGE]
+                views = [job.destination for _, job in part]
+                await self._channel.send(peer, {"kind": "items", "records": [at for at, _ in part],
+                                                "sizes": [view.nbytes for view in views]},
+                                         views, tag=self._tag)  # type: ignore[arg-type]
+            for at, job in items:
+                if job.record.key in why:
+                    await self._channel.send(peer, {"kind": "failed", "records": [at],
+                                                    "corrupt": True,
+                                                    "why": why[job.record.key][:_MAX_WHY_CHARS]},
+                                             tag=self._tag)
+
+        await _all(to_peer(peer, items) for peer, items in by_peer.items())
+
+    async def _send_failure(self, plan: SharePlan, index: dict[int, int],
+                            unsent: list[ReadJob], error: BaseException) -> None:
+        """Tell each rank waiting for one of `unsent` that this rank could not read it."""
+        by_peer: dict[int, list[int]] = {}
+        for job in unsent:
+            at = index[id(job.record)]
+            for peer in plan.receivers[at]:
+                by_peer.setdefault(peer, []).append(at)
+        why = describe(error)[:_MAX_WHY_CHARS]
+
+        async def to_peer(peer: int, ats: list[int]) -> None:
+            for start in range(0, len(ats), _MAX_RECORDS_PER_MESSAGE):
+                await self._channel.send(peer, {
+                    "kind": "failed", "records": ats[start:start + _MAX_RECORDS_PER_MESSAGE],
+                    "corrupt": False, "why": why}, tag=self._tag)
+
+        await _all(to_peer(peer, ats) for peer, ats in by_peer.items())
+
+    async def _receive(self, src: int, records: Sequence[ItemRecord],
+                       landing: dict[int, memoryview], wanted: set[int], reader: ItemReader,
+                       *, verify: bool, errors: list[CorruptCheckpointError]) -> None:
+        """Take every item rank `src` reads for this rank into its destination, checking
+        each digest as the next message arrives.
+
+        Raises:
+            StorageError: `src` could not read an item (after every message from it was
+                taken, so it is not left waiting on this rank).
+        """
+        pending = set(wanted)
+        checking: list[asyncio.Future[list[CorruptCheckpointError]]] = []
+        failed: str | None = None
+        while pending:
+            header, _ = await self._channel.receive(src, _NOTHING, tag=self._tag)
+            ats = [int(at) for at in header["records"]]
+            pending.difference_update(ats)
+            if header["kind"] == "failed":
+                if header["corrupt"]:
+                    record = records[ats[0]]
+                    errors.append(CorruptCheckpointError(
+                        f"{header['why']} (read by rank {src})",
+                        path=reader.file_path(record), key=record.key, offset=record.offset))
+                elif failed is None:
+                    failed = header["why"]
+                continue
+            views = [landing[at] for at in ats]
+            await self._channel.receive_into(src, views, tag=self._tag)
+            if verify and reader.verifiable:
+                checking.append(asyncio.ensure_future(self._run_blocking(
+                    _check, reader, [records[at] for at in ats], views)))
+        for found in await asyncio.gather(*checking):
+            errors.extend(found)
+        if failed is not None:
+            raise StorageError(f"load: rank {src} read items this rank needs and could not: "
+                               f"{failed}", path=reader.path, errno=None)
+
+
+def _check(reader: ItemReader, records: Sequence[ItemRecord], views: Sequence[memoryview]
+           ) -> list[CorruptCheckpointError]:
+    """Blocks: the error of each received item whose digest differs."""
+    found = []
+    for record, view in zip(records, views, strict=True):
+        if record.checksum is not None:
+            error = reader.digest_error(record, digest(view))
+            if error is not None:
+                found.append(error)
+    return found
+
+
+def _batches(jobs: list[ReadJob]) -> list[list[ReadJob]]:
+    """`jobs` in file order, cut into batches of about `_BATCH_BYTES`."""
+    ordered = sorted(jobs, key=lambda job: (job.record.file, job.record.offset))
+    batches: list[list[ReadJob]] = []
+    size = _BATCH_BYTES
+    for job in ordered:
+        if size >= _BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(job)
+        size += job.record.nbytes
+    return batches
+
+
+def _assign(gathered: Sequence[bytes], sizes: np.ndarray) -> SharePlan:
+    """Blocks: the plan for every rank's needs (packed bools per record): each item several
+    ranks need goes to the one of them with the fewest bytes to read so far, largest first."""
+    count = len(sizes)
+    need = np.stack([np.unpackbits(np.frombuffer(packed, dtype=np.uint8), count=count)
+                     .astype(bool) for packed in gathered])
+    needers = need.sum(axis=0)
+    load = (need & (needers == 1)).astype(np.int64) @ sizes.astype(np.int64)
+    loads = [int(x) for x in load]
+    shared = np.flatnonzero(needers >= 2)
+    # Group the shared items by the set of ranks that need them (a data-parallel load: one).
+    masks = np.packbits(need[:, shared], axis=0, bitorder="little")
+    groups: dict[bytes, list[int]] = {}
+    for column, at in enumerate(shared.tolist()):
+        groups.setdefault(masks[:, column].tobytes(), []).append(at)
+    readers: dict[int, int] = {}
+    receivers: dict[int, tuple[int, ...]] = {}
+    for ats in sorted(groups.values(), key=lambda ats: -int(sizes[ats].sum())):
+        ranks = np.flatnonzero(need[:, ats[0]]).tolist()
+        heap = [(loads[rank], rank) for rank in ranks]
+        heapq.heapify(heap)
+        for at in sorted(ats, key=lambda at: (-int(sizes[at]), at)):
+            load_of, rank = heapq.heappop(heap)
+            readers[at] = rank
+            receivers[at] = tuple(other for other in ranks if other != rank)
+            heapq.heappush(heap, (load_of + int(sizes[at]), rank))
+        for load_of, rank in heap:
+            loads[rank] = load_of
+    return SharePlan(readers, receivers)
+
+
+async def _all(works: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Await every one of `works`, concurrently; raise the first error once all ended."""
+    tasks = [asyncio.ensure_future(work) for work in works]
+    if not tasks:
+        return
+    outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+    failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+    if failures:
+        raise first_error(BaseExceptionGroup("sends", failures))
