@@ -81,6 +81,10 @@ class TierManager:
         self.local_root = local.locate(tiers.local_root(nodes.node))
         self.store_root = None if store is None or tiers.store is None else (
             store.locate(tiers.store))
+        share = resources.config.share_reads
+        self._share_store_reads = channel is not None and store is not None and (
+            store.remote if share is None else share)
+        """Restoring from the store, read each item once per job (`EngineConfig.share_reads`)."""
         self._resources = resources
         self._agree = agree
         self._drains = drains
@@ -349,17 +353,23 @@ class TierManager:
         context = RestoreContext(
             nodes=self.nodes, local=self.local, local_root=self.local_root, store=self.store,
             store_root=self.store_root, agree=self._agree, channel=self._channel,
-            resources=self._resources, buffers=self._buffers)
+            resources=self._resources, buffers=self._buffers,
+            share_store_reads=self._share_store_reads)
         result = await restore(state_dict, context, step=step)
         self._complete = [] if result.step is None else [result.step]
         self._own = None  # listed again at the next save
         return result
 
     async def aclose(self) -> None:
-        """Wait for the drain in flight; let the replica channel's threads go."""
+        """Wait for the drain in flight, and drain the step deferred behind it if the drain
+        ended before it looked (every rank alike: `_due` is decided from the same reports and
+        broadcasts); let the replica channel's threads go."""
         try:
             if self._drain is not None:
                 await uncancellable(self._drain)
+                if self._due is not None:
+                    self._drain = asyncio.ensure_future(self._run_drains(self._due))
+                    await uncancellable(self._drain)
         finally:
             if self._channel is not None:
                 self._channel.close()
