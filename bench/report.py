@@ -385,6 +385,16 @@ def section_s3(result: dict[str, Any], docs: str) -> list[str]:
                   *_s3_table(throttle["methods"]), "",
                   f"- throttled save vs budget {throttle['limit']}: {cost['save']:.2f}x "
                   f"{_ok(cost['save'] >= 0.8)} (target >= 0.8x); load {cost['load']:.2f}x"]
+        proxied = throttle["ratios"].get("proxy_throttled_over_budget_4")
+        if proxied is not None:
+            lines += [f"- a proxy answering 503 beyond {throttle['limit']} requests in flight, "
+                      f"save vs budget {throttle['limit']} through the same proxy: "
+                      f"{proxied['save']:.2f}x {_ok(proxied['save'] >= 0.8)} (target >= 0.8x); "
+                      f"load {proxied['load']:.2f}x"]
+        for name, m in throttle["methods"].items():
+            if "save_throttled_per_round" in m:
+                lines += [f"- {name}: 503s per save {m['save_throttled_per_round']} of "
+                          f"{m['save_requests_per_round']} requests"]
     return lines
 
 

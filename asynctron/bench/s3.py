@@ -62,7 +62,7 @@ import statistics
 import time
 import urllib.parse
 import warnings
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,10 +85,16 @@ RAW_ONE = "raw multipart, one process"
 """With several ranks: the raw baseline moving every rank's bytes from one process."""
 BUDGET_4 = "asynctron, request budget 4"
 THROTTLED = "asynctron, store throttles beyond 4"
-THROTTLE_METHODS = (BUDGET_4, THROTTLED)
-"""The throttled scenario (`--throttle-gib`): the store's own circuit breaker answers 503 to
-every read and write beyond 4 in flight, against the same save with a budget of 4 and no
-throttle."""
+PROXY_BUDGET_4 = "asynctron, budget 4 via proxy"
+PROXY_THROTTLED = "asynctron, proxy throttles beyond 4"
+PROXY_METHODS = (PROXY_BUDGET_4, PROXY_THROTTLED)
+THROTTLE_METHODS = (BUDGET_4, THROTTLED, *PROXY_METHODS)
+"""The throttled scenario (`--throttle-gib`), with 503s from two sources: the store's own
+circuit breaker answering 503 to every read and write beyond 4 in flight (`THROTTLED`),
+against the same save with a budget of 4 and no throttle (`BUDGET_4`); and a `ShapingProxy`
+answering 503 SlowDown to every request beyond 4 in flight, after reading its body
+(`PROXY_THROTTLED`), against a budget of 4 through the same proxy, which it never refuses
+(`PROXY_BUDGET_4`: the proxy counts a request until its answer has gone to the client)."""
 THROTTLE_LIMIT = 4
 PEERS = (S3TORCH, FSSPEC, TORCH_SAVE)
 _NEEDS = {S3TORCH: "s3torchconnector.dcp", FSSPEC: "s3fs"}
@@ -644,7 +650,7 @@ def run_rounds(server: Any, methods: list[str], args: argparse.Namespace, *, siz
                ) -> dict[str, list[dict[str, Any]]]:
     """Every method in fresh ranks each round (round 0 untimed, but with `--quick`); per
     method, each timed round's per-rank results. `RAW_ONE` runs as one process, the others
-    on `--nproc` ranks; `THROTTLED` while the server throttles beyond `THROTTLE_LIMIT`."""
+    on `--nproc` ranks; the throttled scenario's methods as `throttling` sets their store."""
     from asynctron._launch import run_local_ranks
 
     buckets = Buckets(server)
@@ -660,17 +666,15 @@ def run_rounds(server: Any, methods: list[str], args: argparse.Namespace, *, siz
                           warmup_bytes=min(16 * MiB, max(MiB, state_bytes // 8)),
                           part_bytes=args.part_mib * MiB, num_requests=args.requests,
                           num_threads=args.threads,
-                          max_requests=THROTTLE_LIMIT if name == BUDGET_4 else None,
+                          max_requests=(THROTTLE_LIMIT if name in (BUDGET_4, PROXY_BUDGET_4)
+                                        else None),
                           collective=args.nproc > 1)
                 started = time.perf_counter()
                 try:
-                    if name == THROTTLED:
-                        server.limit_in_flight(Write=THROTTLE_LIMIT, Read=THROTTLE_LIMIT)
-                    outcomes = run_local_ranks(_run_rank, nproc, job,
-                                               timeout_s=300 + state_bytes / 2e6)
+                    with throttling(server, name, args.store_profile):
+                        outcomes = run_local_ranks(_run_rank, nproc, job,
+                                                   timeout_s=300 + state_bytes / 2e6)
                 finally:
-                    if name == THROTTLED:
-                        server.limit_in_flight()
                     buckets.delete(bucket)
                 failed = [r for r in outcomes if r.failed]
                 if failed:
@@ -688,6 +692,37 @@ def run_rounds(server: Any, methods: list[str], args: argparse.Namespace, *, siz
     finally:
         buckets.close()
     return rounds
+
+
+@contextlib.contextmanager
+def throttling(server: Any, name: str, store_profile: str | None) -> Iterator[None]:
+    """The store `name`'s ranks (spawned inside) reach: with `THROTTLED`, the server's circuit
+    breaker answers 503 beyond `THROTTLE_LIMIT` reads or writes in flight; with
+    `PROXY_METHODS`, a fresh `ShapingProxy` of `store_profile` (else `loopback`) answering 503
+    beyond `THROTTLE_LIMIT` requests in flight stands in front of the server, in
+    AWS_ENDPOINT_URL; otherwise the run's own endpoint. Lifted on exit."""
+    if name == THROTTLED:
+        server.limit_in_flight(Write=THROTTLE_LIMIT, Read=THROTTLE_LIMIT)
+        try:
+            yield
+        finally:
+            server.limit_in_flight()
+        return
+    if name not in PROXY_METHODS:
+        yield
+        return
+    from asynctron.testing import ShapingProxy, StoreProfile
+
+    profile = dataclasses.replace(StoreProfile.parse(store_profile or "loopback"),
+                                  max_requests_in_flight=THROTTLE_LIMIT)
+    address = urllib.parse.urlsplit(server.endpoint)
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    with ShapingProxy.start(address.hostname or "", address.port or 0, profile) as proxy:
+        os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint
+        try:
+            yield
+        finally:
+            os.environ["AWS_ENDPOINT_URL"] = endpoint
 
 
 def _method_index(name: str) -> int:
@@ -743,6 +778,8 @@ def summarize(rounds: dict[str, list[dict[str, Any]]], *, raw: str = RAW,
         ratios["signed_over_unsigned"] = over(RAW_SIGNED, RAW)
     if THROTTLED in summary and BUDGET_4 in summary:
         ratios["throttled_over_budget_4"] = over(THROTTLED, BUDGET_4)
+    if PROXY_THROTTLED in summary and PROXY_BUDGET_4 in summary:
+        ratios["proxy_throttled_over_budget_4"] = over(PROXY_THROTTLED, PROXY_BUDGET_4)
     if OURS in summary:
         ours = summary[OURS]
         if raw in summary:
@@ -793,17 +830,20 @@ def report(result: dict[str, Any]) -> None:
     if "throttle" in result:
         throttle = result["throttle"]
         _table(throttle["methods"], f"throttled store: {throttle['nbytes'] / GiB:.2f} GiB, the "
-               f"server answering 503 beyond {THROTTLE_LIMIT} reads or writes in flight")
+               f"server's circuit breaker answering 503 beyond {THROTTLE_LIMIT} reads or writes "
+               f"in flight, or a proxy beyond {THROTTLE_LIMIT} requests")
         for name in THROTTLE_METHODS:
             m = throttle["methods"].get(name, {})
             if "save_throttled_per_round" in m:
                 print(f"{name}: answered 503 per save {m['save_throttled_per_round']} of "
                       f"{m['save_requests_per_round']} requests, per load "
                       f"{m['load_throttled_per_round']} of {m['load_requests_per_round']}")
-        if "throttled_over_budget_4" in throttle["ratios"]:
-            cost = throttle["ratios"]["throttled_over_budget_4"]
-            print(f"throttled / budget 4, no throttle: save {cost['save']:.2f}x, "
-                  f"load {cost['load']:.2f}x")
+        for key, what in (("throttled_over_budget_4", "throttled / budget 4, no throttle"),
+                          ("proxy_throttled_over_budget_4",
+                           "proxy throttled / budget 4 via the proxy")):
+            if key in throttle["ratios"]:
+                cost = throttle["ratios"][key]
+                print(f"{what}: save {cost['save']:.2f}x, load {cost['load']:.2f}x")
     if "store_profile" in result:
         shaped = result["store_profile"]
         print(f"store profile {shaped['profile']}: {shaped['num_requests']} requests "

@@ -60,8 +60,12 @@ def test_quick_run_round_trips_every_method_and_writes_a_complete_report(
         assert set(throttle["methods"]) == set(s3.THROTTLE_METHODS)
         assert all(rank["verified"] for method in throttle["methods"].values()
                    for rank in method["rounds"][0]["ranks"])
-        assert "throttled_over_budget_4" in throttle["ratios"]
+        assert set(throttle["ratios"]) == {"throttled_over_budget_4",
+                                           "proxy_throttled_over_budget_4"}
         assert "throttled / budget 4, no throttle: save" in printed
+        assert "proxy throttled / budget 4 via the proxy: save" in printed
+        budget_4 = throttle["methods"][s3.PROXY_BUDGET_4]
+        assert budget_4["save_throttled_per_round"] == [0]  # the proxy never refuses 4
     else:
         assert f"not run: {s3.OURS}" in printed
 
