@@ -167,8 +167,7 @@ class Loader:
             outcome = await self._run_blocking(needs, checked)
         except Exception as error:  # every rank must reach the agreement
             outcome = error
-        sizes = np.array([record.nbytes for record in self._manifest.items], dtype=np.int64)
-        return checked, await self._share.agree(outcome, sizes)
+        return checked, await self._share.agree(outcome, self._manifest.items)
 
     def _record_index(self) -> dict[int, int]:
         return {id(record): at for at, record in enumerate(self._manifest.items)}

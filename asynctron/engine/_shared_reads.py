@@ -6,8 +6,9 @@ groups) would otherwise read the checkpoint once per rank from the store. Per lo
 at once:
 1. `agree`: each rank says which of the checkpoint's items (its manifest's records) it needs.
    An item one rank needs is read by that rank alone, as without sharing (only the parts of
-   it the rank holds, when resharding). An item several ranks need is read whole by one of
-   them: largest items first, each to the rank that has the fewest bytes to read so far, so
+   it the rank holds, when resharding). The items several ranks need are read whole by one
+   of them: in file order, cut into a contiguous run per rank (its reads coalesce into few
+   requests), sized so that every rank reads about as many bytes, its own items counted:
    the store's bytes are spread over the ranks, not all read by rank 0.
 2. `read`: every rank reads its items (the reader checks each digest) and sends each shared
    one, once read, to the other ranks that need it, a message per peer per batch; the
@@ -22,7 +23,6 @@ the received host copy).
 from __future__ import annotations
 
 import asyncio
-import heapq
 from collections.abc import Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -91,9 +91,10 @@ class ReadShare:
     def rank(self) -> int:
         return self._group.rank
 
-    async def agree(self, needs: np.ndarray | BaseException, sizes: np.ndarray) -> SharePlan:
-        """Tell every rank which items this rank needs (`needs`: a bool per manifest record),
-        or that it failed before knowing (`needs` the error); learn who reads what.
+    async def agree(self, needs: np.ndarray | BaseException, records: Sequence[ItemRecord]
+                    ) -> SharePlan:
+        """Tell every rank which of the manifest's `records` this rank needs (`needs`: a bool
+        each), or that it failed before knowing (`needs` the error); learn who reads what.
 
         Raises:
             the error given, on its rank; `PeerError` naming the failed rank on the others.
@@ -105,7 +106,7 @@ class ReadShare:
         if failed:
             raise PeerError(f"load: expected every rank to plan its reads, found rank "
                             f"{failed[0].rank} failing: {failed[0].what}", rank=failed[0].rank)
-        return await self._run_blocking(_assign, gathered, sizes)
+        return await self._run_blocking(_plan, gathered, records)
 
     async def abandon(self, error: BaseException) -> None:
         """This rank failed before `agree` (opening the checkpoint): tell the others, whose
@@ -306,17 +307,25 @@ def _batches(jobs: list[ReadJob]) -> list[list[ReadJob]]:
     return batches
 
 
-def _assign(gathered: Sequence[bytes], sizes: np.ndarray) -> SharePlan:
-    """Blocks: the plan for every rank's needs (packed bools per record): each item several
-    ranks need goes to the one of them with the fewest bytes to read so far, largest first."""
+def _plan(gathered: Sequence[bytes], records: Sequence[ItemRecord]) -> SharePlan:
+    """Blocks: `_assign` for the manifest's `records`."""
+    sizes = np.array([record.nbytes for record in records], dtype=np.int64)
+    order = sorted(range(len(records)), key=lambda at: (records[at].file, records[at].offset))
+    return _assign(gathered, order, sizes)
+
+
+def _assign(gathered: Sequence[bytes], order: Sequence[int], sizes: np.ndarray) -> SharePlan:
+    """Blocks: the plan for every rank's needs (packed bools per record): the items a set of
+    ranks needs, taken in file order (`order`: the records' indices so sorted), are cut into
+    one contiguous run per rank (so its reads coalesce into few requests), each run sized so
+    that every rank ends with about as many bytes to read, its own items counted."""
     count = len(sizes)
     need = np.stack([np.unpackbits(np.frombuffer(packed, dtype=np.uint8), count=count)
                      .astype(bool) for packed in gathered])
     needers = need.sum(axis=0)
-    load = (need & (needers == 1)).astype(np.int64) @ sizes.astype(np.int64)
-    loads = [int(x) for x in load]
-    shared = np.flatnonzero(needers >= 2)
-    # Group the shared items by the set of ranks that need them (a data-parallel load: one).
+    loads = [int(x) for x in (need & (needers == 1)).astype(np.int64) @ sizes]
+    ordered = np.asarray(order, dtype=np.int64)
+    shared = ordered[needers[ordered] >= 2]
     masks = np.packbits(need[:, shared], axis=0, bitorder="little")
     groups: dict[bytes, list[int]] = {}
     for column, at in enumerate(shared.tolist()):
@@ -325,15 +334,22 @@ def _assign(gathered: Sequence[bytes], sizes: np.ndarray) -> SharePlan:
     receivers: dict[int, tuple[int, ...]] = {}
     for ats in sorted(groups.values(), key=lambda ats: -int(sizes[ats].sum())):
         ranks = np.flatnonzero(need[:, ats[0]]).tolist()
-        heap = [(loads[rank], rank) for rank in ranks]
-        heapq.heapify(heap)
-        for at in sorted(ats, key=lambda at: (-int(sizes[at]), at)):
-            load_of, rank = heapq.heappop(heap)
+        level = (int(sizes[ats].sum()) + sum(loads[rank] for rank in ranks)) / len(ranks)
+        quotas = {rank: max(0.0, level - loads[rank]) for rank in ranks}
+        turn = iter(sorted(ranks, key=lambda rank: (loads[rank], rank)))
+        rank = next(turn)
+        taken = 0.0
+        for at in ats:
+            size = int(sizes[at])
+            while taken + size / 2 > quotas[rank]:  # this run is full: the next rank's
+                following = next(turn, None)
+                if following is None:
+                    break
+                rank, taken = following, 0.0
             readers[at] = rank
             receivers[at] = tuple(other for other in ranks if other != rank)
-            heapq.heappush(heap, (load_of + int(sizes[at]), rank))
-        for load_of, rank in heap:
-            loads[rank] = load_of
+            loads[rank] += size
+            taken += size
     return SharePlan(readers, receivers)
 
 

@@ -47,11 +47,12 @@ def _equal(loaded: dict[str, Any], state: dict[str, Any]) -> bool:
             and loaded["blob"] == state["blob"] and loaded["step"] == state["step"])
 
 
-def _data_bytes(path: str) -> int:
-    """The bytes of the checkpoint's items (its files also hold alignment padding)."""
+def _data_bytes(path: str) -> tuple[int, int]:
+    """The bytes of the checkpoint's items, and of its data files (which also hold the
+    alignment padding between items: a read that joins neighbours reads it too)."""
     with open(os.path.join(path, "manifest.json"), "rb") as file:
         manifest = parse_manifest(file.read(), path)
-    return sum(record.nbytes for record in manifest.items)
+    return sum(record.nbytes for record in manifest.items), sum(manifest.files.values())
 
 
 def _failure(error: BaseException) -> str:
@@ -146,10 +147,10 @@ def test_replicated_state_is_read_once_between_the_ranks(
         loads: tuple[str, list[dict[str, Any]]]) -> None:
     root, results = loads
     assert all(r["into_ok"] and r["fresh_ok"] for r in results)
-    size = _data_bytes(f"{root}/dp")
+    size, files = _data_bytes(f"{root}/dp")
     for kind in ("into_read", "fresh_read"):
         read = [r[kind] for r in results]
-        assert sum(read) == size, (kind, read, size)
+        assert size <= sum(read) <= files, (kind, read, size, files)
         assert all(part > 0 for part in read), (kind, read)  # spread, not all on rank 0
     unshared = sum(r["unshared_read"] for r in results)
     assert unshared >= WORLD * size  # each rank reads all (and the padding between items)
@@ -159,7 +160,8 @@ def test_a_resharding_load_reads_each_saved_chunk_once(
         loads: tuple[str, list[dict[str, Any]]]) -> None:
     root, results = loads
     assert all(r["columns_ok"] for r in results)
-    assert sum(r["columns_read"] for r in results) == _data_bytes(f"{root}/rows")
+    size, files = _data_bytes(f"{root}/rows")
+    assert size <= sum(r["columns_read"] for r in results) <= files
 
 
 def test_a_rank_whose_reads_fail_fails_every_rank_and_none_hangs(

@@ -1,0 +1,350 @@
+"""Restarts from the store (`asynctron bench s3 --ranks N`): every rank of a job loads the same
+checkpoint from the store at once, as a restarting job does.
+
+For a data-parallel state (DDP: every tensor replicated, each rank needs every byte) and an
+FSDP2 state (`fully_shard`: each byte needed by one rank), both with AdamW's state from
+`get_state_dict`, the time to every rank loaded (between barriers: the slowest rank's) and
+the bytes read from the store per job (counted by the proxies), of:
+- asynctron's collective `load_into`, each stored item read once per job and sent to the
+  ranks that need it (`share_reads`, the default on object stores), and each rank reading its
+  own (`share_reads=False`, as before);
+- stock `dcp.load` with s3torchconnector's reader and with s3fs's (`FsspecReader`);
+- the floor: the checkpoint's bytes fetched once by raw ranged GETs (aiobotocore, spread over
+  the ranks), then, for the replicated state, all-gathered to every rank (gloo).
+Each through the remote-store profile (one `ShapingProxy` per node, as each node has its own
+link to the store) and on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import importlib.util
+import json
+import os
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+MiB = 1 << 20
+GiB = 1 << 30
+OURS = "asynctron, shared reads"
+OURS_UNSHARED = "asynctron, each rank its own"
+S3TORCH = "dcp.load (s3torchconnector)"
+FSSPEC = "dcp.load (FsspecReader, s3fs)"
+FLOOR = "floor (raw GETs once, then all-gather)"
+METHODS = (FLOOR, OURS, OURS_UNSHARED, S3TORCH, FSSPEC)
+LAYOUTS = ("ddp", "fsdp")
+_RANGE_BYTES = 32 * MiB
+_RANGES_IN_FLIGHT = 8
+
+
+@dataclass(frozen=True, slots=True)
+class RestartConfig:
+    ranks_per_node: int
+    size_gib: float
+    repeats: int
+    bucket: str
+    endpoint: str
+    """The store's own endpoint (loopback)."""
+    proxied: tuple[str, ...]
+    """Each node's endpoint through its remote-store proxy."""
+    board: str
+    """The folder where rank 0 asks the parent for the proxies' byte counts."""
+
+
+class ProxyBoard:
+    """In the parent: answers rank 0's requests for the proxies' counts (a file per request,
+    in `folder`), so the ranks can count the bytes each method read through them."""
+
+    def __init__(self, folder: str, proxies: list[Any]) -> None:
+        self._folder, self._proxies = folder, proxies
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="proxy-board", daemon=True)
+
+    def __enter__(self) -> ProxyBoard:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _serve(self) -> None:
+        while not self._stop.wait(0.002):
+            for name in os.listdir(self._folder):
+                if not name.startswith("ask-"):
+                    continue
+                counts = [asdict(proxy.statistics()) for proxy in self._proxies]
+                answer = os.path.join(self._folder, f"answer-{name[4:]}")
+                with open(answer + ".tmp", "w") as file:
+                    json.dump(counts, file)
+                os.rename(answer + ".tmp", answer)
+                os.remove(os.path.join(self._folder, name))
+
+
+def _proxy_down_bytes(board: str) -> int:
+    """Rank 0: the bytes every proxy has handed to its clients so far."""
+    ticket = uuid.uuid4().hex
+    open(os.path.join(board, f"ask-{ticket}"), "w").close()
+    answer = os.path.join(board, f"answer-{ticket}")
+    while not os.path.exists(answer):
+        time.sleep(0.001)
+    with open(answer) as file:
+        counts = json.load(file)
+    os.remove(answer)
+    return sum(count["down_bytes"] for count in counts)
+
+
+def measure(rank: int, world: int, config: RestartConfig) -> dict[str, Any]:
+    """A spawned rank: every layout, every method, through the proxies and on loopback."""
+    import uvloop
+
+    os.environ["ASYNCTRON_RANKS_PER_NODE"] = str(config.ranks_per_node)
+    return uvloop.run(_measure(rank, world, config))
+
+
+async def _measure(rank: int, world: int, config: RestartConfig) -> dict[str, Any]:
+    from asynctron.bench._tiers_ranks import fsdp_job
+    from asynctron.testing._layouts import full_digests
+
+    node = rank // config.ranks_per_node
+    results: dict[str, Any] = {}
+    for layout in LAYOUTS:
+        if layout == "fsdp":
+            job = fsdp_job(config.size_gib, config.ranks_per_node)
+        else:
+            job = _ddp_job(config.size_gib, config.ranks_per_node)
+        state = job.state()
+        nbytes = _global_bytes(state)
+        url = f"s3://{config.bucket}/restarts/{layout}"
+        await _save(state, url, config.endpoint)
+        expected = full_digests(state)
+        found: dict[str, Any] = {"state_bytes": nbytes, "times": {}, "store_bytes": {}}
+        for link in ("proxied", "loopback"):
+            endpoint = config.proxied[node] if link == "proxied" else config.endpoint
+            for method in METHODS:
+                if method in (S3TORCH,) and importlib.util.find_spec("s3torchconnector") is None:
+                    continue
+                name = f"{method}, {link}"
+                for round_index in range(config.repeats + 1):
+                    _zero(state)
+                    before = _proxy_down_bytes(config.board) if rank == 0 else 0
+                    elapsed = await _timed(lambda m=method, e=endpoint, s=state, u=url,
+                                           lay=layout: _load(m, s, u, e, lay))
+                    if rank == 0 and link == "proxied":
+                        found["store_bytes"][name] = _proxy_down_bytes(config.board) - before
+                    if round_index:
+                        found["times"].setdefault(name, []).append(elapsed)
+                    if method != FLOOR and full_digests(state) != expected:
+                        raise AssertionError(f"{name}: {layout} state differs from the saved")
+        results[layout] = found
+        job = state = None  # the next layout's state takes its memory
+        gc.collect()
+    return results
+
+
+def _ddp_job(size_gib: float, per_node: int) -> Any:
+    """A DDP model (and AdamW's state) of about `size_gib` GiB, every tensor on every rank."""
+    from asynctron.bench._tiers_ranks import STEP_BYTES_PER_PARAMETER
+    from asynctron.testing._layouts import build
+
+    width = 1024 if size_gib >= 0.25 else 256
+    parameters = size_gib * GiB / STEP_BYTES_PER_PARAMETER
+    depth = max(1, round(parameters / (8 * width * width + 7 * width)))
+    job = build("ddp", per_node=per_node, width=width, depth=depth)
+    job.init_optimizer_state()
+    return job
+
+
+def _local_tensors(state: Any) -> Iterator[torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        for value in state.values():
+            yield from _local_tensors(value)
+    elif isinstance(state, list | tuple):
+        for value in state:
+            yield from _local_tensors(value)
+    elif isinstance(state, DTensor):
+        yield state.to_local()
+    elif isinstance(state, torch.Tensor):
+        yield state
+
+
+def _zero(state: dict[str, Any]) -> None:
+    for tensor in _local_tensors(state):
+        tensor.detach().zero_()
+
+
+def _global_bytes(state: dict[str, Any]) -> int:
+    from asynctron.testing._layouts import full_nbytes
+
+    return full_nbytes(state)
+
+
+async def _timed(work: Callable[[], Awaitable[None]]) -> float:
+    await asyncio.to_thread(dist.barrier)
+    started = time.perf_counter()
+    await work()
+    elapsed = time.perf_counter() - started
+    await asyncio.to_thread(dist.barrier)
+    return elapsed
+
+
+async def _save(state: dict[str, Any], url: str, endpoint: str) -> None:
+    """The state saved by asynctron (loopback) and by stock `dcp.save` (s3fs), once."""
+    import torch.distributed.checkpoint as dcp
+
+    from asynctron import Engine
+    from asynctron.bench._tiers_ranks import _backend, fsspec
+
+    async with Engine(backend=_backend(endpoint), coordination_timeout_s=600) as engine:
+        await engine.save(state, f"{url}/asynctron")
+    await asyncio.to_thread(dcp.save, state, storage_writer=fsspec(f"{url}/dcp", endpoint,
+                                                                   writing=True))
+
+
+async def _load(method: str, state: dict[str, Any], url: str, endpoint: str,
+                layout: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from asynctron import Engine
+    from asynctron.bench._tiers_ranks import _backend, fsspec, s3torch
+
+    if method in (OURS, OURS_UNSHARED):
+        async with Engine(backend=_backend(endpoint), share_reads=method == OURS,
+                          coordination_timeout_s=600) as engine:
+            await engine.load_into(state, f"{url}/asynctron", collective=True)
+    elif method == S3TORCH:
+        await asyncio.to_thread(dcp.load, state, storage_reader=s3torch(f"{url}/dcp", endpoint))
+    elif method == FSSPEC:
+        await asyncio.to_thread(dcp.load, state,
+                                storage_reader=fsspec(f"{url}/dcp", endpoint, writing=False))
+    else:
+        await _floor(f"{url}/asynctron", endpoint, replicated=layout == "ddp")
+
+
+async def _floor(url: str, endpoint: str, *, replicated: bool) -> None:
+    """The checkpoint's data objects fetched once by ranged GETs, this rank its share of the
+    bytes; then (`replicated`) every rank's share all-gathered to every rank."""
+    from aiobotocore.session import get_session
+    from botocore.config import Config
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    config = Config(s3={"addressing_style": "path", "payload_signing_enabled": False},
+                    request_checksum_calculation="when_required",
+                    response_checksum_validation="when_required",
+                    max_pool_connections=_RANGES_IN_FLIGHT)
+    async with get_session().create_client(
+            "s3", endpoint_url=endpoint, region_name=os.environ["AWS_REGION"],
+            config=config) as client:
+        listed = await client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/")
+        objects = sorted((item["Key"], item["Size"]) for item in listed.get("Contents", ())
+                         if not item["Key"].endswith(".json"))
+        ranges = [(key, start, min(start + _RANGE_BYTES, size)) for key, size in objects
+                  for start in range(0, size, _RANGE_BYTES)]
+        mine = ranges[rank::world]
+        share = max(1, max(sum(end - start for _, start, end in ranges[r::world])
+                           for r in range(world)))
+        part = torch.empty(share, dtype=torch.uint8)
+        view = memoryview(part.numpy())
+        offsets, at = [], 0
+        for _, start, end in mine:
+            offsets.append(at)
+            at += end - start
+        slots = asyncio.Semaphore(_RANGES_IN_FLIGHT)
+
+        async def get(item: tuple[str, int, int], offset: int) -> None:
+            key, start, end = item
+            async with slots:
+                response = await client.get_object(Bucket=bucket, Key=key,
+                                                    Range=f"bytes={start}-{end - 1}")
+                async with response["Body"] as body:
+                    data = await body.read()
+            view[offset:offset + len(data)] = data
+
+        await asyncio.gather(*(get(item, offset) for item, offset in zip(mine, offsets,
+                                                                         strict=True)))
+    if replicated:
+        gathered = [torch.empty(share, dtype=torch.uint8) for _ in range(world)]
+        await asyncio.to_thread(dist.all_gather, gathered, part)
+
+
+def run(*, ranks: int, ranks_per_node: int, size_gib: float, repeats: int,
+        store_profile: str) -> list[dict[str, Any]]:
+    """Start the store (SeaweedFS) and a proxy per node, run every rank; each rank's
+    results (raises the first rank's failure)."""
+    import tempfile
+
+    from asynctron._launch import run_local_ranks
+    from asynctron.testing import ShapingProxy, StoreProfile
+    from asynctron.testing.seaweedfs import SeaweedFS
+
+    profile = StoreProfile.parse(store_profile)
+    nodes = ranks // ranks_per_node
+    with tempfile.TemporaryDirectory(prefix="asynctron-bench-store-") as data, \
+            tempfile.TemporaryDirectory(prefix="asynctron-bench-board-") as board, \
+            SeaweedFS.start(data) as server:
+        os.environ.update(server.environment())
+        host, _, port = server.endpoint.removeprefix("http://").partition(":")
+        proxies = [ShapingProxy.start(host, int(port), profile) for _ in range(nodes)]
+        config = RestartConfig(ranks_per_node=ranks_per_node, size_gib=size_gib,
+                               repeats=repeats, bucket=server.bucket, endpoint=server.endpoint,
+                               proxied=tuple(proxy.endpoint for proxy in proxies), board=board)
+        try:
+            with ProxyBoard(board, proxies):
+                outcomes = run_local_ranks(measure, ranks, config, timeout_s=3600)
+        finally:
+            for proxy in proxies:
+                proxy.stop()
+    return [outcome.unwrap() for outcome in outcomes]
+
+
+def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per layout: each method's median time (the slowest rank's each round), the bytes it
+    read from the store per job against the state's size, and the targets' ratios."""
+    summary: dict[str, Any] = {}
+    for layout in LAYOUTS:
+        first = ranks[0][layout]
+        times = {name: sorted(max(rank[layout]["times"][name][i] for rank in ranks)
+                              for i in range(len(first["times"][name])))
+                 for name in first["times"]}
+        median = {name: values[len(values) // 2] for name, values in times.items()}
+        size = first["state_bytes"]
+        ratios: dict[str, float] = {}
+        for link in ("proxied", "loopback"):
+            ours = median.get(f"{OURS}, {link}")
+            for peer in (S3TORCH, FSSPEC, OURS_UNSHARED):
+                other = median.get(f"{peer}, {link}")
+                if ours and other:
+                    ratios[f"{peer} / {OURS}, {link}"] = other / ours
+            floor = median.get(f"{FLOOR}, {link}")
+            if ours and floor:
+                ratios[f"{OURS} speed / floor, {link}"] = floor / ours
+        summary[layout] = {
+            "state_bytes": size, "median_s": median, "rounds_s": times,
+            "store_bytes_over_state": {name: value / size
+                                       for name, value in first["store_bytes"].items()},
+            "ratios": ratios}
+    return summary
+
+
+def report(summary: dict[str, Any], world: int, profile: str) -> None:
+    for layout, found in summary.items():
+        print(f"\n== restart from the store, {world} ranks, {layout} state "
+              f"{found['state_bytes'] / GiB:.2f} GiB; proxied: {profile} ==")
+        print(f"{'method':58} {'median s':>9} {'store bytes / state':>20}")
+        for name, seconds in found["median_s"].items():
+            read = found["store_bytes_over_state"].get(name)
+            print(f"{name:58} {seconds:9.2f} "
+                  f"{'' if read is None else f'{read:.2f}x':>20}")
+        for name, value in found["ratios"].items():
+            print(f"  {name}: {value:.2f}x")
