@@ -57,6 +57,8 @@ class RestartConfig:
     """Each node's endpoint through its remote-store proxy."""
     board: str
     """The folder where rank 0 asks the parent for the proxies' byte counts."""
+    warmup: bool = True
+    """Run each method once, untimed, before its timed rounds."""
 
 
 class ProxyBoard:
@@ -133,14 +135,14 @@ async def _measure(rank: int, world: int, config: RestartConfig) -> dict[str, An
                 if method in (S3TORCH,) and importlib.util.find_spec("s3torchconnector") is None:
                     continue
                 name = f"{method}, {link}"
-                for round_index in range(config.repeats + 1):
+                for round_index in range(config.repeats + int(config.warmup)):
                     _zero(state)
                     before = _proxy_down_bytes(config.board) if rank == 0 else 0
                     elapsed = await _timed(lambda m=method, e=endpoint, s=state, u=url,
                                            lay=layout: _load(m, s, u, e, lay))
                     if rank == 0 and link == "proxied":
                         found["store_bytes"][name] = _proxy_down_bytes(config.board) - before
-                    if round_index:
+                    if round_index >= int(config.warmup):
                         found["times"].setdefault(name, []).append(elapsed)
                     if method != FLOOR and full_digests(state) != expected:
                         raise AssertionError(f"{name}: {layout} state differs from the saved")
@@ -279,7 +281,7 @@ async def _floor(url: str, endpoint: str, *, replicated: bool) -> None:
 
 
 def run(*, ranks: int, ranks_per_node: int, size_gib: float, repeats: int,
-        store_profile: str) -> list[dict[str, Any]]:
+        store_profile: str, warmup: bool = True) -> list[dict[str, Any]]:
     """Start the store (SeaweedFS) and a proxy per node, run every rank; each rank's
     results (raises the first rank's failure)."""
     import tempfile
@@ -298,7 +300,8 @@ def run(*, ranks: int, ranks_per_node: int, size_gib: float, repeats: int,
         proxies = [ShapingProxy.start(host, int(port), profile) for _ in range(nodes)]
         config = RestartConfig(ranks_per_node=ranks_per_node, size_gib=size_gib,
                                repeats=repeats, bucket=server.bucket, endpoint=server.endpoint,
-                               proxied=tuple(proxy.endpoint for proxy in proxies), board=board)
+                               proxied=tuple(proxy.endpoint for proxy in proxies), board=board,
+                               warmup=warmup)
         try:
             with ProxyBoard(board, proxies):
                 outcomes = run_local_ranks(measure, ranks, config, timeout_s=3600)

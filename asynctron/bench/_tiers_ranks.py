@@ -330,7 +330,10 @@ def s3torch(url: str, endpoint: str) -> Any:
 async def _tier_bytes(config: RunConfig, clock: Clock, job: Job) -> None:
     """The bytes each tier holds per checkpoint, against the state's size: this FSDP2 state, a
     data-parallel state (every tensor replicated, DDP's) and an HSDP one, each a quarter of
-    the FSDP2 state's size, saved once to tiers of their own and drained."""
+    the FSDP2 state's size, saved once to tiers of their own and drained. Then each restored
+    from the store alone (every node's tier lost), through the proxies, with shared reads
+    (each stored item read once for the job) and with each rank reading its own: the time to
+    every rank restored and the bytes the job read from the store."""
     per_node = config.ranks_per_node
     rank = dist.get_rank()
     loopback = _backend(config.endpoint)
@@ -357,6 +360,18 @@ async def _tier_bytes(config: RunConfig, clock: Clock, job: Job) -> None:
                             "replicas": [_replica_bytes(tiers.local_root(n), n, per_node)
                                          for n in range(dist.get_world_size() // per_node)]}
         await asyncio.to_thread(dist.barrier)
+        if rank % per_node == 0:
+            shutil.rmtree(tiers.local_root(rank // per_node), ignore_errors=True)
+        proxied = _backend(config.proxied[rank // per_node])
+        for shared in (True, False):
+            name = f"{layout} restore from the store, proxied, " + (
+                "shared reads" if shared else "each rank its own")
+            async with Engine(tiers=tiers, store_backend=proxied, share_reads=shared,
+                              coordination_timeout_s=600) as engine:
+                restored = await clock.time(name, lambda e=engine, s=state: e.restore(s))
+            read = await asyncio.to_thread(_all_gather, restored.nbytes.get("store", 0))
+            if rank == 0:
+                held[layout][f"store read, {'shared' if shared else 'own'}"] = sum(read)
     async with Engine(backend=loopback) as engine:  # collective: every rank starts one
         if rank == 0:
             checkpoints = loopback.checkpoints(engine.run_blocking)
@@ -369,6 +384,12 @@ async def _tier_bytes(config: RunConfig, clock: Clock, job: Job) -> None:
                     await reader.aclose()
                 held[layout]["store"] = sum(manifest.files.values())
             clock.notes["tier bytes"] = held
+
+
+def _all_gather(value: Any) -> list[Any]:
+    found: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(found, value)
+    return found
 
 
 def _dir_bytes(root: str) -> int:

@@ -896,9 +896,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="reach the server through a ShapingProxy with this StoreProfile: "
                              "a preset (s3-node, s3-express-node, gcs-node, loopback) and/or "
                              "key=value overrides; default: no proxy")
+    parser.add_argument("--ranks", type=int, default=0,
+                        help="instead: a job of this many ranks restarting from the store "
+                             "(a data-parallel and an FSDP2 state of --size-gib, every method "
+                             "through --store-profile, default s3-node, and on loopback)")
+    parser.add_argument("--ranks-per-node", type=int, default=4,
+                        help="with --ranks: ranks per node (a proxy per node)")
     parser.add_argument("--out", default=None, help=_results.OUT_HELP)
     args = parser.parse_args(argv)
     from asynctron.testing import ShapingProxy, StoreProfile
+
+    if args.ranks:
+        return _restarts(parser, args)
 
     try:
         profile = None if args.store_profile is None else StoreProfile.parse(args.store_profile)
@@ -969,6 +978,28 @@ def main(argv: list[str] | None = None) -> int:
                                        server="SeaweedFS `weed mini` on 127.0.0.1",
                                        store_profile=args.store_profile)
     _results.write_results("s3", result, out=args.out)
+    return 0
+
+
+def _restarts(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`--ranks`: the restarts from the store (`_store_restarts`)."""
+    from asynctron.bench import _store_restarts
+
+    if args.ranks % args.ranks_per_node:
+        parser.error("--ranks must be whole nodes of --ranks-per-node")
+    if args.quick:
+        args.size_gib, args.repeats = min(args.size_gib, 0.02), 1
+    profile = args.store_profile or "s3-node"
+    started = time.time()
+    ranks = _store_restarts.run(ranks=args.ranks, ranks_per_node=args.ranks_per_node,
+                                size_gib=args.size_gib, repeats=args.repeats,
+                                store_profile=profile, warmup=not args.quick)
+    result = _store_restarts.summarize(ranks)
+    _store_restarts.report(result, args.ranks, profile)
+    result["meta"] = _results.run_meta(started, args, versions=_results.versions(_DISTRIBUTIONS),
+                                       server="SeaweedFS `weed mini` on 127.0.0.1",
+                                       store_profile=profile)
+    _results.write_results("s3_restarts", result, out=args.out)
     return 0
 
 

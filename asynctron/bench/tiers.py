@@ -46,6 +46,8 @@ TARGETS = {
     "restore from the local tier vs stock dcp.load (proxied store)": (">=", 10.0),
     "restore from a replica vs stock dcp.load (proxied store)": (">=", 10.0),
     "store bytes per checkpoint of a data-parallel state / its size": ("<=", 1.05),
+    "store bytes read per restore of a data-parallel state / its size": ("<=", 1.05),
+    "FSDP2 restore from the store (proxied), own reads / shared reads": (">=", 1.0),
     "accelerated trainer, saving every step / no saves": ("<=", 1.05),
 }
 """Issue 46's targets, as ratios computed in `report`."""
@@ -109,6 +111,14 @@ def report(job: list[dict[str, Any]], smaller: list[dict[str, Any]],
             median["direct save to the store"] / median["drain"],
         "store bytes per checkpoint of a data-parallel state / its size":
             held["ddp"]["store"] / held["ddp"]["state"],
+        "store bytes read per restore of a data-parallel state / its size":
+            held["ddp"]["store read, shared"] / held["ddp"]["state"],
+        "data-parallel restore from the store (proxied), own reads / shared reads":
+            median["ddp restore from the store, proxied, each rank its own"] / median[
+                "ddp restore from the store, proxied, shared reads"],
+        "FSDP2 restore from the store (proxied), own reads / shared reads":
+            median["fsdp restore from the store, proxied, each rank its own"] / median[
+                "fsdp restore from the store, proxied, shared reads"],
     }
     for trainer in ("accelerated trainer", "cpu trainer"):
         if f"{trainer}, no saves" in median:
@@ -135,7 +145,9 @@ def report(job: list[dict[str, Any]], smaller: list[dict[str, Any]],
         print(f"  {layout:<5} state {state / MiB:8.1f} MiB: local tiers "
               f"{', '.join(f'{b / state:.2f}' for b in found['local'])} (replicas in them: "
               f"{', '.join(f'{b / state:.2f}' for b in found['replicas'])}); store "
-              f"{found['store'] / state:.2f}")
+              f"{found['store'] / state:.2f}; restored from the store, the job read "
+              f"{found['store read, shared'] / state:.2f} (shared reads) and "
+              f"{found['store read, own'] / state:.2f} (each rank its own)")
     notes = {**job[0]["notes"], **smaller[0]["notes"], **trainers[0]["notes"]}
     for note in ("replica sources", "elastic sources", "accelerated trainer",
                  "nvidia-resiliency-ext"):
