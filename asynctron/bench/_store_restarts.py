@@ -119,10 +119,7 @@ async def _measure(rank: int, world: int, config: RestartConfig) -> dict[str, An
     node = rank // config.ranks_per_node
     results: dict[str, Any] = {}
     for layout in LAYOUTS:
-        if layout == "fsdp":
-            job = fsdp_job(config.size_gib, config.ranks_per_node)
-        else:
-            job = _ddp_job(config.size_gib, config.ranks_per_node)
+        job = fsdp_job(config.size_gib, config.ranks_per_node, layout=layout)
         state = job.state()
         nbytes = _global_bytes(state)
         url = f"s3://{config.bucket}/restarts/{layout}"
@@ -150,19 +147,6 @@ async def _measure(rank: int, world: int, config: RestartConfig) -> dict[str, An
         job = state = None  # the next layout's state takes its memory
         gc.collect()
     return results
-
-
-def _ddp_job(size_gib: float, per_node: int) -> Any:
-    """A DDP model (and AdamW's state) of about `size_gib` GiB, every tensor on every rank."""
-    from asynctron.bench._tiers_ranks import STEP_BYTES_PER_PARAMETER
-    from asynctron.testing._layouts import build
-
-    width = 1024 if size_gib >= 0.25 else 256
-    parameters = size_gib * GiB / STEP_BYTES_PER_PARAMETER
-    depth = max(1, round(parameters / (8 * width * width + 7 * width)))
-    job = build("ddp", per_node=per_node, width=width, depth=depth)
-    job.init_optimizer_state()
-    return job
 
 
 def _local_tensors(state: Any) -> Iterator[torch.Tensor]:

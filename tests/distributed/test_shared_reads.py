@@ -8,11 +8,13 @@ Bytes read are counted by each rank's `FaultyBackend` (the local filesystem, cou
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 import uvloop
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -92,6 +94,16 @@ def shared_loads(rank: int, world: int, root: str) -> dict[str, Any]:
             out["columns_ok"] = torch.equal(columns.full_tensor(), full)
             out["columns_read"] = read_since(start)
 
+            # A stock DCP checkpoint (torch.save blobs) of the replicated model, read once.
+            model = state["model"]
+            await asyncio.to_thread(dcp.save, {"model": model},
+                                    storage_writer=dcp.FileSystemWriter(f"{root}/stock"))
+            target = {"model": {k: torch.zeros_like(v) for k, v in model.items()}}
+            start = backend.bytes_read
+            await engine.load_into(target, f"{root}/stock", collective=True)
+            out["stock_ok"] = all(torch.equal(target["model"][k], v) for k, v in model.items())
+            out["stock_read"] = read_since(start)
+
         async with Engine(backend=backend, share_reads=False,
                           coordination_timeout_s=60) as engine:
             start = backend.bytes_read
@@ -154,6 +166,16 @@ def test_replicated_state_is_read_once_between_the_ranks(
         assert all(part > 0 for part in read), (kind, read)  # spread, not all on rank 0
     unshared = sum(r["unshared_read"] for r in results)
     assert unshared >= WORLD * size  # each rank reads all (and the padding between items)
+
+
+def test_a_stock_dcp_checkpoint_is_read_once_too(
+        loads: tuple[str, list[dict[str, Any]]]) -> None:
+    root, results = loads
+    assert all(r["stock_ok"] for r in results)
+    blobs = sum(os.path.getsize(os.path.join(f"{root}/stock", name))
+                for name in os.listdir(f"{root}/stock") if name.endswith(".distcp"))
+    read = [r["stock_read"] for r in results]
+    assert sum(read) <= blobs and all(part > 0 for part in read), (read, blobs)
 
 
 def test_a_resharding_load_reads_each_saved_chunk_once(
