@@ -11,7 +11,8 @@ at once:
    requests), sized so that every rank reads about as many bytes, its own items counted:
    the store's bytes are spread over the ranks, not all read by rank 0.
 2. `read`: every rank reads its items (the reader checks each digest) and sends each shared
-   one, once read, to the other ranks that need it, a message per peer per batch; the
+   one, once read, to the other ranks that need it, a message per peer per batch (a few
+   batches read at once, so sends overlap reads); the
    receivers take the bytes straight into their destinations and check the digest of what
    they received. A rank that cannot read an item tells the ranks waiting for it, so every
    rank ends the exchange and the load fails everywhere, naming the rank and its error.
@@ -39,7 +40,10 @@ from asynctron.storage import ItemReader, ItemRecord, ReadJob, digest
 MiB = 1 << 20
 _BATCH_BYTES = 64 * MiB
 """A reader reads its shared items in batches of about this size, sending each batch while
-it reads the next."""
+it reads the next ones."""
+_BATCHES_IN_FLIGHT = 3
+"""Batches a reader reads at once (each of them ranged reads in flight, the store's request
+budget bounding all), so the store's pipe does not drain between batches."""
 _MAX_RECORDS_PER_MESSAGE = 256
 """Record indices per message header (a header is a 4 KiB JSON frame)."""
 _MAX_WHY_CHARS = 1500
@@ -174,28 +178,28 @@ class ReadShare:
     async def _read_and_send(self, plan: SharePlan, index: dict[int, int],
                              jobs: list[ReadJob], reader: ItemReader, *, verify: bool,
                              slab_bytes: int, errors: list[CorruptCheckpointError]) -> None:
-        """Read `jobs` (this rank's shared items) in batches, sending each batch while the
-        next is read; on a failed read, tell every receiver of what was not sent."""
-        sending: asyncio.Task[None] | None = None
-        batches = _batches(jobs)
-        try:
-            for number, batch in enumerate(batches):
-                try:
-                    found = await reader.read(batch, verify=verify, slab_bytes=slab_bytes)
-                except BaseException as error:
-                    unsent = [job for later in batches[number:] for job in later]
-                    if sending is not None:
-                        await sending
-                        sending = None
-                    await self._send_failure(plan, index, unsent, error)
-                    raise
+        """Read `jobs` (this rank's shared items) in batches, `_BATCHES_IN_FLIGHT` at once,
+        sending each batch once read; after a failed read, tell every receiver of each batch
+        not sent, then raise it."""
+        slots = asyncio.Semaphore(_BATCHES_IN_FLIGHT)
+        failed: list[BaseException] = []
+
+        async def one(batch: list[ReadJob]) -> None:
+            async with slots:
+                if not failed:
+                    try:
+                        found = await reader.read(batch, verify=verify, slab_bytes=slab_bytes)
+                    except BaseException as error:  # the receivers must hear of it
+                        failed.append(error)
+            if failed:
+                await self._send_failure(plan, index, batch, failed[0])
+            else:
                 errors.extend(found)
-                if sending is not None:
-                    await sending
-                sending = asyncio.ensure_future(self._send(plan, index, batch, found))
-        finally:
-            if sending is not None:
-                await sending
+                await self._send(plan, index, batch, found)
+
+        await _all(one(batch) for batch in _batches(jobs))
+        if failed:
+            raise failed[0]
 
     async def _send(self, plan: SharePlan, index: dict[int, int], batch: list[ReadJob],
                     bad: list[CorruptCheckpointError]) -> None:
