@@ -10,7 +10,8 @@ the bytes read from the store per job (counted by the proxies), of:
   own (`share_reads=False`, as before);
 - stock `dcp.load` with s3torchconnector's reader and with s3fs's (`FsspecReader`);
 - the floor: the checkpoint's bytes fetched once by raw ranged GETs (aiobotocore, spread over
-  the ranks), then, for the replicated state, all-gathered to every rank (gloo).
+  the ranks), then, for the replicated state, all-gathered to every rank (gloo, in 32 MiB
+  pieces per rank).
 Each through the remote-store profile (one `ShapingProxy` per node, as each node has its own
 link to the store) and on loopback.
 """
@@ -43,6 +44,9 @@ METHODS = (FLOOR, OURS, OURS_UNSHARED, S3TORCH, FSSPEC)
 LAYOUTS = ("ddp", "fsdp")
 _RANGE_BYTES = 32 * MiB
 _RANGES_IN_FLIGHT = 8
+_GATHER_BYTES = 32 * MiB
+"""The floor all-gathers the shares in pieces of this size per rank (the bytes moved are the
+same; the memory, a piece per rank, not the whole checkpoint)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +123,8 @@ async def _measure(rank: int, world: int, config: RestartConfig) -> dict[str, An
     node = rank // config.ranks_per_node
     results: dict[str, Any] = {}
     for layout in LAYOUTS:
-        job = fsdp_job(config.size_gib, config.ranks_per_node, layout=layout)
+        job = (fsdp_job(config.size_gib, config.ranks_per_node) if layout == "fsdp"
+               else _replicated_job(config.size_gib))
         state = job.state()
         nbytes = _global_bytes(state)
         url = f"s3://{config.bucket}/restarts/{layout}"
@@ -147,6 +152,23 @@ async def _measure(rank: int, world: int, config: RestartConfig) -> dict[str, An
         job = state = None  # the next layout's state takes its memory
         gc.collect()
     return results
+
+
+def _replicated_job(size_gib: float) -> Any:
+    """A data-parallel job's state: the model and AdamW's state of about `size_gib` GiB, the
+    same on every rank, as DDP holds it (not wrapped in DDP here: its gradient buckets would
+    cost a third more memory per rank, which this VM's eight ranks cannot spare)."""
+    from asynctron.bench._tiers_ranks import STEP_BYTES_PER_PARAMETER
+    from asynctron.testing._layouts import Block, Job
+
+    width = 1024 if size_gib >= 0.25 else 256
+    parameters = size_gib * GiB / STEP_BYTES_PER_PARAMETER
+    depth = max(1, round(parameters / (8 * width * width + 7 * width)))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(Block(width) for _ in range(depth)))
+    job = Job("ddp", model, torch.optim.AdamW(model.parameters(), lr=1e-2), width)
+    job.init_optimizer_state()
+    return job
 
 
 def _local_tensors(state: Any) -> Iterator[torch.Tensor]:
@@ -259,9 +281,12 @@ async def _floor(url: str, endpoint: str, *, replicated: bool) -> None:
 
         await asyncio.gather(*(get(item, offset) for item, offset in zip(mine, offsets,
                                                                          strict=True)))
-    if replicated:
-        gathered = [torch.empty(share, dtype=torch.uint8) for _ in range(world)]
-        await asyncio.to_thread(dist.all_gather, gathered, part)
+    if replicated:  # every rank's share to every rank, a piece at a time (bounded memory)
+        gathered = [torch.empty(_GATHER_BYTES, dtype=torch.uint8) for _ in range(world)]
+        for start in range(0, share, _GATHER_BYTES):
+            piece = part[start:start + _GATHER_BYTES]
+            await asyncio.to_thread(dist.all_gather, [g[:piece.numel()] for g in gathered],
+                                    piece)
 
 
 def run(*, ranks: int, ranks_per_node: int, size_gib: float, repeats: int,

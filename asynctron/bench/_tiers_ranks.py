@@ -40,7 +40,7 @@ from asynctron import Engine, Tiers
 from asynctron._knobs import RANKS_PER_NODE
 from asynctron.engine.tiers._layout import parse_shard
 from asynctron.storage.backends.s3 import S3Backend, S3Config
-from asynctron.testing._layouts import Job, Layout, build, full_nbytes
+from asynctron.testing._layouts import Job, build, full_nbytes
 
 MiB = 1 << 20
 MESSAGE_BYTES = 64 * MiB
@@ -100,14 +100,12 @@ def _cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def fsdp_job(size_gib: float, per_node: int, *, seed: int = 0, layout: Layout = "fsdp"
-             ) -> Job:
-    """An FSDP2 model (or one under another `layout`) and AdamW's state, of about `size_gib`
-    GiB of (global) state in all."""
+def fsdp_job(size_gib: float, per_node: int, *, seed: int = 0) -> Job:
+    """An FSDP2 model (and AdamW's state) of about `size_gib` GiB of state in all."""
     width = 1024 if size_gib >= 0.25 else 256
     parameters = size_gib * (1 << 30) / STEP_BYTES_PER_PARAMETER
     depth = max(1, round(parameters / (8 * width * width + 7 * width)))
-    job = build(layout, per_node=per_node, width=width, depth=depth, seed=seed)
+    job = build("fsdp", per_node=per_node, width=width, depth=depth, seed=seed)
     job.init_optimizer_state()
     return job
 
