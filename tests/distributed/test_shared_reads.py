@@ -19,7 +19,13 @@ import uvloop
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from asynctron import CheckpointNotFoundError, CorruptCheckpointError, Engine, PeerError, StorageError
+from asynctron import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    Engine,
+    PeerError,
+    StorageError,
+)
 from asynctron._launch import run_local_ranks
 from asynctron.storage import parse_manifest
 from asynctron.testing import FaultyBackend
