@@ -45,6 +45,7 @@ COMMANDS = {
     "hostile": "asynctron bench hostile",
     "dcp": "asynctron bench dcp --target /dev/shm --target $PWD/.benchtmp",
     "s3": "asynctron bench s3 --size-gib 0.25 --repeats 2",
+    "s3_restarts": "asynctron bench s3 --ranks 8 --size-gib 1 --repeats 3",
     "tiers": "asynctron bench tiers --target $PWD/.benchtmp",
     "tiers_shm": "asynctron bench tiers --target /dev/shm",
     "data_s3": "asynctron bench data --source s3 --corpus-mib 512 --megatron-limit-s 20 "
@@ -416,6 +417,69 @@ def _s3_table(methods: dict[str, Any]) -> list[str]:
                    "loop worst save / load", "save RSS+", "load RSS+", "in flight"], rows)
 
 
+def section_s3_restarts(result: dict[str, Any], docs: str) -> list[str]:
+    """Every rank of a job loading the same checkpoint from the store at once: each method's
+    time to every rank loaded and the bytes it read from the store, per layout."""
+    from asynctron.bench import _store_restarts as restarts
+
+    meta = result["meta"]
+    args = meta["args"]
+    lines = [f"{args['ranks']} ranks as {args['ranks'] // args['ranks_per_node']} nodes, one "
+             f"local SeaweedFS; through the `{meta['store_profile']}` profile (a ShapingProxy "
+             "per node) and on loopback; medians of "
+             f"{args['repeats']} rounds after a warm-up round, each the slowest rank's time "
+             "between barriers. Store bytes: what the proxies handed to the job's ranks, "
+             "against the state's size.", ""]
+    for layout in restarts.LAYOUTS:
+        found = result[layout]
+        size = found["state_bytes"]
+        what = ("data-parallel: every tensor on every rank" if layout == "ddp"
+                else "FSDP2: each byte on one rank")
+        rows = []
+        for method in (*restarts.METHODS, restarts.FLOOR_GETS):
+            proxied, loopback = f"{method}, proxied", f"{method}, loopback"
+            if proxied not in found["median_s"]:
+                continue
+            read = found["store_bytes_over_state"].get(proxied)
+            rows.append([method, f"{found['median_s'][proxied]:.2f}",
+                         f"{found['median_s'][loopback]:.2f}",
+                         "-" if read is None else f"{read:.2f}x"])
+        lines += [f"**{layout}** ({what}), {size / GiB:.2f} GiB:", "",
+                  *_table(["method", "proxied s", "loopback s", "store bytes / state"], rows),
+                  ""]
+        ratios = found["ratios"]
+        for link in ("proxied", "loopback"):
+            for key, value in ratios.items():
+                if key.endswith(link):
+                    lines.append(f"- {key}: {value:.2f}x")
+        lines.append("")
+    plot = "benchmarks_s3_restarts.png"
+    _plot_s3_restarts(result, os.path.join(docs, plot))
+    return [*lines, f"![time to every rank loaded]({plot})"]
+
+
+def _plot_s3_restarts(result: dict[str, Any], path: str) -> None:
+    from asynctron.bench import _store_restarts as restarts
+
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for axis, layout in zip(axes, restarts.LAYOUTS, strict=True):
+        median = result[layout]["median_s"]
+        names = [f"{method}, {link}" for link in ("proxied", "loopback")
+                 for method in restarts.METHODS if f"{method}, {link}" in median]
+        colors = ["tab:gray" if name.startswith("floor") else "tab:orange"
+                  if name.startswith("asynctron") else "tab:blue" for name in names]
+        axis.barh(names, [median[name] for name in names], color=colors)
+        axis.invert_yaxis()
+        axis.set_xlabel("seconds to every rank loaded (median)")
+        axis.set_title(f"{layout} state", fontsize=10)
+        axis.tick_params(axis="y", labelsize=7)
+    figure.suptitle("a job restarting from the store (orange: asynctron, blue: stock dcp.load, "
+                    "gray: raw floor)", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
 def section_data_s3(result: dict[str, Any], docs: str) -> list[str]:
     """Datasets on one local S3 server: asynctron against megatron's S3 reader and local files."""
     from asynctron.bench.data_s3 import plot
@@ -775,6 +839,8 @@ SECTIONS: dict[str, tuple[str, Callable[[dict[str, Any], str], list[str]]]] = {
     "dcp": ("Stock DCP through asynctron's plugin (issue 14)", section_dcp),
     "s3": ("Checkpoints on object storage (issue 28)", section_s3),
     "data_s3": ("Datasets on object storage (issue 29)", section_data_s3),
+    "s3_restarts": ("A job restarting from the store: each stored byte read once (issue 44)",
+                    section_s3_restarts),
     "tiers": ("Tiered checkpoints of FSDP2 state, local tiers on the disk (issue 46)",
               section_tiers),
     "tiers_shm": ("Tiered checkpoints of FSDP2 state, local tiers in memory (issue 46)",

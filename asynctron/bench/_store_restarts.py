@@ -5,9 +5,9 @@ For a data-parallel state (DDP: every tensor replicated, each rank needs every b
 FSDP2 state (`fully_shard`: each byte needed by one rank), both with AdamW's state from
 `get_state_dict`, the time to every rank loaded (between barriers: the slowest rank's) and
 the bytes read from the store per job (counted by the proxies), of:
-- asynctron's collective `load_into`, each stored item read once per job and sent to the
-  ranks that need it (`share_reads`, the default on object stores), and each rank reading its
-  own (`share_reads=False`, as before);
+- asynctron's collective `load_into` (the job's engine started before, as a trainer's is),
+  each stored item read once per job and sent to the ranks that need it (`share_reads`, the
+  default on object stores), and each rank reading its own (`share_reads=False`, as before);
 - stock `dcp.load` with s3torchconnector's reader and with s3fs's (`FsspecReader`);
 - the floor: the checkpoint's bytes fetched once by raw ranged GETs (aiobotocore, spread over
   the ranks), then, for the replicated state, all-gathered to every rank (gloo, in 32 MiB
@@ -19,6 +19,8 @@ link to the store) and on loopback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import gc
 import importlib.util
 import json
@@ -33,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from asynctron import Engine
+
 MiB = 1 << 20
 GiB = 1 << 30
 OURS = "asynctron, shared reads"
@@ -40,6 +44,7 @@ OURS_UNSHARED = "asynctron, each rank its own"
 S3TORCH = "dcp.load (s3torchconnector)"
 FSSPEC = "dcp.load (FsspecReader, s3fs)"
 FLOOR = "floor (raw GETs once, then all-gather)"
+FLOOR_GETS = "of which the raw GETs"
 METHODS = (FLOOR, OURS, OURS_UNSHARED, S3TORCH, FSSPEC)
 LAYOUTS = ("ddp", "fsdp")
 _RANGE_BYTES = 32 * MiB
@@ -117,7 +122,7 @@ def measure(rank: int, world: int, config: RestartConfig) -> dict[str, Any]:
 
 
 async def _measure(rank: int, world: int, config: RestartConfig) -> dict[str, Any]:
-    from asynctron.bench._tiers_ranks import fsdp_job
+    from asynctron.bench._tiers_ranks import _backend, fsdp_job
     from asynctron.testing._layouts import full_digests
 
     node = rank // config.ranks_per_node
@@ -133,21 +138,30 @@ async def _measure(rank: int, world: int, config: RestartConfig) -> dict[str, An
         found: dict[str, Any] = {"state_bytes": nbytes, "times": {}, "store_bytes": {}}
         for link in ("proxied", "loopback"):
             endpoint = config.proxied[node] if link == "proxied" else config.endpoint
-            for method in METHODS:
-                if method in (S3TORCH,) and importlib.util.find_spec("s3torchconnector") is None:
-                    continue
-                name = f"{method}, {link}"
-                for round_index in range(config.repeats + int(config.warmup)):
-                    _zero(state)
-                    before = _proxy_down_bytes(config.board) if rank == 0 else 0
-                    elapsed = await _timed(lambda m=method, e=endpoint, s=state, u=url,
-                                           lay=layout: _load(m, s, u, e, lay))
-                    if rank == 0 and link == "proxied":
-                        found["store_bytes"][name] = _proxy_down_bytes(config.board) - before
-                    if round_index >= int(config.warmup):
-                        found["times"].setdefault(name, []).append(elapsed)
-                    if method != FLOOR and full_digests(state) != expected:
-                        raise AssertionError(f"{name}: {layout} state differs from the saved")
+            async with contextlib.AsyncExitStack() as stack:  # a job's engine outlives loads
+                engines = {method: await stack.enter_async_context(Engine(
+                    backend=_backend(endpoint), share_reads=method == OURS,
+                    coordination_timeout_s=600)) for method in (OURS, OURS_UNSHARED)}
+                for method in METHODS:
+                    if method == S3TORCH and importlib.util.find_spec("s3torchconnector") is None:
+                        continue
+                    name = f"{method}, {link}"
+                    for round_index in range(config.repeats + int(config.warmup)):
+                        _zero(state)
+                        before = _proxy_down_bytes(config.board) if rank == 0 else 0
+                        elapsed, fetched_s = await _timed(functools.partial(
+                            _load, method, state, url, endpoint, layout, engines))
+                        if rank == 0 and link == "proxied":
+                            found["store_bytes"][name] = (_proxy_down_bytes(config.board)
+                                                          - before)
+                        if round_index >= int(config.warmup):
+                            found["times"].setdefault(name, []).append(elapsed)
+                            if fetched_s is not None:
+                                found["times"].setdefault(f"{FLOOR_GETS}, {link}", []).append(
+                                    fetched_s)
+                        if method != FLOOR and full_digests(state) != expected:
+                            raise AssertionError(f"{name}: {layout} state differs from the "
+                                                 "saved")
         results[layout] = found
         job = state = None  # the next layout's state takes its memory
         gc.collect()
@@ -197,13 +211,14 @@ def _global_bytes(state: dict[str, Any]) -> int:
     return full_nbytes(state)
 
 
-async def _timed(work: Callable[[], Awaitable[None]]) -> float:
+async def _timed(work: Callable[[], Awaitable[float | None]]) -> tuple[float, float | None]:
+    """`work()`'s time between barriers, and what it returned."""
     await asyncio.to_thread(dist.barrier)
     started = time.perf_counter()
-    await work()
+    value = await work()
     elapsed = time.perf_counter() - started
     await asyncio.to_thread(dist.barrier)
-    return elapsed
+    return elapsed, value
 
 
 async def _save(state: dict[str, Any], url: str, endpoint: str) -> None:
@@ -219,29 +234,31 @@ async def _save(state: dict[str, Any], url: str, endpoint: str) -> None:
                                                                    writing=True))
 
 
-async def _load(method: str, state: dict[str, Any], url: str, endpoint: str,
-                layout: str) -> None:
+async def _load(method: str, state: dict[str, Any], url: str, endpoint: str, layout: str,
+                engines: dict[str, Engine]) -> float | None:
+    """One load of every rank by `method` (asynctron's through the job's running engine);
+    the floor's: the time its GETs took (every rank's, between barriers)."""
     import torch.distributed.checkpoint as dcp
 
-    from asynctron import Engine
-    from asynctron.bench._tiers_ranks import _backend, fsspec, s3torch
+    from asynctron.bench._tiers_ranks import fsspec, s3torch
 
-    if method in (OURS, OURS_UNSHARED):
-        async with Engine(backend=_backend(endpoint), share_reads=method == OURS,
-                          coordination_timeout_s=600) as engine:
-            await engine.load_into(state, f"{url}/asynctron", collective=True)
+    if method in engines:
+        await engines[method].load_into(state, f"{url}/asynctron", collective=True)
     elif method == S3TORCH:
         await asyncio.to_thread(dcp.load, state, storage_reader=s3torch(f"{url}/dcp", endpoint))
     elif method == FSSPEC:
         await asyncio.to_thread(dcp.load, state,
                                 storage_reader=fsspec(f"{url}/dcp", endpoint, writing=False))
     else:
-        await _floor(f"{url}/asynctron", endpoint, replicated=layout == "ddp")
+        return await _floor(f"{url}/asynctron", endpoint, replicated=layout == "ddp")
+    return None
 
 
-async def _floor(url: str, endpoint: str, *, replicated: bool) -> None:
+async def _floor(url: str, endpoint: str, *, replicated: bool) -> float:
     """The checkpoint's data objects fetched once by ranged GETs, this rank its share of the
-    bytes; then (`replicated`) every rank's share all-gathered to every rank."""
+    bytes; then (`replicated`) every rank's share all-gathered to every rank. Returns the
+    time until every rank had fetched its share."""
+    started = time.perf_counter()
     from aiobotocore.session import get_session
     from botocore.config import Config
 
@@ -281,12 +298,15 @@ async def _floor(url: str, endpoint: str, *, replicated: bool) -> None:
 
         await asyncio.gather(*(get(item, offset) for item, offset in zip(mine, offsets,
                                                                          strict=True)))
+    await asyncio.to_thread(dist.barrier)
+    fetched_s = time.perf_counter() - started
     if replicated:  # every rank's share to every rank, a piece at a time (bounded memory)
         gathered = [torch.empty(_GATHER_BYTES, dtype=torch.uint8) for _ in range(world)]
         for start in range(0, share, _GATHER_BYTES):
             piece = part[start:start + _GATHER_BYTES]
             await asyncio.to_thread(dist.all_gather, [g[:piece.numel()] for g in gathered],
                                     piece)
+    return fetched_s
 
 
 def run(*, ranks: int, ranks_per_node: int, size_gib: float, repeats: int,
@@ -341,6 +361,9 @@ def summarize(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             floor = median.get(f"{FLOOR}, {link}")
             if ours and floor:
                 ratios[f"{OURS} speed / floor, {link}"] = floor / ours
+            gets = median.get(f"{FLOOR_GETS}, {link}")
+            if ours and gets:
+                ratios[f"{OURS} speed / the floor's raw GETs alone, {link}"] = gets / ours
         summary[layout] = {
             "state_bytes": size, "median_s": median, "rounds_s": times,
             "store_bytes_over_state": {name: value / size

@@ -59,6 +59,8 @@ RUNS = {
     "s3": Run("s3", ("--size-gib", "0.25", "--repeats", "2", "--dir", "{disk}"), "s3.json"),
     "data_s3": Run("data_s3", ("--source", "s3", "--corpus-mib", "512", "--megatron-limit-s",
                                "20", "--repeats", "2", "--dir", "{disk}"), "data_s3.json"),
+    "s3_restarts": Run("s3", ("--ranks", "8", "--size-gib", "1", "--repeats", "3"),
+                       "s3_restarts.json"),
     "tiers": Run("tiers", ("--target", "{disk}"), "tiers.json"),
     "tiers_shm": Run("tiers", ("--target", "/dev/shm"), "tiers_shm.json"),
 }

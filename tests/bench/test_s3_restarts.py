@@ -25,7 +25,8 @@ def test_quick_restarts_read_replicated_state_once_and_report_every_method(
     for layout in _store_restarts.LAYOUTS:
         found = results[layout]
         assert set(found["median_s"]) == {f"{method}, {link}"
-                                          for method in _store_restarts.METHODS
+                                          for method in (*_store_restarts.METHODS,
+                                                         _store_restarts.FLOOR_GETS)
                                           for link in ("proxied", "loopback")}
         read = found["store_bytes_over_state"]
         # each stored byte once for the job (the items; padding between them may be read)
