@@ -20,7 +20,12 @@ from typing import Any, Protocol
 
 from asynctron.bench import _baselines, _results, s3
 from asynctron.bench._rounds import round_order
-from asynctron.bench.s3 import GiB, Job, MiB
+from asynctron.bench._s3_methods import (
+    OURS,
+    GiB,
+    Job,
+    MiB,
+)
 
 TARGET_OVER_RAW = 0.9
 """The issue's target: asynctron's save and load throughput over the raw client's, at least."""
@@ -146,9 +151,9 @@ def summarize(bench: StoreBench, rounds: dict[str, list[dict[str, Any]]]) -> dic
         moved_gb = 2 * m["nbytes"] / 1e9
         m["server_cpu_s_per_gb"] = s3._median(
             [run["ranks"][0]["server_cpu_s"] / moved_gb for run in m["rounds"]])
-    if s3.OURS in methods:
+    if OURS in methods:
         result["ratios"]["asynctron_over"] = {
-            other: {what: methods[s3.OURS][f"{what}_gb_per_s"] / methods[other][f"{what}_gb_per_s"]
+            other: {what: methods[OURS][f"{what}_gb_per_s"] / methods[other][f"{what}_gb_per_s"]
                     for what in ("save", "load")}
             for other in bench.also_over if other in methods}
     if "asynctron_over_raw" in result["ratios"]:

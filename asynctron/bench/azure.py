@@ -53,12 +53,20 @@ from typing import Any
 import torch
 
 from asynctron.bench import _store_bench, s3
+from asynctron.bench._s3_methods import (
+    OURS,
+    AsynctronMethod,
+    DcpMethod,
+    Job,
+    Method,
+    PartBody,
+    RawMethod,
+    RequestSlots,
+)
 from asynctron.bench._store_bench import StoreBench
-from asynctron.bench.s3 import Job, Method
 
 RAW = "raw blocks"
 FSSPEC = "DCP FsspecWriter (adlfs)"
-OURS = s3.OURS
 METHODS = (RAW, FSSPEC, OURS)
 PEERS = (FSSPEC,)
 _NEEDS = {RAW: ("azure.storage.blob.aio", "pip install 'azure-storage-blob[aio]'"),
@@ -97,7 +105,7 @@ class RawAzure:
     def __init__(self, service: Any, *, part_bytes: int, num_requests: int) -> None:
         self._service = service
         self._part_bytes = part_bytes
-        self.slots = s3.RequestSlots(num_requests)
+        self.slots = RequestSlots(num_requests)
 
     def _blob(self, url: str) -> Any:
         return self._service.get_blob_client(*_split_url(url))
@@ -109,7 +117,7 @@ class RawAzure:
         async def stage(block_id: str, offset: int) -> None:
             body = view[offset:offset + self._part_bytes]
             async with self.slots.slot():  # sent in 1 MiB views: the part whole, aiohttp copies it
-                await blob.stage_block(block_id, s3.PartBody(body), length=body.nbytes)
+                await blob.stage_block(block_id, PartBody(body), length=body.nbytes)
 
         block_ids = [f"{number:06d}" for number in range(
             max(1, -(-view.nbytes // self._part_bytes)))]  # the SDK base64-encodes them
@@ -137,7 +145,7 @@ class RawAzure:
                 group.create_task(get(offset))
 
 
-class AdlfsDcpMethod(s3.DcpMethod):
+class AdlfsDcpMethod(DcpMethod):
     """`dcp.save`/`dcp.load` with DCP's fsspec writer and reader on adlfs (`abfs://`)."""
 
     def _writer_reader(self, url: str, writing: bool) -> Any:
@@ -161,14 +169,14 @@ async def _measure(rank: int, job: Job, state: dict[str, torch.Tensor],
 
         backend = AzureBackend(AzureConfig(connection_string=connection_string))
         async with Engine(backend=backend) as engine:
-            return await run(s3.AsynctronMethod(engine, backend.client, collective=False))
+            return await run(AsynctronMethod(engine, backend.client, collective=False))
     from azure.storage.blob.aio import BlobServiceClient
 
     async with BlobServiceClient.from_connection_string(
             connection_string, max_single_get_size=job.part_bytes,
             max_chunk_get_size=job.part_bytes, max_block_size=job.part_bytes) as service:
         raw = RawAzure(service, part_bytes=job.part_bytes, num_requests=job.num_requests)
-        return await run(s3.RawMethod(raw, rank))  # type: ignore[arg-type]
+        return await run(RawMethod(raw, rank))  # type: ignore[arg-type]
 
 
 def _run_rank(rank: int, world: int, job: Job) -> dict[str, Any]:

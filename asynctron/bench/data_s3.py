@@ -48,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -304,6 +305,27 @@ def store(source: str, work: str) -> Iterator[str]:
             os.environ.update(saved)
 
 
+@contextlib.contextmanager
+def proxied(store_profile: str | None) -> Iterator[None]:
+    """With a profile, the runs (which inherit `AWS_ENDPOINT_URL`) reach the store through a
+    `ShapingProxy` that models it; without, directly."""
+    if store_profile is None:
+        yield
+        return
+    from asynctron.testing import ShapingProxy, StoreProfile
+
+    endpoint = urllib.parse.urlsplit(os.environ["AWS_ENDPOINT_URL"])
+    proxy = ShapingProxy.start(endpoint.hostname or "", endpoint.port or 80,
+                               StoreProfile.parse(store_profile))
+    saved = os.environ["AWS_ENDPOINT_URL"]
+    os.environ["AWS_ENDPOINT_URL"] = proxy.endpoint
+    try:
+        yield
+    finally:
+        os.environ["AWS_ENDPOINT_URL"] = saved
+        proxy.stop()
+
+
 def upload(local_prefix: str, url: str) -> float:
     """Put the corpus's .idx and .bin at `url` + ext unless objects of the same sizes are
     there; returns the seconds the upload took (0 when reused)."""
@@ -557,6 +579,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--skip-megatron", action="store_true")
     p.add_argument("--quick", action="store_true", help="tiny corpus, one round (smoke)")
+    p.add_argument("--store-profile", default=None,
+                   help="reach the store through a ShapingProxy with this StoreProfile (a "
+                        "preset such as s3-node and/or key=value overrides; the corpus is "
+                        "uploaded directly); default: no proxy")
     p.add_argument("--out", default=None, help=_results.OUT_HELP)
     p.add_argument("--one", help=argparse.SUPPRESS)
     return p
@@ -602,7 +628,8 @@ def main(argv: list[str] | None = None) -> int:
             upload_s = upload(local, url)
             print(f"corpus: {url} ({num_tokens * 2 / GiB:.2f} GiB; upload {upload_s:.1f} s)",
                   flush=True)
-            runs = run_all(args, work, url, local)
+            with proxied(args.store_profile):
+                runs = run_all(args, work, url, local)
     except (FileNotFoundError, RuntimeError) as error:  # no `weed`; a failed start or run
         print(f"asynctron bench data --source: {error}", flush=True)
         with contextlib.suppress(OSError), open(f"{work}/seaweedfs/weed.log") as log:
@@ -616,6 +643,7 @@ def main(argv: list[str] | None = None) -> int:
               "micro_batch_size": args.micro_batch_size, "repeats": args.repeats,
               "server": ("SeaweedFS `weed mini` on 127.0.0.1" if args.source == "s3"
                          else os.environ.get("AWS_ENDPOINT_URL", "the AWS default endpoint")),
+              "store_profile": args.store_profile,
               "not_run": not_run, "summary": summarize(runs, args.verify_samples),
               "cache_series": epoch[0]["cache_series"] if epoch else None,
               "runs": {label: [{k: v for k, v in r.items() if k != "cache_series"}

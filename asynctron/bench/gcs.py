@@ -70,8 +70,19 @@ from typing import Any
 import torch
 
 from asynctron.bench import _store_bench, s3
+from asynctron.bench._s3_methods import (
+    OURS,
+    AsynctronMethod,
+    DcpMethod,
+    Job,
+    Method,
+    MiB,
+    PartBody,
+    RawMethod,
+    RequestSlots,
+    copy_chunks,
+)
 from asynctron.bench._store_bench import StoreBench
-from asynctron.bench.s3 import Job, Method, MiB
 
 RAW = "raw aiohttp (JSON API)"
 RAW_COMPOSE = "raw parts + compose"
@@ -79,7 +90,6 @@ RAW_COMPOSE = "raw parts + compose"
 RAW_RESUMABLE = "raw resumable (in order)"
 """The raw client streaming the object as gcsfs does: one resumable upload, chunks in order."""
 FSSPEC = "DCP FsspecWriter (gcsfs)"
-OURS = s3.OURS
 METHODS = (RAW, RAW_COMPOSE, RAW_RESUMABLE, FSSPEC, OURS)
 PEERS = (FSSPEC,)
 COMPOSE_SOURCES = 32
@@ -123,8 +133,8 @@ async def _body_from(view: memoryview, head: bytes = b"", tail: bytes = b""
     """A request body sent from where its bytes lie, in 1 MiB views (bench.s3's `PartBody`:
     given a whole part, aiohttp copies it on the loop), between `head` and `tail`."""
     yield head
-    for offset in range(0, view.nbytes, s3.PartBody.CHUNK_BYTES):
-        yield view[offset:offset + s3.PartBody.CHUNK_BYTES]
+    for offset in range(0, view.nbytes, PartBody.CHUNK_BYTES):
+        yield view[offset:offset + PartBody.CHUNK_BYTES]
     yield tail
 
 
@@ -141,7 +151,7 @@ class RawGcs:
         self._part_bytes = part_bytes
         self._save_part_bytes = save_part_bytes
         self._resumable = resumable
-        self.slots = s3.RequestSlots(num_requests)
+        self.slots = RequestSlots(num_requests)
 
     async def _upload(self, bucket: str, key: str, view: memoryview) -> None:
         """One `uploadType=multipart` upload (the object's name, then its bytes)."""
@@ -244,14 +254,14 @@ class RawGcs:
                 if response.status != 206:
                     await self._check(response, f"GET {key} at {offset}")
                     raise OSError(f"GET {key} at {offset}: {response.status}, not 206")
-                await s3.copy_chunks(response.content, view, offset, end, url)
+                await copy_chunks(response.content, view, offset, end, url)
 
         async with asyncio.TaskGroup() as group:
             for offset in range(0, view.nbytes, self._part_bytes):
                 group.create_task(get(offset))
 
 
-class GcsfsDcpMethod(s3.DcpMethod):
+class GcsfsDcpMethod(DcpMethod):
     """`dcp.save`/`dcp.load` with DCP's fsspec writer and reader on gcsfs (`gs://`)."""
 
     def _writer_reader(self, url: str, writing: bool) -> Any:
@@ -276,7 +286,7 @@ async def _measure(rank: int, job: Job, state: dict[str, torch.Tensor],
 
         backend = GcsBackend(GcsConfig(endpoint_url=endpoint))
         async with Engine(backend=backend) as engine:
-            return await run(s3.AsynctronMethod(engine, backend.client, collective=False))
+            return await run(AsynctronMethod(engine, backend.client, collective=False))
     async with aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=job.num_requests),
             auto_decompress=False) as session:
@@ -284,7 +294,7 @@ async def _measure(rank: int, job: Job, state: dict[str, torch.Tensor],
         raw = RawGcs(session, endpoint, part_bytes=job.part_bytes,
                      save_part_bytes=job.save_part_bytes, resumable=job.resumable,
                      num_requests=job.num_requests)
-        return await run(s3.RawMethod(raw, rank))  # type: ignore[arg-type]
+        return await run(RawMethod(raw, rank))  # type: ignore[arg-type]
 
 
 def _run_rank(rank: int, world: int, job: Job) -> dict[str, Any]:

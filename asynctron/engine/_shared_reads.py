@@ -10,9 +10,10 @@ at once:
    of them: in file order, cut into a contiguous run per rank (its reads coalesce into few
    requests), sized so that every rank reads about as many bytes, its own items counted:
    the store's bytes are spread over the ranks, not all read by rank 0.
-2. `read`: every rank reads its items (the reader checks each digest) and sends each shared
-   one, once read, to the other ranks that need it, a message per peer per batch (a few
-   batches read at once, so sends overlap reads); the
+2. `read`: every rank reads its items (the reader checks each digest), the shared ones first
+   (other ranks wait on those, on its own nobody), and sends each shared one, once read, to
+   the other ranks that need it, a message per peer per batch (a few batches read at once, so
+   sends overlap reads); the
    receivers take the bytes straight into their destinations and check the digest of what
    they received. A rank that cannot read an item tells the ranks waiting for it, so every
    rank ends the exchange and the load fails everywhere, naming the rank and its error.
@@ -160,11 +161,14 @@ class ReadShare:
             expected.setdefault(plan.readers[at], set()).add(at)
         errors: list[CorruptCheckpointError] = []
 
-        async def read_own() -> None:
+        shared_read = asyncio.Event()
+
+        async def read_own() -> None:  # after the items others wait for: nobody waits on these
+            await shared_read.wait()
             errors.extend(await reader.read(own, verify=verify, slab_bytes=slab_bytes))
 
         tasks = [self._read_and_send(plan, index, to_send, reader, verify=verify,
-                                     slab_bytes=slab_bytes, errors=errors)]
+                                     slab_bytes=slab_bytes, errors=errors, read=shared_read)]
         if own:
             tasks.append(read_own())
         tasks.extend(self._receive(src, records, landing, wanted, reader, verify=verify,
@@ -177,27 +181,38 @@ class ReadShare:
 
     async def _read_and_send(self, plan: SharePlan, index: dict[int, int],
                              jobs: list[ReadJob], reader: ItemReader, *, verify: bool,
-                             slab_bytes: int, errors: list[CorruptCheckpointError]) -> None:
+                             slab_bytes: int, errors: list[CorruptCheckpointError],
+                             read: asyncio.Event) -> None:
         """Read `jobs` (this rank's shared items) in batches, `_BATCHES_IN_FLIGHT` at once,
-        sending each batch once read; after a failed read, tell every receiver of each batch
-        not sent, then raise it."""
+        sending each batch once read (`read` is set once every batch's read ended); after a
+        failed read, tell every receiver of each batch not sent, then raise it."""
         slots = asyncio.Semaphore(_BATCHES_IN_FLIGHT)
         failed: list[BaseException] = []
+        batches = _batches(jobs)
+        unread = len(batches)
 
         async def one(batch: list[ReadJob]) -> None:
+            nonlocal unread
             async with slots:
-                if not failed:
-                    try:
+                try:
+                    if not failed:
                         found = await reader.read(batch, verify=verify, slab_bytes=slab_bytes)
-                    except BaseException as error:  # the receivers must hear of it
-                        failed.append(error)
+                except BaseException as error:  # the receivers must hear of it
+                    failed.append(error)
+                finally:
+                    unread -= 1
+                    if not unread:
+                        read.set()
             if failed:
                 await self._send_failure(plan, index, batch, failed[0])
             else:
                 errors.extend(found)
                 await self._send(plan, index, batch, found)
 
-        await _all(one(batch) for batch in _batches(jobs))
+        try:
+            await _all(one(batch) for batch in batches)
+        finally:
+            read.set()
         if failed:
             raise failed[0]
 
