@@ -6,7 +6,8 @@ groups) would otherwise read the checkpoint once per rank from the store. Per lo
 at once:
 1. `agree`: each rank says which of the checkpoint's items (its manifest's records) it needs.
    An item one rank needs is read by that rank alone, as without sharing (only the parts of
-   it the rank holds, when resharding). The items several ranks need are read whole by one
+   it the rank holds, when resharding); so is an item under 1 KiB (a step count) by each
+   rank that needs it. The items several ranks need are read whole by one
    of them: in file order, cut into a contiguous run per rank (its reads coalesce into few
    requests), sized so that every rank reads about as many bytes, its own items counted:
    the store's bytes are spread over the ranks, not all read by rank 0.
@@ -47,6 +48,10 @@ _BATCHES_IN_FLIGHT = 3
 budget bounding all), so the store's pipe does not drain between batches."""
 _MAX_RECORDS_PER_MESSAGE = 256
 """Record indices per message header (a header is a 4 KiB JSON frame)."""
+_MIN_SHARED_BYTES = 1024
+"""An item smaller than this (an optimizer's step count, a scalar) is read by every rank that
+needs it: its bytes are nothing, and sharing it would make those ranks wait on another's read
+(an FSDP2 state, whose only replicated items are AdamW's step counts, then shares nothing)."""
 _MAX_WHY_CHARS = 1500
 _NOTHING = memoryview(b"")
 
@@ -342,9 +347,10 @@ def _assign(gathered: Sequence[bytes], order: Sequence[int], sizes: np.ndarray) 
     need = np.stack([np.unpackbits(np.frombuffer(packed, dtype=np.uint8), count=count)
                      .astype(bool) for packed in gathered])
     needers = need.sum(axis=0)
-    loads = [int(x) for x in (need & (needers == 1)).astype(np.int64) @ sizes]
+    alone = (needers == 1) | (sizes < _MIN_SHARED_BYTES)
+    loads = [int(x) for x in (need & alone).astype(np.int64) @ sizes]
     ordered = np.asarray(order, dtype=np.int64)
-    shared = ordered[needers[ordered] >= 2]
+    shared = ordered[~alone[ordered] & (needers[ordered] >= 2)]
     masks = np.packbits(need[:, shared], axis=0, bitorder="little")
     groups: dict[bytes, list[int]] = {}
     for column, at in enumerate(shared.tolist()):
