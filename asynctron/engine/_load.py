@@ -63,6 +63,9 @@ class _Wanted:
     overlap: Overlap
     local: torch.Tensor
     origin: tuple[int, ...]
+    exclusive: bool = False
+    """The target is a DTensor sharded over every rank of the load (only `Shard`
+    placements): no other rank's part of it overlaps this one."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,16 +157,19 @@ class Loader:
         self._filler = SlabFiller(reader, pool=pool, copy_streams=copy_streams,
                                   run_blocking=run_blocking, verify=verify)
 
-    async def _agreed(self, check: Callable[[], T], needs: Callable[[T], np.ndarray]
+    async def _agreed(self, check: Callable[[], T], needs: Callable[[T], np.ndarray],
+                      checked_first: Callable[[], None] = lambda: None
                       ) -> tuple[T, SharePlan | None]:
         """`check()` (off the loop: it raises where the target does not match the checkpoint)
         and, with a `ReadShare`, the plan every rank agreed on for the records `needs(result)`
-        marks. A rank's failure there is raised on every rank (as `PeerError` elsewhere)."""
+        marks (`checked_first()` runs once the check passed, before the agreement). A rank's
+        failure there is raised on every rank (as `PeerError` elsewhere)."""
         if self._share is None:
             return await self._run_blocking(check), None
         outcome: np.ndarray | BaseException
         try:
             checked = await self._run_blocking(check)
+            checked_first()
             outcome = await self._run_blocking(needs, checked)
         except Exception as error:  # every rank must reach the agreement
             outcome = error
@@ -333,10 +339,29 @@ class Loader:
             CorruptCheckpointError: two of the checkpoint's values or items join to one key
                 (names it).
         """
-        (structure, saved_values, object_keys, reads, wanted), plan = await self._agreed(
-            lambda: self._check_into(target), lambda checked: self._needs(*checked[3:]))
-        await self._run_blocking(self._plan_wanted, wanted, reads, plan)
-        await self._read_all(reads, plan)
+        early = _Reads()  # read before the agreement: parts of chunks no other rank needs
+        reading_early: list[asyncio.Future[None]] = []
+
+        def check() -> tuple[Structure, dict[str, Any], list[str], _Reads, list[_Wanted]]:
+            checked = self._check_into(target)
+            if self._share is not None:
+                checked[4][:] = self._plan_exclusive(checked[4], early)
+            return checked
+
+        def read_early() -> None:
+            if early.jobs or early.staged:
+                reading_early.append(asyncio.ensure_future(self._read_all(early)))
+
+        try:
+            (structure, saved_values, object_keys, reads, wanted), plan = await self._agreed(
+                check, lambda checked: self._needs(*checked[3:]), read_early)
+            await self._run_blocking(self._plan_wanted, wanted, reads, plan)
+            await self._read_all(reads, plan)
+        except BaseException:
+            await asyncio.gather(*reading_early, return_exceptions=True)
+            raise
+        for task in reading_early:
+            await task
         items = reads.items
         saved_values.update((key, items.pop(key)) for key in object_keys)
         for key, value in items.items():
@@ -421,6 +446,17 @@ class Loader:
                                   self._manifest.by_key(), reads)
         return reads, wanted
 
+    def _plan_exclusive(self, wanted: Sequence[_Wanted], reads: _Reads) -> list[_Wanted]:
+        """Blocks: plan into `reads` the parts of `wanted` that only this rank can need (a
+        saved chunk wholly inside an `exclusive` target's box); return the rest."""
+        rest = []
+        for want in wanted:
+            if want.exclusive and want.overlap.covers_record:
+                self._plan_overlap(want.overlap, want.local, want.origin, reads, shared=False)
+            else:
+                rest.append(want)
+        return rest
+
     def _plan_wanted(self, wanted: Sequence[_Wanted], reads: _Reads,
                      plan: SharePlan | None) -> None:
         """Blocks: plan the reads of every part of a saved chunk a target wants (an item
@@ -472,7 +508,10 @@ class Loader:
                 overlaps = [Overlap(first, origin, tuple(local.shape))]  # the common case
             else:
                 overlaps = ChunkIndex(records).overlapping(origin, tuple(local.shape))
-            wanted.extend(_Wanted(overlap, local, origin) for overlap in overlaps)
+            exclusive = (self._share is not None and isinstance(tensor, DTensor)
+                         and tensor.device_mesh.size() == self._share.world_size
+                         and all(placement.is_shard() for placement in tensor.placements))
+            wanted.extend(_Wanted(overlap, local, origin, exclusive) for overlap in overlaps)
             items[key] = flat.original(key)
         return wanted
 

@@ -101,6 +101,10 @@ class ReadShare:
     def rank(self) -> int:
         return self._group.rank
 
+    @property
+    def world_size(self) -> int:
+        return self._group.world_size
+
     async def agree(self, needs: np.ndarray | BaseException, records: Sequence[ItemRecord]
                     ) -> SharePlan:
         """Tell every rank which of the manifest's `records` this rank needs (`needs`: a bool

@@ -100,6 +100,13 @@ def shared_loads(rank: int, world: int, root: str) -> dict[str, Any]:
             out["columns_ok"] = torch.equal(columns.full_tensor(), full)
             out["columns_read"] = read_since(start)
 
+            # The layout that saved it: each rank's chunk is its own, read before the agreement.
+            rows = distribute_tensor(torch.zeros(48, 30), mesh, [Shard(0)])
+            start = backend.bytes_read
+            await engine.load_into({"w": rows}, f"{root}/rows", collective=True)
+            out["rows_ok"] = torch.equal(rows.full_tensor(), full)
+            out["rows_read"] = read_since(start)
+
             # A stock DCP checkpoint (torch.save blobs) of the replicated model, read once.
             model = state["model"]
             await asyncio.to_thread(dcp.save, {"model": model},
@@ -187,7 +194,8 @@ def test_a_stock_dcp_checkpoint_is_read_once_too(
 def test_a_resharding_load_reads_each_saved_chunk_once(
         loads: tuple[str, list[dict[str, Any]]]) -> None:
     root, results = loads
-    assert all(r["columns_ok"] for r in results)
+    assert all(r["columns_ok"] and r["rows_ok"] for r in results)
+    assert [r["rows_read"] for r in results] == [48 * 30 * 4 // WORLD] * WORLD  # its own
     size, files = _data_bytes(f"{root}/rows")
     assert size <= sum(r["columns_read"] for r in results) <= files
 
