@@ -11,7 +11,9 @@ each row's range of columns when skipping between them saves reading (`Overlap.r
 
 In a collective load with a `ReadShare`, an item several ranks need is read whole by one of
 them and sent to the others (`_shared_reads`); the load checks its target first, then agrees
-with the other ranks on who reads what, then plans and reads.
+with the other ranks on who reads what, then plans and reads. `into` starts reading the chunks
+no other rank can need (inside its box of a DTensor sharded over every rank) before the
+agreement.
 """
 
 from __future__ import annotations
