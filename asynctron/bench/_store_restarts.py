@@ -28,7 +28,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -122,8 +122,8 @@ def measure(rank: int, world: int, config: RestartConfig) -> dict[str, Any]:
 
 
 async def _measure(rank: int, world: int, config: RestartConfig) -> dict[str, Any]:
-    from asynctron.bench._tiers_ranks import _backend, fsdp_job
-    from asynctron.testing._layouts import full_digests
+    from asynctron.bench._tiers_ranks import _backend, _local, fsdp_job
+    from asynctron.testing._layouts import full_digests, full_nbytes
 
     node = rank // config.ranks_per_node
     results: dict[str, Any] = {}
@@ -131,7 +131,7 @@ async def _measure(rank: int, world: int, config: RestartConfig) -> dict[str, An
         job = (fsdp_job(config.size_gib, config.ranks_per_node) if layout == "fsdp"
                else _replicated_job(config.size_gib))
         state = job.state()
-        nbytes = _global_bytes(state)
+        nbytes = full_nbytes(state)
         url = f"s3://{config.bucket}/restarts/{layout}"
         await _save(state, url, config.endpoint)
         expected = full_digests(state)
@@ -147,7 +147,8 @@ async def _measure(rank: int, world: int, config: RestartConfig) -> dict[str, An
                         continue
                     name = f"{method}, {link}"
                     for round_index in range(config.repeats + int(config.warmup)):
-                        _zero(state)
+                        for tensor in _local(state).values():
+                            tensor.detach().zero_()
                         before = _proxy_down_bytes(config.board) if rank == 0 else 0
                         elapsed, fetched_s = await _timed(functools.partial(
                             _load, method, state, url, endpoint, layout, engines))
@@ -185,32 +186,6 @@ def _replicated_job(size_gib: float) -> Any:
     return job
 
 
-def _local_tensors(state: Any) -> Iterator[torch.Tensor]:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(state, dict):
-        for value in state.values():
-            yield from _local_tensors(value)
-    elif isinstance(state, list | tuple):
-        for value in state:
-            yield from _local_tensors(value)
-    elif isinstance(state, DTensor):
-        yield state.to_local()
-    elif isinstance(state, torch.Tensor):
-        yield state
-
-
-def _zero(state: dict[str, Any]) -> None:
-    for tensor in _local_tensors(state):
-        tensor.detach().zero_()
-
-
-def _global_bytes(state: dict[str, Any]) -> int:
-    from asynctron.testing._layouts import full_nbytes
-
-    return full_nbytes(state)
-
-
 async def _timed(work: Callable[[], Awaitable[float | None]]) -> tuple[float, float | None]:
     """`work()`'s time between barriers, and what it returned."""
     await asyncio.to_thread(dist.barrier)
@@ -225,7 +200,6 @@ async def _save(state: dict[str, Any], url: str, endpoint: str) -> None:
     """The state saved by asynctron (loopback) and by stock `dcp.save` (s3fs), once."""
     import torch.distributed.checkpoint as dcp
 
-    from asynctron import Engine
     from asynctron.bench._tiers_ranks import _backend, fsspec
 
     async with Engine(backend=_backend(endpoint), coordination_timeout_s=600) as engine:

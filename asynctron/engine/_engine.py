@@ -102,6 +102,11 @@ class EngineConfig:
     every byte read costs the store's bandwidth; not on local paths, whose ranks on a node
     share the page cache."""
 
+    def shares_reads(self, backend: Backend) -> bool:
+        """Whether collective loads from `backend` read each item once per job: `share_reads`,
+        or by default whether `backend` is an object store."""
+        return backend.remote if self.share_reads is None else self.share_reads
+
     def __post_init__(self) -> None:
         for name in ("num_workers", "num_bins"):
             value = getattr(self, name)
@@ -700,9 +705,7 @@ class Engine:
         flight until it ends; with `collective`, one of every rank's loads together
         (`SharedLoads`)."""
         storage, checkpoint = self._resources.locate(path)
-        share = self.config.share_reads
-        if share is None:
-            share = self._resources.backend_of(path).remote
+        share = self.config.shares_reads(self._resources.backend_of(path))
         self._num_loads += 1
         self._loads_done.clear()
         try:

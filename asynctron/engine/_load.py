@@ -19,6 +19,7 @@ agreement.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -177,12 +178,15 @@ class Loader:
             outcome = error
         return checked, await self._share.agree(outcome, self._manifest.items)
 
+    @functools.cached_property
     def _record_index(self) -> dict[int, int]:
+        """Each manifest record's place in the manifest, by `id` (made once per load, off
+        the loop)."""
         return {id(record): at for at, record in enumerate(self._manifest.items)}
 
     def _needs(self, reads: _Reads, wanted: Sequence[_Wanted]) -> np.ndarray:
         """Blocks: which of the manifest's records `reads` and `wanted` need."""
-        index = self._record_index()
+        index = self._record_index
         needs = np.zeros(len(self._manifest.items), dtype=bool)
         needs[[index[id(job.record)] for job in reads.jobs]] = True
         needs[[index[id(want.overlap.record)] for want in wanted]] = True
@@ -196,9 +200,9 @@ class Loader:
             return await self._reader.read(jobs, verify=self._verify,
                                            slab_bytes=self._slab_bytes)
         assert self._share is not None
+        index = await self._run_blocking(lambda: self._record_index)
         try:
-            return await self._share.read(plan, self._manifest.items,
-                                          await self._run_blocking(self._record_index), jobs,
+            return await self._share.read(plan, self._manifest.items, index, jobs,
                                           self._reader, verify=self._verify,
                                           slab_bytes=self._slab_bytes)
         finally:
@@ -464,7 +468,7 @@ class Loader:
         """Blocks: plan the reads of every part of a saved chunk a target wants (an item
         another rank reads too, whole and through host memory)."""
         shared = frozenset() if plan is None else plan.shared
-        index = self._record_index() if shared else {}
+        index = self._record_index if shared else {}
         for want in wanted:
             self._plan_overlap(want.overlap, want.local, want.origin, reads,
                                shared=index.get(id(want.overlap.record)) in shared)

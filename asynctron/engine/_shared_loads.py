@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from asynctron._concurrency import RunBlocking
@@ -71,11 +71,9 @@ class SharedLoads:
         self._seq += 1
         return self._seq
 
-    @contextlib.asynccontextmanager
-    async def turn(self, seq: int) -> AsyncIterator[None]:
+    def turn(self, seq: int) -> contextlib.AbstractAsyncContextManager[None]:
         """Load `seq`'s turn: its collectives run after those of the loads before it."""
-        async with self._turns.take(seq):
-            yield
+        return self._turns.take(seq)
 
     def share(self, seq: int, run_blocking: RunBlocking) -> ReadShare | None:
         """Load `seq`'s shared reads (within its turn); None on one process."""

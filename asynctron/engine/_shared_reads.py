@@ -182,10 +182,7 @@ class ReadShare:
             tasks.append(read_own())
         tasks.extend(self._receive(src, records, landing, wanted, reader, verify=verify,
                                    errors=errors) for src, wanted in expected.items())
-        outcomes = await asyncio.gather(*tasks, return_exceptions=True)
-        failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
-        if failures:
-            raise first_error(BaseExceptionGroup("shared reads", failures))
+        await _all(tasks)
         return errors
 
     async def _read_and_send(self, plan: SharePlan, index: dict[int, int],
@@ -230,11 +227,6 @@ class ReadShare:
         """Send each item of `batch` to the ranks that need it (those whose digest failed
         here as failures naming why)."""
         why = {error.key: str(error) for error in bad}
-        by_peer: dict[int, list[tuple[int, ReadJob]]] = {}
-        for job in batch:
-            at = index[id(job.record)]
-            for peer in plan.receivers[at]:
-                by_peer.setdefault(peer, []).append((at, job))
 
         async def to_peer(peer: int, items: list[tuple[int, ReadJob]]) -> None:
             good = [(at, job) for at, job in items if job.record.key not in why]
@@ -251,16 +243,12 @@ class ReadShare:
                                                     "why": why[job.record.key][:_MAX_WHY_CHARS]},
                                              tag=self._tag)
 
-        await _all(to_peer(peer, items) for peer, items in by_peer.items())
+        await _all(to_peer(peer, items)
+                   for peer, items in _by_receiver(plan, index, batch).items())
 
     async def _send_failure(self, plan: SharePlan, index: dict[int, int],
                             unsent: list[ReadJob], error: BaseException) -> None:
         """Tell each rank waiting for one of `unsent` that this rank could not read it."""
-        by_peer: dict[int, list[int]] = {}
-        for job in unsent:
-            at = index[id(job.record)]
-            for peer in plan.receivers[at]:
-                by_peer.setdefault(peer, []).append(at)
         why = describe(error)[:_MAX_WHY_CHARS]
 
         async def to_peer(peer: int, ats: list[int]) -> None:
@@ -269,7 +257,8 @@ class ReadShare:
                     "kind": "failed", "records": ats[start:start + _MAX_RECORDS_PER_MESSAGE],
                     "corrupt": False, "why": why}, tag=self._tag)
 
-        await _all(to_peer(peer, ats) for peer, ats in by_peer.items())
+        await _all(to_peer(peer, [at for at, _ in items])
+                   for peer, items in _by_receiver(plan, index, unsent).items())
 
     async def _receive(self, src: int, records: Sequence[ItemRecord],
                        landing: dict[int, memoryview], wanted: set[int], reader: ItemReader,
@@ -307,6 +296,18 @@ class ReadShare:
         if failed is not None:
             raise StorageError(f"load: rank {src} read items this rank needs and could not: "
                                f"{failed}", path=reader.path, errno=None)
+
+
+def _by_receiver(plan: SharePlan, index: dict[int, int], jobs: Sequence[ReadJob]
+                 ) -> dict[int, list[tuple[int, ReadJob]]]:
+    """`jobs` (items this rank reads for others) by the ranks that receive them, each with its
+    place in the manifest."""
+    by_peer: dict[int, list[tuple[int, ReadJob]]] = {}
+    for job in jobs:
+        at = index[id(job.record)]
+        for peer in plan.receivers[at]:
+            by_peer.setdefault(peer, []).append((at, job))
+    return by_peer
 
 
 def _check(reader: ItemReader, records: Sequence[ItemRecord], views: Sequence[memoryview]
@@ -390,4 +391,4 @@ async def _all(works: Iterable[Coroutine[Any, Any, None]]) -> None:
     outcomes = await asyncio.gather(*tasks, return_exceptions=True)
     failures = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
     if failures:
-        raise first_error(BaseExceptionGroup("sends", failures))
+        raise first_error(BaseExceptionGroup("shared reads", failures))

@@ -81,9 +81,8 @@ class TierManager:
         self.local_root = local.locate(tiers.local_root(nodes.node))
         self.store_root = None if store is None or tiers.store is None else (
             store.locate(tiers.store))
-        share = resources.config.share_reads
-        self._share_store_reads = channel is not None and store is not None and (
-            store.remote if share is None else share)
+        self._share_store_reads = (channel is not None and store is not None
+                                   and resources.config.shares_reads(store))
         """Restoring from the store, read each item once per job (`EngineConfig.share_reads`)."""
         self._resources = resources
         self._agree = agree
