@@ -298,7 +298,7 @@ class TierManager:
         """Drain `step` in the background, then, while steps were deferred meanwhile, the
         newest of them (rank 0 says which, on the drains' collectives, so every rank drains
         the same). A failure is logged (every rank learns it), and the next complete step is
-        drained instead."""
+        drained instead; a rank gone from the drains' group ends the drains (logged)."""
         assert self.store is not None and self.store_root is not None
         while step is not None:
             self._draining = step
@@ -321,7 +321,12 @@ class TierManager:
             finally:
                 self._draining = None
             due = self._due if self._due is not None and self._due > step else None
-            step = await self._drains.broadcast_object(due, src=0)
+            try:
+                step = await self._drains.broadcast_object(due, src=0)
+            except PeerError as error:  # a rank is gone: no drain can complete any more
+                logger.warning("rank %d: drains to %s stopped: %s", self.nodes.rank,
+                               self.store_root, describe(error))
+                return
             if step is not None and self._due is not None and self._due <= step:
                 self._due = None
 
