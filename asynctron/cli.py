@@ -53,18 +53,9 @@ from asynctron.errors import (
     CorruptDatasetError,
     StorageError,
 )
-from asynctron.storage import (
-    CheckpointReader,
-    ItemReader,
-    ItemRecord,
-    Manifest,
-    ReadJob,
-    backend_for,
-    decode_blob,
-    store_operation,
-    tensor_of,
-    value_paths,
-)
+from asynctron.storage import ItemRecord, Manifest, backend_for, store_operation
+from asynctron.storage.backends import CheckpointReader, ItemReader
+from asynctron.storage.format import ReadJob, decode_blob, tensor_of, value_paths
 
 
 def main(argv: list[str] | None = None) -> int:

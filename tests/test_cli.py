@@ -17,7 +17,7 @@ import torch
 
 import asynctron
 from asynctron.cli import format_nbytes, main
-from asynctron.storage import read_manifest
+from asynctron.storage.backends.local import read_manifest
 
 
 @pytest.fixture

@@ -43,12 +43,12 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from asynctron.bench import _results
-from asynctron.storage import (
+from asynctron.storage import ItemRecord
+from asynctron.storage.format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
     MAX_METADATA_BYTES,
     METADATA_NAME,
-    ItemRecord,
     encode_manifest,
 )
 
@@ -63,7 +63,7 @@ _FILE = "__0_0.distcp"
 #: resident set is reset after the imports (Linux's clear_refs), so it is the read's own
 CHILD = """
 import re, sys, time
-from asynctron.storage.backends.local._reader import read_manifest
+from asynctron.storage.backends.local import read_manifest
 def peak_bytes():
     with open("/proc/self/status") as f:
         return int(re.search(r"VmHWM:\\s+(\\d+) kB", f.read()).group(1)) << 10

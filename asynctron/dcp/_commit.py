@@ -37,14 +37,9 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.storage import WriteResult
 
 from asynctron.dcp._write_job import ItemWritten
-from asynctron.storage import (
-    MANIFEST_NAME,
-    METADATA_NAME,
-    SaveArea,
-    SaveStorage,
-    dcp_structure,
-    encode_manifest,
-)
+from asynctron.storage import SaveArea
+from asynctron.storage.backends import SaveStorage
+from asynctron.storage.format import MANIFEST_NAME, METADATA_NAME, dcp_structure, encode_manifest
 
 #: The name of a DCP save's area. With the checkpoint's name it names the area, the same on
 #: every rank: on a filesystem the tmp dir `.asynctron.tmp-<digest of both>`, which holds

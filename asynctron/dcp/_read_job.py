@@ -40,13 +40,12 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from asynctron._memory import tensor_bytes
 from asynctron.dcp._runtime import Runtime
-from asynctron.engine import SlabFill, SlabFiller
+from asynctron.engine.lowlevel import SlabFill, SlabFiller
 from asynctron.errors import CorruptCheckpointError
-from asynctron.storage import (
+from asynctron.storage import ItemRecord, Manifest
+from asynctron.storage.backends import CheckpointReader
+from asynctron.storage.format import (
     TORCH_DTYPES,
-    CheckpointReader,
-    ItemRecord,
-    Manifest,
     ReadJob,
     decode_blob,
     saved_value,

@@ -27,10 +27,10 @@ from asynctron.dcp._read_job import OpenCheckpoint, read
 from asynctron.dcp._runtime import Runtime, plugin_config, runtime_for
 from asynctron.dcp._writer import is_served, locate
 from asynctron.errors import CorruptCheckpointError, StorageError
-from asynctron.storage import (
+from asynctron.storage import Backend
+from asynctron.storage.format import (
     MAX_METADATA_BYTES,
     METADATA_NAME,
-    Backend,
     MetadataUnpickler,
     metadata_of,
     paused_gc,

@@ -25,7 +25,8 @@ from typing import Any, TypeVar
 
 from asynctron._budget import ByteBudget
 from asynctron._loop_thread import LoopThread
-from asynctron.engine import SLAB_CACHE, EngineConfig, SaveResources
+from asynctron.engine import EngineConfig
+from asynctron.engine.lowlevel import SLAB_CACHE, SaveResources
 from asynctron.storage import Backend, store_operation
 
 T = TypeVar("T")

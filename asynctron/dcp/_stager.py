@@ -46,9 +46,9 @@ from torch.distributed.tensor import DTensor
 from asynctron import _native
 from asynctron._budget import ByteBudget
 from asynctron.dcp._runtime import Runtime, plugin_config, runtime_for
-from asynctron.engine import SLAB_CACHE, Slab, launch_copies, mark_ready
+from asynctron.engine.lowlevel import SLAB_CACHE, Slab, launch_copies, mark_ready
 from asynctron.errors import WouldBlock
-from asynctron.storage import ALIGN_BYTES, SMALL_ALIGN_BYTES, align_up
+from asynctron.storage.format import ALIGN_BYTES, SMALL_ALIGN_BYTES, align_up
 
 #: CPU copies are cut into pieces of at most this many bytes, spread over the executor.
 _COPY_PIECE_BYTES = 16 << 20

@@ -29,16 +29,16 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from asynctron.dcp._runtime import Runtime
-from asynctron.engine import SaveRequest, build_request, dcp_items, file_plan, stage_and_write
-from asynctron.storage import (
-    FlatStateDict,
-    ItemKind,
-    ItemRecord,
-    SaveArea,
-    SavePlan,
-    SaveStorage,
-    check_object_blob,
+from asynctron.engine.lowlevel import (
+    SaveRequest,
+    build_request,
+    dcp_items,
+    file_plan,
+    stage_and_write,
 )
+from asynctron.storage import ItemRecord, SaveArea
+from asynctron.storage.backends import SaveStorage
+from asynctron.storage.format import FlatStateDict, ItemKind, SavePlan, check_object_blob
 
 
 @dataclass(frozen=True, slots=True)

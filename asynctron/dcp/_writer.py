@@ -42,8 +42,9 @@ from asynctron.dcp import _commit as _dcp_commit
 from asynctron.dcp._runtime import Runtime, plugin_config, runtime_for
 from asynctron.dcp._stager import stage_state_dict
 from asynctron.dcp._write_job import SaveTarget, write
-from asynctron.engine import mark_ready
-from asynctron.storage import Backend, SaveArea, SaveStorage, backend_for, commit_checkpoint
+from asynctron.engine.lowlevel import mark_ready
+from asynctron.storage import Backend, SaveArea, backend_for
+from asynctron.storage.backends import SaveStorage, commit_checkpoint
 
 
 def locate(owner: str, path: str | os.PathLike[str], backend: Backend | None

@@ -27,18 +27,3 @@ __all__ = [
     "save",
     "staging_statistics",
 ]
-
-# The seam asynctron's own plugins (the DCP storage plugins) build on: kept for them, not
-# promised to users (not in `__all__`).
-from asynctron.engine._pipeline import stage_and_write as stage_and_write
-from asynctron.engine._resources import SaveResources as SaveResources
-from asynctron.engine._save_plan import SaveRequest as SaveRequest
-from asynctron.engine._save_plan import build_request as build_request
-from asynctron.engine._save_plan import dcp_items as dcp_items
-from asynctron.engine._save_plan import file_plan as file_plan
-from asynctron.engine._slab_fill import SlabFill as SlabFill
-from asynctron.engine._slab_fill import SlabFiller as SlabFiller
-from asynctron.engine._slabs import SLAB_CACHE as SLAB_CACHE
-from asynctron.engine._slabs import Slab as Slab
-from asynctron.engine._staging import launch_copies as launch_copies
-from asynctron.engine._staging import mark_ready as mark_ready

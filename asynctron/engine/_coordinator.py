@@ -36,7 +36,9 @@ from asynctron.engine._collectives import Collectives
 from asynctron.engine._report import WriteReport
 from asynctron.engine._turns import Turns
 from asynctron.errors import PeerError
-from asynctron.storage import Committed, Committer, SaveArea, SaveStorage, digest
+from asynctron.storage import Committed, SaveArea
+from asynctron.storage.backends import Committer, SaveStorage
+from asynctron.storage.format import digest
 
 
 @dataclass(frozen=True, slots=True)

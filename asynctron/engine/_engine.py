@@ -35,18 +35,9 @@ from asynctron.engine._staging import mark_ready
 from asynctron.engine._task import SaveResult, SaveTask
 from asynctron.engine.tiers import RestoreResult, TierManager, Tiers, job_nodes
 from asynctron.errors import BusyError, ClosedError, PeerTimeoutError
-from asynctron.storage import (
-    ALGORITHMS,
-    ALIGN_BYTES,
-    XXH3_64,
-    Backend,
-    CheckpointReader,
-    CheckpointStorage,
-    Committer,
-    Retention,
-    backend_for,
-    store_operation,
-)
+from asynctron.storage import Backend, Retention, backend_for, store_operation
+from asynctron.storage.backends import CheckpointReader, CheckpointStorage, Committer
+from asynctron.storage.format import ALGORITHMS, ALIGN_BYTES, XXH3_64
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

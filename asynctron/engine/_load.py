@@ -35,15 +35,14 @@ from asynctron.engine._slab_fill import SlabFill, SlabFiller
 from asynctron.engine._slabs import SlabPool
 from asynctron.engine._staging import CopyStreams
 from asynctron.errors import CorruptCheckpointError
-from asynctron.storage import (
+from asynctron.storage import ItemRecord, Manifest
+from asynctron.storage.backends import ItemReader
+from asynctron.storage.format import (
     MAX_GAP_BYTES,
     NUMPY_DTYPES,
     TORCH_DTYPES,
     ChunkIndex,
     FlatStateDict,
-    ItemReader,
-    ItemRecord,
-    Manifest,
     Overlap,
     ReadJob,
     Structure,

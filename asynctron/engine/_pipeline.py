@@ -30,7 +30,8 @@ from asynctron._concurrency import first_error
 from asynctron.engine._resources import SaveResources
 from asynctron.engine._save_plan import SaveRequest
 from asynctron.engine._staging import StagedBatch, in_place, stage_wave
-from asynctron.storage import FileWriter, SaveArea, SaveStorage, WriteBatch
+from asynctron.storage import FileWriter, SaveArea
+from asynctron.storage.backends import SaveStorage, WriteBatch
 
 
 class Mirror(Protocol):

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 from torch.distributed.tensor import DTensor
 
-from asynctron.storage import PLAIN_TENSORS, Batches, BinLayout, FlatStateDict, ItemRecord
+from asynctron.storage import ItemRecord
+from asynctron.storage.format import PLAIN_TENSORS, Batches, BinLayout, FlatStateDict
 
 
 @dataclass(frozen=True, slots=True, eq=False)

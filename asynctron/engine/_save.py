@@ -47,16 +47,15 @@ from asynctron.engine._save_plan import (
     structure_digest,
 )
 from asynctron.engine._task import SaveResult
-from asynctron.storage import (
+from asynctron.storage import Committed, store_operation
+from asynctron.storage.backends import SaveStorage, StoreOperation
+from asynctron.storage.format import (
     MANIFEST_NAME,
-    Committed,
     FlatStateDict,
     PlainPlan,
     PlannedItem,
     SavePlan,
-    SaveStorage,
     ShardInfo,
-    StoreOperation,
     encode_manifest,
     flatten,
     is_plain,
@@ -67,10 +66,9 @@ from asynctron.storage import (
     plan_global,
     plan_local,
     plan_plain_global,
-    store_operation,
 )
-from asynctron.storage import METADATA_NAME as DCP_METADATA_NAME
-from asynctron.storage import digest as digest_of
+from asynctron.storage.format import METADATA_NAME as DCP_METADATA_NAME
+from asynctron.storage.format import digest as digest_of
 
 T = TypeVar("T")
 

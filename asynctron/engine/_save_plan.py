@@ -4,10 +4,10 @@ decided before any byte moves.
 Stages (blocking and CPU-bound; the engine runs them on its executor so that a state dict of
 thousands of tensors never stalls the event loop):
 1. DCP's `DefaultSavePlanner` turns the leaves into write items, globally deduplicated across
-   ranks by the coordinator (`storage._plan`, `_coordinator.exchange_plans`);
+   ranks by the coordinator (`storage.format`, `_coordinator.exchange_plans`);
 2. `file_plan`: tensors larger than their fair share of the bins are cut into dim-0 chunks
    (`storage._chunking`), Megatron's splitter deals the items onto bins (`storage._split`),
-   each bin file is laid out (aligned items) and cut into batches (`storage._layout`).
+   each bin file is laid out (aligned items) and cut into batches (`storage.format`).
 Steps 1-2 depend only on the structure of every rank's state dict, so an unchanged structure
 takes them from the `PlanCache` (seed 002). Per save remain (`build_request`) where each
 item's bytes are (their addresses, vectorised per bin) and fresh checksums.
@@ -26,11 +26,11 @@ from torch.distributed.tensor import DTensor
 from asynctron.engine._plan_cache import FilePlan, structure_signature
 from asynctron.engine._report import WriteReport
 from asynctron.engine._staging import BinSources, Sources, piece_addresses
-from asynctron.storage import (
+from asynctron.storage import ItemRecord, split_by_size_and_type
+from asynctron.storage.format import (
     BinLayout,
     Checksums,
     FlatStateDict,
-    ItemRecord,
     Part,
     PlainPlan,
     PlannedItem,
@@ -40,7 +40,6 @@ from asynctron.storage import (
     digest,
     dtype_name,
     layout_bin,
-    split_by_size_and_type,
     torch_save_frame,
 )
 

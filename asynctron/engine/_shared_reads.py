@@ -37,7 +37,9 @@ from asynctron.comm import PeerChannel
 from asynctron.engine._collectives import Collectives
 from asynctron.engine._coordinator import describe
 from asynctron.errors import CorruptCheckpointError, PeerError, StorageError
-from asynctron.storage import ItemReader, ItemRecord, ReadJob, digest
+from asynctron.storage import ItemRecord
+from asynctron.storage.backends import ItemReader
+from asynctron.storage.format import ReadJob, digest
 
 MiB = 1 << 20
 _BATCH_BYTES = 64 * MiB

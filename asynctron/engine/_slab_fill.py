@@ -21,7 +21,9 @@ import torch
 from asynctron._concurrency import RunBlocking, first_error
 from asynctron.engine._slabs import Slab, SlabPool
 from asynctron.engine._staging import CopyStreams, flat_range_views, launch_copies
-from asynctron.storage import ItemHasher, ItemReader, ItemRecord, ReadJob
+from asynctron.storage import ItemRecord
+from asynctron.storage.backends import ItemReader
+from asynctron.storage.format import ItemHasher, ReadJob
 
 #: Where a piece starts in its slab: aligned for any dtype's view (and DMA-friendly).
 _ALIGN = 64

@@ -28,7 +28,7 @@ import torch
 from asynctron import _native
 from asynctron._memory import memory_at
 from asynctron.engine._slabs import Slab
-from asynctron.storage import Batches, BinLayout, BodySegments, Part
+from asynctron.storage.format import Batches, BinLayout, BodySegments, Part
 
 _ZEROS = memoryview(bytes(4096))
 

@@ -23,16 +23,10 @@ from dataclasses import dataclass
 from typing import Literal
 
 from asynctron._concurrency import RunBlocking
-from asynctron.storage import (
-    Checksums,
-    Committed,
-    LocalBackend,
-    LocalFileIO,
-    Retention,
-    SaveArea,
-)
-from asynctron.storage.backends.local import LocalCheckpoints
-from asynctron.storage.backends.local._writer import BinWriter
+from asynctron.storage import Committed, LocalBackend, Retention, SaveArea
+from asynctron.storage.backends.local import BinWriter, LocalCheckpoints
+from asynctron.storage.format import Checksums
+from asynctron.storage.node_files import LocalFileIO
 from asynctron.testing._gate import Gate
 from asynctron.testing._gated_objects import GatedObjectClient
 from asynctron.testing.shaping_proxy import ShapingProxy, ShapingStatistics

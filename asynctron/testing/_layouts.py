@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from asynctron.storage import digest
+from asynctron.storage.format import digest
 
 Layout = Literal["fsdp", "hsdp", "tp", "ddp"]
 LAYOUTS: tuple[Layout, ...] = ("fsdp", "hsdp", "tp", "ddp")

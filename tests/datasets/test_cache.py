@@ -238,7 +238,7 @@ KILLED_CHILD = textwrap.dedent("""
     import numpy as np
     from asynctron.datasets.formats._cache import CacheEntry
     from asynctron.storage.backends import LocalBackend, register_backend
-    from asynctron.storage.backends.local._sysio import LocalFileIO
+    from asynctron.storage.node_files._sysio import LocalFileIO
 
     directory, digest, description, kill_at = sys.argv[1:5]
 

@@ -27,7 +27,7 @@ from asynctron import (
     StorageError,
 )
 from asynctron._launch import run_local_ranks
-from asynctron.storage import parse_manifest
+from asynctron.storage.format import parse_manifest
 from asynctron.testing import FaultyBackend
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import torch
 
 import asynctron
 from asynctron import CheckpointNotFoundError
-from asynctron.storage import resolve_checkpoint
+from asynctron.storage.backends.local._publish import resolve_checkpoint
 
 CHILD = textwrap.dedent("""
     import asyncio, sys, torch, uvloop

@@ -8,7 +8,7 @@ import torch
 
 from asynctron import Engine
 from asynctron.storage import ItemRecord, Manifest
-from asynctron.storage._checksum import XXH3_64, digest
+from asynctron.storage.format._checksum import XXH3_64, digest
 
 
 def _write_chunked_checkpoint(path: str, full: torch.Tensor) -> None:

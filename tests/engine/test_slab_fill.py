@@ -12,7 +12,7 @@ import torch
 from asynctron import Engine
 from asynctron.engine._slab_fill import SlabFill, SlabFiller, pack
 from asynctron.errors import CorruptCheckpointError
-from asynctron.storage._manifest import ItemRecord, parse_manifest
+from asynctron.storage.format._manifest import ItemRecord, parse_manifest
 from tests.conftest import assert_same
 
 SMALL = {"slab_bytes": 64 << 10, "memory_budget_bytes": 256 << 10, "num_bins": 2}

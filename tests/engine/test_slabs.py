@@ -77,7 +77,7 @@ async def test_on_a_device_saves_without_a_snapshot_stage_only_into_warm_slabs(
     """On a disk, O_DIRECT from warm aligned slabs beats buffered writes from the caller's
     memory, but touching fresh slabs costs more than it gains: a save without a snapshot is
     staged only when the cache holds warm slabs for it, else written in place."""
-    from asynctron.storage.backends.local._sysio import filesystem_type
+    from asynctron.storage.node_files._sysio import filesystem_type
 
     assert filesystem_type("/proc/self") == "proc"
     if filesystem_type(str(tmp_path)) in ("tmpfs", "ramfs", None):

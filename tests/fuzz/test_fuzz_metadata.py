@@ -44,10 +44,10 @@ from torch.distributed.checkpoint.metadata import (
 
 import asynctron
 from asynctron.errors import CorruptCheckpointError
-from asynctron.storage._dcp import METADATA_NAME, metadata_bytes
-from asynctron.storage._dtypes import TORCH_DTYPES
-from asynctron.storage._manifest import ItemRecord, encode_manifest, parse_manifest
 from asynctron.storage.backends.local._reader import read_dcp_manifest
+from asynctron.storage.format._dcp import METADATA_NAME, metadata_bytes
+from asynctron.storage.format._dtypes import TORCH_DTYPES
+from asynctron.storage.format._manifest import ItemRecord, encode_manifest, parse_manifest
 
 #: what parsing an input of a few KiB may add to the peak RSS, whatever it holds
 PEAK_RSS_INCREASE_LIMIT = 64 << 20

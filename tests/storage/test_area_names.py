@@ -36,7 +36,8 @@ CHILD = textwrap.dedent("""
     import torch.distributed.checkpoint as dcp
     import asynctron
     from asynctron.dcp import StorageWriter
-    from asynctron.storage.backends.local import _publish, _sysio
+    from asynctron.storage.backends.local import _publish
+    from asynctron.storage.node_files import _sysio
 
     root, kind, point = sys.argv[1:]
     # Each point of the commit: the call of a function (made from a caller, where one is named).

@@ -10,18 +10,15 @@ import re
 import pytest
 
 import asynctron
-from asynctron.storage import (
-    Backend,
+from asynctron.storage import Backend, LocalBackend, SaveArea, backend_for, register_backend
+from asynctron.storage.backends import (
     CheckpointReader,
     CommittedCheckpoints,
+    FileWriter,
     ItemReader,
-    LocalBackend,
-    SaveArea,
+    RangedFile,
     SaveStorage,
-    backend_for,
-    register_backend,
 )
-from asynctron.storage.backends import FileWriter, RangedFile
 from asynctron.storage.backends._backend import FileStorage, NewFile
 from asynctron.testing import FaultyBackend
 

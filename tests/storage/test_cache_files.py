@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from asynctron.storage.backends.local import (
+from asynctron.storage.node_files import (
     BlockFile,
     SharedCounters,
     SharedLock,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import xxhash
 
-from asynctron.storage._checksum import BodySegments, Checksums
+from asynctron.storage.format._checksum import BodySegments, Checksums
 
 
 def test_whole_and_streamed_items_digest_as_xxhash_does() -> None:

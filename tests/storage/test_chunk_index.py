@@ -8,8 +8,8 @@ import random
 
 import torch
 
-from asynctron.storage._chunk_index import MAX_RUNS_PER_CHUNK, ChunkIndex, Overlap
-from asynctron.storage._manifest import ItemRecord
+from asynctron.storage.format._chunk_index import MAX_RUNS_PER_CHUNK, ChunkIndex, Overlap
+from asynctron.storage.format._manifest import ItemRecord
 
 
 def _grid(rows: int, cols: int, row_step: int, col_step: int) -> list[ItemRecord]:

@@ -6,8 +6,8 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from asynctron.engine._save_plan import dcp_items
-from asynctron.storage._chunking import MIN_CHUNK_BYTES, PlannedItem, chunk_large_items
-from asynctron.storage._plan import flatten, plan_save
+from asynctron.storage.format._chunking import MIN_CHUNK_BYTES, PlannedItem, chunk_large_items
+from asynctron.storage.format._plan import flatten, plan_save
 
 MiB = 1 << 20
 

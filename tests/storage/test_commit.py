@@ -7,7 +7,7 @@ import os
 import pytest
 
 from asynctron.storage.backends.local import _publish as _commit
-from asynctron.storage.backends.local import _sysio
+from asynctron.storage.node_files import _sysio
 
 
 @pytest.mark.parametrize("occupant", ["empty_dir", "file", "dangling_link"])

@@ -32,8 +32,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from asynctron import CorruptCheckpointError, Engine, RefusedObjectError
 from asynctron.cli import main
-from asynctron.storage._dcp import check_object_blob, decode_blob
 from asynctron.storage.backends.local._reader import read_dcp_manifest
+from asynctron.storage.format._dcp import check_object_blob, decode_blob
 from tests.conftest import assert_same
 
 

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from asynctron.storage.backends import Backend, LocalBackend, backend_for
-from asynctron.storage.backends.local import _files
-from asynctron.storage.backends.local._files import DIRECT_CHUNK_BYTES, LocalFiles
-from asynctron.storage.backends.local._sysio import LocalFileIO
+from asynctron.storage.node_files import _files
+from asynctron.storage.node_files._files import DIRECT_CHUNK_BYTES, LocalFiles
+from asynctron.storage.node_files._sysio import LocalFileIO
 from asynctron.testing import FaultyBackend
 
 

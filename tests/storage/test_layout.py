@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from asynctron.storage._layout import ALIGN_BYTES, Part, layout_bin
+from asynctron.storage.format._layout import ALIGN_BYTES, Part, layout_bin
 
 
 def test_items_start_aligned_and_pack_small_ones() -> None:

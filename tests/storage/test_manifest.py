@@ -11,8 +11,13 @@ import tracemalloc
 import pytest
 
 from asynctron.errors import CorruptCheckpointError
-from asynctron.storage import _manifest
-from asynctron.storage._manifest import ItemRecord, check_chunks, encode_manifest, parse_manifest
+from asynctron.storage.format import _manifest
+from asynctron.storage.format._manifest import (
+    ItemRecord,
+    check_chunks,
+    encode_manifest,
+    parse_manifest,
+)
 
 
 def _tile(offsets: tuple[int, int], shape: tuple[int, int] = (2, 2)) -> ItemRecord:
@@ -264,7 +269,7 @@ def _shard_manifest(tiles: list[ItemRecord], *, rank: int = 1, world_size: int =
                     store_files: tuple[str, ...] = ("__0_0.distcp",),
                     structure: str = '{"dict":[["w",{"item":"w"}],["b",{"item":"b"}]]}',
                     shard: bool = True) -> bytes:
-    from asynctron.storage import ShardInfo
+    from asynctron.storage.format import ShardInfo
 
     return encode_manifest(structure=structure, items=tiles, checksums=None,
                            files={"__0_0.distcp": 1 << 20}, created_unix_s=1.0, checksum=None,

@@ -26,14 +26,14 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from asynctron import CorruptCheckpointError
-from asynctron.storage._dcp import (
+from asynctron.storage.backends.local._reader import read_dcp_manifest
+from asynctron.storage.format._dcp import (
     UNPICKLE_BYTES_PER_BYTE,
     UNPICKLE_WORK_PER_BYTE,
     decode_blob,
     metadata_bytes,
 )
-from asynctron.storage._manifest import ItemRecord
-from asynctron.storage.backends.local._reader import read_dcp_manifest
+from asynctron.storage.format._manifest import ItemRecord
 
 UNBOUNDED = 1 << 62
 N = 2000

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from asynctron.storage._plan import (
+from asynctron.storage.format._plan import (
     PlainPlan,
     flatten,
     is_plain,

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 import torch
 
 from asynctron import Engine
-from asynctron.storage._manifest import ItemRecord
-from asynctron.storage._read_plan import MAX_GAP_BYTES, ReadJob, plan_reads
 from asynctron.storage.backends.local._reader import LocalCheckpointReader
-from asynctron.storage.backends.local._sysio import LocalFileIO
+from asynctron.storage.format._manifest import ItemRecord
+from asynctron.storage.format._read_plan import MAX_GAP_BYTES, ReadJob, plan_reads
+from asynctron.storage.node_files._sysio import LocalFileIO
 
 
 def _record(key: str, offset: int, nbytes: int) -> ItemRecord:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from asynctron.storage.backends import backend_for, is_remote_path
-from asynctron.storage.backends.local import file_size, holding, publish_filled, read_head
+from asynctron.storage.node_files import file_size, holding, publish_filled, read_head
 
 if TYPE_CHECKING:
     from asynctron.storage.backends import RangedFile

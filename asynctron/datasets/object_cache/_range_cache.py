@@ -33,7 +33,7 @@ Beyond the budget, the least recently used blocks of the object being stored are
 cache that cannot take a block (its disk full even after eviction) is bypassed: the read is
 served from the store directly, never failed.
 
-The files themselves are the local backend's (`storage/backends/local/_cache_files.py`:
+The files themselves are the local backend's (`storage/node_files/_cache_files.py`:
 `SharedLock`, `SharedCounters`, `map_shared`, `BlockFile`): this module decides what is
 cached, never how a file is opened, locked, mapped or punched.
 """
@@ -59,7 +59,7 @@ import numpy as np
 from asynctron import _native
 from asynctron._processes import boot_id, process_exists
 from asynctron.datasets.object_cache._object_storage import naming_the_cache
-from asynctron.storage.backends.local import (
+from asynctron.storage.node_files import (
     BlockFile,
     SharedCounters,
     SharedLock,

@@ -22,17 +22,9 @@ from typing import Any
 from asynctron.engine._coordinator import describe
 from asynctron.engine.tiers._layout import join, shard_name
 from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
-from asynctron.storage import (
-    CheckpointReader,
-    CheckpointStorage,
-    ChunkIndex,
-    ItemHasher,
-    ItemRecord,
-    Manifest,
-    Overlap,
-    ReadJob,
-    Structure,
-)
+from asynctron.storage import ItemRecord, Manifest
+from asynctron.storage.backends import CheckpointReader, CheckpointStorage
+from asynctron.storage.format import ChunkIndex, ItemHasher, Overlap, ReadJob, Structure
 
 logger = logging.getLogger(__name__)
 

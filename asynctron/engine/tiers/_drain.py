@@ -33,21 +33,19 @@ from asynctron.engine.tiers._layout import join, rank_view, step_name
 from asynctron.engine.tiers._placement import part_of
 from asynctron.engine.tiers._stream import Chunk, open_shard
 from asynctron.errors import PeerError
-from asynctron.storage import (
-    MANIFEST_NAME,
+from asynctron.storage import Committed, Manifest, Retention, SaveArea, store_operation
+from asynctron.storage.backends import (
     CheckpointStorage,
-    Committed,
     FileStorage,
-    Manifest,
     ReadableFile,
-    Retention,
-    SaveArea,
     SaveStorage,
     commit_checkpoint,
+)
+from asynctron.storage.format import (
+    MANIFEST_NAME,
     encode_manifest,
     merge_structures,
     parse_manifest,
-    store_operation,
 )
 
 logger = logging.getLogger(__name__)

@@ -34,14 +34,8 @@ from asynctron._memory import tensor_bytes
 from asynctron.comm import PeerChannel
 from asynctron.engine.tiers._catalog import SHARD_FAILURES, NodeCatalog
 from asynctron.engine.tiers._stream import ReceiveBuffers
-from asynctron.storage import (
-    NUMPY_DTYPES,
-    TORCH_DTYPES,
-    ItemHasher,
-    ItemRecord,
-    ReadJob,
-    Structure,
-)
+from asynctron.storage import ItemRecord
+from asynctron.storage.format import NUMPY_DTYPES, TORCH_DTYPES, ItemHasher, ReadJob, Structure
 
 
 @dataclass(frozen=True, slots=True)

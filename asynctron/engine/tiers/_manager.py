@@ -48,7 +48,9 @@ from asynctron.engine.tiers._stream import (
     receive_shard,
 )
 from asynctron.errors import PeerError, StorageError
-from asynctron.storage import MANIFEST_NAME, Backend, Committer, Retention, parse_manifest
+from asynctron.storage import Backend, Retention
+from asynctron.storage.backends import Committer
+from asynctron.storage.format import MANIFEST_NAME, parse_manifest
 
 logger = logging.getLogger(__name__)
 

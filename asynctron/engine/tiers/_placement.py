@@ -36,10 +36,10 @@ from asynctron._memory import tensor_bytes
 from asynctron.engine._plan_cache import structure_signature
 from asynctron.engine._save_plan import file_group
 from asynctron.engine.tiers._config import Nodes
-from asynctron.storage import (
+from asynctron.storage import Manifest
+from asynctron.storage.format import (
     PLAIN_TENSORS,
     FlatStateDict,
-    Manifest,
     PlannedItem,
     ShardInfo,
     digest,

@@ -59,17 +59,14 @@ from asynctron.errors import (
     PeerError,
     StorageError,
 )
-from asynctron.storage import (
+from asynctron.storage import Manifest, store_operation
+from asynctron.storage.backends import CheckpointReader, CheckpointStorage, ItemReader
+from asynctron.storage.format import (
     MAX_MANIFEST_BYTES,
-    CheckpointReader,
-    CheckpointStorage,
     FlatStateDict,
-    ItemReader,
-    Manifest,
     Structure,
     flatten,
     parse_manifest,
-    store_operation,
 )
 
 logger = logging.getLogger(__name__)

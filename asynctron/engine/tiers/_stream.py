@@ -30,15 +30,9 @@ from asynctron._concurrency import first_error
 from asynctron.comm import PeerChannel
 from asynctron.engine.tiers._layout import join, shard_name
 from asynctron.errors import CorruptCheckpointError
-from asynctron.storage import (
-    MANIFEST_NAME,
-    CheckpointStorage,
-    FileWriter,
-    Manifest,
-    SaveArea,
-    SaveStorage,
-    WriteBatch,
-)
+from asynctron.storage import FileWriter, Manifest, SaveArea
+from asynctron.storage.backends import CheckpointStorage, SaveStorage, WriteBatch
+from asynctron.storage.format import MANIFEST_NAME
 
 logger = logging.getLogger(__name__)
 

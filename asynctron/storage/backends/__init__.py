@@ -19,21 +19,30 @@ from collections.abc import Callable
 
 from asynctron.storage.backends._backend import (
     Backend,
+    CheckpointReader,
     CheckpointStorage,
     Committed,
+    CommittedCheckpoints,
+    FileStorage,
     FileWriter,
+    ItemReader,
+    NewFile,
     RangedFile,
     ReadableFile,
     Retention,
     SaveArea,
     SaveStorage,
 )
-from asynctron.storage.backends._operation import StoreStatistics, store_operation
+from asynctron.storage.backends._commit import Committer, commit_checkpoint
+from asynctron.storage.backends._operation import StoreOperation, StoreStatistics, store_operation
+from asynctron.storage.backends._write_batch import WriteBatch
 from asynctron.storage.backends.local import LocalBackend
 
-__all__ = ["Backend", "CheckpointStorage", "Committed", "FileWriter", "LocalBackend",
-           "RangedFile", "ReadableFile", "Retention", "SaveArea", "SaveStorage",
-           "StoreStatistics", "backend_for", "register_backend", "store_operation"]
+__all__ = ["Backend", "CheckpointReader", "CheckpointStorage", "Committed",
+           "CommittedCheckpoints", "Committer", "FileStorage", "FileWriter", "ItemReader",
+           "LocalBackend", "NewFile", "RangedFile", "ReadableFile", "Retention", "SaveArea",
+           "SaveStorage", "StoreOperation", "StoreStatistics", "WriteBatch", "backend_for",
+           "commit_checkpoint", "is_remote_path", "register_backend", "store_operation"]
 
 _FACTORIES: dict[str, Callable[[], Backend]] = {}
 _SHARED: dict[str, Backend] = {}

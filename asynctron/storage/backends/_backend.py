@@ -34,10 +34,8 @@ if TYPE_CHECKING:
     import mmap
 
     from asynctron.errors import CorruptCheckpointError
-    from asynctron.storage._checksum import Checksums, ItemHasher
-    from asynctron.storage._manifest import ItemRecord, Manifest
-    from asynctron.storage._read_plan import ReadJob
     from asynctron.storage.backends._write_batch import WriteBatch
+    from asynctron.storage.format import Checksums, ItemHasher, ItemRecord, Manifest, ReadJob
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
-from asynctron.storage._checksum import BodySegments
+from asynctron.storage.format import BodySegments
 
 
 class WriteBatch(Protocol):

@@ -17,14 +17,15 @@ from collections.abc import Callable, Mapping
 
 from asynctron._concurrency import RunBlocking
 from asynctron.errors import AsynctronError, StorageError
-from asynctron.storage._checksum import Checksums
 from asynctron.storage.backends._backend import Committed, Retention, SaveArea
-from asynctron.storage.backends.local import _publish, _retention, _sysio
-from asynctron.storage.backends.local._files import LocalFiles
-from asynctron.storage.backends.local._locks import DirLock
+from asynctron.storage.backends.local import _publish, _retention
 from asynctron.storage.backends.local._reader import LocalCheckpointReader
-from asynctron.storage.backends.local._sysio import FileIO
 from asynctron.storage.backends.local._writer import BinWriter
+from asynctron.storage.format import Checksums
+from asynctron.storage.node_files import _sysio
+from asynctron.storage.node_files._files import LocalFiles
+from asynctron.storage.node_files._locks import DirLock
+from asynctron.storage.node_files._sysio import FileIO
 
 logger = logging.getLogger(__name__)
 

@@ -21,9 +21,9 @@ import secrets
 from collections.abc import Mapping
 
 from asynctron.errors import CheckpointNotFoundError, StorageError
-from asynctron.storage._dcp import METADATA_NAME as DCP_METADATA_NAME
-from asynctron.storage._manifest import MANIFEST_NAME
-from asynctron.storage.backends.local import _sysio
+from asynctron.storage.format import MANIFEST_NAME
+from asynctron.storage.format import METADATA_NAME as DCP_METADATA_NAME
+from asynctron.storage.node_files import _sysio
 
 LATEST_NAME = "latest"
 TMP_MARK = ".tmp-"

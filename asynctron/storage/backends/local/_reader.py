@@ -19,27 +19,27 @@ import os
 from collections.abc import Callable, Sequence
 
 from asynctron._concurrency import RunBlocking
-from asynctron.storage._checksum import ItemHasher
-from asynctron.storage._dcp import MAX_METADATA_BYTES, METADATA_NAME, parse_dcp_manifest
-from asynctron.storage._manifest import (
+from asynctron.storage.backends._reader_base import CheckpointReaderBase
+from asynctron.storage.backends.local._publish import is_dcp_checkpoint, resolve_checkpoint
+from asynctron.storage.format import (
     MANIFEST_NAME,
     MAX_MANIFEST_BYTES,
+    MAX_METADATA_BYTES,
+    METADATA_NAME,
+    ItemHasher,
     ItemRecord,
     Manifest,
-    parse_manifest,
-)
-from asynctron.storage._read_plan import (
-    CheckpointReaderBase,
     ReadBatch,
     ReadJob,
     check_files,
     check_no_overlap,
+    parse_dcp_manifest,
+    parse_manifest,
     plan_reads,
 )
-from asynctron.storage.backends.local import _sysio
-from asynctron.storage.backends.local._locks import DirLock
-from asynctron.storage.backends.local._publish import is_dcp_checkpoint, resolve_checkpoint
-from asynctron.storage.backends.local._sysio import FileIO
+from asynctron.storage.node_files import _sysio
+from asynctron.storage.node_files._locks import DirLock
+from asynctron.storage.node_files._sysio import FileIO
 
 
 def read_manifest(checkpoint: str) -> Manifest:

@@ -32,7 +32,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from asynctron.errors import CheckpointNotFoundError, StorageError
-from asynctron.storage._manifest import MANIFEST_NAME
 from asynctron.storage.backends._backend import Retention
 from asynctron.storage.backends._ledger import (
     LEDGER_NAME,
@@ -42,8 +41,6 @@ from asynctron.storage.backends._ledger import (
     encode_ledger,
     parse_ledger,
 )
-from asynctron.storage.backends.local import _sysio
-from asynctron.storage.backends.local._locks import DirLock
 from asynctron.storage.backends.local._publish import (
     LATEST_NAME,
     TMP_MARK,
@@ -54,6 +51,9 @@ from asynctron.storage.backends.local._publish import (
     staging_path,
     tmp_dir_for,
 )
+from asynctron.storage.format import MANIFEST_NAME
+from asynctron.storage.node_files import _sysio
+from asynctron.storage.node_files._locks import DirLock
 
 logger = logging.getLogger(__name__)
 

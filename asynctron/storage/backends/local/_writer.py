@@ -14,10 +14,10 @@ import contextlib
 from collections.abc import Callable, Sequence
 
 from asynctron._concurrency import RunBlocking
-from asynctron.storage._checksum import Checksums
 from asynctron.storage.backends._write_batch import WriteBatch
-from asynctron.storage.backends.local import _sysio
-from asynctron.storage.backends.local._sysio import FileIO
+from asynctron.storage.format import Checksums
+from asynctron.storage.node_files import _sysio
+from asynctron.storage.node_files._sysio import FileIO
 
 
 class BinWriter:

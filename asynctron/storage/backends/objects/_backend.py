@@ -31,9 +31,6 @@ from typing import IO
 from asynctron._concurrency import RunBlocking
 from asynctron._processes import process_exists
 from asynctron.errors import ObjectNotFoundError, StorageError
-from asynctron.storage._checksum import Checksums
-from asynctron.storage._dcp import METADATA_NAME
-from asynctron.storage._manifest import MANIFEST_NAME
 from asynctron.storage.backends._backend import Committed, Retention, SaveArea
 from asynctron.storage.backends._ledger import (
     LEDGER_NAME,
@@ -64,6 +61,7 @@ from asynctron.storage.backends.objects._layout import (
 )
 from asynctron.storage.backends.objects._reader import ObjectReader
 from asynctron.storage.backends.objects._writer import ObjectWriter
+from asynctron.storage.format import MANIFEST_NAME, METADATA_NAME, Checksums
 
 logger = logging.getLogger(__name__)
 

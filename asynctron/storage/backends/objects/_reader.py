@@ -21,25 +21,25 @@ from asynctron.errors import (
     ObjectNotFoundError,
     StorageError,
 )
-from asynctron.storage._checksum import ItemHasher
-from asynctron.storage._dcp import MAX_METADATA_BYTES, METADATA_NAME, parse_dcp_manifest
-from asynctron.storage._manifest import (
-    MANIFEST_NAME,
-    MAX_MANIFEST_BYTES,
-    ItemRecord,
-    Manifest,
-    parse_manifest,
-)
-from asynctron.storage._read_plan import (
-    CheckpointReaderBase,
-    ReadJob,
-    check_files,
-    check_no_overlap,
-    plan_reads,
-)
+from asynctron.storage.backends._reader_base import CheckpointReaderBase
 from asynctron.storage.backends.objects._client import ObjectClient
 from asynctron.storage.backends.objects._io_loop import touch_pages
 from asynctron.storage.backends.objects._layout import LATEST_NAME, ObjectUrl, parse_url
+from asynctron.storage.format import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    MAX_METADATA_BYTES,
+    METADATA_NAME,
+    ItemHasher,
+    ItemRecord,
+    Manifest,
+    ReadJob,
+    check_files,
+    check_no_overlap,
+    parse_dcp_manifest,
+    parse_manifest,
+    plan_reads,
+)
 
 #: The most bytes one ranged GET asks for: enough GETs in flight to fill the link.
 RANGE_BYTES = 16 << 20

@@ -20,10 +20,10 @@ import logging
 from collections.abc import Callable, Sequence
 
 from asynctron._concurrency import RunBlocking, first_error
-from asynctron.storage._checksum import Checksums
 from asynctron.storage.backends._write_batch import WriteBatch
 from asynctron.storage.backends.objects._client import ObjectClient
 from asynctron.storage.backends.objects._layout import ObjectUrl
+from asynctron.storage.format import Checksums
 
 logger = logging.getLogger(__name__)
 

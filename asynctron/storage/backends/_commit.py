@@ -18,7 +18,7 @@ import logging
 import os
 from collections.abc import Callable, Mapping
 
-from asynctron.storage.backends import Committed, Retention, SaveArea, SaveStorage
+from asynctron.storage.backends._backend import Committed, Retention, SaveArea, SaveStorage
 
 logger = logging.getLogger(__name__)
 

@@ -36,8 +36,8 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import IO, NoReturn
 
 from asynctron._processes import process_exists
-from asynctron.storage.backends.local import _sysio
-from asynctron.storage.backends.local._sysio import FileIO, LocalFileIO
+from asynctron.storage.node_files import _sysio
+from asynctron.storage.node_files._sysio import FileIO, LocalFileIO
 
 #: The bounce buffer: bytes per O_DIRECT write (measured on a virtio disk: 1-4 MiB are equal,
 #: larger ones slower).

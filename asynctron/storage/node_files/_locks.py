@@ -14,7 +14,7 @@ import fcntl
 import os
 from types import TracebackType
 
-from asynctron.storage.backends.local._sysio import translate_os_errors
+from asynctron.storage.node_files._sysio import translate_os_errors
 
 _NO_FLOCK = frozenset({errno.EBADF, errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS})
 

@@ -31,9 +31,9 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from asynctron.storage.backends.local import _files
-from asynctron.storage.backends.local._files import naming
-from asynctron.storage.backends.local._sysio import fsync_dir_raw
+from asynctron.storage.node_files import _files
+from asynctron.storage.node_files._files import naming
+from asynctron.storage.node_files._sysio import fsync_dir_raw
 
 _FALLOC_FL_KEEP_SIZE = 0x01
 _FALLOC_FL_PUNCH_HOLE = 0x02

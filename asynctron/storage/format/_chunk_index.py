@@ -17,7 +17,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from asynctron.storage._manifest import ItemRecord
+from asynctron.storage.format._manifest import ItemRecord
 
 #: At most this many separate runs are read of one saved chunk; with more, whole rows are.
 MAX_RUNS_PER_CHUNK = 1 << 12

@@ -51,8 +51,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from asynctron.errors import CorruptCheckpointError, RefusedObjectError
 from asynctron.storage import _pickle_costs
-from asynctron.storage._dtypes import TORCH_DTYPE_NAMES, TORCH_DTYPES
-from asynctron.storage._manifest import (
+from asynctron.storage.format._dtypes import TORCH_DTYPE_NAMES, TORCH_DTYPES
+from asynctron.storage.format._manifest import (
     MAX_DIMS,
     ItemRecord,
     Manifest,
@@ -62,7 +62,7 @@ from asynctron.storage._manifest import (
     is_count,
     paused_gc,
 )
-from asynctron.storage._plan import Structure, item_paths, value_paths
+from asynctron.storage.format._plan import Structure, item_paths, value_paths
 
 METADATA_NAME = ".metadata"
 #: A `.metadata` larger than this is refused before unpickling. A stock DCP checkpoint takes

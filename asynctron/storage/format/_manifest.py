@@ -22,9 +22,9 @@ from typing import Any, Literal
 import numpy as np
 
 from asynctron.errors import CorruptCheckpointError
-from asynctron.storage._checksum import ALGORITHMS, is_digest
-from asynctron.storage._dtypes import NUMPY_DTYPES, TORCH_DTYPES
-from asynctron.storage._plan import ItemKind, Structure
+from asynctron.storage.format._checksum import ALGORITHMS, is_digest
+from asynctron.storage.format._dtypes import NUMPY_DTYPES, TORCH_DTYPES
+from asynctron.storage.format._plan import ItemKind, Structure
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "asynctron"

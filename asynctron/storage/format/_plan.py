@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan as DcpSavePlan
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from asynctron.storage._dtypes import dtype_name, numpy_dtype_name
+from asynctron.storage.format._dtypes import dtype_name, numpy_dtype_name
 
 ItemKind = Literal["tensor", "ndarray", "bytes", "object"]
 """What an item holds; `"object"` (a pickled Python value) only in stock DCP checkpoints."""
