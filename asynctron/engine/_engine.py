@@ -36,7 +36,12 @@ from asynctron.engine._task import SaveResult, SaveTask
 from asynctron.engine.tiers import RestoreResult, TierManager, Tiers, job_nodes
 from asynctron.errors import BusyError, ClosedError, PeerTimeoutError
 from asynctron.storage import Backend, Retention, backend_for, store_operation
-from asynctron.storage.backends import CheckpointReader, CheckpointStorage, Committer
+from asynctron.storage.backends import (
+    CheckpointReader,
+    CheckpointStorage,
+    Committer,
+    RangedFiles,
+)
 from asynctron.storage.format import ALGORITHMS, ALIGN_BYTES, XXH3_64
 
 T = TypeVar("T")
@@ -95,8 +100,9 @@ class EngineConfig:
 
     def shares_reads(self, backend: Backend) -> bool:
         """Whether collective loads from `backend` read each item once per job: `share_reads`,
-        or by default whether `backend` is an object store."""
-        return backend.remote if self.share_reads is None else self.share_reads
+        or by default whether `backend` is an object store (`RangedFiles`)."""
+        return (isinstance(backend, RangedFiles) if self.share_reads is None
+                else self.share_reads)
 
     def __post_init__(self) -> None:
         for name in ("num_workers", "num_bins"):

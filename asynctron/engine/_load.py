@@ -34,9 +34,9 @@ from asynctron.engine._shared_reads import ReadShare, SharePlan
 from asynctron.engine._slab_fill import SlabFill, SlabFiller
 from asynctron.engine._slabs import SlabPool
 from asynctron.engine._staging import CopyStreams
-from asynctron.errors import CorruptCheckpointError
+from asynctron.errors import CorruptCheckpointError, StorageError
 from asynctron.storage import ItemRecord, Manifest
-from asynctron.storage.backends import ItemReader
+from asynctron.storage.backends import ItemReader, MappedItems
 from asynctron.storage.format import (
     MAX_GAP_BYTES,
     NUMPY_DTYPES,
@@ -311,7 +311,16 @@ class Loader:
 
         An item stored as several chunks (a sharded tensor, or one cut into chunks to spread
         over bins) cannot be one map: it is read into a fresh tensor instead.
+
+        Raises:
+            StorageError: the checkpoint is not in files this node maps (an object store).
         """
+        reader = self._reader
+        if not isinstance(reader, MappedItems):
+            raise StorageError(
+                f"checkpoint {reader.path}: mmap=True maps local files, and this checkpoint is on "
+                "object storage; load with mmap=False (parallel ranged reads), or copy the "
+                "checkpoint to a local path to map it", path=reader.path, errno=None)
         reads = _Reads()
         items = reads.items
         for key, records in self._manifest.by_key().items():
@@ -320,9 +329,9 @@ class Loader:
                     first.kind != "bytes" and (len(records) != 1 or not _is_whole(first))):
                 items[key] = self._fresh_jobs(records, reads)
                 continue
-            view = await self._reader.map(first) if first.nbytes else memoryview(b"")
+            view = await reader.map(first) if first.nbytes else memoryview(b"")
             if self._verify:
-                await self._reader.check_mapped(first, view)
+                await reader.check_mapped(first, view)
             if first.kind == "bytes":
                 items[key] = bytes(view)
             elif first.nbytes == 0:

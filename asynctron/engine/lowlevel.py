@@ -1,5 +1,5 @@
 """The save pipeline's parts, for code that drives a save of its own format through the
-engine's staging and writers: asynctron's DCP plugins (`asynctron.dcp`). A trainer wants
+engine's staging and writers: asynctron's DCP storage plugins. A trainer wants
 `asynctron.engine` instead.
 
     request = build_request(...)          # a state dict's items, planned into bins

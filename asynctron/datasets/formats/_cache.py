@@ -6,9 +6,9 @@ through the storage backend of the cache directory (`backend_for`). The arrays a
 at once, one thread each (`publish_buffers`: past the page cache where the storage allows, each
 made durable under a temporary name and renamed); the renames are made durable (`sync_dir`);
 only then is the description published. So after a crash at any point an entry either has its
-description and every array whole, or has no description and is rebuilt. Loads map the arrays
-(`map_file`) and check their `.npy` header, dtype and shape, so a truncated or foreign file is
-an error naming it.
+description and every array whole, or has no description and is rebuilt. Loads take each array
+whole (`whole_file`: mapped where the storage maps files) and check its `.npy` header, dtype
+and shape, so a truncated or foreign file is an error naming it.
 
 Nothing here is a collective: under torch.distributed, `BlendedMegatronDatasetBuilder` lets
 rank 0 build every entry before the other ranks look (as megatron-core's builder does). With
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asynctron.errors import CorruptDatasetError
-from asynctron.storage.backends import backend_for
+from asynctron.storage.backends import backend_for, whole_file
 
 if TYPE_CHECKING:
     from asynctron.storage.backends import Backend
@@ -142,7 +142,7 @@ def _map_npy(path: str) -> np.ndarray:
         ValueError, EOFError: not a `.npy` file numpy reads without pickle, or truncated.
         OSError: the file could not be mapped.
     """
-    mapped = backend_for(path).map_file(path)
+    mapped = whole_file(backend_for(path), path)
     header = _Cursor(mapped)
     version = np.lib.format.read_magic(header)
     read_header = _HEADER_READERS.get(version)

@@ -16,9 +16,11 @@ offset 0   magic            9 bytes  b"MMIDIDX\\x00\\x00"
 ```
 
 The `.bin` holds the tokens of every sequence back to back. Both files are read through the
-storage backend of their path (`backend_for`): mapped (`map_file`), every array here a view of a
-map, or the `.bin` read sequence by sequence (`open_file`, `pread`) with `mmap=False`; opening
-reads the whole index once to check it (`IndexedDataset`), the `.bin` only when touched.
+storage backend of their path (`backend_for`): the index whole (`whole_file`: mapped where the
+storage maps files), every array here a view of it; the `.bin` mapped (`MappableFiles`) or read
+sequence by sequence (`open_file`, `pread`) with `mmap=False`, and on an object store
+(`RangedFiles`) through the node-local range cache; opening reads the whole index once to check
+it (`IndexedDataset`), the `.bin` only when touched.
 """
 
 from __future__ import annotations
@@ -37,10 +39,11 @@ from asynctron.datasets.object_cache._object_storage import (
     cache_path,
     cached_index,
     is_object_storage_path,
+    open_object,
 )
 from asynctron.datasets.object_cache._range_cache import RangeCache
 from asynctron.errors import CorruptDatasetError
-from asynctron.storage.backends import backend_for
+from asynctron.storage.backends import MappableFiles, backend_for, whole_file
 
 if TYPE_CHECKING:
     from asynctron.storage.backends import ReadableFile
@@ -206,7 +209,7 @@ class DatasetIndex:
         self.dtype_size = header.dtype.itemsize
         self.sequence_count = header.num_sequences
         self.document_count = header.num_documents
-        self._map = backend_for(idx_path).map_file(idx_path)
+        self._map = whole_file(backend_for(idx_path), idx_path)
         n, d = header.num_sequences, header.num_documents
         self.sequence_lengths = np.frombuffer(self._map, np.int32, n,
                                               header.sequence_lengths_offset)
@@ -310,18 +313,17 @@ class IndexedDataset:
             raise self._missing(self.idx_path, exc) from exc
         try:
             if use_mmap:
+                if not isinstance(backend, MappableFiles):
+                    raise ValueError(f"dataset {path_prefix}: mmap=True maps local files, and "
+                                     f"{type(backend).__name__} does not map; pass mmap=False")
                 self._bin_map = backend.map_file(self.bin_path)
                 bin_bytes = len(self._bin_map)
             else:
-                #: the `.bin` opened for `pread` (`mmap=False`), else None
-                self._bin_file: ReadableFile | None = backend.open_file(self.bin_path)
-                if storage is not None:
-                    directory = storage.path_to_idx_cache
-                    self._ranges = self._bin_file = RangeCache(
-                        self._bin_file, cache_path(self.bin_path, directory), directory,
-                        budget_bytes=storage.cache_budget_bytes,
-                        block_bytes=storage.block_bytes_for(self._bin_file.nbytes),
-                        request_bytes=storage.request_bytes)
+                #: the `.bin` opened for `pread` (`mmap=False`; on an object store, through the
+                #: node-local range cache), else None
+                self._bin_file: ReadableFile | None = (
+                    backend.open_file(self.bin_path) if storage is None
+                    else self._cached_bin(storage))
                 self._pread = self._bin_file.pread  # bound once: one call per read
                 bin_bytes = self._bin_file.nbytes
         except (FileNotFoundError, IsADirectoryError) as exc:
@@ -342,6 +344,16 @@ class IndexedDataset:
             self._bin_file = None
         else:
             self.tokens = None
+
+    def _cached_bin(self, storage: ObjectStorageConfig) -> RangeCache:
+        """The `.bin` object read through the node-local range cache under the index cache."""
+        directory = storage.path_to_idx_cache
+        source = open_object(self.bin_path)
+        self._ranges = RangeCache(source, cache_path(self.bin_path, directory), directory,
+                                  budget_bytes=storage.cache_budget_bytes,
+                                  block_bytes=storage.block_bytes_for(source.nbytes),
+                                  request_bytes=storage.request_bytes)
+        return self._ranges
 
     def __del__(self) -> None:
         if getattr(self, "_bin_file", None) is not None:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
-from asynctron.storage.backends import backend_for, is_remote_path
+from asynctron.storage.backends import RangedFiles, backend_for, serves_ranged_files, whole_file
 from asynctron.storage.node_files import file_size, holding, publish_filled, read_head
 
 if TYPE_CHECKING:
@@ -110,13 +110,13 @@ class ObjectStorageConfig:
 
 
 def is_object_storage_path(path: str) -> bool:
-    """Whether `path` names objects in a store (a URL whose backend is `remote`: `s3://`,
+    """Whether `path` names objects in a store (a URL whose backend is `RangedFiles`: `s3://`,
     `az://`), not local files.
 
     Raises:
         ValueError: a URL no backend serves (naming it, and the schemes served).
     """
-    return is_remote_path(path)
+    return serves_ranged_files(path)
 
 
 def cache_path(url: str, directory: str) -> str:
@@ -150,7 +150,7 @@ def cached_index(url: str, directory: str) -> str:
     """
     local = cache_path(url, directory)
     with (naming_the_cache(directory), holding(local + ".lock"),
-          backend_for(url).open_file(url) as source):
+          open_object(url) as source):
         expected = {"url": url, "etag": source.etag, "nbytes": source.nbytes}
         if _holds(local, expected):
             return local
@@ -172,6 +172,20 @@ def _holds(local: str, expected: dict[str, Any]) -> bool:
         return False
 
 
+def open_object(url: str) -> RangedFile:
+    """Blocks: the object `url` (one version of it), opened for many ranged reads at once.
+
+    Raises:
+        ValueError: `url`'s backend is not an object store's (`RangedFiles`).
+        FileNotFoundError: no such object.
+    """
+    backend = backend_for(url)
+    if not isinstance(backend, RangedFiles):
+        raise ValueError(f"dataset {url}: expected an object store's URL (s3://, az://, gs://), "
+                         f"found one whose backend ({type(backend).__name__}) maps its files")
+    return backend.open_ranged_file(url)
+
+
 def _fetch_into(source: RangedFile, view: memoryview) -> None:
     """Blocks: the whole object `source` into `view`, its pieces in flight together."""
     pieces = [(start, view[start:start + _INDEX_PIECE_BYTES])
@@ -180,7 +194,7 @@ def _fetch_into(source: RangedFile, view: memoryview) -> None:
 
 
 def _digest_of(path: str) -> str:
-    mapped = backend_for(path).map_file(path)
+    mapped = whole_file(backend_for(path), path)
     try:
         return xxhash.xxh3_64(mapped).hexdigest()
     finally:

@@ -23,7 +23,7 @@ from asynctron.engine._coordinator import describe
 from asynctron.engine.tiers._layout import join, shard_name
 from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
 from asynctron.storage import ItemRecord, Manifest
-from asynctron.storage.backends import CheckpointReader, CheckpointStorage
+from asynctron.storage.backends import CheckpointReader, CheckpointStorage, MappedItems
 from asynctron.storage.format import ChunkIndex, ItemHasher, Overlap, ReadJob, Structure
 
 logger = logging.getLogger(__name__)
@@ -167,10 +167,18 @@ class NodeCatalog:
         return self._reader_of[record.file].digest_error(record, found)
 
     async def map(self, record: ItemRecord) -> memoryview:
-        return await self._reader_of[record.file].map(record)
+        return await self._mapped(record).map(record)
 
     async def check_mapped(self, record: ItemRecord, view: memoryview) -> None:
-        await self._reader_of[record.file].check_mapped(record, view)
+        await self._mapped(record).check_mapped(record, view)
+
+    def _mapped(self, record: ItemRecord) -> MappedItems:
+        reader = self._reader_of[record.file]
+        if not isinstance(reader, MappedItems):
+            raise StorageError(f"tier shard {reader.path}: expected files this node maps, "
+                               "found a checkpoint on object storage", path=reader.path,
+                               errno=None)
+        return reader
 
     async def aclose(self) -> None:
         for reader in self._readers:

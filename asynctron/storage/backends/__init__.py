@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from asynctron.storage.backends._backend import (
     Backend,
+    CheckpointLease,
     CheckpointReader,
     CheckpointStorage,
     Committed,
@@ -26,23 +27,29 @@ from asynctron.storage.backends._backend import (
     FileStorage,
     FileWriter,
     ItemReader,
+    MappableFiles,
+    MappedItems,
     NewFile,
     RangedFile,
+    RangedFiles,
     ReadableFile,
     Retention,
     SaveArea,
     SaveStorage,
+    whole_file,
 )
 from asynctron.storage.backends._commit import Committer, commit_checkpoint
 from asynctron.storage.backends._operation import StoreOperation, StoreStatistics, store_operation
 from asynctron.storage.backends._write_batch import WriteBatch
 from asynctron.storage.backends.local import LocalBackend
 
-__all__ = ["Backend", "CheckpointReader", "CheckpointStorage", "Committed",
+__all__ = ["Backend", "CheckpointLease", "CheckpointReader", "CheckpointStorage", "Committed",
            "CommittedCheckpoints", "Committer", "FileStorage", "FileWriter", "ItemReader",
-           "LocalBackend", "NewFile", "RangedFile", "ReadableFile", "Retention", "SaveArea",
-           "SaveStorage", "StoreOperation", "StoreStatistics", "WriteBatch", "backend_for",
-           "commit_checkpoint", "is_remote_path", "register_backend", "store_operation"]
+           "LocalBackend", "MappableFiles", "MappedItems", "NewFile", "RangedFile",
+           "RangedFiles", "ReadableFile", "Retention", "SaveArea", "SaveStorage",
+           "StoreOperation", "StoreStatistics", "WriteBatch", "backend_for",
+           "commit_checkpoint", "register_backend", "serves_ranged_files", "store_operation",
+           "whole_file"]
 
 _FACTORIES: dict[str, Callable[[], Backend]] = {}
 _SHARED: dict[str, Backend] = {}
@@ -111,9 +118,10 @@ def backend_for(path: str | os.PathLike[str]) -> Backend:
 _FACTORIES[_LOCAL] = LocalBackend
 
 
-def is_remote_path(path: str) -> bool:
-    """Whether `path` names files an object store serves (its backend is `remote`), without
-    making the process's backend for a cloud scheme (it reads its settings once, when made).
+def serves_ranged_files(path: str) -> bool:
+    """Whether `path`'s backend reads its files in ranged requests over a network
+    (`RangedFiles`: an object store), without making the process's backend for a cloud scheme
+    (it reads its settings once, when made).
 
     Raises:
         ValueError: a URL no backend serves (as `backend_for`).
@@ -124,11 +132,11 @@ def is_remote_path(path: str) -> bool:
     factory = _FACTORIES.get(match[1].lower())
     if factory is not None and factory in _CLOUDS:
         return True
-    return backend_for(path).remote
+    return isinstance(backend_for(path), RangedFiles)
 
 
 _CLOUDS: set[Callable[[], Backend]] = set()
-"""The factories of the object stores asynctron ships (their backends are all `remote`)."""
+"""The factories of the object stores asynctron ships (their backends are all `RangedFiles`)."""
 
 
 def _cloud(module: str, name: str, extra: str, needs: str) -> Callable[[], Backend]:

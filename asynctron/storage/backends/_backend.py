@@ -144,12 +144,15 @@ class ItemReader(Protocol):
         """The error for `record` if `found` is not its digest, else None."""
         ...
 
-    async def map(self, record: ItemRecord) -> memoryview:
-        """A copy-on-write map of the item's bytes, read when touched.
 
-        Raises:
-            StorageError: the backend cannot map (an object store), saying what to do.
-        """
+
+@runtime_checkable
+class MappedItems(Protocol):
+    """A capability of an `ItemReader` whose checkpoint lies in files this node can map (the
+    local filesystem's): items read lazily, page by page, as a load with `mmap=True` wants."""
+
+    async def map(self, record: ItemRecord) -> memoryview:
+        """A copy-on-write map of the item's bytes, read when touched."""
         ...
 
     async def check_mapped(self, record: ItemRecord, view: memoryview) -> None:
@@ -157,9 +160,9 @@ class ItemReader(Protocol):
         ...
 
 
-class CheckpointReader(ItemReader, Protocol):
-    """One committed checkpoint, leased (`CommittedCheckpoints.open_reader`): found and
-    validated by `open`, its items read as an `ItemReader`; `aclose` when done."""
+class CheckpointLease(Protocol):
+    """A committed checkpoint found and held for a load (what the load's planning calls):
+    opened, its small files read, released."""
 
     requested_path: str
     manifest: Manifest | None
@@ -195,6 +198,12 @@ class CheckpointReader(ItemReader, Protocol):
     async def aclose(self) -> None:
         """Release the reader and its lease (maps stay valid while tensors use them)."""
         ...
+
+
+class CheckpointReader(CheckpointLease, ItemReader, Protocol):
+    """One committed checkpoint, leased (`CommittedCheckpoints.open_reader`): found and
+    validated as a `CheckpointLease`, its items read as an `ItemReader` (and mapped where it
+    is `MappedItems`)."""
 
 
 class SaveStorage(Protocol):
@@ -310,10 +319,6 @@ class FileStorage(Protocol):
     Atomicity: a published file's path names its old file or the whole new one, never a part.
     """
 
-    remote: bool
-    """Whether its files are read over a network (an object store): datasets then keep what
-    they read in a node-local cache. False: local files, mapped where they lie."""
-
     def publish_file(self, path: str, write: Callable[[IO[bytes]], object], *,
                      sync_dir: bool = True) -> None:
         """Blocks: call `write(f)` on a new file and publish it as `path`: afterwards `path` is
@@ -331,15 +336,6 @@ class FileStorage(Protocol):
     def sync_dir(self, path: str) -> None:
         """Blocks: make the files published into the directory `path` with `sync_dir=False`
         durable at once."""
-        ...
-
-    def map_file(self, path: str) -> mmap.mmap | bytes:
-        """Blocks: the whole file `path`, read-only, mapped where the backend can (empty
-        files as `b""`).
-
-        Raises:
-            StorageError: the backend cannot map files (use ranged reads), or the map failed.
-        """
         ...
 
     def open_file(self, path: str) -> ReadableFile:
@@ -402,8 +398,8 @@ class ReadableFile(Protocol):
 
 
 class RangedFile(ReadableFile, Protocol):
-    """A `ReadableFile` of an object store (`S3Backend.open_file`): a version of an object,
-    and many ranges of it fetched at once."""
+    """A `ReadableFile` of an object store (`RangedFiles.open_ranged_file`): a version of an
+    object, and many ranges of it fetched at once."""
 
     etag: str
     """The version read: every read is of it (a replaced object fails the read)."""
@@ -413,6 +409,49 @@ class RangedFile(ReadableFile, Protocol):
         """Start filling each buffer with the bytes from its offset, all at once; returns at
         once. The future settles when every buffer is full, or with the first error."""
         ...
+
+
+@runtime_checkable
+class MappableFiles(Protocol):
+    """A capability of a `FileStorage` whose files lie on this node: mapped where they lie
+    (datasets' `mmap=True`, the index cache)."""
+
+    def map_file(self, path: str) -> mmap.mmap | bytes:
+        """Blocks: the whole file `path`, read-only, mapped (empty files as `b""`).
+
+        Raises:
+            OSError: the file could not be mapped (naming `path`).
+        """
+        ...
+
+
+@runtime_checkable
+class RangedFiles(Protocol):
+    """A capability of a `FileStorage` whose files are read over a network in ranged requests
+    (an object store): datasets keep what they read in a node-local cache, and loads share
+    their reads among ranks."""
+
+    def open_ranged_file(self, path: str) -> RangedFile:
+        """Blocks: open the object `path` (one version of it) for many ranged reads at once;
+        raises as `FileStorage.open_file`."""
+        ...
+
+
+def whole_file(storage: FileStorage, path: str) -> mmap.mmap | bytes:
+    """Blocks: the whole file `path`, read-only: mapped where `storage` maps files
+    (`MappableFiles`), else read into memory."""
+    if isinstance(storage, MappableFiles):
+        return storage.map_file(path)
+    with storage.open_file(path) as file:
+        buffer = bytearray(file.nbytes)
+        view = memoryview(buffer)
+        done = 0
+        while done < file.nbytes:
+            read = file.pread_into(view[done:], done)
+            if read == 0:
+                raise OSError(f"{path}: ended at byte {done} of {file.nbytes} while read whole")
+            done += read
+        return bytes(buffer)
 
 
 class NewFile(Protocol):

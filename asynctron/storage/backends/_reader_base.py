@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 from asynctron._concurrency import RunBlocking, first_error
 from asynctron.errors import CorruptCheckpointError
-from asynctron.storage.format import ItemHasher, ItemRecord, Manifest, ReadJob, check_digest, digest
+from asynctron.storage.format import ItemHasher, ItemRecord, Manifest, ReadJob, check_digest
 
 
 class CheckpointReaderBase:
@@ -95,11 +95,3 @@ class CheckpointReaderBase:
         `slab_bytes` (`plan_reads`), continuing `hashers[i]` over job i's bytes in file
         order; `progress(nbytes)` as bytes land. The backend's I/O."""
         raise NotImplementedError
-
-    async def check_mapped(self, record: ItemRecord, view: memoryview) -> None:
-        """Hash a mapped item (reading every page of it) and raise if it differs."""
-        if record.checksum is None:
-            return
-        error = self.digest_error(record, await self._run_blocking(digest, view))
-        if error is not None:
-            raise error

@@ -61,8 +61,6 @@ class LocalFiles:
             fault-injecting fake of `asynctron.testing` in tests).
     """
 
-    remote = False
-
     file_io: FileIO
 
     def __init__(self, file_io: FileIO | None = None) -> None:

@@ -33,6 +33,7 @@ from asynctron.storage.format import (
     ReadJob,
     check_files,
     check_no_overlap,
+    digest,
     parse_dcp_manifest,
     parse_manifest,
     plan_reads,
@@ -164,6 +165,14 @@ class LocalCheckpointReader(CheckpointReaderBase):
             self._maps[record.file] = await self._run_blocking(_map_file, fd,
                                                                self.file_path(record))
         return memoryview(self._maps[record.file])[record.offset:record.offset + record.nbytes]
+
+    async def check_mapped(self, record: ItemRecord, view: memoryview) -> None:
+        """Hash a mapped item (reading every page of it) and raise if it differs."""
+        if record.checksum is None:
+            return
+        error = self.digest_error(record, await self._run_blocking(digest, view))
+        if error is not None:
+            raise error
 
     async def read_file(self, name: str, max_bytes: int) -> bytes:
         """The whole small file `name` of the checkpoint (DCP's `.metadata`).

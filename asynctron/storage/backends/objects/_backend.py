@@ -45,7 +45,6 @@ from asynctron.storage.backends.objects._files import (
     NewObject,
     ObjectFile,
     publish_with,
-    read_whole,
     remove,
 )
 from asynctron.storage.backends.objects._layout import (
@@ -82,8 +81,6 @@ class ObjectStoreBackend:
     through any number of bindings (`checkpoints`).
     """
 
-    remote = True
-
     def __init__(self, client: ObjectClient) -> None:
         self.client = client
         self.config = client.config
@@ -109,11 +106,10 @@ class ObjectStoreBackend:
     def sync_dir(self, path: str) -> None:
         """Nothing to do: a stored object is durable."""
 
-    def map_file(self, path: str) -> bytes:
-        """The whole object, read into memory (a store maps nothing)."""
-        return read_whole(self.client, path)
-
     def open_file(self, path: str) -> ObjectFile:
+        return ObjectFile.open(self.client, path)
+
+    def open_ranged_file(self, path: str) -> ObjectFile:
         return ObjectFile.open(self.client, path)
 
     def open_new_file(self, path: str) -> NewObject:

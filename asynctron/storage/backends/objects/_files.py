@@ -233,21 +233,6 @@ def publish_with(client: ObjectClient, path: str, write: Callable[[IO[bytes]], o
     put_object(client, object_url(client, path), out.getbuffer())
 
 
-def read_whole(client: ObjectClient, path: str) -> bytes:
-    """Blocks: the whole object `path`.
-
-    Raises:
-        ObjectNotFoundError: no such object or bucket (a FileNotFoundError).
-    """
-    url = object_url(client, path)
-    try:
-        data, _, _ = blocking(client.get_small(url, max_bytes=1 << 62))
-    except ObjectNotFoundError as error:
-        raise ObjectNotFoundError(f"{error}; expected an object at {path}",
-                                  path=str(url)) from error
-    return data or b""
-
-
 def remove(client: ObjectClient, path: str) -> None:
     """Blocks: delete the object `path` (none there is not an error)."""
     blocking(client.delete([object_url(client, path)]))

@@ -203,17 +203,6 @@ class ObjectReader(CheckpointReaderBase):
         if hasher is not None:
             await self._run_blocking(hasher.update, destination)
 
-    async def map(self, record: ItemRecord) -> memoryview:
-        """Refused: an object store has no file to map.
-
-        Raises:
-            StorageError: always, saying what to do instead.
-        """
-        raise StorageError(
-            f"checkpoint {self.path}: mmap=True maps local files, and this checkpoint is on "
-            "object storage; load with mmap=False (parallel ranged reads), or copy the "
-            "checkpoint to a local path to map it", path=self.path, errno=None)
-
     async def read_file(self, name: str, max_bytes: int) -> bytes:
         """The whole small object `name` of the checkpoint (DCP's `.metadata`).
 
