@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar, Self
 
 STOP_TIMEOUT_S = 5.0
@@ -61,14 +62,15 @@ def log_tail(log_path: str, nbytes: int = _LOG_TAIL_BYTES) -> str:
         return ""
 
 
+@dataclass
 class ServerProcess:
     """A running test server whose `process` leads its session, logging to `log_path`.
     `stop()` (or leaving the `with`) SIGTERMs the session and waits for the exit, SIGKILL
     after `STOP_TIMEOUT_S`; stopping again does nothing.
 
-    Subclasses (dataclasses with `process` and `log_path` among their fields) name the
-    server in `server_name`, probe it in `_answers` and set it up in `_set_up`; their `start`
-    calls `_launch`.
+    Subclasses (dataclasses adding their own fields: an endpoint, a bucket) name the server
+    in `server_name`, probe it in `_answers` and set it up in `_set_up`; their `start` calls
+    `_launch`.
     """
 
     server_name: ClassVar[str] = "server"
@@ -78,6 +80,7 @@ class ServerProcess:
     """How often `_launch` probes while it waits (a probe's own pace, not an ordering)."""
     process: subprocess.Popen[bytes]
     log_path: str
+    """The file the server's stdout and stderr go to."""
 
     @classmethod
     def _launch(cls, command: Sequence[str], log_path: str, **fields: Any) -> Self:

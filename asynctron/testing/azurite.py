@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import subprocess
 from dataclasses import dataclass
 
 from asynctron.testing._server_process import ServerProcess, answers_http, free_port
@@ -59,8 +58,6 @@ class Azurite(ServerProcess):
     endpoint: str
     """The account's Blob URL, `http://127.0.0.1:<port>/devstoreaccount1` (path-style)."""
     container: str
-    process: subprocess.Popen[bytes]
-    log_path: str
     server_name = "Azurite"
 
     @classmethod

@@ -28,7 +28,6 @@ import json
 import os
 import platform
 import shutil
-import subprocess
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -80,8 +79,6 @@ class FakeGcs(ServerProcess):
     """`http://127.0.0.1:<port>`: the JSON API is under `/storage/v1` and `/upload/storage/v1`
     there."""
     bucket: str
-    process: subprocess.Popen[bytes]
-    log_path: str
     server_name = "fake-gcs-server"
     poll_interval_s = 0.05
 

@@ -73,8 +73,6 @@ class SeaweedFS(ServerProcess):
 
     endpoint: str
     bucket: str
-    process: subprocess.Popen[bytes]
-    log_path: str
     server_name = "SeaweedFS"
 
     @classmethod

@@ -3,7 +3,6 @@ a server that exits or never answers is stopped and named with its log's tail.""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,8 +30,6 @@ class _Tiny(ServerProcess):
     """A Python one-liner server: answers any GET once it listens."""
 
     endpoint: str
-    process: subprocess.Popen[bytes]
-    log_path: str
     set_up: list[str] = field(default_factory=list)
     server_name = "tiny"
     ready_timeout_s = 60.0
