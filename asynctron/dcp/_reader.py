@@ -11,7 +11,10 @@ written by `asynctron.dcp.StorageWriter` or `Engine.save(format="dcp")`).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import errno
+import functools
 import logging
 import os
 import uuid
@@ -116,7 +119,9 @@ class StorageReader(dcp_storage.StorageReader):
         runtime = self._started()
         self._close_checkpoint()
         try:
-            checkpoint, metadata = runtime.call(_open(runtime, self._backend, self.path))
+            checkpoint, metadata = runtime.call(_open(runtime, self._backend, self.path),
+                                                interrupted=functools.partial(
+                                                    _close_once_opened, runtime))
         except Exception as error:
             if _DCP_LOAD_DROPS_READ_ERRORS:
                 logger.warning("reading DCP metadata failed (torch %s's dcp.load drops this "
@@ -171,6 +176,20 @@ class StorageReader(dcp_storage.StorageReader):
 
     def __repr__(self) -> str:
         return f"<asynctron.dcp.StorageReader {self.path!r}>"
+
+
+def _close_once_opened(runtime: Runtime, opening: concurrent.futures.Future[Any]) -> None:
+    """A `read_metadata` whose wait was interrupted: end the lease of what it opens (a job
+    of the runtime's, so its `close` waits for it)."""
+    runtime.start(_close_opened(opening))
+
+
+async def _close_opened(opening: concurrent.futures.Future[Any]) -> None:
+    try:
+        checkpoint, _ = await asyncio.wrap_future(opening)
+    except Exception:
+        return  # nothing was opened
+    await checkpoint.reader.aclose()
 
 
 async def _open(runtime: Runtime, backend: Backend, path: str

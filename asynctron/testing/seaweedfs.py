@@ -19,16 +19,13 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 
-from asynctron.testing._server_process import ServerProcess, start_server
+from asynctron.testing._server_process import READY_TIMEOUT_S, ServerProcess, answers_http
 
 ACCESS_KEY = "asynctron-test"
 SECRET_KEY = "asynctron-test-secret"
 REGION = "us-east-1"
-_READY_TIMEOUT_S = 60.0
 _LIMIT_SETTLE_S = 1.0
 
 
@@ -76,8 +73,7 @@ class SeaweedFS(ServerProcess):
 
     endpoint: str
     bucket: str
-    process: subprocess.Popen[bytes]
-    log_path: str
+    server_name = "SeaweedFS"
 
     @classmethod
     def start(cls, data_dir: str, *, bucket: str = "asynctron-test") -> SeaweedFS:
@@ -86,7 +82,8 @@ class SeaweedFS(ServerProcess):
 
         Raises:
             FileNotFoundError: no `weed` binary.
-            RuntimeError: it exited or did not answer within a minute (its log is named).
+            RuntimeError: it exited or did not answer within a minute (its log is named, and
+                its tail quoted).
         """
         os.makedirs(data_dir, exist_ok=True)
         identities = os.path.join(data_dir, "identities.json")
@@ -108,15 +105,7 @@ class SeaweedFS(ServerProcess):
             f"-s3.config={identities}", "-master.volumeSizeLimitMB=64", "-volume.max=200",
             f"-dir={os.path.join(data_dir, 'data')}",
         ]
-        process = start_server(command, log_path)
-        server = cls(f"http://127.0.0.1:{s3}", bucket, process, log_path)
-        try:
-            server._wait_ready()
-            server._create_bucket()
-        except BaseException:
-            server.stop()
-            raise
-        return server
+        return cls._launch(command, log_path, endpoint=f"http://127.0.0.1:{s3}", bucket=bucket)
 
     def environment(self) -> dict[str, str]:
         """The variables that point the standard AWS chain at this server."""
@@ -142,30 +131,16 @@ class SeaweedFS(ServerProcess):
                       if isinstance(arg, str) and arg.startswith("-master.port="))
         done = subprocess.run([weed_binary(), "shell", f"-master=127.0.0.1:{master}"],
                               input=command.encode() + b"\n", capture_output=True,
-                              timeout=_READY_TIMEOUT_S, check=False)
+                              timeout=READY_TIMEOUT_S, check=False)
         if done.returncode != 0 or b'"global"' not in done.stdout:
             raise RuntimeError(f"weed shell {command!r}: exit {done.returncode}; "
                                f"{(done.stdout + done.stderr).decode(errors='replace')[-500:]}")
         time.sleep(_LIMIT_SETTLE_S)
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + _READY_TIMEOUT_S
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"SeaweedFS exited with {self.process.returncode} before "
-                                   f"answering; see its log {self.log_path}")
-            try:
-                with urllib.request.urlopen(self.endpoint + "/status", timeout=1):
-                    return
-            except urllib.error.HTTPError:
-                return  # the S3 API answers (an error is an answer)
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"SeaweedFS at {self.endpoint}: no answer within "
-                                       f"{_READY_TIMEOUT_S:.0f} s; see {self.log_path}") from None
-                time.sleep(0.1)
+    def _answers(self) -> bool:
+        return answers_http(self.endpoint + "/status")  # the S3 API (an error is an answer)
 
-    def _create_bucket(self) -> None:
+    def _set_up(self) -> None:
         """Create `bucket`, retrying while the fresh cluster has no volume servers yet."""
         import botocore.session
         from botocore.config import Config
@@ -174,7 +149,7 @@ class SeaweedFS(ServerProcess):
             "s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
             aws_secret_access_key=SECRET_KEY, region_name=REGION,
             config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}))
-        deadline = time.monotonic() + _READY_TIMEOUT_S
+        deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
             try:
                 client.create_bucket(Bucket=self.bucket)

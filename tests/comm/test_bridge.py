@@ -17,10 +17,23 @@ from asynctron.comm._bridge import peer_error
 from asynctron.engine import Engine
 
 
-def _complete_later(future: torch.futures.Future[Any], started: threading.Event,
-                    value: Any = None, error: BaseException | None = None) -> threading.Thread:
+class _Watched(torch.futures.Future):
+    """A torch future that says when a callback was added to it (the wait is registered)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.registered = threading.Event()
+
+    def add_done_callback(self, callback: Any) -> None:
+        super().add_done_callback(callback)
+        self.registered.set()
+
+
+def _complete_once_waited(future: _Watched, value: Any = None,
+                          error: BaseException | None = None) -> threading.Thread:
+    """A thread that completes `future` once a wait is registered on it."""
     def complete() -> None:
-        started.wait()
+        assert future.registered.wait(60), "nobody waited on the future"
         if error is not None:
             future.set_exception(error)
         else:
@@ -31,27 +44,18 @@ def _complete_later(future: torch.futures.Future[Any], started: threading.Event,
     return thread
 
 
-async def _waiting(future: torch.futures.Future[Any], started: threading.Event) -> Any:
-    waiter = asyncio.ensure_future(wait_future(future))
-    await asyncio.sleep(0)  # the wait is registered on the future
-    started.set()
-    return await waiter
-
-
 async def test_a_future_completed_on_another_thread_wakes_the_loop() -> None:
-    future: torch.futures.Future[int] = torch.futures.Future()
-    started = threading.Event()
-    thread = _complete_later(future, started, value=7)
-    assert await _waiting(future, started) == 7
+    future = _Watched()
+    thread = _complete_once_waited(future, value=7)
+    assert await wait_future(future) == 7
     thread.join()
 
 
 async def test_the_future_error_propagates() -> None:
-    future: torch.futures.Future[int] = torch.futures.Future()
-    started = threading.Event()
-    thread = _complete_later(future, started, error=ValueError("backend said no"))
+    future = _Watched()
+    thread = _complete_once_waited(future, error=ValueError("backend said no"))
     with pytest.raises(ValueError, match="backend said no"):
-        await _waiting(future, started)
+        await wait_future(future)
     thread.join()
 
 
@@ -67,26 +71,27 @@ async def test_cancelling_the_wait_leaves_the_future_alone() -> None:
     loop = asyncio.get_running_loop()
     problems: list[dict[str, Any]] = []
     loop.set_exception_handler(lambda _, context: problems.append(context))
-    future: torch.futures.Future[int] = torch.futures.Future()
+    future = _Watched()
     waiter = asyncio.ensure_future(wait_future(future))
-    await asyncio.sleep(0)
+    await asyncio.to_thread(future.registered.wait, 60)  # the wait is registered
     waiter.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiter
     future.set_result(1)  # runs the callback here, inline
-    await asyncio.sleep(0)
+    await asyncio.sleep(0)  # one turn: the loop runs the wake-up that callback queued
     assert problems == [] and future.value() == 1
 
 
 def test_a_future_completing_after_its_loop_closed_is_harmless() -> None:
-    future: torch.futures.Future[int] = torch.futures.Future()
+    future = _Watched()
 
     async def wait_then_give_up() -> None:
         waiter = asyncio.ensure_future(wait_future(future))
-        await asyncio.sleep(0)
+        await asyncio.to_thread(future.registered.wait, 60)  # the wait is registered
         waiter.cancel()
 
     uvloop.run(wait_then_give_up())  # closes the loop
+    assert future.registered.is_set()
     future.set_result(3)
     assert future.value() == 3
 

@@ -46,18 +46,19 @@ def test_a_spinning_thread_is_seen_busy() -> None:
     for the GIL again and again while a thread spins Python on another core (see
     `thread_times`): on the H100's 16 cores the readings outlasted a spinner that stopped at a
     set time, which was then missing from the second (KeyError, 2026-11-26)."""
-    stop = threading.Event()
+    stop, spinning = threading.Event(), threading.Event()
 
     def spin() -> None:
+        spinning.set()
         while not stop.is_set():
             pass
 
     thread = threading.Thread(target=spin)
     thread.start()
     try:
-        time.sleep(0.05)
+        assert spinning.wait(60)
         before = _busy_cores.thread_times(os.getpid())
-        time.sleep(1.0)
+        time.sleep(1.0)  # the window the busy time is measured over
         after = _busy_cores.thread_times(os.getpid())
     finally:
         stop.set()

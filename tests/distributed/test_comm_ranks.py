@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import pytest
@@ -333,9 +333,9 @@ def cancelled_synchronize(rank: int, world: int) -> dict[str, str]:
             x, y = batch(rank, 0)
             if rank == 0:
                 loss_of(ours(x), y).backward()
-                task = asyncio.get_running_loop().create_task(manager.synchronize())
-                for _ in range(5):
-                    await asyncio.sleep(0)
+                task = asyncio.get_running_loop().create_task(
+                    _announced(waiting := asyncio.Event(), manager.synchronize()))
+                await waiting.wait()  # synchronize() waits on the launched all-reduces
                 task.cancel()
                 try:
                     await task
@@ -381,8 +381,16 @@ def data_parallel(rank: int, world: int) -> None:
     assert list(model.state_dict()) == [f"module.{k}" for k in net.state_dict()]
 
 
+async def _announced(started: asyncio.Event, call: Coroutine[Any, Any, Any]) -> Any:
+    """Run `call`, having set `started`: it runs to its first wait before the task that
+    awaits `started` resumes, so that task then finds the call in flight."""
+    started.set()
+    return await call
+
+
 def collectives(rank: int, world: int) -> dict[str, Any]:
     dedicated = new_gloo_group(timeout_s=30)
+    ordering = new_gloo_group(timeout_s=30)  # orders the ranks around the cancelled call
 
     async def run() -> dict[str, Any]:
         async with Engine(num_workers=2) as engine, LoopWatchdog() as dog:
@@ -394,11 +402,17 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
                 [{"to": r, "pad": "y" * 100 * r} for r in range(world)] if rank == 1 else None,
                 src=1)
             await group.barrier()
-            # Rank 0 cancels its call while the others are late: its part still completes.
+            # Rank 0 cancels its call while the others are late (they join it only once rank 0
+            # has cancelled, told by a barrier of another group): its part still completes.
+            order = CollectiveGroup(ordering, run_blocking=engine.run_blocking, timeout_s=30)
             if rank == 0:
-                task = asyncio.get_running_loop().create_task(group.all_gather_object("mine"))
-                await asyncio.sleep(0.05)
+                calls = group.num_calls
+                task = asyncio.get_running_loop().create_task(
+                    _announced(issued := asyncio.Event(), group.all_gather_object("mine")))
+                await issued.wait()
+                assert group.num_calls == calls + 1  # in flight, waiting for the others
                 task.cancel()
+                await order.barrier()  # now the others join the cancelled call
                 cancelled = False
                 try:
                     await task
@@ -406,7 +420,7 @@ def collectives(rank: int, world: int) -> dict[str, Any]:
                     cancelled = True
                 late = None
             else:
-                await asyncio.sleep(0.3)
+                await order.barrier()
                 late = await group.all_gather_object("mine")
                 cancelled = None
             after = await group.all_gather_object(rank)

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import sys
 import threading
@@ -341,21 +342,31 @@ async def test_planning_runs_off_the_loop_thread(shm_path: str,
     assert len(threads) == 1 and threads[0].startswith("asynctron-io")
 
 
-async def test_a_failed_save_nobody_awaited_is_raised_by_aclose(
-        shm_path: str, caplog: pytest.LogCaptureFixture) -> None:
+async def test_a_failed_save_nobody_awaited_is_raised_by_aclose(shm_path: str) -> None:
     """A trainer that only awaits `staged` still learns that a checkpoint failed: the failure
     is logged when it happens, and leaving the engine raises it."""
     from asynctron.testing import FaultyBackend
 
-    with pytest.raises(asynctron.StorageError, match=r"failed: ENOSPC"):
-        async with Engine(backend=FaultyBackend(enospc_after_bytes=0), **SMALL) as engine:
-            task = engine.save({"w": torch.ones(100_000)}, f"{shm_path}/s")
-            with contextlib.suppress(asynctron.StorageError):
-                await task.staged
-            await asyncio.sleep(0.1)
-            while not task.done():
-                await asyncio.sleep(0.01)
-    assert any("save failed: StorageError" in r.getMessage() for r in caplog.records)
+    loop = asyncio.get_running_loop()
+    logged = asyncio.Event()
+
+    class WhenLogged(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "save failed: StorageError" in record.getMessage():
+                loop.call_soon_threadsafe(logged.set)
+
+    handler = WhenLogged()
+    logging.getLogger("asynctron").addHandler(handler)
+    try:
+        with pytest.raises(asynctron.StorageError, match=r"failed: ENOSPC"):
+            async with Engine(backend=FaultyBackend(enospc_after_bytes=0), **SMALL) as engine:
+                task = engine.save({"w": torch.ones(100_000)}, f"{shm_path}/s")
+                with contextlib.suppress(asynctron.StorageError):
+                    await task.staged
+                await asyncio.wait_for(logged.wait(), 30)  # logged when it happens
+                assert task.done() and task.failed() and not task.observed
+    finally:
+        logging.getLogger("asynctron").removeHandler(handler)
 
 
 async def test_moving_latest_failing_after_the_commit_is_a_warning(shm_path: str) -> None:

@@ -18,19 +18,37 @@ from asynctron.storage.backends.objects._request_budget import (
 )
 
 
+class Arrivals:
+    """Counts tasks that reached `slot()`: a task's first step runs until it holds a place or
+    waits for one, so once `reach(n)` returns, n tasks are in flight or queued."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._events: dict[int, asyncio.Event] = collections.defaultdict(asyncio.Event)
+
+    def arrive(self) -> None:
+        self.count += 1
+        self._events[self.count].set()
+
+    async def reach(self, count: int) -> None:
+        await self._events[count].wait()
+
+
 async def test_no_more_than_the_window_is_in_flight_and_waiters_go_in_order() -> None:
     budget = RequestBudget(3)
     order: list[int] = []
     release = asyncio.Event()
+    arrivals = Arrivals()
 
     async def request(number: int) -> None:
+        arrivals.arrive()
         async with budget.slot():
             order.append(number)
             assert budget.in_flight <= budget.window
             await release.wait()
 
     tasks = [asyncio.create_task(request(n)) for n in range(8)]
-    await asyncio.sleep(0.01)
+    await arrivals.reach(8)
     assert order == [0, 1, 2] and budget.in_flight == 3
     release.set()
     await asyncio.gather(*tasks)
@@ -195,9 +213,11 @@ async def test_a_smaller_window_holds_new_requests_until_enough_finish() -> None
     budget = RequestBudget(4)
     release = asyncio.Event()
     entered = 0
+    arrivals = Arrivals()
 
     async def request(throttle: bool = False) -> None:
         nonlocal entered
+        arrivals.arrive()
         async with budget.slot() as slot:
             entered += 1
             if throttle:
@@ -206,11 +226,11 @@ async def test_a_smaller_window_holds_new_requests_until_enough_finish() -> None
             await release.wait()
 
     holders = [asyncio.create_task(request()) for _ in range(3)]
-    await asyncio.sleep(0.01)
+    await arrivals.reach(3)
     await request(throttle=True)  # 4 in flight: the window goes to 2
     assert budget.window == 2
     late = asyncio.create_task(request())
-    await asyncio.sleep(0.01)
+    await arrivals.reach(5)
     assert entered == 4  # 3 still in flight, the late one waits
     release.set()
     await asyncio.gather(*holders, late)
@@ -220,16 +240,19 @@ async def test_a_smaller_window_holds_new_requests_until_enough_finish() -> None
 async def test_a_cancelled_waiter_passes_its_turn_on() -> None:
     budget = RequestBudget(1)
     release = asyncio.Event()
+    arrivals = Arrivals()
 
     async def hold() -> None:
+        arrivals.arrive()
         async with budget.slot():
             await release.wait()
 
     holder = asyncio.create_task(hold())
-    await asyncio.sleep(0)
+    await arrivals.reach(1)
     cancelled = asyncio.create_task(hold())
     waiting = asyncio.create_task(hold())
-    await asyncio.sleep(0.01)
+    await arrivals.reach(3)
+    assert budget.in_flight == 1  # the holder; the other two wait
     cancelled.cancel()
     release.set()
     await asyncio.gather(holder, waiting)

@@ -248,18 +248,28 @@ async def test_misuse_is_refused_at_the_call(tmp_path: Any) -> None:
 
 
 async def test_closing_the_engine_waits_for_the_drain(tmp_path: Any) -> None:
+    """Invariant: `aclose` returns only once the drain in flight has committed the step to
+    the store (what the store holds is recorded the moment `aclose` returns)."""
     store = FaultyBackend()
     gate = store.hold("commit", where="step_00000001")
     tiers = _tiers(tmp_path, store=f"{tmp_path}/store", store_every=1)
+    seen_at_close: list[list[str]] = []
     async with Engine(tiers=tiers, store_backend=store, **SMALL) as engine:
         await engine.save(_state(1), step=1)  # committed locally; the drain holds
         await gate.reached()
-        closing = asyncio.ensure_future(engine.aclose())
-        for _ in range(20):
-            await asyncio.sleep(0)
-        assert not closing.done()
+        closing_began = asyncio.Event()
+
+        async def close() -> None:
+            closing_began.set()
+            await engine.aclose()  # runs to its first wait before this task yields
+            seen_at_close.append(sorted(os.listdir(f"{tmp_path}/store")))
+
+        closing = asyncio.ensure_future(close())
+        await closing_began.wait()
+        assert not closing.done()  # held at the store's commit: it cannot have returned
         gate.release()
         await closing
+    assert seen_at_close == [["latest", "step_00000001"]]
     assert_same(_state(1)["model"], (await _load(f"{tmp_path}/store"))["model"])
 
 
