@@ -384,11 +384,16 @@ def demo_summary(report: DemoReport) -> list[str]:
             f"steps/s, data wait {run.data_wait_s:.3f} s; {run.num_saves} checkpoints "
             f"({format_nbytes(nbytes)}, all ranks): training blocked {run.blocked_s:.3f} s of "
             f"{run.checkpoint_s:.3f} s in flight (request -> committed)")
-    worst = max(r[n].worst_loop_delay_s for r in runs for n in ("first", "resumed"))
-    longest = max(r[n].longest_step_s for r in runs for n in ("first", "resumed"))
-    lines.append(f"loop worst delay: {worst * 1e3:.1f} ms (the longest the event loop went "
-                 f"without a turn; training steps run on it, and the longest step took "
-                 f"{longest * 1e3:.1f} ms)")
+    measured = [r[n] for r in runs for n in ("first", "resumed")]
+    worst = max(run.worst_loop_delay_s for run in measured)
+    slowest = max(measured, key=lambda run: run.longest_math_s)
+    lines.append(f"event loop: worst delay {worst * 1e3:.1f} ms outside the steps' math (the "
+                 f"loader, the all-reduces, the checkpoints, other processes taking the CPUs)")
+    lines.append(f"steps' math (forward, backward, optimizer): on the event loop's thread, as in "
+                 f"any async trainer; the longest held it {slowest.longest_math_s * 1e3:.1f} "
+                 f"ms, computing for {slowest.longest_math_cpu_s * 1e3:.1f} ms and waiting for a "
+                 f"CPU the rest ({config.num_ranks} ranks and their loader workers on "
+                 f"{os.cpu_count()} CPUs here)")
     mismatch = report.mismatch
     if mismatch is not None:
         lines.append(f"resume: FAILED: {mismatch}")
