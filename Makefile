@@ -15,12 +15,14 @@ VENV_OLDEST  := .venv-oldest
 TEST_WORKERS ?= 2
 TEST_DIST    ?= --dist worksteal
 PY_OLDEST    := $(VENV_OLDEST)/bin/python
-# Azurite (the Azure Blob tests' server, asynctron/testing/azurite.py), from npm into an ignored
-# folder; `make setup` skips it where there is no npm (those tests then skip)
+# Azurite (the Azure Blob tests' and `asynctron bench azure`'s server,
+# asynctron/testing/azurite.py), from npm into an ignored folder: `make test`, `make bench` and
+# `make setup` install it, `make demo` does not (the demo uses no store); skipped where there is
+# no npm (those tests then skip)
 AZURITE_VERSION ?= 3.37.0
 AZURITE_DIR     := .tools/azurite
 
-.PHONY: setup demo test test-oldest lint bench clean
+.PHONY: setup venv azurite demo test test-oldest lint bench clean
 
 # Installed by uv (from PyPI, into the venv): the same versions as pip (pip freeze compared),
 # 80 s here where pip took 92 s. Bytecode compiled at install, as pip does: where
@@ -41,7 +43,12 @@ $(AZURITE_DIR)/.installed-$(AZURITE_VERSION):
 	npm install --prefix $(AZURITE_DIR) --no-audit --no-fund --save-exact azurite@$(AZURITE_VERSION)
 	touch $@
 
-setup: $(VENV)/.installed $(if $(shell command -v npm),$(AZURITE_DIR)/.installed-$(AZURITE_VERSION))
+venv: $(VENV)/.installed
+
+azurite: $(if $(shell command -v npm),$(AZURITE_DIR)/.installed-$(AZURITE_VERSION))
+
+# everything the tests and benchmarks use
+setup: venv azurite
 
 # uv, as for $(VENV): torch's CUDA wheel and the nvidia-* wheels it needs (4.4 GB, from PyPI)
 # come down in parallel, ~60 s here where pip took ~150 s, and from uv's cache (~/.cache/uv, a
@@ -55,7 +62,8 @@ $(VENV_OLDEST)/.installed: pyproject.toml setup.py asynctron/_native.c \
 		$(TORCH_OLDEST) -e '.[test,bench]'
 	touch $@
 
-demo: setup
+# the venv only: the demo trains on local ranks and saves to local directories
+demo: venv
 	$(VENV)/bin/asynctron demo
 
 test: setup

@@ -34,14 +34,19 @@ import importlib
 import json
 import os
 import sys
-import tempfile
-import time
 from collections.abc import Callable
 
 import uvloop
 from tqdm import tqdm
 
-from asynctron._demo import DemoConfig, DemoReport, run_demo
+from asynctron._demo import (
+    DemoConfig,
+    DemoReport,
+    disk_nbytes,
+    fresh_output_dir,
+    remove_output_dir,
+    run_demo,
+)
 from asynctron._knobs import STORE_DEADLINE_S
 from asynctron.bench import SCENARIOS
 from asynctron.datasets import PreprocessConfig, preprocess
@@ -116,8 +121,9 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="train a small GPT on local ranks with async "
                                             "data, gradients and checkpoints; resume it")
-    demo.add_argument("--out", help="directory for the corpus and checkpoints (new or empty); "
-                                    "default: a fresh ./demo-out/<timestamp>-*")
+    demo.add_argument("--out", help="directory for the corpus and checkpoints (new or empty), "
+                                    "kept after the run; default: a fresh "
+                                    "./demo-out/<timestamp>-*, removed once the run passes")
     demo.add_argument("--nproc", type=_positive_int, default=2, help="data-parallel ranks")
     demo.add_argument("--steps", type=_positive_int, default=40,
                       help="steps of the uninterrupted run (the first run stops half-way)")
@@ -337,7 +343,8 @@ def _decode(record: ItemRecord, buffer: bytearray, path: str) -> CorruptCheckpoi
 # demo ------------------------------------------------------------------------------------------
 
 def _demo(args: argparse.Namespace) -> int:
-    out = args.out or _fresh_demo_dir()
+    keep = args.out is not None  # the user's own directory stays; the default one goes
+    out = args.out or fresh_output_dir()
     if os.path.isdir(out) and os.listdir(out):
         print(f"asynctron demo: output directory {out!r}: expected a new or empty directory, "
               f"found {len(os.listdir(out))} entries; pass a fresh --out", file=sys.stderr)
@@ -349,14 +356,37 @@ def _demo(args: argparse.Namespace) -> int:
                             micro_batch_size=args.batch, keep_last=args.keep_last,
                             num_nodes=args.nodes, ranks_per_node=args.ranks_per_node)
     except ValueError as exc:
+        if not keep:
+            remove_output_dir(out)
         print(f"asynctron demo: {exc}", file=sys.stderr)
         return 2
     print(f"asynctron demo: {config.num_ranks} ranks, {config.num_steps} steps, checkpoints "
-          f"every {config.save_every}; writing to {out}", flush=True)
-    report = run_demo(config)
+          f"every {config.save_every}; writing to {out}"
+          f"{'' if keep else ' (removed once the run passes; --out DIR keeps it)'}", flush=True)
+    try:
+        report = run_demo(config)
+    except BaseException:
+        print(f"asynctron demo: output kept in {out} "
+              f"({format_nbytes(disk_nbytes(out))}), for a look", file=sys.stderr)
+        raise
     for line in demo_summary(report):
         print(line)
-    return 0 if report.mismatch is None else 1
+    passed = report.mismatch is None
+    print(_demo_output(out, keep=keep, passed=passed))
+    return 0 if passed else 1
+
+
+def _demo_output(out: str, *, keep: bool, passed: bool) -> str:
+    """Where the demo's output is and how large; the default directory removed if it passed."""
+    size = format_nbytes(disk_nbytes(out))
+    if keep:
+        return (f"output: {size} in {out}, kept (its checkpoints: `asynctron inspect "
+                f"{os.path.join(out, 'checkpoints')}`)")
+    if not passed:
+        return f"output: {size} kept in {out}, for a look at the failed run"
+    remove_output_dir(out)
+    return (f"output: {size} in {out} (corpus, checkpoints, tiers), removed; --out DIR "
+            f"keeps it")
 
 
 def demo_summary(report: DemoReport) -> list[str]:
@@ -375,11 +405,16 @@ def demo_summary(report: DemoReport) -> list[str]:
             f"steps/s, data wait {run.data_wait_s:.3f} s; {run.num_saves} checkpoints "
             f"({format_nbytes(nbytes)}, all ranks): training blocked {run.blocked_s:.3f} s of "
             f"{run.checkpoint_s:.3f} s in flight (request -> committed)")
-    worst = max(r[n].worst_loop_delay_s for r in runs for n in ("first", "resumed"))
-    longest = max(r[n].longest_step_s for r in runs for n in ("first", "resumed"))
-    lines.append(f"loop worst delay: {worst * 1e3:.1f} ms (the longest the event loop went "
-                 f"without a turn; training steps run on it, and the longest step took "
-                 f"{longest * 1e3:.1f} ms)")
+    measured = [r[n] for r in runs for n in ("first", "resumed")]
+    worst = max(run.worst_loop_delay_s for run in measured)
+    slowest = max(measured, key=lambda run: run.longest_math_s)
+    lines.append(f"event loop: worst delay {worst * 1e3:.1f} ms outside the steps' math (the "
+                 f"loader, the all-reduces, the checkpoints, other processes taking the CPUs)")
+    lines.append(f"steps' math (forward, backward, optimizer): on the event loop's thread, as in "
+                 f"any async trainer; the longest held it {slowest.longest_math_s * 1e3:.1f} "
+                 f"ms, computing for {slowest.longest_math_cpu_s * 1e3:.1f} ms and waiting for a "
+                 f"CPU the rest ({config.num_ranks} ranks and their loader workers on "
+                 f"{os.cpu_count()} CPUs here)")
     mismatch = report.mismatch
     if mismatch is not None:
         lines.append(f"resume: FAILED: {mismatch}")
@@ -417,11 +452,6 @@ def _node_loss_summary(report: DemoReport, exact: bool) -> list[str]:
                      f"repeat the uninterrupted {world}-rank run's losses exactly on all "
                      f"{world} ranks")
     return lines
-
-
-def _fresh_demo_dir() -> str:
-    os.makedirs("demo-out", exist_ok=True)
-    return tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir="demo-out")
 
 
 # preprocess ------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import re
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -165,6 +166,58 @@ def test_demo_report_names_the_first_step_that_differs(tmp_path: Path) -> None:
     early = dict(survivor, first=run("first", 1, [4.0, 3.5]))
     assert DemoReport(config, [good], 0.0, 0.0, [early, lost]).mismatch == (
         "node-loss run rank 0 step 2: expected loss 3.0 (uninterrupted), found 3.5 (first)")
+
+
+def _stand_in_demo(passes: bool) -> types.FunctionType:
+    """`run_demo` without training: 1 MiB of "checkpoints" in the output, a report that passes
+    or not."""
+    from asynctron._demo import DemoReport, RunReport
+
+    def run(name: str, first_step: int, losses: list[float]) -> RunReport:
+        return RunReport(name, first_step, losses, 1.0, 0.0, 0.1, 0.0, 0.0, 0, 0, 0.0, 10)
+
+    def run_demo(config: Any) -> DemoReport:
+        os.makedirs(os.path.join(config.out, "checkpoints"))
+        with open(os.path.join(config.out, "checkpoints", "data"), "wb") as f:
+            f.write(os.urandom(1 << 20))
+        ranks = {"first": run("first", 1, [4.0, 3.0]),
+                 "resumed": run("resumed", 3, [2.5, 2.0 if passes else 1.0]),
+                 "reference": run("reference", 1, [4.0, 3.0, 2.5, 2.0])}
+        return DemoReport(config, [ranks, ranks], 0.0, 0.0)
+
+    return run_demo
+
+
+@pytest.mark.parametrize("passes", [True, False])
+def test_demo_removes_its_default_output_once_it_passes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        passes: bool) -> None:
+    """Without --out, the demo writes under ./demo-out and says how much; a run that passes
+    removes it (and ./demo-out, left empty), a failed one keeps it for a look."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("asynctron.cli.run_demo", _stand_in_demo(passes))
+    assert main(["demo", "--steps", "4", "--save-every", "2", "--nodes", "0"]) == (
+        0 if passes else 1)
+    out = capsys.readouterr().out
+    if passes:
+        assert not (tmp_path / "demo-out").exists()
+        assert re.search(r"\noutput: 1\.\d MiB in demo-out/\S+ \(corpus, checkpoints, tiers\), "
+                         r"removed; --out DIR keeps it\n", out), out
+    else:
+        (kept,) = os.listdir(tmp_path / "demo-out")
+        assert f"output: 1.0 MiB kept in demo-out/{kept}, for a look at the failed run" in out
+    assert "event loop: worst delay 0.0 ms outside the steps' math" in out
+
+
+def test_demo_keeps_the_out_dir_it_is_given(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("asynctron.cli.run_demo", _stand_in_demo(True))
+    out_dir = tmp_path / "mine"
+    assert main(["demo", "--out", str(out_dir), "--steps", "4", "--save-every", "2",
+                 "--nodes", "0"]) == 0
+    assert (out_dir / "checkpoints" / "data").exists()
+    assert (f"output: 1.0 MiB in {out_dir}, kept (its checkpoints: `asynctron inspect "
+            f"{out_dir / 'checkpoints'}`)") in capsys.readouterr().out
 
 
 def test_demo_refuses_a_non_empty_out_dir_and_bad_settings(

@@ -3,6 +3,8 @@
 resumed, checked bit for bit against an uninterrupted run."""
 
 from asynctron._demo._job import DemoReport, run_demo
+from asynctron._demo._output import disk_nbytes, fresh_output_dir, remove_output_dir
 from asynctron._demo._trainer import DemoConfig, RunReport
 
-__all__ = ["DemoConfig", "DemoReport", "RunReport", "run_demo"]
+__all__ = ["DemoConfig", "DemoReport", "RunReport", "disk_nbytes", "fresh_output_dir",
+           "remove_output_dir", "run_demo"]

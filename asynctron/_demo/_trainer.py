@@ -7,15 +7,23 @@ runs (`AsyncDataParallel`; or, `sharded`, the model is FSDP2's: `fully_shard` pe
 the root, its state DTensors from `get_state_dict`), and every K steps the whole state (model,
 optimizer, loader position, step) is saved asynchronously: training waits only for
 `task.staged`, then goes on while the engine writes.
+
+The step's math (forward, backward, the optimizer) holds the loop thread, as in any async
+trainer that computes on its loop: the loop's watchdog leaves it out (`excluding()`), so its
+worst delay is what the rest (the loader, the all-reduces, the checkpoints) cost the loop, and
+the math is timed apart, in wall time and in the loop thread's CPU time (on a machine with
+fewer CPUs than the ranks and their workers need, the difference is waiting for a CPU).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -119,10 +127,15 @@ class RunReport:
     num_saves: int
     saved_bytes: int
     worst_loop_delay_s: float
+    """The loop's worst heartbeat delay outside the steps' math."""
     num_params: int
     restored_from: tuple[str, ...] = ()
     """Where each rank's state came from, for a run resumed from the tiers."""
     restore_s: float = 0.0
+    longest_math_s: float = 0.0
+    """The most wall time one step's math (forward, backward, optimizer) held the loop."""
+    longest_math_cpu_s: float = 0.0
+    """The loop thread's CPU time in that step's math (the rest it waited for a CPU)."""
 
 
 def dataset(config: DemoConfig, prefix: str, world_size: int) -> Any:
@@ -205,6 +218,25 @@ class _Progress:
     results: list[SaveResult] = dataclasses.field(default_factory=list)
     worst_loop_delay_s: float = 0.0
     restored: dict[str, Any] = dataclasses.field(default_factory=dict)
+    longest_math_s: float = 0.0
+    longest_math_cpu_s: float = 0.0
+
+
+@dataclasses.dataclass(slots=True)
+class _StepMath:
+    """One step's math on the loop thread: wall time and the thread's CPU time."""
+
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+
+    @contextlib.contextmanager
+    def timed(self) -> Iterator[None]:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self.wall_s += time.perf_counter() - wall
+            self.cpu_s += time.thread_time() - cpu
 
 
 async def train(config: DemoConfig, rank: int, samples: Any, name: str, *, stop_step: int,
@@ -244,15 +276,21 @@ async def train(config: DemoConfig, rank: int, samples: Any, name: str, *, stop_
                      worst_loop_delay_s=progress.worst_loop_delay_s,
                      num_params=sum(p.numel() for p in model.parameters()),
                      restored_from=tuple(progress.restored.get("sources", ())),
-                     restore_s=progress.restored.get("restore_s", 0.0))
+                     restore_s=progress.restored.get("restore_s", 0.0),
+                     longest_math_s=progress.longest_math_s,
+                     longest_math_cpu_s=progress.longest_math_cpu_s)
 
 
 class _Parallel(Protocol):
-    """How a run's model is trained across ranks, and its state taken and given back."""
+    """How a run's model is trained across ranks, and its state taken and given back. A step
+    ends with `await synchronize()` then `update(optimizer)` (`AsyncDataParallel.step` in two,
+    so the optimizer's math is timed as the step's math)."""
 
     async def start(self) -> None: ...
 
-    async def step(self, optimizer: torch.optim.Optimizer) -> None: ...
+    async def synchronize(self) -> None: ...
+
+    def update(self, optimizer: torch.optim.Optimizer) -> None: ...
 
     def state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]: ...
 
@@ -269,8 +307,12 @@ class _DataParallel:
     async def start(self) -> None:
         await self.parallel.broadcast_parameters()
 
-    async def step(self, optimizer: torch.optim.Optimizer) -> None:
-        await self.parallel.step(optimizer)
+    async def synchronize(self) -> None:
+        await self.parallel.synchronize()
+
+    def update(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
+        self.parallel.zero_grad()
 
     def state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": optimizer.state_dict()}
@@ -294,7 +336,10 @@ class _Sharded:
     async def start(self) -> None:
         """Every rank built the same weights from the seed: nothing to broadcast."""
 
-    async def step(self, optimizer: torch.optim.Optimizer) -> None:
+    async def synchronize(self) -> None:
+        """FSDP2's reduce-scatters are done when backward returns (gloo, on the CPU)."""
+
+    def update(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -342,12 +387,19 @@ async def _run(config: DemoConfig, rank: int, samples: Any, model: TinyGPT,
                     batch = await anext(batches)
                     computing = time.perf_counter()
                     progress.data_wait_s += computing - waited
-                    loss = language_model_loss(model, batch)
-                    loss.backward()
-                    await parallel.step(optimizer)
+                    math = _StepMath()
+                    with watchdog.excluding(), math.timed():
+                        loss = language_model_loss(model, batch)
+                        loss.backward()
+                    await parallel.synchronize()
+                    with watchdog.excluding(), math.timed():
+                        parallel.update(optimizer)
+                        progress.losses.append(loss.item())
                     progress.longest_step_s = max(progress.longest_step_s,
                                                   time.perf_counter() - computing)
-                    progress.losses.append(loss.item())
+                    if math.wall_s > progress.longest_math_s:
+                        progress.longest_math_s = math.wall_s
+                        progress.longest_math_cpu_s = math.cpu_s
                     if step == lost_at:  # a node is lost, its last checkpoint long done
                         for task in tasks:
                             await task

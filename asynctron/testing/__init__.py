@@ -5,20 +5,22 @@ writes, and slow or failing fsyncs, and holds an operation at an exact point unt
 releases it (`hold`), so crash and cancellation tests need neither monkeypatching nor sleeps
 timed against injected delays; `GatedObjectClient` holds an object store's calls the same
 way. `LoopWatchdog` measures how late the event loop runs a periodic heartbeat: the worst
-delay is the longest the loop was blocked. `ShapingProxy` puts a `StoreProfile` (one node's
-bandwidth to a remote store, its first-byte latency, its limit of requests in flight) between
-a client and a test store on 127.0.0.1.
+delay is the longest the loop was blocked (less what its `excluding()` blocks held it for on
+purpose, where a program runs its own work on the loop). `ShapingProxy` puts a
+`StoreProfile` (one node's bandwidth to a remote store, its first-byte latency, its limit of
+requests in flight) between a client and a test store on 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -232,27 +234,44 @@ class LoopWatchdogReport:
     """Heartbeat lateness while the watchdog ran."""
 
     worst_delay_s: float
+    """Net of the blocks run under `LoopWatchdog.excluding()` (all of it if none were)."""
     mean_delay_s: float
     num_beats: int
+    excluded_s: float = 0.0
+    """The time spent in `excluding()` blocks, left out of the delays."""
 
 
 class LoopWatchdog:
     """Measures event-loop stalls: `async with LoopWatchdog() as dog: ...; dog.report()`.
 
     A heartbeat task sleeps `interval_s` over and over; the delay is how much later than asked
-    it woke up. The task is owned by the `async with` block.
+    it woke up, less the time spent meanwhile in `excluding()` blocks. The task is owned by the
+    `async with` block.
     """
 
     def __init__(self, interval_s: float = 0.001) -> None:
         self.interval_s = interval_s
         self._delays: list[float] = []
+        self._excluded_s = 0.0
         self._task: asyncio.Task[None] | None = None
+
+    @contextlib.contextmanager
+    def excluding(self) -> Iterator[None]:
+        """Leave the block's duration out of the delays: for work a program runs on the loop
+        on purpose (an async trainer's forward, backward and optimizer step), so the delays
+        measure the rest. The block must not await: the loop must not turn inside it."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._excluded_s += time.perf_counter() - started
 
     async def _beat(self) -> None:
         while True:
-            start = time.perf_counter()
+            start, excluded = time.perf_counter(), self._excluded_s
             await asyncio.sleep(self.interval_s)
-            self._delays.append(max(0.0, time.perf_counter() - start - self.interval_s))
+            late = time.perf_counter() - start - self.interval_s
+            self._delays.append(max(0.0, late - (self._excluded_s - excluded)))
 
     async def __aenter__(self) -> LoopWatchdog:
         self._task = asyncio.get_running_loop().create_task(self._beat())
@@ -270,4 +289,5 @@ class LoopWatchdog:
 
     def report(self) -> LoopWatchdogReport:
         delays = self._delays or [0.0]
-        return LoopWatchdogReport(max(delays), sum(delays) / len(delays), len(self._delays))
+        return LoopWatchdogReport(max(delays), sum(delays) / len(delays), len(self._delays),
+                                  self._excluded_s)
