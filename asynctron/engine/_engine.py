@@ -25,7 +25,7 @@ from asynctron._config import resolve_config
 from asynctron.comm import CollectiveGroup, PeerChannel, new_gloo_group
 from asynctron.engine._collectives import Collectives, SoloCollectives
 from asynctron.engine._coordinator import Coordinator
-from asynctron.engine._load import Loader
+from asynctron.engine._load import Loader, Loads
 from asynctron.engine._plan_cache import PlanCache
 from asynctron.engine._resources import SaveResources
 from asynctron.engine._save import SaveJob, SaveOptions
@@ -205,6 +205,7 @@ class Engine:
                              "asynctron.comm.new_gloo_group")
         self._process_group = process_group
         self._resources = SaveResources(self.config, backend)
+        self._loads = Loads(self._resources)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._saves: dict[str, asyncio.Task[SaveResult]] = {}
         self._cancelling_saves = False
@@ -304,7 +305,8 @@ class Engine:
         if tiers.keep_store is not None:
             retention = Retention(job=self.config.job or "asynctron-tiers",
                                   engine=secrets.token_hex(8), keep_last=tiers.keep_store)
-        manager = TierManager(tiers, nodes, resources=self._resources, local=local,
+        manager = TierManager(tiers, nodes, resources=self._resources, loads=self._loads,
+                              local=local,
                               store=store, planning=planning, agree=agree, drains=drains,
                               channel=channel, plan_cache=self.plan_cache,
                               store_retention=retention)
@@ -768,12 +770,8 @@ class Engine:
                 reader = await storage.open_reader(located.path, max_files_at_once=max_files)
                 readers.append(reader)
                 reader.adopt(located.path, located.manifest)
-            resources = self._resources
-            return await read(Loader(readers[0], located.manifest, pool=resources.pool,
-                                     copy_streams=resources.copy_streams,
-                                     run_blocking=self.run_blocking,
-                                     slab_bytes=self.config.slab_bytes, verify=verify,
-                                     share=share))
+            return await read(self._loads.loader(readers[0], located.manifest,
+                                                 verify=verify, share=share))
         finally:
             for reader in readers:
                 await reader.aclose()

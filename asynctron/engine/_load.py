@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from asynctron._concurrency import RunBlocking, first_error
 from asynctron._memory import tensor_bytes
+from asynctron.engine._resources import SaveResources
 from asynctron.engine._shared_reads import ReadShare, SharePlan
 from asynctron.engine._slab_fill import SlabFill, SlabFiller
 from asynctron.engine._slabs import SlabPool
@@ -137,7 +138,7 @@ def _values_by_key(structure: Structure) -> tuple[dict[str, Any], str | None]:
 class Loader:
     """Loads one checkpoint through the `ItemReader` of an open checkpoint.
 
-    Not constructed directly; `Engine.load` makes one.
+    Not constructed directly; `Loads.loader` makes one.
     """
 
     def __init__(self, reader: ItemReader, manifest: Manifest, *, pool: SlabPool,
@@ -572,6 +573,33 @@ class Loader:
         for run in runs:
             reads.jobs.append(ReadJob(run, view[cursor:cursor + run.nbytes]))
             cursor += run.nbytes
+
+
+class Loads:
+    """How an engine's loads are made, for the engine and for the clients of its load (the
+    tiers' restore): a `Loader` over any open checkpoint, on the engine's staging pool, copy
+    streams and executor."""
+
+    def __init__(self, resources: SaveResources) -> None:
+        self._resources = resources
+
+    @property
+    def run_blocking(self) -> RunBlocking:
+        """The engine's blocking door (file I/O, hashing, CPU work off the loop)."""
+        return self._resources.run_blocking
+
+    @property
+    def max_files_at_once(self) -> int:
+        """How many files of a checkpoint one reader keeps open."""
+        return self._resources.config.num_workers
+
+    def loader(self, reader: ItemReader, manifest: Manifest, *, verify: bool,
+               whole_chunks: bool = False, share: ReadShare | None = None) -> Loader:
+        """A `Loader` of the checkpoint `reader` has open, by `manifest` (see `Loader`)."""
+        resources = self._resources
+        return Loader(reader, manifest, pool=resources.pool, copy_streams=resources.copy_streams,
+                      run_blocking=resources.run_blocking, slab_bytes=resources.config.slab_bytes,
+                      verify=verify, whole_chunks=whole_chunks, share=share)
 
 
 def _place_chunks(partial: Sequence[_Placement]) -> None:

@@ -13,9 +13,9 @@ Tasks (one `TaskGroup`):
   and closes it.
 So the loop wakes a few times per save, not per batch. A slab goes back to the pool when its
 batch is written: at the end of the writer's call, or, when another acquire is waiting for
-budget, right after that batch. With a `Mirror` (a tier's replicas), each run of batches is
-also sent to it from the same slabs, while it is written; the slabs go back once both are
-done.
+budget, right after that batch. Each run of batches also goes to the save's other
+`BatchConsumer`s (the tiers' replica sender), from the same slabs, while it is written; the
+slabs go back once all are done.
 """
 
 from __future__ import annotations
@@ -34,15 +34,17 @@ from asynctron.storage import FileWriter, SaveArea
 from asynctron.storage.backends import SaveStorage, WriteBatch
 
 
-class Mirror(Protocol):
-    """Where a save's files also go, from the same staged bytes (a tier's replicas)."""
+class BatchConsumer(Protocol):
+    """Takes a save's staged batches beside the writers, from the same slabs: each file's
+    batches in file order (the tiers' `ShardSender` streams them to the replicas)."""
 
-    async def send(self, name: str, file_nbytes: int, batches: Sequence[WriteBatch]) -> None:
-        """Send `batches` (consecutive, continuing the file `name` of `file_nbytes`; none for
+    async def consume(self, name: str, file_nbytes: int,
+                      batches: Sequence[WriteBatch]) -> None:
+        """Take `batches` (consecutive, continuing the file `name` of `file_nbytes`; none for
         an empty file); returns once their memory may be reused.
 
         Raises:
-            PeerError: a receiver is gone; the save fails.
+            Exception: the save fails with it.
         """
         ...
 
@@ -80,10 +82,11 @@ class _ReadyBatches:
 async def stage_and_write(request: SaveRequest, storage: SaveStorage, area: SaveArea,
                           resources: SaveResources, *, snapshot: bool, direct_io: bool,
                           ready: Mapping[torch.device, torch.cuda.Event],
-                          on_staged: Callable[[], None], mirror: Mirror | None = None) -> None:
+                          on_staged: Callable[[], None],
+                          consumers: Sequence[BatchConsumer] = ()) -> None:
     """Stage and write every bin of `request` into `area`, durable; `on_staged()` once
     nothing of the caller's is needed any more (with `snapshot`, once every batch is staged;
-    without, once every file is written). With `mirror`, every batch is also sent to it.
+    without, once every file is written). Every batch also goes to each of `consumers`.
 
     Raises the first error of any task (the others are cancelled).
     Cancellation: copies and writes in flight finish; every slab goes back to the pool and
@@ -105,7 +108,7 @@ async def stage_and_write(request: SaveRequest, storage: SaveStorage, area: Save
             batch.slab = None
 
     def on_written(batch: WriteBatch) -> None:  # on the writer's executor thread
-        if pool.num_waiting and mirror is None:  # a mirror may still be sending it
+        if pool.num_waiting and not consumers:  # a consumer may still hold it
             loop.call_soon_threadsafe(release, batch)
 
     async def stage() -> None:
@@ -150,12 +153,13 @@ async def stage_and_write(request: SaveRequest, storage: SaveStorage, area: Save
             while not writer.done:
                 run = await queue.take() if queue.next_index < queue.num_batches else []
                 try:
-                    if mirror is None:
+                    if not consumers:
                         await writer.write(run, on_written)  # the last call fsyncs and closes
                     else:
-                        async with asyncio.TaskGroup() as both:
-                            both.create_task(writer.write(run, on_written))
-                            both.create_task(mirror.send(name, nbytes, run))
+                        async with asyncio.TaskGroup() as all_of_them:
+                            all_of_them.create_task(writer.write(run, on_written))
+                            for consumer in consumers:
+                                all_of_them.create_task(consumer.consume(name, nbytes, run))
                 finally:
                     for batch in run:
                         release(batch)

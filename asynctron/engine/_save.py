@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 
 from asynctron._concurrency import to_its_end
 from asynctron.engine._coordinator import Coordinator, Start, describe
-from asynctron.engine._pipeline import Mirror, stage_and_write
+from asynctron.engine._pipeline import BatchConsumer, stage_and_write
 from asynctron.engine._plan_cache import FilePlan, PlanCache
 from asynctron.engine._report import WriteReport
 from asynctron.engine._resources import SaveResources
@@ -170,14 +170,14 @@ class SaveJob:
                  options: SaveOptions, ready: Mapping[torch.device, torch.cuda.Event],
                  storage: SaveStorage, resources: SaveResources, coordinator: Coordinator,
                  plan_cache: PlanCache, on_staged: Callable[[], None],
-                 file_rank: int | None = None, mirror: Mirror | None = None,
+                 file_rank: int | None = None, consumers: Sequence[BatchConsumer] = (),
                  placement: Placement | None = None) -> None:
         self.path = path
         self.seq = seq
         self._file_rank = coordinator.rank if file_rank is None else file_rank
         """The rank in this save's file names (`__<rank>_<bin>.distcp`): the coordination
         group's, or a tier shard's global rank (saved by a solo coordinator)."""
-        self._mirror = mirror
+        self._consumers = consumers
         self._placement = placement
         """Who writes which item (a tier's save), or None: each once per job."""
         self._state_dict = state_dict
@@ -371,7 +371,7 @@ class SaveJob:
                 await self._abort.run(stage_and_write(
                     request, self._storage, planned.start.area, self._resources,
                     snapshot=options.snapshot, direct_io=options.direct_io, ready=self._ready,
-                    on_staged=self._mark_staged, mirror=self._mirror))
+                    on_staged=self._mark_staged, consumers=self._consumers))
                 return await self._abort.run(self._run_blocking(request.report, rank))
             except BaseException as error:  # reported to the others, then raised at finish
                 planned.error = error

@@ -6,7 +6,7 @@ One save to the tiers, on every rank at once (`Engine.save(state, step=N)`):
    write, atomic commit) of the items the placement gives it (`_placement`: each item once
    per node, sorted into groups of files), planned with every rank's; the files no other
    node holds are also streamed, from the same staged slabs, to the ranks that keep their
-   replicas (`ShardSender`, a `Mirror` of the pipeline), while this rank receives the
+   replicas (`ShardSender`, a `BatchConsumer` of the pipeline), while this rank receives the
    replicas it keeps into its own local tier (`receive_shard`);
 2. every rank tells every other whether its shard and the replicas it keeps are committed
    (one all-gather, in save order): the step is complete when all are;
@@ -31,6 +31,7 @@ from asynctron._concurrency import to_its_end, uncancellable
 from asynctron.comm import PeerChannel
 from asynctron.engine._collectives import Collectives, SoloCollectives
 from asynctron.engine._coordinator import ShardCoordinator, describe
+from asynctron.engine._load import Loads
 from asynctron.engine._plan_cache import PlanCache
 from asynctron.engine._resources import SaveResources
 from asynctron.engine._save import SaveJob, SaveOptions
@@ -70,7 +71,7 @@ class TierManager:
     Concurrency: saves to the tiers may overlap; each step's agreement runs in save order.
     """
 
-    def __init__(self, tiers: Tiers, nodes: Nodes, *, resources: SaveResources,
+    def __init__(self, tiers: Tiers, nodes: Nodes, *, resources: SaveResources, loads: Loads,
                  local: Backend, store: Backend | None, planning: Collectives,
                  agree: Collectives, drains: Collectives, channel: PeerChannel | None,
                  plan_cache: PlanCache, store_retention: Retention | None) -> None:
@@ -87,6 +88,7 @@ class TierManager:
                                    and resources.config.shares_reads(store))
         """Restoring from the store, read each item once per job (`EngineConfig.share_reads`)."""
         self._resources = resources
+        self._loads = loads
         self._agree = agree
         self._drains = drains
         self._channel = channel
@@ -207,7 +209,7 @@ class TierManager:
             job = SaveJob(state_dict, path, seq=seq, options=options, ready=ready,
                           storage=self.local, resources=self._resources,
                           coordinator=self._shards, plan_cache=self._plan_cache,
-                          on_staged=on_staged, file_rank=nodes.rank, mirror=sender,
+                          on_staged=on_staged, file_rank=nodes.rank, consumers=[sender],
                           placement=placement)
             jobs.append(job)
             result = await job.run()
@@ -359,7 +361,7 @@ class TierManager:
         context = RestoreContext(
             nodes=self.nodes, local=self.local, local_root=self.local_root, store=self.store,
             store_root=self.store_root, agree=self._agree, channel=self._channel,
-            resources=self._resources, buffers=self._buffers,
+            loads=self._loads, buffers=self._buffers,
             share_store_reads=self._share_store_reads)
         result = await restore(state_dict, context, step=step)
         self._complete = [] if result.step is None else [result.step]

@@ -38,8 +38,7 @@ from asynctron._concurrency import first_error
 from asynctron.comm import PeerChannel
 from asynctron.engine._collectives import Collectives
 from asynctron.engine._coordinator import describe
-from asynctron.engine._load import Loader, rebuild, target_box
-from asynctron.engine._resources import SaveResources
+from asynctron.engine._load import Loads, rebuild, target_box
 from asynctron.engine._shared_reads import ReadShare
 from asynctron.engine.tiers._catalog import SHARD_FAILURES, NodeCatalog, saved_keys, skip
 from asynctron.engine.tiers._config import Nodes
@@ -60,7 +59,7 @@ from asynctron.errors import (
     StorageError,
 )
 from asynctron.storage import Manifest, store_operation
-from asynctron.storage.backends import CheckpointReader, CheckpointStorage, ItemReader
+from asynctron.storage.backends import CheckpointReader, CheckpointStorage
 from asynctron.storage.format import (
     MAX_MANIFEST_BYTES,
     FlatStateDict,
@@ -113,7 +112,8 @@ class RestoreContext:
     store_root: str | None
     agree: Collectives
     channel: PeerChannel | None
-    resources: SaveResources
+    loads: Loads
+    """The engine's loads: each round's reads go through a `Loader` it makes."""
     buffers: ReceiveBuffers
     share_store_reads: bool = False
     """Read each of the store's items once per job, sending it to the other ranks that need
@@ -133,7 +133,7 @@ async def restore(state: Mapping[str, Any], ctx: RestoreContext, *,
         ValueError: this rank's state does not match the checkpoint (naming the key).
     """
     started = time.perf_counter()
-    run_blocking = ctx.resources.run_blocking
+    run_blocking = ctx.loads.run_blocking
     target = await run_blocking(flatten, state)
     wants = await run_blocking(_wants, target)
     inventories = await ctx.agree.all_gather_object(await _inventory(ctx))
@@ -328,7 +328,7 @@ async def _try_step(me: _RankState, target: FlatStateDict, step: int, world: int
                                                   nodes.node_of(owner) != nodes.node
                                                   if world == nodes.world_size else 0, owner))
         catalog = NodeCatalog(ctx.local, ctx.local_root, nearest, step=step, world_size=world,
-                              max_files_at_once=ctx.resources.config.num_workers,
+                              max_files_at_once=ctx.loads.max_files_at_once,
                               skipped=skipped, rank=nodes.rank)
     servers = _servers(holding, nodes) if ctx.channel is not None else []
     attempts = [0] * nodes.world_size
@@ -402,7 +402,8 @@ async def _fill_local(me: _RankState, target: FlatStateDict, catalog: NodeCatalo
     if not covered:
         return
     try:
-        values, failed = await _loader(catalog, catalog.manifest(), ctx).fill(target, covered)
+        loader = ctx.loads.loader(catalog, catalog.manifest(), verify=True, whole_chunks=True)
+        values, failed = await loader.fill(target, covered)
     except SHARD_FAILURES as error:
         skip(skipped, ctx.nodes.rank, f"local tier {catalog.path}: {describe(error)}")
         return
@@ -412,14 +413,6 @@ async def _fill_local(me: _RankState, target: FlatStateDict, catalog: NodeCatalo
     me.values.update(values)
     me.took("local", done, sum(record.nbytes for key in done
                                for record in catalog.records(key)))
-
-
-def _loader(reader: ItemReader, manifest: Manifest, ctx: RestoreContext,
-            share: ReadShare | None = None) -> Loader:
-    resources = ctx.resources
-    return Loader(reader, manifest, pool=resources.pool, copy_streams=resources.copy_streams,
-                  run_blocking=resources.run_blocking, slab_bytes=resources.config.slab_bytes,
-                  verify=True, whole_chunks=True, share=share)
 
 
 def _servers(holding: set[int], nodes: Nodes) -> list[list[int]]:
@@ -451,7 +444,7 @@ async def _peer_round(me: _RankState, catalog: NodeCatalog | None, asking: list[
         fetched = await fetch_items(channel, server, wants, tag=tag,
                                     structure_of=None if me.structure is not None
                                     else structure_of, buffers=ctx.buffers,
-                                    run_blocking=ctx.resources.run_blocking)
+                                    run_blocking=ctx.loads.run_blocking)
         for key, why in fetched.failed.items():
             skip(skipped, ctx.nodes.rank, f"the copy on rank {server}'s node: key {key!r}: "
                                           f"{why}")
@@ -525,11 +518,11 @@ async def _fill_from_store(me: _RankState, target: FlatStateDict, found: _StoreS
     if ctx.share_store_reads:
         assert ctx.channel is not None
         share = ReadShare(ctx.agree, ctx.channel, tag=tag,
-                          run_blocking=ctx.resources.run_blocking)
+                          run_blocking=ctx.loads.run_blocking)
     try:
         with store_operation("restore", path):
             reader = await ctx.store.open_reader(
-                path, max_files_at_once=ctx.resources.config.num_workers)
+                path, max_files_at_once=ctx.loads.max_files_at_once)
             try:
                 reader.adopt(path, manifest)
                 if me.needy and me.structure is None:
@@ -537,7 +530,8 @@ async def _fill_from_store(me: _RankState, target: FlatStateDict, found: _StoreS
                         nodes.rank == 0 or found.world_size != nodes.world_size) else (
                         await _view(reader, path, nodes.rank, ctx)).structure
                 keys = set(me.wants)
-                loader = _loader(reader, manifest, ctx, share)
+                loader = ctx.loads.loader(reader, manifest, verify=True, whole_chunks=True,
+                                         share=share)
                 values, failed = await loader.fill(target, keys)
             finally:
                 await reader.aclose()
@@ -558,7 +552,7 @@ async def _view(reader: CheckpointReader, path: str, rank: int, ctx: RestoreCont
                 ) -> Manifest:
     """Rank `rank`'s view in a drained step (a shard's manifest: its structure)."""
     name = rank_view(rank)
-    view = await ctx.resources.run_blocking(
+    view = await ctx.loads.run_blocking(
         parse_manifest, await reader.read_file(name, MAX_MANIFEST_BYTES), join(path, name))
     if view.shard is None or view.shard.rank != rank:
         raise CorruptCheckpointError(f"store {join(path, name)}: expected rank {rank}'s view "

@@ -39,13 +39,13 @@ logger = logging.getLogger(__name__)
 
 class ShardSender:
     """Sends one shard's files (those `sends` names) to `destinations` (ranks of `channel`'s
-    group): a save's `Mirror`.
+    group): a `BatchConsumer` of a save.
 
     The stream begins with its first message (so waiting for `turn`, one stream to a peer at
     a time, never delays the staging before it) and `end` ends it; a sender that is ended
     without any data still sends `begin` and `end`, which its receivers wait for.
 
-    Concurrency: `send` may be called by several writers at once (one per file); each message
+    Concurrency: `consume` may be called by several writers at once (one per file); each message
     reaches every destination whole.
     """
 
@@ -94,7 +94,8 @@ class ShardSender:
             await self._to_all({"kind": "begin", "step": self._step, "rank": self._rank,
                                 "world_size": self._world_size})
 
-    async def send(self, name: str, file_nbytes: int, batches: Sequence[WriteBatch]) -> None:
+    async def consume(self, name: str, file_nbytes: int,
+                      batches: Sequence[WriteBatch]) -> None:
         """`batches` of the file `name` to every destination, from where they lie (nothing,
         for a file the stream does not carry)."""
         if not self._sends(name):
