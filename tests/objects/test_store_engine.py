@@ -88,8 +88,15 @@ async def test_an_existing_checkpoint_is_never_overwritten(store: Store) -> None
 
 async def test_missing_checkpoint_and_bucket_are_named(store: Store) -> None:
     async with Engine() as engine:
-        with pytest.raises(CheckpointNotFoundError, match="nothing_here"):
+        with pytest.raises(CheckpointNotFoundError, match=r"nothing_here: expected a committed "
+                                                          r"checkpoint, found nothing: no object "
+                                                          r"is stored directly under that URL"):
             await engine.load(f"{store.root}/nothing_here")
+        store.put(f"{store.root}/uncommitted/__0_0.distcp", b"x")
+        with pytest.raises(CheckpointNotFoundError, match=r"uncommitted: expected a committed "
+                                                          r"checkpoint .* found neither; the "
+                                                          r"save may not have committed$"):
+            await engine.load(f"{store.root}/uncommitted")
         with pytest.raises(StorageError, match=r"no-such-bucket.*does not exist"):
             await engine.save(_state(), f"{store.scheme}://no-such-bucket/run/step_1")
 
