@@ -5,6 +5,7 @@ errors."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import pytest
@@ -114,6 +115,22 @@ async def test_wrong_credentials_say_what_to_set(store: Store) -> None:
     message = str(caught.value)
     assert backend.client.endpoint in message
     assert ("AWS_ACCESS_KEY_ID" if store.scheme == "s3" else "AZURE_STORAGE") in message
+
+
+async def test_a_wrong_azure_account_is_named(store: Store) -> None:
+    """Azure answers `ResourceNotFound` for an account it does not hold: the error names the
+    account, not "no such object"."""
+    if store.scheme != "az":
+        pytest.skip("an Azure account's answer")
+    backend = store.backend(deadline_s=5)
+    account_url = backend.client.endpoint.rsplit("/", 1)[0] + "/wrongaccount"
+    backend = type(backend)(dataclasses.replace(backend.config, account_url=account_url,
+                                                account_name="wrongaccount"))
+    async with Engine(backend=backend) as engine:
+        with pytest.raises(StorageError, match=rf"the account {re.escape(account_url)} \(or "
+                                               r"its container '[^']+'\) was not found "
+                                               r"\(ResourceNotFound\); fix the account in "):
+            await engine.save(_state(), f"{store.root}/step_1")
 
 
 async def test_mmap_on_a_store_says_what_to_do_instead(store: Store) -> None:
