@@ -117,6 +117,28 @@ async def test_wrong_credentials_say_what_to_set(store: Store) -> None:
     assert ("AWS_ACCESS_KEY_ID" if store.scheme == "s3" else "AZURE_STORAGE") in message
 
 
+@pytest.mark.parametrize(("content", "what"), [
+    (None, r"File .*/key\.json was not found"),
+    ("{not json", r"is not a valid json file: Expecting property name"),
+    ('{"type": "service_account", "client_email": "a@b"}', r"missing fields"),
+])
+async def test_an_unusable_gcs_credentials_file_is_named_with_what_is_wrong(
+        store: Store, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, content: str | None,
+        what: str) -> None:
+    """Not "set GOOGLE_APPLICATION_CREDENTIALS" when it is set: the file and its fault."""
+    if store.scheme != "gs":
+        pytest.skip("Google's credentials")
+    key = tmp_path / "key.json"
+    if content is not None:
+        key.write_text(content)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))
+    async with Engine(backend=store.backend(anonymous=False)) as engine:
+        with pytest.raises(StorageError, match=rf"the credentials file {re.escape(repr(str(key)))}"
+                                               rf" that GOOGLE_APPLICATION_CREDENTIALS names is "
+                                               rf"unusable \(.*{what}.*\); fix or replace it"):
+            await engine.save(_state(), f"{store.root}/step_1")
+
+
 async def test_a_wrong_azure_account_is_named(store: Store) -> None:
     """Azure answers `ResourceNotFound` for an account it does not hold: the error names the
     account, not "no such object"."""

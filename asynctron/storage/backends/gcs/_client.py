@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import email.utils
 import json
+import os
 import secrets
 import urllib.parse
 import weakref
@@ -143,6 +144,15 @@ class GcsClient:
                 self._credentials, _ = await asyncio.to_thread(google.auth.default,
                                                                scopes=[_SCOPE])
             except DefaultCredentialsError as error:
+                named = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+                if named:
+                    what = ": ".join(str(part).rstrip(".") for part in error.args)
+                    raise StorageError(
+                        f"GCS at {self.endpoint}: the credentials file {named!r} that "
+                        f"GOOGLE_APPLICATION_CREDENTIALS names is unusable ({what}); fix or "
+                        "replace it (a service account's JSON key), or unset "
+                        "GOOGLE_APPLICATION_CREDENTIALS to use gcloud's or the metadata "
+                        "server's", path=named, errno=None) from error
                 raise StorageError(f"GCS at {self.endpoint}: no credentials found ({error}); "
                                    f"{_SET_CREDENTIALS}, or set STORAGE_EMULATOR_HOST for an "
                                    "emulator", path=self.endpoint, errno=None) from error
