@@ -47,7 +47,7 @@ from asynctron._demo import (
     remove_output_dir,
     run_demo,
 )
-from asynctron._knobs import STORE_DEADLINE_S
+from asynctron._knobs import STORE_DEADLINE_S, store_deadline_flag
 from asynctron.bench import SCENARIOS
 from asynctron.datasets import PreprocessConfig, preprocess
 from asynctron.datasets.formats._prepare_cache import PreparedDataset, prepare_cache
@@ -67,9 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the `asynctron` command line with `argv` (default: `sys.argv[1:]`); returns the exit
     status. Bad usage exits 2 through argparse; a bad path or URL is one line, exit 2."""
     args = _parser().parse_args(argv)
-    if getattr(args, "deadline_s", None) is not None:
-        os.environ[STORE_DEADLINE_S] = repr(args.deadline_s)  # read as the store is opened
     try:
+        if args.command in ("inspect", "verify"):
+            with store_deadline_flag("--deadline-s", args.deadline_s):
+                return args.run(args)
         return args.run(args)
     except CorruptCheckpointError as exc:
         print(f"asynctron {args.command}: {exc}", file=sys.stderr)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import sys
 import types
 from pathlib import Path
@@ -17,7 +18,9 @@ import pytest
 import torch
 
 import asynctron
+from asynctron._knobs import STORE_DEADLINE_S, store_deadline_hint
 from asynctron.cli import format_nbytes, main
+from asynctron.storage import register_backend
 from asynctron.storage.backends.local import read_manifest
 
 
@@ -231,6 +234,27 @@ def test_demo_refuses_a_non_empty_out_dir_and_bad_settings(
     assert main(["demo", "--out", str(tmp_path / "e"), "--nodes", "1"]) == 2
     assert "num_nodes: expected 0 (no node-loss run) or an int >= 2, found 1" in (
         capsys.readouterr().err)
+
+
+def test_a_stalled_store_names_the_deadline_flag(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The command's own `--deadline-s`, not `GcsConfig.deadline_s`; undone on return."""
+    pytest.importorskip("aiohttp", reason="the gcs extra (aiohttp) is not installed")
+    from asynctron.storage.backends.gcs import GcsBackend
+
+    monkeypatch.delenv(STORE_DEADLINE_S, raising=False)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # connects, never answers
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"127.0.0.1:{silent.getsockname()[1]}")
+        replaced = register_backend("gs", GcsBackend)  # made afresh, with this endpoint
+        try:
+            assert main(["verify", "--deadline-s", "0.5", "gs://bucket/run"]) == 2
+        finally:
+            register_backend("gs", replaced)
+    err = capsys.readouterr().err
+    assert re.search(r"answered none of this verify's requests for \d\.\d s .* right\? "
+                     r"pass a larger --deadline-s to wait longer \(now 0\.5 s\)$", err), err
+    assert STORE_DEADLINE_S not in os.environ
+    assert store_deadline_hint("GcsConfig.deadline_s") == "GcsConfig.deadline_s"
 
 
 def test_bench_forwards_the_remaining_args(monkeypatch: pytest.MonkeyPatch):
