@@ -13,7 +13,12 @@ import torch
 
 import asynctron
 from asynctron import BackgroundEngine, Engine
-from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from asynctron.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    RefusedCredentialsError,
+    StorageError,
+)
 from asynctron.testing import LoopWatchdog
 from tests.conftest import assert_same
 from tests.objects.conftest import Store
@@ -110,7 +115,7 @@ async def test_wrong_credentials_say_what_to_set(store: Store) -> None:
              else {"account_key": "d3Jvbmc="})
     backend = type(backend)(dataclasses.replace(backend.config, **wrong))
     async with Engine(backend=backend) as engine:
-        with pytest.raises(StorageError) as caught:
+        with pytest.raises(RefusedCredentialsError) as caught:
             await engine.save(_state(), f"{store.root}/step_1")
     message = str(caught.value)
     assert backend.client.endpoint in message

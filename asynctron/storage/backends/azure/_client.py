@@ -33,14 +33,13 @@ from azure.core.exceptions import (
 from azure.storage.blob import BlobSasPermissions, generate_blob_sas
 from azure.storage.blob.aio import BlobServiceClient
 
-from asynctron.errors import ObjectNotFoundError, StorageError
+from asynctron.errors import ObjectNotFoundError, RefusedCredentialsError, StorageError
 from asynctron.storage.backends.azure._config import AzureConfig
 from asynctron.storage.backends.objects._client import (
     ObjectInfo,
     OpenUpload,
     PartLimits,
     PreconditionFailedError,
-    RefusedCredentialsError,
 )
 from asynctron.storage.backends.objects._http_ranges import RangeClient
 from asynctron.storage.backends.objects._io_loop import close_at_exit, close_when_collected

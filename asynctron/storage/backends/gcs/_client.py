@@ -28,14 +28,13 @@ from typing import Any
 import aiohttp
 
 from asynctron._concurrency import to_its_end
-from asynctron.errors import ObjectNotFoundError, StorageError
+from asynctron.errors import ObjectNotFoundError, RefusedCredentialsError, StorageError
 from asynctron.storage.backends.gcs._config import GcsConfig
 from asynctron.storage.backends.objects._client import (
     ObjectInfo,
     OpenUpload,
     PartLimits,
     PreconditionFailedError,
-    RefusedCredentialsError,
 )
 from asynctron.storage.backends.objects._http_ranges import RangeClient
 from asynctron.storage.backends.objects._io_loop import close_at_exit, close_when_collected
