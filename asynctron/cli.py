@@ -165,8 +165,17 @@ def _parser() -> argparse.ArgumentParser:
                                       "tokenizer and path_to_cache}}")
     cache.set_defaults(run=_prepare_cache)
 
-    bench = commands.add_parser("bench", help="run a benchmark on this machine")
-    bench.add_argument("scenario", choices=sorted(SCENARIOS))
+    width = max(map(len, SCENARIOS))
+    bench = commands.add_parser(
+        "bench", help="run a benchmark on this machine",
+        description="Run a benchmark on this machine: asynctron and its peers in one run, "
+                    "printed as\nratios and written as JSON. `asynctron bench SCENARIO --help` "
+                    "lists a scenario's\noptions.",
+        epilog="scenarios:\n" + "\n".join(f"  {name:<{width}}  {scenario.summary}"
+                                           for name, scenario in sorted(SCENARIOS.items())),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("scenario", choices=sorted(SCENARIOS), metavar="SCENARIO",
+                       help="one of the scenarios below")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the scenario")
     bench.set_defaults(run=_bench)
     return parser
@@ -500,7 +509,7 @@ def _print_prepared(dataset: PreparedDataset) -> None:
 # bench -----------------------------------------------------------------------------------------
 
 def _bench(args: argparse.Namespace) -> int:
-    module_name = f"asynctron.bench.{SCENARIOS[args.scenario]}"
+    module_name = f"asynctron.bench.{SCENARIOS[args.scenario].module}"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -19,6 +19,7 @@ import torch
 
 import asynctron
 from asynctron._knobs import STORE_DEADLINE_S, store_deadline_hint
+from asynctron.bench import SCENARIOS
 from asynctron.cli import format_nbytes, main
 from asynctron.storage import register_backend
 from asynctron.storage.backends.local import read_manifest
@@ -269,6 +270,40 @@ def test_bench_forwards_the_remaining_args(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(sys.modules, "asynctron.bench.save_throughput", fake)
     assert main(["bench", "save", "--size", "1MiB", "-h"]) == 7
     assert calls == [["--size", "1MiB", "-h"]]
+
+
+def test_bench_help_says_what_each_scenario_measures(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for name in SCENARIOS:
+        assert re.search(rf"^  {name} +\w.{{20,}}$", out, re.MULTILINE), name
+
+
+_SECTIONS = ("usage:", "options:", "positional arguments:")
+
+
+@pytest.mark.parametrize("argv", [[name] for name in sorted(SCENARIOS)] + [
+    ["cuda", "--mode", "trainer"], ["cuda", "--mode", "load"], ["data", "--source", "s3"],
+    ["save", "--nproc", "2"]], ids=" ".join)
+def test_every_bench_help_reads_as_whole_sentences(argv: list[str],
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The description is the module docstring's first paragraph, not its first line (which
+    stopped mid-sentence: `... host-to-device load against a`), and cites no issue numbers."""
+    try:
+        status = main(["bench", *argv, "--help"])
+    except SystemExit as exited:
+        status = exited.code
+    out, err = capsys.readouterr()
+    if "which is not installed" in err:
+        pytest.skip(err)
+    assert status == 0, err
+    prose = [" ".join(paragraph.split()) for paragraph in out.split("\n\n")
+             if paragraph.strip() and not paragraph.startswith(_SECTIONS)]
+    assert prose, out  # a description
+    for paragraph in prose:
+        assert re.search(r"[.!?][)`'\"]*$", paragraph), paragraph
+    assert not re.search(r"\bissue \d", out), out
 
 
 def test_bench_names_the_missing_peer_and_the_extra_that_installs_it(
