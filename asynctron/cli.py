@@ -39,6 +39,7 @@ from collections.abc import Callable
 import uvloop
 from tqdm import tqdm
 
+from asynctron import __version__
 from asynctron._demo import (
     DemoConfig,
     DemoReport,
@@ -104,6 +105,7 @@ def _positive_int(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asynctron", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     inspect = commands.add_parser("inspect", help="print a checkpoint's items and values")

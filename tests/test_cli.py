@@ -272,6 +272,13 @@ def test_bench_forwards_the_remaining_args(monkeypatch: pytest.MonkeyPatch):
     assert calls == [["--size", "1MiB", "-h"]]
 
 
+def test_version_prints_the_packages(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"asynctron {asynctron.__version__}\n"
+
+
 def test_bench_help_says_what_each_scenario_measures(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "--help"])
