@@ -12,9 +12,11 @@ configures is built, checked, and logged when set.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+from collections.abc import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,39 @@ def store_deadline_s() -> float:
     logger.info("%s=%g: object-store operations fail after %g s without an answer",
                 STORE_DEADLINE_S, value, value)
     return value
+
+
+_deadline_flag_now: str | None = None
+"""The command-line flag that sets the store deadline, while one does (`store_deadline_flag`)."""
+
+
+@contextlib.contextmanager
+def store_deadline_flag(flag: str, deadline_s: float | None) -> Iterator[None]:
+    """For the body: a command line's `flag` sets the store deadline (to `deadline_s`, through
+    `ASYNCTRON_STORE_DEADLINE_S`; None: the flag was not given), so stores opened in it take
+    that deadline, and errors tell to raise `flag` instead of a config field. Both are undone
+    on exit (the `asynctron` command runs in-process in tests)."""
+    global _deadline_flag_now
+    before = (_deadline_flag_now, os.environ.get(STORE_DEADLINE_S))
+    _deadline_flag_now = flag
+    if deadline_s is not None:
+        os.environ[STORE_DEADLINE_S] = repr(deadline_s)
+    try:
+        yield
+    finally:
+        _deadline_flag_now = before[0]
+        if before[1] is None:
+            os.environ.pop(STORE_DEADLINE_S, None)
+        else:
+            os.environ[STORE_DEADLINE_S] = before[1]
+
+
+def store_deadline_hint(config_hint: str) -> str:
+    """How to make a store wait longer, as errors say it: `config_hint` (the config field and
+    `ASYNCTRON_STORE_DEADLINE_S`), or the command line's flag while one sets the deadline."""
+    if _deadline_flag_now is None:
+        return config_hint
+    return f"pass a larger {_deadline_flag_now} to wait longer"
 
 
 STORE_JOB_REQUESTS = "ASYNCTRON_STORE_JOB_REQUESTS"

@@ -39,6 +39,7 @@ from collections.abc import Callable
 import uvloop
 from tqdm import tqdm
 
+from asynctron import __version__
 from asynctron._demo import (
     DemoConfig,
     DemoReport,
@@ -47,7 +48,7 @@ from asynctron._demo import (
     remove_output_dir,
     run_demo,
 )
-from asynctron._knobs import STORE_DEADLINE_S
+from asynctron._knobs import STORE_DEADLINE_S, store_deadline_flag
 from asynctron.bench import SCENARIOS
 from asynctron.datasets import PreprocessConfig, preprocess
 from asynctron.datasets.formats._prepare_cache import PreparedDataset, prepare_cache
@@ -67,9 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the `asynctron` command line with `argv` (default: `sys.argv[1:]`); returns the exit
     status. Bad usage exits 2 through argparse; a bad path or URL is one line, exit 2."""
     args = _parser().parse_args(argv)
-    if getattr(args, "deadline_s", None) is not None:
-        os.environ[STORE_DEADLINE_S] = repr(args.deadline_s)  # read as the store is opened
     try:
+        if args.command in ("inspect", "verify"):
+            with store_deadline_flag("--deadline-s", args.deadline_s):
+                return args.run(args)
         return args.run(args)
     except CorruptCheckpointError as exc:
         print(f"asynctron {args.command}: {exc}", file=sys.stderr)
@@ -103,6 +105,7 @@ def _positive_int(text: str) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asynctron", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     inspect = commands.add_parser("inspect", help="print a checkpoint's items and values")
@@ -164,8 +167,17 @@ def _parser() -> argparse.ArgumentParser:
                                       "tokenizer and path_to_cache}}")
     cache.set_defaults(run=_prepare_cache)
 
-    bench = commands.add_parser("bench", help="run a benchmark on this machine")
-    bench.add_argument("scenario", choices=sorted(SCENARIOS))
+    width = max(map(len, SCENARIOS))
+    bench = commands.add_parser(
+        "bench", help="run a benchmark on this machine",
+        description="Run a benchmark on this machine: asynctron and its peers in one run, "
+                    "printed as\nratios and written as JSON. `asynctron bench SCENARIO --help` "
+                    "lists a scenario's\noptions.",
+        epilog="scenarios:\n" + "\n".join(f"  {name:<{width}}  {scenario.summary}"
+                                           for name, scenario in sorted(SCENARIOS.items())),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("scenario", choices=sorted(SCENARIOS), metavar="SCENARIO",
+                       help="one of the scenarios below")
     bench.add_argument("args", nargs=argparse.REMAINDER, help="passed to the scenario")
     bench.set_defaults(run=_bench)
     return parser
@@ -499,7 +511,7 @@ def _print_prepared(dataset: PreparedDataset) -> None:
 # bench -----------------------------------------------------------------------------------------
 
 def _bench(args: argparse.Namespace) -> int:
-    module_name = f"asynctron.bench.{SCENARIOS[args.scenario]}"
+    module_name = f"asynctron.bench.{SCENARIOS[args.scenario].module}"
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -4,6 +4,8 @@
 - `StorageError`: the storage failed (ENOSPC, EIO, ...); `__cause__` is the `OSError`.
 - `ObjectNotFoundError`: an object store holds no such object or bucket (a `StorageError`, and
   a `FileNotFoundError` as a missing local file is).
+- `RefusedCredentialsError`: an object store refused our credentials (a `StorageError`; the
+  message says what sets them).
 - `BusyError`: two tasks used a one-at-a-time resource (e.g. two saves to one path).
 - `CorruptCheckpointError`: the bytes on disk are not what was committed. Never retried.
 - `CorruptDatasetError`: a dataset file (`.idx`, `.bin`, cached `.npy` index) is not in the
@@ -41,6 +43,7 @@ __all__ = [
     "ObjectNotFoundError",
     "PeerError",
     "PeerTimeoutError",
+    "RefusedCredentialsError",
     "RefusedObjectError",
     "StorageError",
     "WouldBlock",
@@ -97,6 +100,11 @@ class ObjectNotFoundError(StorageError, FileNotFoundError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class RefusedCredentialsError(StorageError):
+    """An object store refused the request's credentials (or its signature): retrying will
+    not help until they change; the message names the endpoint and what sets them."""
 
 
 class BusyError(AsynctronError):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import sys
 import types
 from pathlib import Path
@@ -17,7 +18,10 @@ import pytest
 import torch
 
 import asynctron
+from asynctron._knobs import STORE_DEADLINE_S, store_deadline_hint
+from asynctron.bench import SCENARIOS
 from asynctron.cli import format_nbytes, main
+from asynctron.storage import register_backend
 from asynctron.storage.backends.local import read_manifest
 
 
@@ -233,6 +237,27 @@ def test_demo_refuses_a_non_empty_out_dir_and_bad_settings(
         capsys.readouterr().err)
 
 
+def test_a_stalled_store_names_the_deadline_flag(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The command's own `--deadline-s`, not `GcsConfig.deadline_s`; undone on return."""
+    pytest.importorskip("aiohttp", reason="the gcs extra (aiohttp) is not installed")
+    from asynctron.storage.backends.gcs import GcsBackend
+
+    monkeypatch.delenv(STORE_DEADLINE_S, raising=False)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # connects, never answers
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", f"127.0.0.1:{silent.getsockname()[1]}")
+        replaced = register_backend("gs", GcsBackend)  # made afresh, with this endpoint
+        try:
+            assert main(["verify", "--deadline-s", "0.5", "gs://bucket/run"]) == 2
+        finally:
+            register_backend("gs", replaced)
+    err = capsys.readouterr().err
+    assert re.search(r"answered none of this verify's requests for \d\.\d s .* right\? "
+                     r"pass a larger --deadline-s to wait longer \(now 0\.5 s\)$", err), err
+    assert STORE_DEADLINE_S not in os.environ
+    assert store_deadline_hint("GcsConfig.deadline_s") == "GcsConfig.deadline_s"
+
+
 def test_bench_forwards_the_remaining_args(monkeypatch: pytest.MonkeyPatch):
     calls: list[list[str]] = []
 
@@ -245,6 +270,47 @@ def test_bench_forwards_the_remaining_args(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(sys.modules, "asynctron.bench.save_throughput", fake)
     assert main(["bench", "save", "--size", "1MiB", "-h"]) == 7
     assert calls == [["--size", "1MiB", "-h"]]
+
+
+def test_version_prints_the_packages(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"asynctron {asynctron.__version__}\n"
+
+
+def test_bench_help_says_what_each_scenario_measures(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for name in SCENARIOS:
+        assert re.search(rf"^  {name} +\w.{{20,}}$", out, re.MULTILINE), name
+
+
+_SECTIONS = ("usage:", "options:", "positional arguments:")
+
+
+@pytest.mark.parametrize("argv", [[name] for name in sorted(SCENARIOS)] + [
+    ["cuda", "--mode", "trainer"], ["cuda", "--mode", "load"], ["data", "--source", "s3"],
+    ["save", "--nproc", "2"]], ids=" ".join)
+def test_every_bench_help_reads_as_whole_sentences(argv: list[str],
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The description is the module docstring's first paragraph, not its first line (which
+    stopped mid-sentence: `... host-to-device load against a`), and cites no issue numbers."""
+    try:
+        status = main(["bench", *argv, "--help"])
+    except SystemExit as exited:
+        status = exited.code
+    out, err = capsys.readouterr()
+    if "which is not installed" in err:
+        pytest.skip(err)
+    assert status == 0, err
+    prose = [" ".join(paragraph.split()) for paragraph in out.split("\n\n")
+             if paragraph.strip() and not paragraph.startswith(_SECTIONS)]
+    assert prose, out  # a description
+    for paragraph in prose:
+        assert re.search(r"[.!?][)`'\"]*$", paragraph), paragraph
+    assert not re.search(r"\bissue \d", out), out
 
 
 def test_bench_names_the_missing_peer_and_the_extra_that_installs_it(

@@ -17,8 +17,9 @@ def test_top_level() -> None:
         "AsynctronError", "BackgroundEngine", "BlendSizeError", "BusyError",
         "CheckpointNotFoundError", "ClosedError", "CorruptCheckpointError",
         "CorruptDatasetError", "Engine", "EngineConfig", "LoaderWorkerError",
-        "ObjectNotFoundError", "PeerError", "PeerTimeoutError", "RefusedObjectError",
-        "RestoreResult", "SaveResult", "SaveTask", "StorageError", "Tiers", "WouldBlock",
+        "ObjectNotFoundError", "PeerError", "PeerTimeoutError", "RefusedCredentialsError",
+        "RefusedObjectError", "RestoreResult", "SaveResult", "SaveTask", "StorageError", "Tiers",
+        "WouldBlock",
         "comm", "datasets", "dcp",
         "free_idle_staging", "load", "load_into", "save", "staging_statistics",
     }
@@ -52,8 +53,8 @@ def test_subpackages() -> None:
     assert set(asynctron.errors.__all__) == {
         "AsynctronError", "BlendSizeError", "BusyError", "CheckpointNotFoundError", "ClosedError",
         "CorruptCheckpointError", "CorruptDatasetError", "LoaderWorkerError",
-        "ObjectNotFoundError", "PeerError", "PeerTimeoutError", "RefusedObjectError",
-        "StorageError", "WouldBlock",
+        "ObjectNotFoundError", "PeerError", "PeerTimeoutError", "RefusedCredentialsError",
+        "RefusedObjectError", "StorageError", "WouldBlock",
     }
     assert set(asynctron.datasets.__all__) == {
         "AsyncLoader", "BlendedDataset", "BlendedMegatronDatasetBuilder",

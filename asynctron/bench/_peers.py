@@ -559,7 +559,7 @@ def _self_check(base: str, total_mib: int) -> None:
 
 def main() -> None:
     """Command line for the self-check."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=_results.description(__doc__))
     parser.add_argument(
         "--dir",
         default="/dev/shm" if os.path.isdir("/dev/shm") else None,

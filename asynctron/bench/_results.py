@@ -21,6 +21,12 @@ DEFAULT_RESULTS_DIR = "asynctron-bench"
 OUT_HELP = "results: a .json path or a directory (default: ./asynctron-bench)"
 
 
+def description(doc: str | None) -> str:
+    """A scenario's `--help` description: its module docstring's first paragraph on one line,
+    in whole sentences (where its first line alone may stop mid-sentence)."""
+    return " ".join((doc or "").split("\n\n")[0].split())
+
+
 def scratch_dir(prefix: str, parent: str) -> str:
     """A new directory for a run's files inside `parent` (created if missing)."""
     os.makedirs(parent, exist_ok=True)

@@ -21,7 +21,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from asynctron.bench._results import DEFAULT_RESULTS_DIR
+from asynctron.bench._results import DEFAULT_RESULTS_DIR, description
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +68,7 @@ RUNS = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asynctron bench all",
-                                     description=__doc__.split("\n\n")[0].replace("\n", " "))
+                                     description=description(__doc__))
     parser.add_argument("--only", default=",".join(RUNS),
                         help=f"comma-separated subset of {','.join(RUNS)}")
     parser.add_argument("--disk", default=os.path.join(os.getcwd(), ".benchtmp"),

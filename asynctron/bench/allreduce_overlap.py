@@ -285,7 +285,7 @@ def report(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asynctron bench comm",
-                                     description=__doc__.split("\n")[0])
+                                     description=_results.description(__doc__))
     parser.add_argument("--models", nargs="*", help=f"subset of {list(MODELS)}")
     parser.add_argument("--bucket-mb", type=int, nargs="+", default=[1, 4, 25, 100])
     parser.add_argument("--batch-size", type=int, default=32)

@@ -1,5 +1,6 @@
 """GPU load benchmark (`asynctron bench cuda --mode load`): reading a checkpoint into GPU tensors
-in place, warm (page cache) and cold (evicted first), in one process, on the same state:
+in place, warm (page cache) and cold (evicted first), in one process, on the same state, by
+asynctron, its DCP plugin, stock `dcp.load` and a raw pread baseline.
 
 - `raw pread + H2D`: the physical baseline; one thread preads asynctron's data files into
   pinned buffers, then one device copy per file;
@@ -191,7 +192,7 @@ def report(result: dict[str, Any]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asynctron bench cuda --mode load",
-                                     description=__doc__.split("\n\n")[0].replace("\n", " "))
+                                     description=_results.description(__doc__))
     parser.add_argument("--device", default=None,
                         help="cuda (default where there is one) or cpu (a smoke run)")
     parser.add_argument("--size-gib", type=float, default=4.0)

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         module = importlib.import_module(f"asynctron.bench.{MODES[chosen.mode]}")
         return module.main(rest)
     parser = argparse.ArgumentParser(prog="asynctron bench cuda",
-                                     description=__doc__.split("\n")[0])
+                                     description=_results.description(__doc__))
     parser.add_argument("--mode", choices=sorted(MODES), default="staging",
                         help="staging (this), trainer or load (see their --help)")
     parser.add_argument("--size-gib", type=float, default=4.0)

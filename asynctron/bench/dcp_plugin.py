@@ -177,7 +177,7 @@ def report(summary: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asynctron bench dcp",
-                                     description=__doc__.split("\n")[0])
+                                     description=_results.description(__doc__))
     parser.add_argument("--size-gib", type=float, default=1.0, help="state dict size")
     parser.add_argument("--target", action="append", default=None,
                         help="directory to save into (repeatable; default: /dev/shm and "

@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from asynctron.bench import _store_bench, s3
+from asynctron.bench import _results, _store_bench, s3
 from asynctron.bench._s3_methods import (
     OURS,
     AsynctronMethod,
@@ -383,7 +383,7 @@ BENCH = StoreBench(
 
 
 def main(argv: list[str] | None = None) -> int:
-    return _store_bench.main(BENCH, __doc__.split("\n")[0], argv)
+    return _store_bench.main(BENCH, _results.description(__doc__), argv)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import torch
 
 import asynctron
 from asynctron.bench import _gpu_report
-from asynctron.bench._results import DEFAULT_RESULTS_DIR
+from asynctron.bench._results import DEFAULT_RESULTS_DIR, description
 
 #: seconds kept back from the total budget for writing the report
 REPORT_RESERVE_S = 5.0
@@ -190,7 +190,7 @@ def write_report(report: dict[str, Any], results: str) -> tuple[str, str]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asynctron bench gpu",
-                                     description=__doc__.split("\n\n")[0].replace("\n", " "))
+                                     description=description(__doc__))
     parser.add_argument("--quick", action="store_true",
                         help="sizes and budgets for a run within 6 minutes on one H100")
     parser.add_argument("--only", default=None,

@@ -252,7 +252,7 @@ def measure(checkpoint: str) -> tuple[str, float, int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asynctron bench hostile",
-                                     description=__doc__.split("\n\n")[0].replace("\n", " "))
+                                     description=_results.description(__doc__))
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=None,
                         help="input sizes (default: 16 MiB and each reader's cap)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="scratch directory")

@@ -512,7 +512,7 @@ _DISTRIBUTIONS = ("torch", "aiobotocore", "botocore", "s3fs", "s3torchconnector"
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asynctron bench s3",
-                                     description=__doc__.split("\n")[0])
+                                     description=_results.description(__doc__))
     parser.add_argument("--size-gib", type=float, default=1.0,
                         help="state size, all ranks (3 for the large state)")
     parser.add_argument("--nproc", type=int, default=1, help="ranks (gloo), each its share")

@@ -44,7 +44,7 @@ def make_state(num_tensors: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asynctron bench many",
-                                     description=__doc__.split("\n\n")[0].replace("\n", " "))
+                                     description=_results.description(__doc__))
     parser.add_argument("--num-tensors", type=int, default=100_000)
     parser.add_argument("--target", default="/dev/shm", help="directory to save into")
     parser.add_argument("--repeats", type=int, default=3)

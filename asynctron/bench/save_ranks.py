@@ -153,7 +153,7 @@ def report(ranks: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asynctron bench save --nproc N",
-                                     description=__doc__.split("\n")[0])
+                                     description=_results.description(__doc__))
     parser.add_argument("--nproc", type=int, default=2, help="ranks to spawn")
     parser.add_argument("--size-gib", type=float, default=2.0, help="state size, all ranks")
     parser.add_argument("--target", default=os.getcwd(), help="directory to save into")

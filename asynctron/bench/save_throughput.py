@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     if ranks.nproc > 1:  # `asynctron bench save --nproc N`: the same job across N ranks
         return save_ranks.main(argv)
     parser = argparse.ArgumentParser(prog="asynctron bench save",
-                                     description=__doc__.split("\n")[0],
+                                     description=_results.description(__doc__),
                                      epilog="With --nproc N > 1, see `python -m "
                                             "asynctron.bench.save_ranks --help`.")
     parser.add_argument("--size-gib", type=float, default=2.0, help="mixed state dict size")

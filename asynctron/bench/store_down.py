@@ -1,5 +1,6 @@
-"""A store that stops answering in the middle of an operation (issue 36): how long a save, a
-load and a dataset read take to fail against the store's deadline, and what is left.
+"""A store that stops answering in the middle of an operation: how long a save, a load and a
+dataset read each take to fail against the store's deadline (`--deadline-s`), and whether the
+checkpoints committed before it still load (what the failure left behind).
 
 One local SeaweedFS behind a TCP proxy (`asynctron.testing.tcp_proxy`), one process whose
 store (the environment's: `AWS_ENDPOINT_URL` names the proxy) has `deadline_s = --deadline-s`
@@ -136,7 +137,7 @@ def _write_corpus(server: Any, fault: str, work: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asynctron bench s3_down",
-                                     description=__doc__.split("\n\n")[0].replace("\n", " "))
+                                     description=_results.description(__doc__))
     parser.add_argument("--deadline-s", type=float, default=60.0, help="the store's deadline")
     parser.add_argument("--size-gib", type=float, default=0.25, help="the state saved")
     parser.add_argument("--after-mib", type=int, default=64,

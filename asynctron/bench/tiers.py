@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     from asynctron.testing.seaweedfs import SeaweedFS
 
     parser = argparse.ArgumentParser(
-        prog="asynctron bench tiers", description=__doc__.split("\n\n")[0].replace("\n", " "))
+        prog="asynctron bench tiers", description=_results.description(__doc__))
     parser.add_argument("--nproc", type=int, default=4, help="ranks to spawn")
     parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node")
     parser.add_argument("--size-gib", type=float, default=1.0,

@@ -366,7 +366,7 @@ async def main_async(args: argparse.Namespace, base: str) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asynctron bench train",
-                                     description=__doc__.split("\n\n")[0].replace("\n", " "))
+                                     description=_results.description(__doc__))
     parser.add_argument("--size-gib", type=float, default=1.0, help="state dict size")
     parser.add_argument("--target", default="/dev/shm", help="directory to save into")
     parser.add_argument("--trainers", default=",".join(TRAINERS),

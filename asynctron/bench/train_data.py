@@ -332,7 +332,7 @@ def report(samples: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asynctron bench train_data",
-                                     description=__doc__.split("\n\n")[0].replace("\n", " "))
+                                     description=_results.description(__doc__))
     parser.add_argument("--dir", default=os.getcwd(), help="where the corpus is written")
     parser.add_argument("--corpus-mib", type=int, default=1024)
     parser.add_argument("--sequence-length", type=int, default=2048)

@@ -199,7 +199,7 @@ def plot(results: list[Result], baselines: dict[str, float], path: str, title: s
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="asynctron bench write",
-                                     description=__doc__.split("\n")[0])
+                                     description=_results.description(__doc__))
     parser.add_argument("--target", default=os.getcwd(), help="directory on the storage to test")
     parser.add_argument("--size-mib", type=int, help="bytes saved per run")
     parser.add_argument("--bins", help="comma-separated bin counts (files, writer tasks)")

@@ -139,6 +139,8 @@ def test_a_url_no_backend_serves_is_refused_not_taken_for_a_local_path() -> None
         with pytest.raises(ValueError, match=r"found the scheme 'hdfs'; a URL is never taken for "
                                              r"a local path$"):
             call("hdfs://bucket/corpus_text_document")
+        with pytest.raises(ValueError, match=r"did you mean 'gs://bucket/corpus_text_document"):
+            call("gs//bucket/corpus_text_document")
 
 
 def test_wrong_magic(good: str) -> None:

@@ -5,6 +5,7 @@ errors."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import pytest
@@ -12,7 +13,12 @@ import torch
 
 import asynctron
 from asynctron import BackgroundEngine, Engine
-from asynctron.errors import CheckpointNotFoundError, CorruptCheckpointError, StorageError
+from asynctron.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    RefusedCredentialsError,
+    StorageError,
+)
 from asynctron.testing import LoopWatchdog
 from tests.conftest import assert_same
 from tests.objects.conftest import Store
@@ -88,8 +94,15 @@ async def test_an_existing_checkpoint_is_never_overwritten(store: Store) -> None
 
 async def test_missing_checkpoint_and_bucket_are_named(store: Store) -> None:
     async with Engine() as engine:
-        with pytest.raises(CheckpointNotFoundError, match="nothing_here"):
+        with pytest.raises(CheckpointNotFoundError, match=r"nothing_here: expected a committed "
+                                                          r"checkpoint, found nothing: no object "
+                                                          r"is stored directly under that URL"):
             await engine.load(f"{store.root}/nothing_here")
+        store.put(f"{store.root}/uncommitted/__0_0.distcp", b"x")
+        with pytest.raises(CheckpointNotFoundError, match=r"uncommitted: expected a committed "
+                                                          r"checkpoint .* found neither; the "
+                                                          r"save may not have committed$"):
+            await engine.load(f"{store.root}/uncommitted")
         with pytest.raises(StorageError, match=r"no-such-bucket.*does not exist"):
             await engine.save(_state(), f"{store.scheme}://no-such-bucket/run/step_1")
 
@@ -102,11 +115,49 @@ async def test_wrong_credentials_say_what_to_set(store: Store) -> None:
              else {"account_key": "d3Jvbmc="})
     backend = type(backend)(dataclasses.replace(backend.config, **wrong))
     async with Engine(backend=backend) as engine:
-        with pytest.raises(StorageError) as caught:
+        with pytest.raises(RefusedCredentialsError) as caught:
             await engine.save(_state(), f"{store.root}/step_1")
     message = str(caught.value)
     assert backend.client.endpoint in message
     assert ("AWS_ACCESS_KEY_ID" if store.scheme == "s3" else "AZURE_STORAGE") in message
+
+
+@pytest.mark.parametrize(("content", "what"), [
+    (None, r"File .*/key\.json was not found"),
+    ("{not json", r"is not a valid json file: Expecting property name"),
+    ('{"type": "service_account", "client_email": "a@b"}', r"missing fields"),
+])
+async def test_an_unusable_gcs_credentials_file_is_named_with_what_is_wrong(
+        store: Store, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, content: str | None,
+        what: str) -> None:
+    """Not "set GOOGLE_APPLICATION_CREDENTIALS" when it is set: the file and its fault."""
+    if store.scheme != "gs":
+        pytest.skip("Google's credentials")
+    key = tmp_path / "key.json"
+    if content is not None:
+        key.write_text(content)
+    monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key))
+    async with Engine(backend=store.backend(anonymous=False)) as engine:
+        with pytest.raises(StorageError, match=rf"the credentials file {re.escape(repr(str(key)))}"
+                                               rf" that GOOGLE_APPLICATION_CREDENTIALS names is "
+                                               rf"unusable \(.*{what}.*\); fix or replace it"):
+            await engine.save(_state(), f"{store.root}/step_1")
+
+
+async def test_a_wrong_azure_account_is_named(store: Store) -> None:
+    """Azure answers `ResourceNotFound` for an account it does not hold: the error names the
+    account, not "no such object"."""
+    if store.scheme != "az":
+        pytest.skip("an Azure account's answer")
+    backend = store.backend(deadline_s=5)
+    account_url = backend.client.endpoint.rsplit("/", 1)[0] + "/wrongaccount"
+    backend = type(backend)(dataclasses.replace(backend.config, account_url=account_url,
+                                                account_name="wrongaccount"))
+    async with Engine(backend=backend) as engine:
+        with pytest.raises(StorageError, match=rf"the account {re.escape(account_url)} \(or "
+                                               r"its container '[^']+'\) was not found "
+                                               r"\(ResourceNotFound\); fix the account in "):
+            await engine.save(_state(), f"{store.root}/step_1")
 
 
 async def test_mmap_on_a_store_says_what_to_do_instead(store: Store) -> None:

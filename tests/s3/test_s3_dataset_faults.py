@@ -26,7 +26,7 @@ from asynctron.datasets import IndexedDataset, ObjectStorageConfig
 from asynctron.datasets.formats._builder import write_indexed_dataset
 from asynctron.datasets.object_cache._object_storage import cache_path
 from asynctron.datasets.object_cache._range_cache import _ENTRIES_AT
-from asynctron.errors import StorageError
+from asynctron.errors import RefusedCredentialsError, StorageError
 from asynctron.storage.backends import Backend, register_backend
 from asynctron.storage.backends.s3 import S3Backend, S3Config
 from asynctron.testing.seaweedfs import SeaweedFS
@@ -264,7 +264,7 @@ def test_wrong_credentials_name_the_endpoint_and_the_object_and_what_to_set(
                                 access_key_id=s3_env.environment()["AWS_ACCESS_KEY_ID"],
                                 secret_access_key="not-the-secret", deadline_s=5)))
     config = ObjectStorageConfig(str(tmp_path / "cache"))
-    with pytest.raises(StorageError) as caught:
+    with pytest.raises(RefusedCredentialsError) as caught:
         IndexedDataset(url, mmap=False, object_storage_config=config)
     message = str(caught.value)
     for expected in (s3_env.endpoint, f"{url}.idx", "refused our credentials",

@@ -12,7 +12,12 @@ import pytest
 import asynctron
 import asynctron.storage.backends
 from asynctron.storage import Backend, LocalBackend, SaveArea, backend_for, register_backend
-from asynctron.storage.backends import MappableFiles, MappedItems, RangedFiles
+from asynctron.storage.backends import (
+    MappableFiles,
+    MappedItems,
+    RangedFiles,
+    serves_ranged_files,
+)
 from asynctron.testing import FaultyBackend
 
 
@@ -114,6 +119,36 @@ def test_a_colon_past_the_first_name_is_a_plain_local_path(path: str) -> None:
     assert isinstance(backend_for(path), LocalBackend)
 
 
+@pytest.mark.parametrize(("path", "meant"), [
+    ("s3//b/x", "s3://b/x"), ("gs//b/x", "gs://b/x"), ("az//c/x", "az://c/x"),
+    ("S3//b/x", "s3://b/x"), ("s3a//b/x", "s3://b/x"), ("gcs//b/x", "gs://b/x")])
+def test_a_path_that_looks_like_a_url_missing_its_colon_is_refused(path: str, meant: str) -> None:
+    """`gs//b/x` was saved to a local `./gs/b/x` with no error."""
+    first = path.partition("/")[0]
+    with pytest.raises(ValueError, match=rf"^path {re.escape(repr(path))}: .* missing its ':'; "
+                                         rf"did you mean {re.escape(repr(meant))}\? A local "
+                                         rf"path whose first name is {re.escape(repr(first))} "
+                                         rf"is written {re.escape(repr('./' + path))}$"):
+        backend_for(path)
+    with pytest.raises(ValueError, match=rf"did you mean {re.escape(repr(meant))}\?"):
+        serves_ranged_files(path)  # a dataset's path
+
+
+@pytest.mark.parametrize("path", ["./s3//b/x", "ckpt//step_1", "s3/b/x", "hdfs//b/x"])
+def test_a_doubled_slash_after_a_name_no_backend_serves_is_a_plain_local_path(path: str) -> None:
+    assert isinstance(backend_for(path), LocalBackend)
+
+
+@pytest.mark.parametrize(("path", "meant"), [
+    ("gcs://b/x", "gs://b/x"), ("GCS://b/x", "gs://b/x"), ("azure://c/x", "az://c/x"),
+    ("gcs:/b/x", "gs://b/x"), ("azure:c/x", "az://c/x")])
+def test_other_tools_names_of_a_served_store_are_refused_naming_ours(
+        path: str, meant: str) -> None:
+    """A hint, never served: a checkpoint has one name (`gs://`), whatever tool wrote it."""
+    with pytest.raises(ValueError, match=rf"did you mean {re.escape(repr(meant))}\?"):
+        backend_for(path)
+
+
 def test_hadoop_s3_schemes_are_refused_naming_s3() -> None:
     with pytest.raises(ValueError, match=r"found the scheme 's3a'; did you mean 's3://b/x'\?$"):
         backend_for("s3a://b/x")
@@ -125,6 +160,8 @@ async def test_a_save_to_a_mistyped_url_writes_nothing(
     async with asynctron.Engine() as engine:
         with pytest.raises(ValueError, match="did you mean 's3://bucket/x'"):
             engine.save({"w": 1}, "s3:/bucket/x")
+        with pytest.raises(ValueError, match="did you mean 'gs://bucket/x'"):
+            engine.save({"w": 1}, "gs//bucket/x")
     with pytest.raises(ValueError, match="did you mean 's3://bucket/x'"):
         asynctron.dcp.StorageWriter("s3:/bucket/x")
     assert os.listdir(".") == []

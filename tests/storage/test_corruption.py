@@ -62,8 +62,14 @@ async def test_truncated_file_names_the_cut_items(shm_path: str) -> None:
 async def test_missing_file_and_missing_checkpoint(shm_path: str) -> None:
     path, _ = await _save(shm_path)
     with pytest.raises(CheckpointNotFoundError, match=r"^checkpoint .*/nope: expected a "
-                                                      r"committed checkpoint"):
+                                                      r"committed checkpoint, found nothing: "
+                                                      r"the path does not exist$"):
         await _load(f"{shm_path}/nope")
+    os.mkdir(f"{shm_path}/empty")  # a folder, but no save committed in it
+    with pytest.raises(CheckpointNotFoundError, match=r"^checkpoint .*/empty: expected a "
+                                                      r"committed checkpoint .* found none; "
+                                                      r"the save may not have committed$"):
+        await _load(f"{shm_path}/empty")
     os.remove(f"{path}/__0_0.distcp")
     with pytest.raises(CorruptCheckpointError, match=r"expected \d+ bytes, found no file"):
         await _load(path)

@@ -10,6 +10,7 @@ import string
 from dataclasses import dataclass
 
 from asynctron import _knobs
+from asynctron.storage.backends import served_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +29,9 @@ class Tiers:
     """The node-local root (NVMe, or /dev/shm), never a shared file system. `{node}` in it is
     the node's index, so several "nodes" on one machine get their own (tests, benchmarks)."""
     store: str | None = None
-    """The persistent tier: any backend's URL (`s3://bucket/run`) or a shared path; None: no
-    store (only local tiers and replicas)."""
+    """The persistent tier: any backend's URL (`s3://bucket/run`; its scheme registered before
+    the Tiers is made) or a shared path; None: no store (only local tiers and replicas). A
+    URL `backend_for` refuses (`s3//bucket/run`, `gcs://bucket/run`) is refused here."""
     replicas: int = 1
     """How many other nodes keep a copy of what only one node holds (a job of fewer nodes
     keeps as many as it has other nodes)."""
@@ -50,6 +52,11 @@ class Tiers:
                 raise ValueError(f"Tiers.{name}: expected a non-empty path or URL, found "
                                  f"{value!r}")
             object.__setattr__(self, name, os.fspath(value))
+        if self.store is not None:
+            try:
+                served_scheme(self.store)
+            except ValueError as error:
+                raise ValueError(f"Tiers.store: {error}") from error
         fields = {field for _, field, _, _ in string.Formatter().parse(self.local)
                   if field is not None}
         if fields - {"node"}:

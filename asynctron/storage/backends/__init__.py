@@ -48,8 +48,8 @@ __all__ = ["Backend", "CheckpointLease", "CheckpointReader", "CheckpointStorage"
            "LocalBackend", "MappableFiles", "MappedItems", "NewFile", "RangedFile",
            "RangedFiles", "ReadableFile", "Retention", "SaveArea", "SaveStorage",
            "StoreOperation", "StoreStatistics", "WriteBatch", "backend_for",
-           "commit_checkpoint", "register_backend", "serves_ranged_files", "store_operation",
-           "whole_file"]
+           "commit_checkpoint", "register_backend", "served_scheme", "serves_ranged_files",
+           "store_operation", "whole_file"]
 
 _FACTORIES: dict[str, Callable[[], Backend]] = {}
 _SHARED: dict[str, Backend] = {}
@@ -57,8 +57,13 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _MISTYPED_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):/*([^/].*)?$")
 """A first path component that ends in `:`-something, as `s3:/bucket/x` or `s3:bucket/x`
 (`pathlib.Path("s3://b/x")` gives the first): a URL mistyped, never taken for a local path."""
-_ALIASES = {"s3a": "s3", "s3n": "s3"}
-"""Schemes other tools use for a scheme served here (Hadoop's for S3)."""
+_MISSING_COLON = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)//+(.*)$")
+"""A first path component followed by `//`, as `s3//bucket/x`: a URL missing its `:` when
+that component is a served scheme or one of `_ALIASES` (else a local path)."""
+_ALIASES = {"s3a": "s3", "s3n": "s3", "gcs": "gs", "azure": "az"}
+"""Schemes other tools use for a scheme served here (Hadoop's for S3, fsspec's `gcs`, the
+store's name for Azure): refused with a hint naming the served one, never served, so that a
+checkpoint has one name."""
 _LOCAL = "file"
 """The key of plain paths (no URL scheme): the local filesystem. A `file://` URL is refused
 (pass the path itself), so that no backend ever sees one."""
@@ -82,37 +87,62 @@ def backend_for(path: str | os.PathLike[str]) -> Backend:
     Raises:
         TypeError: `path` is not a str or os.PathLike.
         ValueError: a URL whose scheme no backend serves, or a path that looks like a mistyped
-            URL (`s3:/bucket/x`): never taken for a local path.
+            URL (`s3:/bucket/x`, `s3//bucket/x`): never taken for a local path.
     """
     if not isinstance(path, str | os.PathLike):
         raise TypeError(f"path: expected a str or os.PathLike, found {type(path).__name__}")
     text = os.fspath(path)
     if not isinstance(text, str):
         raise TypeError(f"path: expected a str path, found {type(text).__name__}")
-    match = _SCHEME.match(text)
-    scheme = match[1].lower() if match else _LOCAL
-    served = ", ".join(f"{known}://" for known in sorted(_FACTORIES) if known != _LOCAL)
-    if match and (scheme == _LOCAL or scheme not in _FACTORIES):
-        alias = _ALIASES.get(scheme)
-        hint = (f"; did you mean {alias + text[len(scheme):]!r}?" if alias in _FACTORIES
-                else "; a URL is never taken for a local path")
-        raise ValueError(
-            f"path {text!r}: expected a local path or a URL a storage backend serves "
-            f"({served or 'none registered'}), found the scheme {scheme!r}{hint}")
-    mistyped = None if match else _MISTYPED_SCHEME.match(text)
-    if mistyped:
-        meant = f"{mistyped[1]}://{(mistyped[2] or '')}"
-        pathlib_hint = (" (pathlib.Path turns 's3://b' into 's3:/b': pass URLs as str)"
-                        if text.startswith(f"{mistyped[1]}:/") else "")
-        raise ValueError(
-            f"path {text!r}: expected a local path or a URL ({served or 'none registered'}), "
-            f"found what looks like a URL missing its '://'; did you mean {meant!r}?"
-            f"{pathlib_hint} A local path whose first name has a ':' is written "
-            f"{'./' + text!r}")
+    scheme = served_scheme(text)
     backend = _SHARED.get(scheme)
     if backend is None:
         backend = _SHARED[scheme] = _FACTORIES[scheme]()
     return backend
+
+
+def served_scheme(path: str) -> str:
+    """The scheme of the backend `backend_for(path)` gives (`"file"`: a plain path, the local
+    filesystem), checked as `backend_for` checks it, without making the backend.
+
+    Raises:
+        ValueError: as `backend_for`.
+    """
+    served = ", ".join(f"{known}://" for known in sorted(_FACTORIES) if known != _LOCAL)
+    match = _SCHEME.match(path)
+    if match:
+        scheme = match[1].lower()
+        if scheme != _LOCAL and scheme in _FACTORIES:
+            return scheme
+        meant = _meant(scheme, path[match.end():])
+        hint = (f"; did you mean {meant!r}?" if meant
+                else "; a URL is never taken for a local path")
+        raise ValueError(
+            f"path {path!r}: expected a local path or a URL a storage backend serves "
+            f"({served or 'none registered'}), found the scheme {scheme!r}{hint}")
+    mistyped = _MISTYPED_SCHEME.match(path)
+    doubled = None if mistyped else _MISSING_COLON.match(path)
+    if mistyped:
+        meant = (_meant(mistyped[1].lower(), mistyped[2] or "")
+                 or f"{mistyped[1]}://{mistyped[2] or ''}")
+        missing, first = "'://'", "has a ':'"
+        pathlib_hint = (" (pathlib.Path turns 's3://b' into 's3:/b': pass URLs as str)"
+                        if path.startswith(f"{mistyped[1]}:/") else "")
+    elif doubled and (doubled_meant := _meant(doubled[1].lower(), doubled[2])):
+        meant, missing, first, pathlib_hint = doubled_meant, "':'", f"is {doubled[1]!r}", ""
+    else:
+        return _LOCAL
+    raise ValueError(
+        f"path {path!r}: expected a local path or a URL ({served or 'none registered'}), "
+        f"found what looks like a URL missing its {missing}; did you mean {meant!r}?"
+        f"{pathlib_hint} A local path whose first name {first} is written {'./' + path!r}")
+
+
+def _meant(scheme: str, rest: str) -> str | None:
+    """`scheme://rest` with `scheme` as served (itself, or the served scheme it is an alias
+    of); None if no backend serves it."""
+    scheme = _ALIASES.get(scheme, scheme)
+    return f"{scheme}://{rest}" if scheme != _LOCAL and scheme in _FACTORIES else None
 
 
 _FACTORIES[_LOCAL] = LocalBackend
@@ -124,13 +154,12 @@ def serves_ranged_files(path: str) -> bool:
     (it reads its settings once, when made).
 
     Raises:
-        ValueError: a URL no backend serves (as `backend_for`).
+        ValueError: a URL no backend serves, or a mistyped one (as `backend_for`).
     """
-    match = _SCHEME.match(path)
-    if match is None:
+    scheme = served_scheme(path)
+    if scheme == _LOCAL:
         return False
-    factory = _FACTORIES.get(match[1].lower())
-    if factory is not None and factory in _CLOUDS:
+    if _FACTORIES[scheme] in _CLOUDS:
         return True
     return isinstance(backend_for(path), RangedFiles)
 

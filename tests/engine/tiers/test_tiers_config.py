@@ -22,6 +22,11 @@ from asynctron.engine.tiers._layout import parse_shard, parse_step, shard_name, 
     ({"keep_local": True}, r"Tiers\.keep_local: expected an int >= 1, found True"),
     ({"keep_store": 0}, r"Tiers\.keep_store: expected None or an int >= 1, found 0"),
     ({"store": ""}, r"Tiers\.store: expected a non-empty path or URL, found ''"),
+    ({"store": "gs//b/run"}, r"^Tiers\.store: path 'gs//b/run': .* did you mean 'gs://b/run'\?"),
+    ({"store": "gcs://b/run"}, r"^Tiers\.store: path 'gcs://b/run': .* did you mean "
+                               r"'gs://b/run'\?"),
+    ({"store": "hdfs://nn/run"}, r"^Tiers\.store: path 'hdfs://nn/run': .* found the scheme "
+                                 r"'hdfs'"),
 ])
 def test_bad_settings_are_refused_naming_the_field(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):

@@ -33,14 +33,13 @@ from azure.core.exceptions import (
 from azure.storage.blob import BlobSasPermissions, generate_blob_sas
 from azure.storage.blob.aio import BlobServiceClient
 
-from asynctron.errors import ObjectNotFoundError, StorageError
+from asynctron.errors import ObjectNotFoundError, RefusedCredentialsError, StorageError
 from asynctron.storage.backends.azure._config import AzureConfig
 from asynctron.storage.backends.objects._client import (
     ObjectInfo,
     OpenUpload,
     PartLimits,
     PreconditionFailedError,
-    RefusedCredentialsError,
 )
 from asynctron.storage.backends.objects._http_ranges import RangeClient
 from asynctron.storage.backends.objects._io_loop import close_at_exit, close_when_collected
@@ -61,7 +60,7 @@ _ONE_REQUEST_BYTES = 1 << 20
 """The largest body sent as bytes in one Put Blob (the SDK sends nothing else there: beyond,
 aiohttp's transport would copy what the socket did not take, on the loop thread)."""
 _CONDITION_CODES = frozenset({"ConditionNotMet", "BlobAlreadyExists", "TargetConditionNotMet"})
-_MISSING_CODES = frozenset({"BlobNotFound", "ContainerNotFound", "ResourceNotFound"})
+_MISSING_CODES = frozenset({"BlobNotFound", "ContainerNotFound"})
 _CREDENTIAL_CODES = frozenset({
     "AuthenticationFailed", "AuthorizationFailure", "AuthorizationPermissionMismatch",
     "InvalidAuthenticationInfo", "NoAuthenticationInformation"})
@@ -86,6 +85,9 @@ class AzureErrors:
     deadline_hint = ("raise AzureConfig.deadline_s (or ASYNCTRON_STORE_DEADLINE_S) to wait "
                      "longer")
 
+    def __init__(self, account_url: str) -> None:
+        self.account_url = account_url
+
     def answer_of(self, error: Exception) -> Answer | None:
         if not isinstance(error, HttpResponseError | _Answered) or not error.status_code:
             return None
@@ -109,6 +111,12 @@ class AzureErrors:
                 f"{where}: the container {container!r} does not exist; create it, or fix the "
                 "URL's container (and the account, if this is the wrong one)", path=str(url),
                 errno=None)
+        if code == "ResourceNotFound":  # not a blob's answer (BlobNotFound): the account's
+            container = url.bucket if isinstance(url, ObjectUrl) else url
+            return ObjectNotFoundError(
+                f"{where}: the account {self.account_url} (or its container {container!r}) was "
+                f"not found ({code}); fix the account in {self.endpoint_hint}, or the URL's "
+                "container", path=str(url), errno=None)
         if code in _MISSING_CODES or status == 404:
             return ObjectNotFoundError(f"{where}: no such object ({code})", path=str(url),
                                        errno=None)
@@ -163,7 +171,7 @@ class AzureClient:
         self.config = config
         self.endpoint, self._account, self._key, self._credential = config.resolved()
         self.requests = StoreRequests(
-            self.endpoint, AzureErrors(), deadline_s=config.deadline_s,
+            self.endpoint, AzureErrors(self.endpoint), deadline_s=config.deadline_s,
             max_in_flight=lambda: config.process_requests(world_size()))
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopClient] = (
             weakref.WeakKeyDictionary())

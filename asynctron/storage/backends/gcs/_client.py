@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import email.utils
 import json
+import os
 import secrets
 import urllib.parse
 import weakref
@@ -27,14 +28,13 @@ from typing import Any
 import aiohttp
 
 from asynctron._concurrency import to_its_end
-from asynctron.errors import ObjectNotFoundError, StorageError
+from asynctron.errors import ObjectNotFoundError, RefusedCredentialsError, StorageError
 from asynctron.storage.backends.gcs._config import GcsConfig
 from asynctron.storage.backends.objects._client import (
     ObjectInfo,
     OpenUpload,
     PartLimits,
     PreconditionFailedError,
-    RefusedCredentialsError,
 )
 from asynctron.storage.backends.objects._http_ranges import RangeClient
 from asynctron.storage.backends.objects._io_loop import close_at_exit, close_when_collected
@@ -143,6 +143,15 @@ class GcsClient:
                 self._credentials, _ = await asyncio.to_thread(google.auth.default,
                                                                scopes=[_SCOPE])
             except DefaultCredentialsError as error:
+                named = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+                if named:
+                    what = ": ".join(str(part).rstrip(".") for part in error.args)
+                    raise StorageError(
+                        f"GCS at {self.endpoint}: the credentials file {named!r} that "
+                        f"GOOGLE_APPLICATION_CREDENTIALS names is unusable ({what}); fix or "
+                        "replace it (a service account's JSON key), or unset "
+                        "GOOGLE_APPLICATION_CREDENTIALS to use gcloud's or the metadata "
+                        "server's", path=named, errno=None) from error
                 raise StorageError(f"GCS at {self.endpoint}: no credentials found ({error}); "
                                    f"{_SET_CREDENTIALS}, or set STORAGE_EMULATOR_HOST for an "
                                    "emulator", path=self.endpoint, errno=None) from error

@@ -121,7 +121,7 @@ def resolve_checkpoint(path: str) -> str:
 
     Raises:
         CheckpointNotFoundError: neither a checkpoint nor a `latest` pointer naming one is at
-            `path`.
+            `path` (the message says whether `path` exists).
     """
     if is_committed(path):
         return path
@@ -136,6 +136,12 @@ def resolve_checkpoint(path: str) -> str:
             f"committed checkpoint ({MANIFEST_NAME} or DCP's {DCP_METADATA_NAME}); it was "
             "removed, or its save never committed",
             path=named,
+        )
+    if not os.path.lexists(path):
+        raise CheckpointNotFoundError(
+            f"checkpoint {path}: expected a committed checkpoint, found nothing: the path "
+            "does not exist",
+            path=path,
         )
     raise CheckpointNotFoundError(
         f"checkpoint {path}: expected a committed checkpoint ({MANIFEST_NAME} or DCP's "

@@ -14,11 +14,10 @@ from asynctron.storage.backends.objects._client import (
     PartLimits,
     PartUploads,
     PreconditionFailedError,
-    RefusedCredentialsError,
 )
 from asynctron.storage.backends.objects._layout import Listing, ObjectUrl
 from asynctron.storage.backends.objects._store_config import StoreConfig
 
 __all__ = ["Listing", "ObjectClient", "ObjectInfo", "ObjectReads", "ObjectStoreBackend",
            "ObjectUrl", "ObjectWrites", "OpenUpload", "PartLimits", "PartUploads",
-           "PreconditionFailedError", "RefusedCredentialsError", "StoreConfig"]
+           "PreconditionFailedError", "StoreConfig"]

@@ -6,8 +6,8 @@ and its parts) are written once against this Protocol; a cloud brings one client
 client runs on the store I/O loop (`io_loop`), holds a place in its request budget and is
 retried inside the caller's store operation (`StoreRequests`); its failures are errors that
 name the endpoint, the object and what to set: `ObjectNotFoundError` (a FileNotFoundError)
-for a missing object or bucket, `PreconditionFailedError` for a failed condition, else a
-`StorageError`.
+for a missing object or bucket, `PreconditionFailedError` for a failed condition,
+`asynctron.errors.RefusedCredentialsError` for refused credentials, else a `StorageError`.
 
 The client's parts are split by who calls them: `ObjectReads` (reads, listings), `ObjectWrites`
 (whole-object writes, deletes) and `PartUploads` (an object written in parts).
@@ -27,10 +27,6 @@ from asynctron.storage.backends.objects._store_config import StoreConfig
 
 class PreconditionFailedError(StorageError):
     """A conditional write found the object not as required (it exists, or changed)."""
-
-
-class RefusedCredentialsError(StorageError):
-    """The store refused the request's credentials (or its signature)."""
 
 
 @dataclass(frozen=True, slots=True)

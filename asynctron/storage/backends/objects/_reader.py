@@ -84,10 +84,15 @@ class ObjectReader(CheckpointReaderBase):
                     f"holds no committed checkpoint ({MANIFEST_NAME} or DCP's "
                     f"{METADATA_NAME}); it was pruned, or its save never committed",
                     path=str(url))
+            if not sizes:
+                raise CheckpointNotFoundError(
+                    f"checkpoint {url}: expected a committed checkpoint, found nothing: no "
+                    "object is stored directly under that URL (a wrong URL, or a folder of "
+                    f"checkpoints without a '{LATEST_NAME}': name one of them)", path=str(url))
             raise CheckpointNotFoundError(
                 f"checkpoint {url}: expected a committed checkpoint ({MANIFEST_NAME} or DCP's "
                 f"{METADATA_NAME}) or a '{LATEST_NAME}' object, found neither; the save may not "
-                "have committed, or the URL is wrong", path=str(url))
+                "have committed", path=str(url))
         self.path = str(url)
         self._sizes = sizes
         if MANIFEST_NAME in sizes:

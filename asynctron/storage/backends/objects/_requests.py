@@ -32,6 +32,7 @@ from typing import Protocol, TypeVar
 
 import aiohttp
 
+from asynctron._knobs import store_deadline_hint
 from asynctron.errors import AsynctronError, StorageError
 from asynctron.storage.backends._operation import (
     StoreExpired,
@@ -94,7 +95,7 @@ class StoreErrors(Protocol):
     endpoint_hint: str
     """What sets the endpoint, as errors name it: `AWS_ENDPOINT_URL (or S3Config...)`."""
     deadline_hint: str
-    """What sets the deadline, as errors name it."""
+    """What sets the deadline, as errors name it (`_knobs.store_deadline_hint`'s default)."""
 
     def answer_of(self, error: Exception) -> Answer | None:
         """`error` as an answer of the store, or None if it is none (a transport error)."""
@@ -242,9 +243,13 @@ class StoreRequests:
         return StorageError(
             f"{operation} {url} at {self.endpoint}: the store answered none of this "
             f"{clock.what}'s requests for {waited_s:.1f} s ({_tries(tries)} of this one{what}); "
-            f"is the store up, and {self._errors.endpoint_hint} right? "
-            f"{self._errors.deadline_hint} (now {self.deadline_s:g} s)", path=str(url),
-            errno=None)
+            f"is the store up, and {self._errors.endpoint_hint} right? {self._deadline_hint()}",
+            path=str(url), errno=None)
+
+    def _deadline_hint(self) -> str:
+        """How to wait longer, and the deadline now."""
+        return (f"{store_deadline_hint(self._errors.deadline_hint)} "
+                f"(now {self.deadline_s:g} s)")
 
     def _translate(self, operation: str, url: ObjectUrl | str, error: Exception,
                    clock: StoreOperation, tries: int) -> StorageError:
@@ -256,7 +261,7 @@ class StoreRequests:
                 return StorageError(
                     f"{where}: the store kept failing this {clock.what}'s requests ({answer}) "
                     f"for {clock.quiet_s():.1f} s ({_tries(tries)} of this one); "
-                    f"{self._errors.deadline_hint} (now {self.deadline_s:g} s)",
+                    f"{self._deadline_hint()}",
                     path=str(url), errno=None)
             return self._errors.translate(where, url, answer)
         host = urllib.parse.urlsplit(self.endpoint).netloc or self.endpoint

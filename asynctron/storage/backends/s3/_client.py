@@ -28,13 +28,12 @@ import botocore.exceptions
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 
-from asynctron.errors import ObjectNotFoundError, StorageError
+from asynctron.errors import ObjectNotFoundError, RefusedCredentialsError, StorageError
 from asynctron.storage.backends.objects._client import (
     ObjectInfo,
     OpenUpload,
     PartLimits,
     PreconditionFailedError,
-    RefusedCredentialsError,
 )
 from asynctron.storage.backends.objects._http_ranges import RangeClient
 from asynctron.storage.backends.objects._io_loop import (
