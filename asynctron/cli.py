@@ -50,8 +50,7 @@ from asynctron._demo import (
 )
 from asynctron._knobs import STORE_DEADLINE_S, store_deadline_flag
 from asynctron.bench import SCENARIOS
-from asynctron.datasets import PreprocessConfig, preprocess
-from asynctron.datasets.formats._prepare_cache import PreparedDataset, prepare_cache
+from asynctron.datasets import PreparedDataset, PreprocessConfig, prepare_cache, preprocess
 from asynctron.engine import Engine
 from asynctron.errors import (
     CheckpointNotFoundError,

@@ -60,11 +60,11 @@ def test_subpackages() -> None:
         "AsyncLoader", "BlendedDataset", "BlendedMegatronDatasetBuilder",
         "ByteTokenizer", "DatasetIndex", "GPTDataset", "GPTDatasetConfig", "HFTokenizer",
         "IndexedDataset", "IndexedDatasetBuilder", "MockGPTDataset", "MockGPTLowLevelDataset",
-        "ObjectCacheUsage", "ObjectStorageConfig", "PreprocessConfig",
+        "ObjectCacheUsage", "ObjectStorageConfig", "PreparedDataset", "PreprocessConfig",
         "PreprocessResult", "Split", "build_blending_indices", "build_document_index",
         "build_exhaustive_blending_indices", "build_gpt_datasets", "build_sample_index",
         "build_shuffle_index", "collate", "load_tokenizer", "object_cache_usage", "optimal_dtype",
-        "preprocess",
+        "prepare_cache", "preprocess", "write_indexed_dataset",
     }
     assert set(asynctron.testing.__all__) == {"FaultyBackend", "Gate", "GatedObjectClient",
                                               "LoopWatchdog", "LoopWatchdogReport",
@@ -182,3 +182,99 @@ def test_only_the_storage_backends_touch_files() -> None:
         code = names.sub("", re.sub(r'"""[\s\S]*?"""', "", text))
         found = file_call.search(code) or re.search(r"\b(fcntl|ctypes)\b", code)
         assert not found, (path, found)
+
+
+def test_the_faces_asynctrons_parts_build_on() -> None:
+    """Each face's `__all__`, frozen: what the other packages of asynctron may import."""
+    import importlib
+
+    faces = {
+        "asynctron.storage.format": {
+            "ALGORITHMS", "ALIGN_BYTES", "Batches", "BinLayout", "BodySegments", "Checksums",
+            "ChunkIndex", "FlatStateDict", "ItemHasher", "ItemKind", "ItemRecord",
+            "MANIFEST_NAME", "MAX_GAP_BYTES", "MAX_MANIFEST_BYTES", "MAX_METADATA_BYTES",
+            "METADATA_NAME", "Manifest", "MetadataUnpickler", "NUMPY_DTYPES", "Overlap",
+            "PLAIN_TENSORS", "Part", "PlainPlan", "PlannedItem", "ReadBatch", "ReadJob",
+            "SMALL_ALIGN_BYTES", "SavePlan", "ShardInfo", "Structure", "TORCH_DTYPES", "XXH3_64",
+            "align_up", "bin_file_name", "check_digest", "check_files", "check_no_overlap",
+            "check_object_blob", "chunk_large_items", "dcp_structure", "decode_blob", "digest",
+            "dtype_name", "encode_manifest", "flatten", "is_plain", "item_paths", "layout_bin",
+            "merge_structures", "metadata_bytes", "metadata_of", "parse_dcp_manifest",
+            "parse_manifest", "paused_gc", "plan_final", "plan_global", "plan_local",
+            "plan_plain_global", "plan_reads", "saved_value", "split_by_size_and_type",
+            "tensor_of", "torch_save_frame", "unflatten", "value_paths",
+        },
+        "asynctron.storage.backends": {
+            "Backend", "CheckpointLease", "CheckpointReader", "CheckpointStorage", "Committed",
+            "CommittedCheckpoints", "Committer", "FileStorage", "FileWriter", "ItemReader",
+            "LocalBackend", "MappableFiles", "MappedItems", "NewFile", "RangedFile",
+            "RangedFiles", "ReadableFile", "Retention", "SaveArea", "SaveStorage",
+            "StoreOperation", "StoreStatistics", "WriteBatch", "backend_for",
+            "commit_checkpoint", "register_backend", "served_scheme", "serves_ranged_files",
+            "store_operation", "whole_file",
+        },
+        "asynctron.storage.node_files": {
+            "BlockFile", "DirLock", "FileIO", "LocalFileIO", "LocalFiles", "SharedCounters",
+            "SharedLock", "file_size", "holding", "map_shared", "publish_filled", "read_head",
+            "replace_empty",
+        },
+        "asynctron.storage.backends.local": {"BinWriter", "LocalBackend", "LocalCheckpoints",
+                                             "read_manifest"},
+        "asynctron.storage.backends.objects": {
+            "Listing", "ObjectClient", "ObjectInfo", "ObjectReads", "ObjectStoreBackend",
+            "ObjectUrl", "ObjectWrites", "OpenUpload", "PartLimits", "PartUploads",
+            "PreconditionFailedError", "StoreConfig",
+        },
+        "asynctron.engine.lowlevel": {
+            "SLAB_CACHE", "SaveRequest", "SaveResources", "Slab", "SlabFill", "SlabFiller",
+            "build_request", "dcp_items", "file_plan", "launch_copies", "mark_ready",
+            "stage_and_write",
+        },
+    }
+    for module, names in faces.items():
+        assert set(importlib.import_module(module).__all__) == names, module
+
+
+def _cross_package_imports() -> list[tuple[str, str, str]]:
+    """(importing file, module, name) of every `from asynctron.X... import name` in asynctron
+    whose X is another package than the importing file's (a top-level module, such as the
+    CLI, is a package of its own; the top-level private modules (`_concurrency`, `_memory`,
+    ...) are the root package's, which every package is part of)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(asynctron.__file__).parent
+
+    def package_of(parts: list[str]) -> str | None:
+        return parts[0] if (root / parts[0]).is_dir() else None
+
+    found = []
+    for source in sorted(root.rglob("*.py")):
+        parts = list(source.relative_to(root).with_suffix("").parts)
+        own = package_of(parts) or parts[0]
+        for node in ast.walk(ast.parse(source.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                    and node.module.startswith("asynctron.")):
+                continue
+            target = node.module.split(".")[1:]
+            package = package_of(target)
+            if package is None or package == own:
+                continue
+            found.extend((str(source.relative_to(root)), node.module, alias.name)
+                         for alias in node.names)
+    return found
+
+
+def test_packages_import_each_other_only_through_their_faces() -> None:
+    """Across packages, an import names a face (a module with no `_private` part below its
+    package) and only names in that face's `__all__`: no private module, no name a face does
+    not promise."""
+    import importlib
+
+    wrong = []
+    for source, module, name in _cross_package_imports():
+        if any(part.startswith("_") for part in module.split(".")[2:]):
+            wrong.append(f"{source}: {module} is private")
+        elif name not in getattr(importlib.import_module(module), "__all__", ()):
+            wrong.append(f"{source}: {module}.{name} is not in its __all__")
+    assert wrong == []

@@ -123,7 +123,7 @@ def measure(rank: int, world: int, config: RestartConfig) -> dict[str, Any]:
 
 async def _measure(rank: int, world: int, config: RestartConfig) -> dict[str, Any]:
     from asynctron.bench._tiers_ranks import _backend, _local, fsdp_job
-    from asynctron.testing._layouts import full_digests, full_nbytes
+    from asynctron.testing.layouts import full_digests, full_nbytes
 
     node = rank // config.ranks_per_node
     results: dict[str, Any] = {}
@@ -174,7 +174,7 @@ def _replicated_job(size_gib: float) -> Any:
     same on every rank, as DDP holds it (not wrapped in DDP here: its gradient buckets would
     cost a third more memory per rank, which this VM's eight ranks cannot spare)."""
     from asynctron.bench._tiers_ranks import STEP_BYTES_PER_PARAMETER
-    from asynctron.testing._layouts import Block, Job
+    from asynctron.testing.layouts import Block, Job
 
     width = 1024 if size_gib >= 0.25 else 256
     parameters = size_gib * GiB / STEP_BYTES_PER_PARAMETER

@@ -1,5 +1,5 @@
 """What each rank of `asynctron bench tiers` measures, on the state a large job holds: an FSDP2
-model's and AdamW's state from `get_state_dict` (`asynctron.testing._layouts`), every tensor
+model's and AdamW's state from `get_state_dict` (`asynctron.testing.layouts`), every tensor
 a DTensor sharded over the ranks.
 
 `measure` (every rank of the job, "nodes" of `ranks_per_node`), per round after an untimed one:
@@ -40,7 +40,7 @@ from asynctron import Engine, Tiers
 from asynctron._knobs import RANKS_PER_NODE
 from asynctron.engine.tiers._layout import parse_shard
 from asynctron.storage.backends.s3 import S3Backend, S3Config
-from asynctron.testing._layouts import Job, build, full_nbytes
+from asynctron.testing.layouts import Job, build, full_nbytes
 
 MiB = 1 << 20
 MESSAGE_BYTES = 64 * MiB

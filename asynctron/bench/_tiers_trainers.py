@@ -23,7 +23,7 @@ import torch.distributed as dist
 from asynctron import Engine, Tiers
 from asynctron._knobs import RANKS_PER_NODE
 from asynctron.bench._tiers_ranks import STEP_BYTES_PER_PARAMETER, Clock, RunConfig
-from asynctron.testing._layouts import build
+from asynctron.testing.layouts import build
 
 
 def run(rank: int, world: int, config: RunConfig, steps: int, state_mib: float,

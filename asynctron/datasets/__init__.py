@@ -3,7 +3,8 @@
 `IndexedDataset` reads megatron's `.bin`/`.idx` files (and `IndexedDatasetBuilder` writes them),
 `GPTDataset`, `MockGPTDataset` and `BlendedDataset` build megatron-core's indices (the same
 arrays) and samples, `BlendedMegatronDatasetBuilder` builds the splits of any megatron dataset
-class (`build_gpt_datasets` for GPT), and `AsyncLoader`
+class (`build_gpt_datasets` for GPT) and `prepare_cache` builds their indices ahead, and
+`AsyncLoader`
 serves batches assembled by worker processes in shared memory, the pages of coming samples
 read ahead under a byte budget.
 """
@@ -17,11 +18,12 @@ from asynctron.datasets.formats._blending import (
     build_blending_indices,
     build_exhaustive_blending_indices,
 )
-from asynctron.datasets.formats._builder import IndexedDatasetBuilder
+from asynctron.datasets.formats._builder import IndexedDatasetBuilder, write_indexed_dataset
 from asynctron.datasets.formats._config import GPTDatasetConfig
 from asynctron.datasets.formats._gpt import GPTDataset
 from asynctron.datasets.formats._indexed import DatasetIndex, IndexedDataset, optimal_dtype
 from asynctron.datasets.formats._mock import MockGPTDataset, MockGPTLowLevelDataset
+from asynctron.datasets.formats._prepare_cache import PreparedDataset, prepare_cache
 from asynctron.datasets.formats._preprocess import PreprocessConfig, PreprocessResult, preprocess
 from asynctron.datasets.formats._sample_index import (
     build_document_index,
@@ -49,6 +51,7 @@ __all__ = [
     "MockGPTLowLevelDataset",
     "ObjectCacheUsage",
     "ObjectStorageConfig",
+    "PreparedDataset",
     "PreprocessConfig",
     "PreprocessResult",
     "Split",
@@ -62,5 +65,7 @@ __all__ = [
     "load_tokenizer",
     "object_cache_usage",
     "optimal_dtype",
+    "prepare_cache",
     "preprocess",
+    "write_indexed_dataset",
 ]

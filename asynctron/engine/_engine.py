@@ -33,7 +33,9 @@ from asynctron.engine._shared_loads import Located, SharedLoads
 from asynctron.engine._shared_reads import ReadShare
 from asynctron.engine._staging import mark_ready
 from asynctron.engine._task import SaveResult, SaveTask
-from asynctron.engine.tiers import RestoreResult, TierManager, Tiers, job_nodes
+from asynctron.engine.tiers import RestoreResult, Tiers
+from asynctron.engine.tiers._config import job_nodes
+from asynctron.engine.tiers._manager import TierManager
 from asynctron.errors import BusyError, ClosedError, PeerTimeoutError
 from asynctron.storage import Backend, Retention, backend_for, store_operation
 from asynctron.storage.backends import (

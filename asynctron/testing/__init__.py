@@ -35,7 +35,7 @@ from asynctron.testing.shaping_proxy import ShapingProxy, ShapingStatistics
 from asynctron.testing.store_profile import StoreProfile
 
 if TYPE_CHECKING:
-    from asynctron.storage.backends.local._reader import LocalCheckpointReader
+    from asynctron.storage.backends import CheckpointReader
 
 __all__ = ["FaultyBackend", "Gate", "GatedObjectClient", "LoopWatchdog", "LoopWatchdogReport",
            "ShapingProxy", "ShapingStatistics", "StoreProfile"]
@@ -143,7 +143,7 @@ class _FaultyCheckpoints(LocalCheckpoints):
         return await super().commit(area, files, retention=retention, seq=seq,
                                     move_latest=move_latest)
 
-    async def open_reader(self, path: str, *, max_files_at_once: int) -> LocalCheckpointReader:
+    async def open_reader(self, path: str, *, max_files_at_once: int) -> CheckpointReader:
         gate = self._backend._gate("open_reader", path)
         if gate is not None:
             await gate._pass()

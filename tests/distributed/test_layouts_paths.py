@@ -16,7 +16,7 @@ import uvloop
 import asynctron
 from asynctron import BackgroundEngine, Engine, Tiers
 from asynctron._launch import run_local_ranks
-from asynctron.testing._layouts import Job, build, full_digests
+from asynctron.testing.layouts import Job, build, full_digests
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ from asynctron._launch import run_local_ranks
 from asynctron.cli import main as cli_main
 from asynctron.cli import verify_checkpoint
 from asynctron.storage.format import MANIFEST_NAME, parse_manifest
-from asynctron.testing._layouts import LAYOUTS, Job, build, full_digests, full_nbytes
+from asynctron.testing.layouts import LAYOUTS, Job, build, full_digests, full_nbytes
 
 pytestmark = pytest.mark.slow
 

@@ -20,7 +20,7 @@ import asynctron
 from asynctron import Engine, PeerError, Tiers
 from asynctron._launch import run_local_ranks
 from asynctron.testing import FaultyBackend
-from asynctron.testing._layouts import Job, build, full_digests
+from asynctron.testing.layouts import Job, build, full_digests
 
 pytestmark = pytest.mark.slow
 

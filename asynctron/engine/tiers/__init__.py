@@ -20,7 +20,3 @@ from asynctron.engine.tiers._config import Tiers
 from asynctron.engine.tiers._restore import RestoreResult
 
 __all__ = ["RestoreResult", "Tiers"]
-
-# The engine's own seam (not promised to users).
-from asynctron.engine.tiers._config import job_nodes as job_nodes
-from asynctron.engine.tiers._manager import TierManager as TierManager

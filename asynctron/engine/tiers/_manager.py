@@ -209,8 +209,8 @@ class TierManager:
             job = SaveJob(state_dict, path, seq=seq, options=options, ready=ready,
                           storage=self.local, resources=self._resources,
                           coordinator=self._shards, plan_cache=self._plan_cache,
-                          on_staged=on_staged, file_rank=nodes.rank, consumers=[sender],
-                          placement=placement)
+                          on_staged=on_staged, file_rank=nodes.rank,
+                          consumers=[] if sender is None else [sender], placement=placement)
             jobs.append(job)
             result = await job.run()
         except (Exception, asyncio.CancelledError) as failure:  # reported, then raised

@@ -79,11 +79,22 @@ class AzureConfig(StoreConfig):
         return url.rstrip("/"), name, None, DefaultAzureCredential()
 
 
+_DEVELOPMENT_KEY = ("Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/"
+                    "KBHBeksoGMGw==")
+"""The key of Azurite's (and the storage emulator's) one account, `devstoreaccount1`: public."""
+
+
 def _connection_string(text: str) -> dict[str, str]:
-    """`Key=value;...` as lower-cased keys (values keep their `=`: keys are base64)."""
+    """`Key=value;...` as lower-cased keys (values keep their `=`: keys are base64); the SDK's
+    `UseDevelopmentStorage=true` as the local emulator's account (at
+    `DevelopmentStorageProxyUri=`, else http://127.0.0.1:10000), as the SDK reads it."""
     parts = {}
     for part in text.split(";"):
         key, found, value = part.strip().partition("=")
         if found:
             parts[key.strip().lower()] = value.strip()
+    if parts.get("usedevelopmentstorage", "").lower() == "true":
+        host = parts.get("developmentstorageproxyuri", "http://127.0.0.1").rstrip("/")
+        parts = {"accountname": "devstoreaccount1", "accountkey": _DEVELOPMENT_KEY,
+                 "blobendpoint": f"{host}:10000/devstoreaccount1"}
     return parts

@@ -34,6 +34,8 @@ from asynctron.storage.format import digest
 Layout = Literal["fsdp", "hsdp", "tp", "ddp"]
 LAYOUTS: tuple[Layout, ...] = ("fsdp", "hsdp", "tp", "ddp")
 
+__all__ = ["LAYOUTS", "Block", "Job", "Layout", "build", "full_digests", "full_nbytes"]
+
 
 class Block(torch.nn.Module):
     """A transformer MLP block: up, ReLU, down, LayerNorm (with a residual)."""
