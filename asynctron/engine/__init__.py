@@ -2,7 +2,8 @@
 process-wide staging memory."""
 
 from asynctron._budget import BudgetStatistics, ByteBudget
-from asynctron.engine._engine import Engine, EngineConfig
+from asynctron.engine._config import EngineConfig
+from asynctron.engine._engine import Engine
 from asynctron.engine._oneshot import load, load_into, save
 from asynctron.engine._runner import BackgroundEngine
 from asynctron.engine._slabs import SlabCacheStatistics, free_idle_staging, staging_statistics

@@ -10,7 +10,8 @@ from typing import Any, Literal, TypeVar, Unpack
 
 import uvloop
 
-from asynctron.engine._engine import Engine, EngineConfig, EngineOptions
+from asynctron.engine._config import EngineConfig, EngineOptions
+from asynctron.engine._engine import Engine
 from asynctron.engine._task import SaveResult
 
 T = TypeVar("T")

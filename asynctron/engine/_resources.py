@@ -26,7 +26,7 @@ from asynctron.errors import ClosedError
 from asynctron.storage.backends import Backend, CheckpointStorage, backend_for
 
 if TYPE_CHECKING:
-    from asynctron.engine._engine import EngineConfig
+    from asynctron.engine._config import EngineConfig
 
 T = TypeVar("T")
 

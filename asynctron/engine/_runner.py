@@ -17,7 +17,8 @@ from typing import Any, Literal, TypeVar, Unpack
 import torch.distributed as dist
 
 from asynctron._loop_thread import LoopThread
-from asynctron.engine._engine import Engine, EngineConfig, EngineOptions
+from asynctron.engine._config import EngineConfig, EngineOptions
+from asynctron.engine._engine import Engine
 from asynctron.engine._task import SaveTask
 from asynctron.engine.tiers import RestoreResult
 from asynctron.errors import ClosedError

@@ -17,7 +17,7 @@ import torch
 
 import asynctron
 from asynctron import BusyError, ClosedError, Engine, EngineConfig
-from asynctron.engine._engine import EngineOptions
+from asynctron.engine._config import EngineOptions
 from asynctron.storage.format._dtypes import TORCH_DTYPES
 from tests.conftest import assert_same
 

@@ -7,8 +7,7 @@ import pytest
 
 import asynctron
 from asynctron import EngineConfig, Tiers
-from asynctron.engine.tiers._config import job_nodes
-from asynctron.engine.tiers._config import Nodes
+from asynctron.engine.tiers._config import Nodes, job_nodes
 from asynctron.engine.tiers._layout import parse_shard, parse_step, shard_name, step_name
 
 
