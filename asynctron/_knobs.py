@@ -16,7 +16,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -30,16 +30,9 @@ def store_deadline_s() -> float:
     Raises:
         ValueError: the variable is not a number of seconds > 0 (naming it and its value).
     """
-    text = os.environ.get(STORE_DEADLINE_S)
-    if text is None or not text.strip():
+    value = _positive(STORE_DEADLINE_S, float, "a number of seconds > 0")
+    if value is None:
         return DEFAULT_STORE_DEADLINE_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{STORE_DEADLINE_S}: expected a number of seconds > 0, found "
-                         f"{text!r}; fix or unset it")
     logger.info("%s=%g: object-store operations fail after %g s without an answer",
                 STORE_DEADLINE_S, value, value)
     return value
@@ -122,14 +115,24 @@ def _int_at_least_1(name: str, meaning: str) -> int | None:
     Raises:
         ValueError: it is set to anything else (naming it and its value).
     """
+    value = _positive(name, int, f"an int >= 1 ({meaning})")
+    return None if value is None else int(value)
+
+
+def _positive(name: str, parse: Callable[[str], float], expected: str) -> float | None:
+    """The environment variable `name` as `parse` reads it, if a finite number > 0; None where
+    it is unset or blank.
+
+    Raises:
+        ValueError: it is set to anything else (naming it, its value and `expected`).
+    """
     text = os.environ.get(name)
     if text is None or not text.strip():
         return None
     try:
-        value = int(text)
+        value = parse(text)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{name}: expected an int >= 1 ({meaning}), found {text!r}; fix or "
-                         "unset it")
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name}: expected {expected}, found {text!r}; fix or unset it")
     return value
