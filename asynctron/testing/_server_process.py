@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -23,6 +24,21 @@ from typing import Any, ClassVar, Self
 STOP_TIMEOUT_S = 5.0
 READY_TIMEOUT_S = 60.0
 _LOG_TAIL_BYTES = 2000
+
+
+def find_binary(name: str, preferred: str | None, *, where: str, install: str) -> str:
+    """The executable `preferred` (where the test extra puts it), else `name` on PATH.
+
+    Raises:
+        FileNotFoundError: neither, naming `where` it was looked for and how to `install` it.
+    """
+    if preferred is not None and os.access(preferred, os.X_OK):
+        return os.path.abspath(preferred)
+    found = shutil.which(name)
+    if found is None:
+        raise FileNotFoundError(f"`{name}`: expected it {where} or on PATH, found neither; "
+                                f"{install}")
+    return found
 
 
 def free_port() -> int:

