@@ -8,7 +8,8 @@ from __future__ import annotations
 import gc
 import time
 import warnings
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import torch
 
@@ -30,6 +31,8 @@ from asynctron.bench._s3_methods import (
     TorchSaveMethod,
     _client_config,
 )
+
+T = TypeVar("T")
 
 
 def rank_state(rank: int, nbytes: int, seed: int) -> dict[str, torch.Tensor]:
@@ -63,8 +66,6 @@ async def measure_method(rank: int, job: Job, method: Method, state: dict[str, t
     Returns this rank's figures (`summarize` reads them)."""
     import torch.distributed as dist
 
-    from asynctron.testing import LoopWatchdog
-
     await method.setup(warmup)
     await method.prepare(warmup)
     await method.save(warmup, f"{job.url}/warmup")
@@ -76,30 +77,35 @@ async def measure_method(rank: int, job: Job, method: Method, state: dict[str, t
     rss_before = _reset_peak_rss()
     await method.prepare(state)
     prepare_rss = _status_bytes("VmRSS") - rss_before
-    async with LoopWatchdog() as save_dog:
-        started, cpu = time.perf_counter(), cpu_s()
-        blocking_s = await method.save(state, job.url)
-        save_s, save_cpu_s = time.perf_counter() - started, cpu_s() - cpu
+    blocking_s, save_s, save_cpu_s, save_delay_s = await _timed(method.save(state, job.url))
     save_rss = _status_bytes("VmHWM") - rss_before
     gc.collect()
     dist.barrier()
     rss_before = _reset_peak_rss()
-    async with LoopWatchdog() as load_dog:
-        started, cpu = time.perf_counter(), cpu_s()
-        loaded = await method.load(template, job.url)
-        load_s, load_cpu_s = time.perf_counter() - started, cpu_s() - cpu
+    loaded, load_s, load_cpu_s, load_delay_s = await _timed(method.load(template, job.url))
     load_rss = _status_bytes("VmHWM") - rss_before
     dist.barrier()
     return {"rank": rank, "nbytes": sum(t.nbytes for t in state.values()),
             "num_tensors": len(state), "save_s": save_s,
             "blocking_s": save_s if blocking_s is None else blocking_s, "load_s": load_s,
             "save_cpu_s": save_cpu_s, "load_cpu_s": load_cpu_s,
-            "loop_worst_delay_s": save_dog.report().worst_delay_s,
-            "load_loop_worst_delay_s": load_dog.report().worst_delay_s,
+            "loop_worst_delay_s": save_delay_s, "load_loop_worst_delay_s": load_delay_s,
             "save_peak_rss_growth_bytes": save_rss, "prepare_rss_growth_bytes": prepare_rss,
             "load_peak_rss_growth_bytes": load_rss,
             "most_in_flight": method.most_in_flight(), "verified": _same(state, loaded),
             **method.extra}
+
+
+async def _timed(work: Awaitable[T]) -> tuple[T, float, float, float]:
+    """What `work` returns, its seconds and this process's CPU seconds, and the event loop's
+    worst heartbeat delay meanwhile."""
+    from asynctron.testing import LoopWatchdog
+
+    async with LoopWatchdog() as dog:
+        started, cpu = time.perf_counter(), cpu_s()
+        value = await work
+        elapsed_s, used_s = time.perf_counter() - started, cpu_s() - cpu
+    return value, elapsed_s, used_s, dog.report().worst_delay_s
 
 
 async def _measure(rank: int, job: Job, state: dict[str, torch.Tensor],
