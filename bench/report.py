@@ -482,7 +482,7 @@ def _plot_s3_restarts(result: dict[str, Any], path: str) -> None:
 
 def section_data_s3(result: dict[str, Any], docs: str) -> list[str]:
     """Datasets on one local S3 server: asynctron against megatron's S3 reader and local files."""
-    from asynctron.bench.data_s3 import plot
+    from asynctron.bench._data_s3_report import plot
 
     summary = result["summary"]
     rows = [[label, f"{row['samples_per_s']:,.1f}", f"{row['first_batch_s']:.2f}",

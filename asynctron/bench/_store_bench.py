@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from asynctron.bench import _baselines, _results, s3
+from asynctron.bench import _baselines, _results, _s3_report
 from asynctron.bench._rounds import round_order
 from asynctron.bench._s3_methods import (
     OURS,
@@ -145,11 +145,11 @@ def summarize(bench: StoreBench, rounds: dict[str, list[dict[str, Any]]]) -> dic
     """bench.s3's summary (medians, ratios over raw and the peers), with the server's CPU
     seconds per GB (save and load, warm-up included), asynctron over `also_over` and the
     target over raw."""
-    result = s3.summarize(rounds, raw=bench.raw, peers=bench.peers)
+    result = _s3_report.summarize(rounds, raw=bench.raw, peers=bench.peers)
     methods = result["methods"]
     for m in methods.values():
         moved_gb = 2 * m["nbytes"] / 1e9
-        m["server_cpu_s_per_gb"] = s3._median(
+        m["server_cpu_s_per_gb"] = _s3_report.median(
             [run["ranks"][0]["server_cpu_s"] / moved_gb for run in m["rounds"]])
     if OURS in methods:
         result["ratios"]["asynctron_over"] = {
@@ -165,12 +165,10 @@ def summarize(bench: StoreBench, rounds: dict[str, list[dict[str, Any]]]) -> dic
 
 
 def report(bench: StoreBench, result: dict[str, Any]) -> None:
-    s3._table(result["methods"], f"{bench.title} checkpoints: {result['nbytes'] / GiB:.2f} GiB "
-              f"state ({result['num_tensors']} tensors), one local {bench.server_name}")
-    print("blocks: until the caller may go on (asynctron: `await task.staged`); CPU: client "
-          "process time (every thread) per GB moved; loop: worst heartbeat delay during the "
-          "save / the load; RSS+: peak growth (asynctron's save includes its staging slabs); "
-          "in flight: most requests at once")
+    _s3_report.table(result["methods"], f"{bench.title} checkpoints: {result['nbytes'] / GiB:.2f} "
+                     f"GiB state ({result['num_tensors']} tensors), one local "
+                     f"{bench.server_name}")
+    print(_s3_report.TABLE_LEGEND)
     print(f"{bench.server_name} CPU s per GB moved (save + load): " + ", ".join(
         f"{name} {m['server_cpu_s_per_gb']:.2f}" for name, m in result["methods"].items()))
     for name, target in result.get("targets", {}).items():

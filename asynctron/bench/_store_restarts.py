@@ -122,7 +122,8 @@ def measure(rank: int, world: int, config: RestartConfig) -> dict[str, Any]:
 
 
 async def _measure(rank: int, world: int, config: RestartConfig) -> dict[str, Any]:
-    from asynctron.bench._tiers_ranks import _backend, _local, fsdp_job
+    from asynctron.bench._fsdp_job import fsdp_job, local_shards
+    from asynctron.bench._s3_endpoint import s3_backend
     from asynctron.testing.layouts import full_digests, full_nbytes
 
     node = rank // config.ranks_per_node
@@ -140,14 +141,14 @@ async def _measure(rank: int, world: int, config: RestartConfig) -> dict[str, An
             endpoint = config.proxied[node] if link == "proxied" else config.endpoint
             async with contextlib.AsyncExitStack() as stack:  # a job's engine outlives loads
                 engines = {method: await stack.enter_async_context(Engine(
-                    backend=_backend(endpoint), share_reads=method == OURS,
+                    backend=s3_backend(endpoint), share_reads=method == OURS,
                     coordination_timeout_s=600)) for method in (OURS, OURS_UNSHARED)}
                 for method in METHODS:
                     if method == S3TORCH and importlib.util.find_spec("s3torchconnector") is None:
                         continue
                     name = f"{method}, {link}"
                     for round_index in range(config.repeats + int(config.warmup)):
-                        for tensor in _local(state).values():
+                        for tensor in local_shards(state).values():
                             tensor.detach().zero_()
                         before = _proxy_down_bytes(config.board) if rank == 0 else 0
                         elapsed, fetched_s = await _timed(functools.partial(
@@ -173,12 +174,10 @@ def _replicated_job(size_gib: float) -> Any:
     """A data-parallel job's state: the model and AdamW's state of about `size_gib` GiB, the
     same on every rank, as DDP holds it (not wrapped in DDP here: its gradient buckets would
     cost a third more memory per rank, which this VM's eight ranks cannot spare)."""
-    from asynctron.bench._tiers_ranks import STEP_BYTES_PER_PARAMETER
+    from asynctron.bench._fsdp_job import block_shape
     from asynctron.testing.layouts import Block, Job
 
-    width = 1024 if size_gib >= 0.25 else 256
-    parameters = size_gib * GiB / STEP_BYTES_PER_PARAMETER
-    depth = max(1, round(parameters / (8 * width * width + 7 * width)))
+    width, depth = block_shape(size_gib)
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(Block(width) for _ in range(depth)))
     job = Job("ddp", model, torch.optim.AdamW(model.parameters(), lr=1e-2), width)
@@ -200,9 +199,9 @@ async def _save(state: dict[str, Any], url: str, endpoint: str) -> None:
     """The state saved by asynctron (loopback) and by stock `dcp.save` (s3fs), once."""
     import torch.distributed.checkpoint as dcp
 
-    from asynctron.bench._tiers_ranks import _backend, fsspec
+    from asynctron.bench._s3_endpoint import fsspec, s3_backend
 
-    async with Engine(backend=_backend(endpoint), coordination_timeout_s=600) as engine:
+    async with Engine(backend=s3_backend(endpoint), coordination_timeout_s=600) as engine:
         await engine.save(state, f"{url}/asynctron")
     await asyncio.to_thread(dcp.save, state, storage_writer=fsspec(f"{url}/dcp", endpoint,
                                                                    writing=True))
@@ -214,7 +213,7 @@ async def _load(method: str, state: dict[str, Any], url: str, endpoint: str, lay
     the floor's: the time its GETs took (every rank's, between barriers)."""
     import torch.distributed.checkpoint as dcp
 
-    from asynctron.bench._tiers_ranks import fsspec, s3torch
+    from asynctron.bench._s3_endpoint import fsspec, s3torch
 
     if method in engines:
         await engines[method].load_into(state, f"{url}/asynctron", collective=True)

@@ -26,10 +26,9 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import resource
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,14 +37,15 @@ import torch.distributed as dist
 
 from asynctron import Engine, Tiers
 from asynctron._knobs import RANKS_PER_NODE
+from asynctron.bench._baselines import evict_page_cache
+from asynctron.bench._fsdp_job import STEP_BYTES_PER_PARAMETER, fsdp_job, local_shards
+from asynctron.bench._rank_clock import Clock
+from asynctron.bench._s3_endpoint import fsspec, s3_backend, s3torch
 from asynctron.engine.tiers._layout import parse_shard
-from asynctron.storage.backends.s3 import S3Backend, S3Config
 from asynctron.testing.layouts import Job, build, full_nbytes
 
 MiB = 1 << 20
 MESSAGE_BYTES = 64 * MiB
-STEP_BYTES_PER_PARAMETER = 12
-"""An fp32 parameter, and AdamW's two moments."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,73 +65,13 @@ class RunConfig:
     """Each node's endpoint through its remote-store proxy."""
 
 
-class Clock:
-    """Per-measurement times of this rank, each between barriers (so the slowest rank's time
-    is the round's), and its CPU seconds."""
-
-    def __init__(self) -> None:
-        self.times: dict[str, list[float]] = {}
-        self.cpu: dict[str, list[float]] = {}
-        self.notes: dict[str, Any] = {}
-
-    async def time(self, name: str, work: Callable[[], Awaitable[Any]], *,
-                   keep: bool = True) -> Any:
-        await asyncio.to_thread(dist.barrier)
-        cpu = _cpu_s()
-        started = time.perf_counter()
-        value = await work()
-        elapsed = time.perf_counter() - started
-        used = _cpu_s() - cpu
-        await asyncio.to_thread(dist.barrier)
-        if keep:
-            self.times.setdefault(name, []).append(elapsed)
-            self.cpu.setdefault(name, []).append(used)
-        return value
-
-    def keep(self, name: str, seconds: float) -> None:
-        self.times.setdefault(name, []).append(seconds)
-
-    def result(self, **extra: Any) -> dict[str, Any]:
-        return {"times": self.times, "cpu": self.cpu, "notes": self.notes, **extra}
-
-
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def fsdp_job(size_gib: float, per_node: int, *, seed: int = 0) -> Job:
-    """An FSDP2 model (and AdamW's state) of about `size_gib` GiB of state in all."""
-    width = 1024 if size_gib >= 0.25 else 256
-    parameters = size_gib * (1 << 30) / STEP_BYTES_PER_PARAMETER
-    depth = max(1, round(parameters / (8 * width * width + 7 * width)))
-    job = build("fsdp", per_node=per_node, width=width, depth=depth, seed=seed)
-    job.init_optimizer_state()
-    return job
-
-
-def _local(state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """This rank's bytes of every tensor of a state: its shards, by dotted key."""
-    found: dict[str, torch.Tensor] = {}
-
-    def visit(prefix: str, node: Any) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                visit(f"{prefix}.{key}" if prefix else str(key), value)
-        elif isinstance(node, torch.Tensor):
-            found[prefix] = node.to_local() if hasattr(node, "to_local") else node
-
-    visit("", state)
-    return found
-
-
 def check(source: str, found: Any, state: dict[str, Any], target: Job) -> None:
     """The restore came from `source` on some rank and filled `target` bit for bit; then
     `target` is zeroed for the next restore."""
     if source not in found.sources:
         raise AssertionError(f"expected a rank restored from {source}, found {found.sources}")
-    mine = _local(target.state())
-    for key, tensor in _local(state).items():
+    mine = local_shards(target.state())
+    for key, tensor in local_shards(state).items():
         if not torch.equal(tensor, mine[key]):
             raise AssertionError(f"restore from {source}: {key} differs from what was saved")
         mine[key].zero_()
@@ -152,7 +92,7 @@ async def _measure(rank: int, world: int, config: RunConfig) -> dict[str, Any]:
     state = {**job.state(), "step": 0}
     target = fsdp_job(config.size_gib, per_node, seed=7)
     clock = Clock()
-    local = _local(state)
+    local = local_shards(state)
     nbytes = sum(tensor.nbytes for tensor in local.values())
     await _saves_and_restores(rank, world, config, state, target, clock)
     await _store_phase(rank, config, state, target, clock)
@@ -170,7 +110,7 @@ async def _saves_and_restores(rank: int, world: int, config: RunConfig, state: d
     nodes = world // per_node
     base = config.base
     tiers = Tiers(local=f"{base}/tiers/node{{node}}", replicas=1, keep_local=2)
-    sent = torch.cat([t.reshape(-1).view(torch.uint8) for t in _local(state).values()])
+    sent = torch.cat([t.reshape(-1).view(torch.uint8) for t in local_shards(state).values()])
     received = torch.zeros(sent.numel() + 2 * MESSAGE_BYTES, dtype=torch.uint8)
     peers = dist.new_group(backend="gloo")
     holder, source = (rank + per_node) % world, (rank - per_node) % world
@@ -219,10 +159,10 @@ async def _saves_and_restores(rank: int, world: int, config: RunConfig, state: d
             await clock.time("raw send", raw_send, keep=keep)
             await clock.time("raw write", lambda: asyncio.to_thread(  # its shard and a replica
                 _write_raw, f"{base}/raw/rank{rank}", sent, 2), keep=keep)
-            _evict(files)  # both read the files cold, as after a restart
+            evict_page_cache(files)  # both read the files cold, as after a restart
             await clock.time("raw read", lambda: asyncio.to_thread(_read_raw, files, received),
                              keep=keep)
-            _evict(files)
+            evict_page_cache(files)
             into = {**target.state(), "step": -1}  # get_state_dict: not the restore's time
             restored = await clock.time("restore local", lambda i=into: tiered.restore(i),
                                         keep=keep)
@@ -238,10 +178,6 @@ async def _saves_and_restores(rank: int, world: int, config: RunConfig, state: d
     shutil.rmtree(f"{base}/raw/rank{rank}", ignore_errors=True)
 
 
-def _backend(endpoint: str) -> S3Backend:
-    return S3Backend(S3Config(endpoint_url=endpoint))
-
-
 async def _store_phase(rank: int, config: RunConfig, state: dict[str, Any], target: Job,
                        clock: Clock) -> None:
     """Drains and direct saves to the store; restores from it, asynctron's and stock DCP's."""
@@ -249,7 +185,7 @@ async def _store_phase(rank: int, config: RunConfig, state: dict[str, Any], targ
     node = rank // per_node
     draining = Tiers(local=f"{config.base}/tiers/node{{node}}", store=config.store,
                      store_every=1, keep_local=1)
-    loopback, proxied = _backend(config.endpoint), _backend(config.proxied[node])
+    loopback, proxied = s3_backend(config.endpoint), s3_backend(config.proxied[node])
     for round_index in range(config.repeats + 1):
         keep = round_index > 0
         step = 1000 + round_index
@@ -299,32 +235,11 @@ async def _stock_dcp(rank: int, config: RunConfig, state: dict[str, Any], target
             into = {**target.state(), "step": -1}
             await clock.time(name, lambda r=reader, i=into: asyncio.to_thread(
                 dcp.load, i, storage_reader=r()), keep=round_index > 0)
-            mine = _local(into)
-            for key, tensor in _local(state).items():
+            mine = local_shards(into)
+            for key, tensor in local_shards(state).items():
                 if not torch.equal(tensor, mine[key]):
                     raise AssertionError(f"{name}: {key} differs from what was saved")
                 mine[key].zero_()
-
-
-def fsspec(url: str, endpoint: str, *, writing: bool) -> Any:
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-
-    options = {"endpoint_url": endpoint,
-               "client_kwargs": {"region_name": os.environ["AWS_REGION"]},
-               "config_kwargs": {"s3": {"addressing_style": "path"}}}
-    if writing:
-        return FsspecWriter(url, sync_files=False, thread_count=4, **options)
-    return FsspecReader(url, **options)
-
-
-def s3torch(url: str, endpoint: str) -> Any:
-    """s3torchconnector's reader (its CRT client takes the endpoint from AWS_ENDPOINT_URL)."""
-    from s3torchconnector import S3ClientConfig
-    from s3torchconnector.dcp import S3StorageReader
-
-    os.environ["AWS_ENDPOINT_URL"] = endpoint
-    return S3StorageReader(os.environ["AWS_REGION"], url,
-                           s3client_config=S3ClientConfig(force_path_style=True))
 
 
 async def _tier_bytes(config: RunConfig, clock: Clock, job: Job) -> None:
@@ -336,7 +251,7 @@ async def _tier_bytes(config: RunConfig, clock: Clock, job: Job) -> None:
     every rank restored and the bytes the job read from the store."""
     per_node = config.ranks_per_node
     rank = dist.get_rank()
-    loopback = _backend(config.endpoint)
+    loopback = s3_backend(config.endpoint)
     held: dict[str, Any] = {}
     jobs: dict[str, Job] = {"fsdp": job}
     width = 256
@@ -362,7 +277,7 @@ async def _tier_bytes(config: RunConfig, clock: Clock, job: Job) -> None:
         await asyncio.to_thread(dist.barrier)
         if rank % per_node == 0:
             shutil.rmtree(tiers.local_root(rank // per_node), ignore_errors=True)
-        proxied = _backend(config.proxied[rank // per_node])
+        proxied = s3_backend(config.proxied[rank // per_node])
         for shared in (True, False):
             name = f"{layout} restore from the store, proxied, " + (
                 "shared reads" if shared else "each rank its own")
@@ -421,7 +336,7 @@ async def _elastic(rank: int, world: int, config: RunConfig) -> dict[str, Any]:
     torch.set_num_threads(1)
     target = fsdp_job(config.size_gib, world, seed=7)
     clock = Clock()
-    loopback = _backend(config.endpoint)
+    loopback = s3_backend(config.endpoint)
     tiers = Tiers(local=f"{config.base}/elastic/node{{node}}", store=config.store, replicas=0)
     async with Engine(tiers=tiers, store_backend=loopback, coordination_timeout_s=600
                       ) as engine:
@@ -451,8 +366,8 @@ def _nvrx(rank: int, config: RunConfig, state: dict[str, torch.Tensor], clock: C
         keep = round_index > 0
         iteration = round_index + 1
         ckpt = manager(root, per_node)
-        _timed(clock, "nvidia-resiliency-ext save (blocking)",
-               lambda c=ckpt, i=iteration: c.save(CpuStateDict(state), i), keep)
+        clock.time_blocking("nvidia-resiliency-ext save (blocking)",
+                            lambda c=ckpt, i=iteration: c.save(CpuStateDict(state), i), keep=keep)
 
         def restore(iteration: int = iteration) -> None:
             found = manager(root, per_node)
@@ -460,26 +375,14 @@ def _nvrx(rank: int, config: RunConfig, state: dict[str, torch.Tensor], clock: C
             loaded, _ = found.load()  # its files read cold, as the tiers' are
             assert all(torch.equal(loaded.state()[key], value) for key, value in state.items())
 
-        _evict([os.path.join(folder, name) for folder, _, names in os.walk(root)
-                for name in names])
-        _timed(clock, "nvidia-resiliency-ext restore local", restore, keep)
+        evict_page_cache([root])
+        clock.time_blocking("nvidia-resiliency-ext restore local", restore, keep=keep)
     # Its restore of a lost node's shards from their replicas cannot run here: the retrieval
     # moves every tensor to CUDA before sending it (`isend_state_dict`: `ten.cuda()`).
     clock.notes["nvidia-resiliency-ext"] = (
         "save (synchronous) and restore from the local directory measured, of each rank's "
         "shards as plain tensors; its restore from replicas needs CUDA "
         "(group_utils.isend_state_dict moves each tensor to the GPU)")
-
-
-def _timed(clock: Clock, name: str, work: Callable[[], Any], keep: bool) -> None:
-    """Blocks: `work()` between barriers, its time kept under `name`."""
-    dist.barrier()
-    started = time.perf_counter()
-    work()
-    elapsed = time.perf_counter() - started
-    dist.barrier()
-    if keep:
-        clock.keep(name, elapsed)
 
 
 def _write_raw(path: str, data: torch.Tensor, copies: int) -> None:
@@ -512,13 +415,3 @@ def _read_raw(paths: list[str], into: torch.Tensor) -> int:
         finally:
             os.close(fd)
     return total
-
-
-def _evict(paths: list[str]) -> None:
-    """Drop the files' pages from the page cache (they are clean: fsynced at commit)."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)

@@ -22,7 +22,9 @@ import torch.distributed as dist
 
 from asynctron import Engine, Tiers
 from asynctron._knobs import RANKS_PER_NODE
-from asynctron.bench._tiers_ranks import STEP_BYTES_PER_PARAMETER, Clock, RunConfig
+from asynctron.bench._fsdp_job import STEP_BYTES_PER_PARAMETER
+from asynctron.bench._rank_clock import Clock
+from asynctron.bench._tiers_ranks import RunConfig
 from asynctron.testing.layouts import build
 
 

@@ -52,7 +52,8 @@ from typing import Any
 
 import torch
 
-from asynctron.bench import _results, _store_bench, s3
+from asynctron.bench import _results, _store_bench
+from asynctron.bench._s3_measure import measure_method, rank_state
 from asynctron.bench._s3_methods import (
     OURS,
     AsynctronMethod,
@@ -159,7 +160,7 @@ async def _measure(rank: int, job: Job, state: dict[str, torch.Tensor],
     from asynctron import Engine
 
     async def run(method: Method) -> dict[str, Any]:
-        return await s3.measure_method(rank, job, method, state, warmup)
+        return await measure_method(rank, job, method, state, warmup)
 
     connection_string = os.environ["AZURE_STORAGE_CONNECTION_STRING"]
     if job.method == FSSPEC:
@@ -184,8 +185,8 @@ def _run_rank(rank: int, world: int, job: Job) -> dict[str, Any]:
     import uvloop
 
     warnings.filterwarnings("ignore", category=ResourceWarning)
-    state = s3._rank_state(rank, job.state_bytes, seed=100)
-    warmup = s3._rank_state(rank, job.warmup_bytes, seed=7)
+    state = rank_state(rank, job.state_bytes, seed=100)
+    warmup = rank_state(rank, job.warmup_bytes, seed=7)
     return uvloop.run(_measure(rank, job, state, warmup))
 
 

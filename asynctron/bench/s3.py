@@ -51,179 +51,37 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import gc
 import importlib
 import os
-import resource
 import shutil
-import statistics
 import time
 import urllib.parse
-import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
-
-import torch
 
 from asynctron.bench import _baselines, _results
 from asynctron.bench._rounds import round_order
+from asynctron.bench._s3_measure import run_rank
 from asynctron.bench._s3_methods import (
     BUDGET_4,
     FSSPEC,
     METHODS,
     OURS,
-    PEERS,
     PROXY_BUDGET_4,
     PROXY_METHODS,
-    PROXY_THROTTLED,
     RAW,
     RAW_ONE,
-    RAW_SIGNED,
     S3TORCH,
     THROTTLE_LIMIT,
     THROTTLE_METHODS,
     THROTTLED,
-    TORCH_SAVE,
-    AsynctronMethod,
-    DcpMethod,
     GiB,
     Job,
-    Method,
     MiB,
-    RawMethod,
-    RawS3,
-    TorchSaveMethod,
-    _client_config,
 )
+from asynctron.bench._s3_report import report, summarize
 
 _NEEDS = {S3TORCH: "s3torchconnector.dcp", FSSPEC: "s3fs"}
-
-# --------------------------------------------------------------------------------------
-# In each rank: one run of one method
-# --------------------------------------------------------------------------------------
-
-
-def _rank_state(rank: int, nbytes: int, seed: int) -> dict[str, torch.Tensor]:
-    state = _baselines.make_state_dict(nbytes, seed=seed + rank)
-    return {f"rank{rank}.{key}": tensor for key, tensor in state.items()}
-
-
-def _cpu_s() -> float:
-    """This process's CPU time so far (every thread: the loop's, the executor's, a native
-    client's), user and system."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith(field + ":"))
-    return int(line.split()[1]) << 10
-
-
-def _reset_peak_rss() -> int:
-    """Reset Linux's high-water mark to the current RSS; returns that RSS."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_bytes("VmRSS")
-
-
-def _same(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> bool:
-    return expected.keys() == found.keys() and all(
-        torch.equal(tensor.view(-1).view(torch.uint8), found[name].reshape(-1).view(torch.uint8))
-        for name, tensor in expected.items())
-
-
-async def measure_method(rank: int, job: Job, method: Method, state: dict[str, torch.Tensor],
-                         warmup: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """One method's timed save and load of `state` in this rank (any store: `job.url`'s), after
-    an untimed save and load of `warmup` (clients, pools and imports warm); between barriers.
-    Returns this rank's figures (`summarize` reads them)."""
-    import torch.distributed as dist
-
-    from asynctron.testing import LoopWatchdog
-
-    await method.setup(warmup)
-    await method.prepare(warmup)
-    await method.save(warmup, f"{job.url}/warmup")
-    await method.load({k: torch.zeros_like(t) for k, t in warmup.items()}, f"{job.url}/warmup")
-    await method.setup(state)
-    template = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
-    gc.collect()
-    dist.barrier()
-    rss_before = _reset_peak_rss()
-    await method.prepare(state)
-    prepare_rss = _status_bytes("VmRSS") - rss_before
-    async with LoopWatchdog() as save_dog:
-        started, cpu = time.perf_counter(), _cpu_s()
-        blocking_s = await method.save(state, job.url)
-        save_s, save_cpu_s = time.perf_counter() - started, _cpu_s() - cpu
-    save_rss = _status_bytes("VmHWM") - rss_before
-    gc.collect()
-    dist.barrier()
-    rss_before = _reset_peak_rss()
-    async with LoopWatchdog() as load_dog:
-        started, cpu = time.perf_counter(), _cpu_s()
-        loaded = await method.load(template, job.url)
-        load_s, load_cpu_s = time.perf_counter() - started, _cpu_s() - cpu
-    load_rss = _status_bytes("VmHWM") - rss_before
-    dist.barrier()
-    return {"rank": rank, "nbytes": sum(t.nbytes for t in state.values()),
-            "num_tensors": len(state), "save_s": save_s,
-            "blocking_s": save_s if blocking_s is None else blocking_s, "load_s": load_s,
-            "save_cpu_s": save_cpu_s, "load_cpu_s": load_cpu_s,
-            "loop_worst_delay_s": save_dog.report().worst_delay_s,
-            "load_loop_worst_delay_s": load_dog.report().worst_delay_s,
-            "save_peak_rss_growth_bytes": save_rss, "prepare_rss_growth_bytes": prepare_rss,
-            "load_peak_rss_growth_bytes": load_rss,
-            "most_in_flight": method.most_in_flight(), "verified": _same(state, loaded),
-            **method.extra}
-
-
-async def _measure(rank: int, job: Job, state: dict[str, torch.Tensor],
-                   warmup: dict[str, torch.Tensor]) -> dict[str, Any]:
-    from aiobotocore.session import get_session
-
-    from asynctron import Engine
-
-    async def run(method: Method) -> dict[str, Any]:
-        return await measure_method(rank, job, method, state, warmup)
-
-    if job.method in (S3TORCH, FSSPEC):
-        return await run(DcpMethod(job, job.method))
-    if job.method in (OURS, *THROTTLE_METHODS):
-        from asynctron.storage.backends.s3 import S3Backend, S3Config
-
-        config = (S3Config() if job.max_requests is None
-                  else S3Config(max_requests=job.max_requests))
-        backend = S3Backend(config)
-        async with Engine(backend=backend) as engine:
-            return await run(AsynctronMethod(engine, backend.client,
-                                             collective=job.collective))
-    signed = job.method == RAW_SIGNED
-    async with get_session().create_client(
-            "s3", config=_client_config(signed=signed, num_requests=job.num_requests)) as client:
-        raw = RawS3(client, part_bytes=job.part_bytes, num_requests=job.num_requests)
-        return await run(TorchSaveMethod(raw, rank) if job.method == TORCH_SAVE
-                         else RawMethod(raw, rank))
-
-
-def _run_rank(rank: int, world: int, job: Job) -> dict[str, Any]:
-    """A spawned rank's run of `job` (a module-level function: it is pickled)."""
-    import uvloop
-
-    # aiohttp warns of every bytes body over 1 MiB (s3fs's parts) that it "might lock the event
-    # loop": the benchmark measures what it does instead
-    warnings.filterwarnings("ignore", category=ResourceWarning)
-    state = _rank_state(rank, job.state_bytes, seed=100)
-    warmup = _rank_state(rank, job.warmup_bytes, seed=7)
-    return uvloop.run(_measure(rank, job, state, warmup))
-
-
-# --------------------------------------------------------------------------------------
-# The run: server, buckets, rounds, summary
-# --------------------------------------------------------------------------------------
-
 
 def unavailable(method: str) -> str | None:
     """Why `method` cannot run here (a missing peer, no S3 backend), or None."""
@@ -278,10 +136,6 @@ class Buckets:
         self._client.close()
 
 
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
 def run_rounds(server: Any, methods: list[str], args: argparse.Namespace, *, size_gib: float
                ) -> dict[str, list[dict[str, Any]]]:
     """Every method in fresh ranks each round (round 0 untimed, but with `--quick`); per
@@ -308,7 +162,7 @@ def run_rounds(server: Any, methods: list[str], args: argparse.Namespace, *, siz
                 started = time.perf_counter()
                 try:
                     with throttling(server, name, args.store_profile):
-                        outcomes = run_local_ranks(_run_rank, nproc, job,
+                        outcomes = run_local_ranks(run_rank, nproc, job,
                                                    timeout_s=300 + state_bytes / 2e6)
                 finally:
                     buckets.delete(bucket)
@@ -364,145 +218,6 @@ def throttling(server: Any, name: str, store_profile: str | None) -> Iterator[No
 def _method_index(name: str) -> int:
     every = (*METHODS, RAW_ONE, *THROTTLE_METHODS)
     return every.index(name)
-
-
-def summarize(rounds: dict[str, list[dict[str, Any]]], *, raw: str = RAW,
-              peers: Sequence[str] = PEERS) -> dict[str, Any]:
-    """Per method: medians over rounds of each round's slowest rank (worst rank for delays,
-    memory and requests; all ranks' CPU over all their bytes); the ratios of `OURS` over `raw`
-    (the physical baseline) and over the fastest of `peers` (other stores' benchmarks pass
-    their own)."""
-    summary: dict[str, Any] = {}
-    for name, runs in rounds.items():
-        nbytes = sum(rank["nbytes"] for rank in runs[0]["ranks"])
-        def worst(field: str, runs: list[dict[str, Any]] = runs) -> list[float]:
-            values = [[r[field] for r in run["ranks"] if r.get(field) is not None]
-                      for run in runs]
-            return [max(v) for v in values if v]
-
-        def total(field: str, runs: list[dict[str, Any]] = runs) -> list[float]:
-            return [sum(r[field] for r in run["ranks"]) for run in runs
-                    if all(field in r for r in run["ranks"])]
-
-        save_s, load_s = _median(worst("save_s")), _median(worst("load_s"))
-        summary[name] = {
-            "save_median_s": save_s, "load_median_s": load_s,
-            "nbytes": nbytes,
-            "save_gb_per_s": nbytes / save_s / 1e9, "load_gb_per_s": nbytes / load_s / 1e9,
-            "save_cpu_s_per_gb": _median(total("save_cpu_s")) / (nbytes / 1e9),
-            "load_cpu_s_per_gb": _median(total("load_cpu_s")) / (nbytes / 1e9),
-            "blocking_median_s": _median(worst("blocking_s")),
-            "loop_worst_delay_median_s": _median(worst("loop_worst_delay_s")),
-            "load_loop_worst_delay_median_s": _median(worst("load_loop_worst_delay_s")),
-            "save_peak_rss_growth_median_bytes": _median(worst("save_peak_rss_growth_bytes")),
-            "load_peak_rss_growth_median_bytes": _median(worst("load_peak_rss_growth_bytes")),
-            "most_in_flight": max(worst("most_in_flight"), default=None),
-            **{f"{field}_median_s": _median(worst(field)) for field in ("call_s", "prefault_s")
-               if worst(field)},
-            **{f"{field}_per_round": total(field) for field in (
-                "save_requests", "save_throttled", "load_requests", "load_throttled",
-                "load_lists") if total(field)},
-            "rounds": runs}
-    ratios: dict[str, Any] = {}
-    peers = [name for name in peers if name in summary]
-
-    def over(mine: str, theirs: str) -> dict[str, float]:
-        return {what: summary[mine][f"{what}_gb_per_s"] / summary[theirs][f"{what}_gb_per_s"]
-                for what in ("save", "load")}
-
-    if RAW in summary and RAW_SIGNED in summary:
-        ratios["signed_over_unsigned"] = over(RAW_SIGNED, RAW)
-    if THROTTLED in summary and BUDGET_4 in summary:
-        ratios["throttled_over_budget_4"] = over(THROTTLED, BUDGET_4)
-    if PROXY_THROTTLED in summary and PROXY_BUDGET_4 in summary:
-        ratios["proxy_throttled_over_budget_4"] = over(PROXY_THROTTLED, PROXY_BUDGET_4)
-    if OURS in summary:
-        ours = summary[OURS]
-        if raw in summary:
-            ratios["asynctron_over_raw"] = over(OURS, raw)
-        if RAW_ONE in summary:
-            ratios["asynctron_over_raw_one_process"] = over(OURS, RAW_ONE)
-        for what in ("save", "load") if peers else ():
-            best = max(peers, key=lambda name: summary[name][f"{what}_gb_per_s"])
-            ratios.setdefault("asynctron_over_fastest_peer", {})[what] = {
-                "peer": best, "ratio": ours[f"{what}_gb_per_s"] / summary[best][
-                    f"{what}_gb_per_s"]}
-        if peers:
-            least = min(peers, key=lambda name: summary[name]["blocking_median_s"])
-            ratios["asynctron_blocking_over_least_peer"] = {
-                "peer": least, "ratio": ours["blocking_median_s"]
-                / summary[least]["blocking_median_s"]}
-    return {"methods": summary, "ratios": ratios}
-
-
-def report(result: dict[str, Any]) -> None:
-    _table(result["methods"], f"S3 checkpoints: {result['nbytes'] / GiB:.2f} GiB state "
-           f"({result['num_tensors']} tensors per rank), {result['world_size']} rank(s), one "
-           "local SeaweedFS")
-    print("blocks: until the caller may go on (asynctron: `await task.staged`); CPU: client "
-          "process time (every thread) per GB moved; loop: worst heartbeat delay during the "
-          "save / the load; RSS+: peak growth (asynctron's save includes its staging slabs); "
-          "in flight: most requests at once")
-    ratios = result["ratios"]
-    if "signed_over_unsigned" in ratios:
-        cost = ratios["signed_over_unsigned"]
-        print(f"raw signed + checksums / raw unsigned: save {cost['save']:.2f}x, "
-              f"load {cost['load']:.2f}x")
-    for key, what in (("asynctron_over_raw", "raw (unsigned)"),
-                      ("asynctron_over_raw_one_process", RAW_ONE)):
-        if key in ratios:
-            print(f"asynctron / {what}: save {ratios[key]['save']:.2f}x, "
-                  f"load {ratios[key]['load']:.2f}x")
-    for what, best in ratios.get("asynctron_over_fastest_peer", {}).items():
-        print(f"asynctron / fastest peer, {what}: {best['ratio']:.2f}x ({best['peer']})")
-    if "asynctron_blocking_over_least_peer" in ratios:
-        least = ratios["asynctron_blocking_over_least_peer"]
-        methods = result["methods"]
-        print(f"asynctron blocking / shortest peer's: {least['ratio']:.3f}x ({least['peer']}); "
-              f"engine.save returned in {methods[OURS].get('call_s_median_s', 0) * 1e3:.1f} ms")
-    if OURS in result["methods"] and "load_lists_per_round" in result["methods"][OURS]:
-        print(f"asynctron: LIST requests per load, all ranks: "
-              f"{max(result['methods'][OURS]['load_lists_per_round'])}")
-    if "throttle" in result:
-        throttle = result["throttle"]
-        _table(throttle["methods"], f"throttled store: {throttle['nbytes'] / GiB:.2f} GiB, the "
-               f"server's circuit breaker answering 503 beyond {THROTTLE_LIMIT} reads or writes "
-               f"in flight, or a proxy beyond {THROTTLE_LIMIT} requests")
-        for name in THROTTLE_METHODS:
-            m = throttle["methods"].get(name, {})
-            if "save_throttled_per_round" in m:
-                print(f"{name}: answered 503 per save {m['save_throttled_per_round']} of "
-                      f"{m['save_requests_per_round']} requests, per load "
-                      f"{m['load_throttled_per_round']} of {m['load_requests_per_round']}")
-        for key, what in (("throttled_over_budget_4", "throttled / budget 4, no throttle"),
-                          ("proxy_throttled_over_budget_4",
-                           "proxy throttled / budget 4 via the proxy")):
-            if key in throttle["ratios"]:
-                cost = throttle["ratios"][key]
-                print(f"{what}: save {cost['save']:.2f}x, load {cost['load']:.2f}x")
-    if "store_profile" in result:
-        shaped = result["store_profile"]
-        print(f"store profile {shaped['profile']}: {shaped['num_requests']} requests "
-              f"({shaped['num_slowdowns']} answered 503 by the proxy), "
-              f"{shaped['up_bytes'] / 1e9:.2f} GB up, {shaped['down_bytes'] / 1e9:.2f} GB down")
-    for name, reason in result["skipped"].items():
-        print(f"not run: {name}: {reason}")
-
-
-def _table(methods: dict[str, Any], title: str) -> None:
-    first = next(iter(methods.values()))
-    print(f"\n== {title}; medians of {len(first['rounds'])} rounds ==")
-    print(f"{'method':<36}{'save GB/s':>10}{'load GB/s':>10}{'save CPU':>9}{'load CPU':>9}"
-          f"{'blocks s':>9}{'loop ms':>14}{'save RSS+':>11}{'load RSS+':>11}{'in flight':>10}")
-    for name, m in methods.items():
-        in_flight = "-" if m["most_in_flight"] is None else f"{m['most_in_flight']:.0f}"
-        loops = (f"{m['loop_worst_delay_median_s'] * 1e3:.1f}/"
-                 f"{m['load_loop_worst_delay_median_s'] * 1e3:.1f}")
-        print(f"{name:<36}{m['save_gb_per_s']:>10.3f}{m['load_gb_per_s']:>10.3f}"
-              f"{m['save_cpu_s_per_gb']:>9.2f}{m['load_cpu_s_per_gb']:>9.2f}"
-              f"{m['blocking_median_s']:>9.3f}{loops:>14}"
-              f"{m['save_peak_rss_growth_median_bytes'] / MiB:>7.0f} MiB"
-              f"{m['load_peak_rss_growth_median_bytes'] / MiB:>7.0f} MiB{in_flight:>10}")
 
 
 _DISTRIBUTIONS = ("torch", "aiobotocore", "botocore", "s3fs", "s3torchconnector",

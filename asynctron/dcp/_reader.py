@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from asynctron.dcp._plugin import CheckpointPlugin
 from asynctron.dcp._read_job import OpenCheckpoint, read
-from asynctron.dcp._runtime import Runtime, plugin_config, runtime_for
-from asynctron.dcp._writer import is_served, locate
+from asynctron.dcp._runtime import Runtime
 from asynctron.errors import CorruptCheckpointError, StorageError
 from asynctron.storage import Backend
 from asynctron.storage.format import (
@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 _DCP_LOAD_DROPS_READ_ERRORS = torch.__version__ < (2, 12)
 
 
-class StorageReader(dcp_storage.StorageReader):
+class StorageReader(CheckpointPlugin, dcp_storage.StorageReader):
     """A `torch.distributed.checkpoint` storage reader on asynctron's reader:
     `dcp.load(state_dict, storage_reader=asynctron.dcp.StorageReader(path))`.
 
@@ -71,35 +71,14 @@ class StorageReader(dcp_storage.StorageReader):
 
     def __init__(self, path: str | os.PathLike[str], *, verify: bool = True,
                  backend: Backend | None = None, **engine_options: Any) -> None:
-        super().__init__()
-        self._given_backend = backend
-        self._backend, self.path = locate("StorageReader", path, backend)
+        super().__init__("StorageReader", path, backend, engine_options)
         self.verify = verify
-        self._config = plugin_config("StorageReader", engine_options)
-        self._runtime: Runtime | None = None
         self._checkpoint: OpenCheckpoint | None = None
         self.load_id = uuid.uuid4().hex
 
-    def _started(self) -> Runtime:
-        if self._runtime is None:
-            self._runtime = runtime_for(self._config, self._given_backend)
-        return self._runtime
-
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint path this reader loads from."""
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether a storage backend serves `checkpoint_id` (what this reader loads from)."""
-        return is_served(checkpoint_id)
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         self._close_checkpoint()
-        if checkpoint_id:
-            self._backend, self.path = locate("StorageReader", checkpoint_id,
-                                              self._given_backend)
+        self._relocate(checkpoint_id)
         self.load_id = uuid.uuid4().hex
 
     # Not named `**kwargs`: DCP then never asks for rank-local metadata (`__<rank>.metadata`,

@@ -45,7 +45,8 @@ from torch.distributed.tensor import DTensor
 
 from asynctron import _native
 from asynctron._budget import ByteBudget
-from asynctron.dcp._runtime import Runtime, plugin_config, runtime_for
+from asynctron.dcp._plugin import Plugin
+from asynctron.dcp._runtime import Runtime
 from asynctron.engine.lowlevel import SLAB_CACHE, Slab, launch_copies, mark_ready
 from asynctron.errors import WouldBlock
 from asynctron.storage.format import ALIGN_BYTES, SMALL_ALIGN_BYTES, align_up
@@ -68,7 +69,7 @@ class _Leaf:
     offset: int = 0
 
 
-class AsyncStager(staging.AsyncStager):
+class AsyncStager(Plugin, staging.AsyncStager):
     """DCP's `AsyncStager` on asynctron's staging memory:
     `dcp.async_save(sd, storage_writer=..., async_stager=asynctron.dcp.AsyncStager())`.
 
@@ -93,13 +94,7 @@ class AsyncStager(staging.AsyncStager):
     _synchronize_after_execute: bool = False  # `stage` returns once the copy is made
 
     def __init__(self, **engine_options: Any) -> None:
-        self._config = plugin_config("AsyncStager", engine_options)
-        self._runtime: Runtime | None = None
-
-    def _started(self) -> Runtime:
-        if self._runtime is None:
-            self._runtime = runtime_for(self._config)
-        return self._runtime
+        super().__init__("AsyncStager", engine_options)
 
     def stage(self, state_dict: STATE_DICT_TYPE) -> STATE_DICT_TYPE:
         """A copy of `state_dict` that later changes to its tensors do not reach: the same

@@ -39,40 +39,13 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from asynctron.dcp import _commit as _dcp_commit
-from asynctron.dcp._runtime import Runtime, plugin_config, runtime_for
+from asynctron.dcp._plugin import CheckpointPlugin
+from asynctron.dcp._runtime import Runtime
 from asynctron.dcp._stager import stage_state_dict
 from asynctron.dcp._write_job import SaveTarget, write
 from asynctron.engine.lowlevel import mark_ready
-from asynctron.storage import Backend, SaveArea, backend_for
+from asynctron.storage import Backend, SaveArea
 from asynctron.storage.backends import SaveStorage, commit_checkpoint
-
-
-def locate(owner: str, path: str | os.PathLike[str], backend: Backend | None
-           ) -> tuple[Backend, str]:
-    """`path`'s backend (`backend`, else the one its URL names) and its name there.
-
-    Raises:
-        TypeError: `path` is not a str or os.PathLike (naming the owner).
-        ValueError: an empty path, or a URL no backend serves.
-    """
-    if not isinstance(path, str | os.PathLike):
-        raise TypeError(f"{owner} path: expected a str or os.PathLike, found "
-                        f"{type(path).__name__}")
-    text = os.fspath(path)
-    if not isinstance(text, str) or not text:
-        raise ValueError(f"{owner} path: expected a non-empty path, found {path!r}")
-    served = backend or backend_for(text)
-    return served, served.locate(text)
-
-
-def is_served(checkpoint_id: object) -> bool:
-    """Whether a storage backend serves `checkpoint_id` (a local path, or a URL of a
-    registered backend): what the plugins save to and load from."""
-    try:
-        locate("checkpoint_id", checkpoint_id, None)  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
-    return True
 
 
 class _PendingSave:
@@ -118,7 +91,7 @@ async def _commit_or_abandon(storage: SaveStorage, area: SaveArea,
         raise
 
 
-class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
+class StorageWriter(CheckpointPlugin, dcp_storage.StorageWriter, staging.AsyncStager):
     """A `torch.distributed.checkpoint` storage writer on asynctron's pipeline:
     `dcp.save(state_dict, storage_writer=asynctron.dcp.StorageWriter(path))`.
 
@@ -151,11 +124,7 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
 
     def __init__(self, path: str | os.PathLike[str], *, backend: Backend | None = None,
                  **engine_options: Any) -> None:
-        super().__init__()
-        self._given_backend = backend
-        self._backend, self.path = locate("StorageWriter", path, backend)
-        self._config = plugin_config("StorageWriter", engine_options)
-        self._runtime: Runtime | None = None
+        super().__init__("StorageWriter", path, backend, engine_options)
         self._pending = _PendingSave()
         self._finalizer = weakref.finalize(self, _abandon_pending, None, self._pending)
         # the last commit or removal of an area started (the waiting thread may have been
@@ -166,30 +135,20 @@ class StorageWriter(dcp_storage.StorageWriter, staging.AsyncStager):
         self._requested_unix_s = time.time()
 
     def _started(self) -> Runtime:
-        if self._runtime is None:
-            self._runtime = runtime_for(self._config, self._given_backend)
+        """The runtime (`Plugin._started`); once it is started, the finalizer that removes an
+        abandoned save's area runs its removal there."""
+        first = self._runtime is None
+        runtime = super()._started()
+        if first:
             self._finalizer.detach()
-            self._finalizer = weakref.finalize(self, _abandon_pending, self._runtime,
-                                               self._pending)
-        return self._runtime
-
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint path this writer saves to."""
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether a storage backend serves `checkpoint_id` (what this writer saves to)."""
-        return is_served(checkpoint_id)
+            self._finalizer = weakref.finalize(self, _abandon_pending, runtime, self._pending)
+        return runtime
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """Start a new save (to `checkpoint_id`, if given). The area of an earlier save
         through this writer that never committed is removed now."""
         self._remove_pending()
-        if checkpoint_id:
-            self._backend, self.path = locate("StorageWriter", checkpoint_id,
-                                              self._given_backend)
+        self._relocate(checkpoint_id)
         self.save_id = uuid.uuid4().hex
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

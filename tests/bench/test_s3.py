@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from asynctron.bench import s3
+from asynctron.bench import _s3_methods, s3
 from asynctron.testing.seaweedfs import weed_binary
 
 
@@ -36,8 +36,8 @@ def test_quick_run_round_trips_every_method_and_writes_a_complete_report(
     assert s3.main(["--quick", "--dir", str(tmp_path), "--out", out]) == 0
     with open(out) as f:
         results = json.load(f)
-    assert set(results["skipped"]) <= {s3.OURS}  # only while asynctron has no S3 backend
-    assert set(results["methods"]) == set(s3.METHODS) - set(results["skipped"])
+    assert set(results["skipped"]) <= {_s3_methods.OURS}  # only while asynctron has no S3 backend
+    assert set(results["methods"]) == set(_s3_methods.METHODS) - set(results["skipped"])
     assert results["nbytes"] > 0 and results["world_size"] == 1
     for name, method in results["methods"].items():
         (run,) = method["rounds"]
@@ -47,27 +47,27 @@ def test_quick_run_round_trips_every_method_and_writes_a_complete_report(
         assert method["save_peak_rss_growth_median_bytes"] >= 0, name
         assert method["save_cpu_s_per_gb"] > 0 and method["load_cpu_s_per_gb"] > 0, name
         assert method["load_loop_worst_delay_median_s"] >= 0, name
-    for name in (s3.RAW, s3.RAW_SIGNED, s3.TORCH_SAVE):
+    for name in (_s3_methods.RAW, _s3_methods.RAW_SIGNED, _s3_methods.TORCH_SAVE):
         assert results["methods"][name]["most_in_flight"] >= 1
     printed = capsys.readouterr().out
     assert "raw signed + checksums / raw unsigned" in printed
-    if s3.OURS in results["methods"]:
-        assert results["methods"][s3.OURS]["most_in_flight"] >= 1
+    if _s3_methods.OURS in results["methods"]:
+        assert results["methods"][_s3_methods.OURS]["most_in_flight"] >= 1
         assert set(results["ratios"]) >= {"asynctron_over_raw", "asynctron_over_fastest_peer"}
         assert "asynctron / fastest peer, save" in printed
-        assert results["methods"][s3.OURS]["load_lists_per_round"] == [1]
+        assert results["methods"][_s3_methods.OURS]["load_lists_per_round"] == [1]
         throttle = results["throttle"]
-        assert set(throttle["methods"]) == set(s3.THROTTLE_METHODS)
+        assert set(throttle["methods"]) == set(_s3_methods.THROTTLE_METHODS)
         assert all(rank["verified"] for method in throttle["methods"].values()
                    for rank in method["rounds"][0]["ranks"])
         assert set(throttle["ratios"]) == {"throttled_over_budget_4",
                                            "proxy_throttled_over_budget_4"}
         assert "throttled / budget 4, no throttle: save" in printed
         assert "proxy throttled / budget 4 via the proxy: save" in printed
-        budget_4 = throttle["methods"][s3.PROXY_BUDGET_4]
+        budget_4 = throttle["methods"][_s3_methods.PROXY_BUDGET_4]
         assert budget_4["save_throttled_per_round"] == [0]  # the proxy never refuses 4
     else:
-        assert f"not run: {s3.OURS}" in printed
+        assert f"not run: {_s3_methods.OURS}" in printed
 
 
 def test_a_bad_store_profile_is_refused_before_anything_starts(
@@ -89,7 +89,7 @@ def test_a_store_profile_puts_a_shaping_proxy_between_the_methods_and_the_server
     except FileNotFoundError as error:
         pytest.skip(str(error))
     out = f"{tmp_path}/s3.json"
-    assert s3.main(["--quick", "--dir", str(tmp_path), "--out", out, "--only", s3.RAW,
+    assert s3.main(["--quick", "--dir", str(tmp_path), "--out", out, "--only", _s3_methods.RAW,
                     "--throttle-gib", "0", "--store-profile", "s3-node,first_byte=5ms"]) == 0
     with open(out) as f:
         results = json.load(f)

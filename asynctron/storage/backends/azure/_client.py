@@ -17,9 +17,7 @@ import asyncio
 import contextlib
 import datetime
 import email.utils
-import re
 import secrets
-import weakref
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -41,12 +39,15 @@ from asynctron.storage.backends.objects._client import (
     PartLimits,
     PreconditionFailedError,
 )
+from asynctron.storage.backends.objects._cloud_client import CloudClient
 from asynctron.storage.backends.objects._http_ranges import RangeClient
-from asynctron.storage.backends.objects._io_loop import close_at_exit, close_when_collected
 from asynctron.storage.backends.objects._layout import Listing, ObjectUrl
-from asynctron.storage.backends.objects._request_budget import world_size
-from asynctron.storage.backends.objects._requests import Answer, Failure, StoreRequests
-from asynctron.storage.backends.objects._signed_gets import SignedUrls, signed_get_into
+from asynctron.storage.backends.objects._requests import Answer, Failure
+from asynctron.storage.backends.objects._signed_gets import (
+    SignedUrls,
+    error_document,
+    signed_get_into,
+)
 
 MiB = 1 << 20
 AZURE_PART_LIMITS = PartLimits(min_part_bytes=4 * MiB, max_parts=50_000)
@@ -160,44 +161,29 @@ class _LoopClient:
         await self.service.close()
 
 
-class AzureClient:
+class AzureClient(CloudClient[_LoopClient]):
     """An `ObjectClient` for one Azure storage account. Concurrency: any number of tasks on
     any loops (requests run on the store I/O loop)."""
 
     schemes = ("az", "abfs")
     limits = AZURE_PART_LIMITS
+    config: AzureConfig
 
     def __init__(self, config: AzureConfig) -> None:
-        self.config = config
-        self.endpoint, self._account, self._key, self._credential = config.resolved()
-        self.requests = StoreRequests(
-            self.endpoint, AzureErrors(self.endpoint), deadline_s=config.deadline_s,
-            max_in_flight=lambda: config.process_requests(world_size()))
-        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopClient] = (
-            weakref.WeakKeyDictionary())
-        close_at_exit(self)
-        close_when_collected(self, self._clients)
+        endpoint, self._account, self._key, self._credential = config.resolved()
+        super().__init__(config, endpoint, AzureErrors(endpoint))
 
-    @property
-    def most_in_flight(self) -> int:
-        return self.requests.most_in_flight
+    async def _connect(self) -> _LoopClient:
+        service = BlobServiceClient(
+            self.endpoint, credential=self._credential, retry_total=0,
+            connection_timeout=self.config.connect_timeout_s,
+            read_timeout=self.config.read_timeout_s,
+            max_single_put_size=max(self.config.single_put_bytes, 64 * MiB),
+            max_single_get_size=_FIRST_GET_BYTES)
+        return _LoopClient(service, self.config, self._account, self._key)
 
-    def _loop_client(self) -> _LoopClient:
-        loop = asyncio.get_running_loop()
-        found = self._clients.get(loop)
-        if found is None:
-            service = BlobServiceClient(
-                self.endpoint, credential=self._credential, retry_total=0,
-                connection_timeout=self.config.connect_timeout_s,
-                read_timeout=self.config.read_timeout_s,
-                max_single_put_size=max(self.config.single_put_bytes, 64 * MiB),
-                max_single_get_size=_FIRST_GET_BYTES)
-            found = self._clients[loop] = _LoopClient(service, self.config, self._account,
-                                                      self._key)
-        return found
-
-    def _blob(self, url: ObjectUrl) -> Any:
-        return self._loop_client().service.get_blob_client(url.bucket, url.key)
+    async def _blob(self, url: ObjectUrl) -> Any:
+        return (await self._loop_client()).service.get_blob_client(url.bucket, url.key)
 
     async def _call(self, operation: str, url: ObjectUrl | str, request: Any, *,
                     sent_bytes: int = 0) -> Any:
@@ -208,7 +194,7 @@ class AzureClient:
 
     async def get_small(self, url: ObjectUrl, max_bytes: int) -> tuple[bytes | None, str, int]:
         async def attempt() -> tuple[bytes | None, str, int]:
-            download = await self._blob(url).download_blob(max_concurrency=1)
+            download = await (await self._blob(url)).download_blob(max_concurrency=1)
             size = download.properties.size
             data = await download.readall() if size <= max_bytes else None
             return data, download.properties.etag, size
@@ -223,7 +209,7 @@ class AzureClient:
             return
 
         async def attempt() -> None:
-            found = self._loop_client()
+            found = await self._loop_client()
             await signed_get_into(found.ranges, await found.signed.get(url), url,
                                   self.endpoint, offset, buffers, key=key, if_match=if_match,
                                   error_of=_answered)
@@ -232,7 +218,7 @@ class AzureClient:
 
     async def head(self, url: ObjectUrl) -> ObjectInfo:
         async def attempt() -> Any:
-            return await self._blob(url).get_blob_properties()
+            return await (await self._blob(url)).get_blob_properties()
 
         found = await self._call("head_blob", url, attempt)
         metadata = {name.replace("_", "-"): value
@@ -250,7 +236,7 @@ class AzureClient:
 
         async def attempt() -> None:
             listing.sizes.clear()
-            container = self._loop_client().service.get_container_client(folder.bucket)
+            container = (await self._loop_client()).service.get_container_client(folder.bucket)
             blobs = (container.list_blobs(name_starts_with=folder.prefix,
                                           raw_response_hook=note_time) if recursive
                      else container.walk_blobs(name_starts_with=folder.prefix, delimiter="/",
@@ -283,15 +269,15 @@ class AzureClient:
             block = await self.upload_part(url, await self.start_upload(url), 1, view)
 
             async def commit() -> None:
-                await self._blob(url).commit_block_list([block], **conditions)
+                await (await self._blob(url)).commit_block_list([block], **conditions)
 
             await self._call("put_block_list", url, commit)
             return
         data = bytes(view)
 
         async def attempt() -> None:
-            await self._blob(url).upload_blob(data, length=len(data), overwrite=True,
-                                              **conditions)
+            await (await self._blob(url)).upload_blob(data, length=len(data), overwrite=True,
+                                                      **conditions)
 
         await self._call("put_blob", url, attempt, sent_bytes=len(data))
 
@@ -299,7 +285,7 @@ class AzureClient:
         async def delete_one(url: ObjectUrl) -> None:
             async def attempt() -> None:
                 with contextlib.suppress(ResourceNotFoundError):
-                    await self._blob(url).delete_blob()
+                    await (await self._blob(url)).delete_blob()
 
             await self._call("delete_blob", url, attempt)
 
@@ -318,7 +304,7 @@ class AzureClient:
         view = memoryview(body).cast("B")
 
         async def attempt() -> None:
-            await self._blob(url).stage_block(block, _slices(view), length=view.nbytes)
+            await (await self._blob(url)).stage_block(block, _slices(view), length=view.nbytes)
 
         await self._call("put_block", f"{url} block {number}", attempt, sent_bytes=view.nbytes)
         return block
@@ -326,7 +312,7 @@ class AzureClient:
     async def complete_upload(self, url: ObjectUrl, upload_id: str,
                               tags: Sequence[str]) -> None:
         async def attempt() -> None:
-            await self._blob(url).commit_block_list(list(tags))
+            await (await self._blob(url)).commit_block_list(list(tags))
 
         await self._call("put_block_list", url, attempt)
 
@@ -336,7 +322,7 @@ class AzureClient:
         (`If-None-Match: *`) and deletes it, so the blocks go with it. Over an existing blob,
         nothing is done: its next commit drops the blocks."""
         async def attempt() -> None:
-            blob = self._blob(url)
+            blob = await self._blob(url)
             if await self._exists(blob):
                 return  # a committed blob is there: never touched
             try:
@@ -369,7 +355,7 @@ class AzureClient:
 
         async def attempt() -> None:
             found.clear()
-            container = self._loop_client().service.get_container_client(folder.bucket)
+            container = (await self._loop_client()).service.get_container_client(folder.bucket)
             committed = {blob.name async for blob in container.list_blobs(
                 name_starts_with=folder.prefix)}
             async for blob in container.list_blobs(name_starts_with=folder.prefix,
@@ -379,12 +365,6 @@ class AzureClient:
 
         await self._call("list_blobs", folder, attempt)
         return found
-
-    async def aclose(self) -> None:
-        """On the I/O loop: close its clients (their connections)."""
-        found = self._clients.pop(asyncio.get_running_loop(), None)
-        if found is not None:
-            await found.aclose()
 
 
 async def _slices(view: memoryview) -> AsyncIterator[memoryview]:
@@ -403,11 +383,8 @@ def _metadata(metadata: dict[str, str] | None) -> dict[str, str] | None:
 
 
 def _answered(status: int, body: bytes) -> _Answered:
-    text = body.decode("utf-8", "replace")
-    code = re.search(r"<Code>([^<]*)</Code>", text)
-    message = re.search(r"<Message>([^<]*)</Message>", text)
-    return _Answered(status, code[1] if code else str(status),
-                     (message[1] if message else text[:200]).splitlines()[0] if text else "")
+    code, message = error_document(status, body)
+    return _Answered(status, code, message.splitlines()[0] if message else "")
 
 
 def _iso(when: datetime.datetime) -> str:

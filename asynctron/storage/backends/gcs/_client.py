@@ -21,7 +21,6 @@ import json
 import os
 import secrets
 import urllib.parse
-import weakref
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -36,11 +35,10 @@ from asynctron.storage.backends.objects._client import (
     PartLimits,
     PreconditionFailedError,
 )
+from asynctron.storage.backends.objects._cloud_client import CloudClient
 from asynctron.storage.backends.objects._http_ranges import RangeClient
-from asynctron.storage.backends.objects._io_loop import close_at_exit, close_when_collected
 from asynctron.storage.backends.objects._layout import Listing, ObjectUrl
-from asynctron.storage.backends.objects._request_budget import world_size
-from asynctron.storage.backends.objects._requests import Answer, Failure, StoreRequests
+from asynctron.storage.backends.objects._requests import Answer, Failure
 from asynctron.storage.backends.objects._signed_gets import signed_get_into
 
 MiB = 1 << 20
@@ -101,35 +99,37 @@ class GcsErrors:
         return StorageError(f"{where}: {answer}", path=str(url), errno=None)
 
 
-class GcsClient:
+class _LoopClient:
+    """An aiohttp session and a client for ranged GETs, of one event loop."""
+
+    def __init__(self, config: GcsConfig) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=config.max_requests),
+            timeout=aiohttp.ClientTimeout(sock_connect=config.connect_timeout_s,
+                                          sock_read=config.read_timeout_s),
+            auto_decompress=False)
+        self.ranges = RangeClient(connect_timeout_s=config.connect_timeout_s,
+                                  read_timeout_s=config.read_timeout_s)
+
+    async def aclose(self) -> None:
+        await self.ranges.aclose()
+        await self.session.close()
+
+
+class GcsClient(CloudClient[_LoopClient]):
     """An `ObjectClient` for Google Cloud Storage. Concurrency: any number of tasks on any
     loops (requests run on the store I/O loop)."""
 
     schemes = ("gs",)
     limits = GCS_PART_LIMITS
+    config: GcsConfig
 
     def __init__(self, config: GcsConfig) -> None:
-        self.config = config
-        self.endpoint = config.resolved_endpoint()
-        self.requests = StoreRequests(
-            self.endpoint, GcsErrors(), deadline_s=config.deadline_s,
-            max_in_flight=lambda: config.process_requests(world_size()))
+        super().__init__(config, config.resolved_endpoint(), GcsErrors())
         self._credentials = None if config.is_anonymous() else config.credentials
-        self._sessions: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopClient] = (
-            weakref.WeakKeyDictionary())
-        close_at_exit(self)
-        close_when_collected(self, self._sessions)
 
-    @property
-    def most_in_flight(self) -> int:
-        return self.requests.most_in_flight
-
-    def _loop_client(self) -> _LoopClient:
-        loop = asyncio.get_running_loop()
-        found = self._sessions.get(loop)
-        if found is None:
-            found = self._sessions[loop] = _LoopClient(self.config)
-        return found
+    async def _connect(self) -> _LoopClient:
+        return _LoopClient(self.config)
 
     async def _headers(self) -> dict[str, str]:
         """The bearer token's header (refreshed off the loop when near expiry)."""
@@ -170,7 +170,7 @@ class GcsClient:
                        ) -> tuple[Any, str | None]:
         """One try: `method address`; the JSON answer (None without a body) and the store's
         clock (its Date header). Raises `_Answered` for any status but 2xx."""
-        session = self._loop_client().session
+        session = (await self._loop_client()).session
         headers = {**options.pop("headers", {}), **await self._headers()}
         async with session.request(method, address, headers=headers, **options) as response:
             body = await response.read()
@@ -235,8 +235,8 @@ class GcsClient:
             address += f"&ifGenerationMatch={if_match}"
 
         async def attempt() -> None:
-            await signed_get_into(self._loop_client().ranges, address, url, self.endpoint,
-                                  offset, buffers, key=key, if_match=None,
+            await signed_get_into((await self._loop_client()).ranges, address, url,
+                                  self.endpoint, offset, buffers, key=key, if_match=None,
                                   error_of=_Answered, headers=await self._headers())
 
         await self.requests.retried("get_media", url, attempt, received_bytes=nbytes)
@@ -370,28 +370,6 @@ class GcsClient:
                                                                   modified)
         return list(uploads.values())
 
-    async def aclose(self) -> None:
-        """On the I/O loop: close its session (its connections)."""
-        found = self._sessions.pop(asyncio.get_running_loop(), None)
-        if found is not None:
-            await found.aclose()
-
-
-class _LoopClient:
-    """An aiohttp session and a client for ranged GETs, of one event loop."""
-
-    def __init__(self, config: GcsConfig) -> None:
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=config.max_requests),
-            timeout=aiohttp.ClientTimeout(sock_connect=config.connect_timeout_s,
-                                          sock_read=config.read_timeout_s),
-            auto_decompress=False)
-        self.ranges = RangeClient(connect_timeout_s=config.connect_timeout_s,
-                                  read_timeout_s=config.read_timeout_s)
-
-    async def aclose(self) -> None:
-        await self.ranges.aclose()
-        await self.session.close()
 
 
 async def _body(head: bytes, view: memoryview, tail: bytes) -> AsyncIterator[bytes | memoryview]:

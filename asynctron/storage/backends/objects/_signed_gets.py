@@ -1,11 +1,12 @@
 """A ranged GET of a signed URL (S3's presigned, Azure's SAS; GCS's, with a bearer token)
 whose body lands in the caller's buffers (`RangeClient`): the read every cloud's
 `ObjectClient.get_into` makes, and what its answer must hold; and `SignedUrls`, the URLs it
-reads, signed once per object.
+reads, signed once per object; `error_document`, what a failed answer's XML body says.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
@@ -47,6 +48,15 @@ async def signed_get_into(ranges: RangeClient, signed_url: str, url: ObjectUrl, 
         raise CorruptCheckpointError(
             f"{message}; the object is shorter than its manifest says (truncated or replaced "
             "after commit)", path=str(url), key=key, offset=offset + answer.received)
+
+
+def error_document(status: int, body: bytes) -> tuple[str, str]:
+    """The code and the message of a failed answer's XML error document (S3's, Azure's);
+    without one, the status and the body's first 200 characters."""
+    text = body.decode("utf-8", "replace")
+    code = re.search(r"<Code>([^<]*)</Code>", text)
+    message = re.search(r"<Message>([^<]*)</Message>", text)
+    return code[1] if code else str(status), message[1] if message else text[:200]
 
 
 class SignedUrls:

@@ -16,8 +16,6 @@ import datetime
 import email.utils
 import io
 import os
-import re
-import weakref
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -35,16 +33,16 @@ from asynctron.storage.backends.objects._client import (
     PartLimits,
     PreconditionFailedError,
 )
+from asynctron.storage.backends.objects._cloud_client import CloudClient
 from asynctron.storage.backends.objects._http_ranges import RangeClient
-from asynctron.storage.backends.objects._io_loop import (
-    close_at_exit,
-    close_when_collected,
-    on_io_loop,
-)
+from asynctron.storage.backends.objects._io_loop import on_io_loop
 from asynctron.storage.backends.objects._layout import Listing, ObjectUrl
-from asynctron.storage.backends.objects._request_budget import world_size
-from asynctron.storage.backends.objects._requests import Answer, Failure, StoreRequests
-from asynctron.storage.backends.objects._signed_gets import SignedUrls, signed_get_into
+from asynctron.storage.backends.objects._requests import Answer, Failure
+from asynctron.storage.backends.objects._signed_gets import (
+    SignedUrls,
+    error_document,
+    signed_get_into,
+)
 from asynctron.storage.backends.s3._config import S3Config
 from asynctron.storage.backends.s3._service_models import use_service_model_loader
 
@@ -180,50 +178,25 @@ class _LoopClient:
         await self.client.__aexit__(None, None, None)
 
 
-class S3Client:
+class S3Client(CloudClient[_LoopClient]):
     """An `ObjectClient` for one S3-compatible store. Concurrency: any number of tasks on any
     loops (requests run on the store I/O loop; a forked child gets a client of its own)."""
 
     schemes = ("s3",)
     limits = S3_PART_LIMITS
+    config: S3Config
 
     def __init__(self, config: S3Config) -> None:
-        self.config = config
-        self.endpoint = config.resolved_endpoint() or "AWS S3"
-        self.requests = StoreRequests(
-            self.endpoint, S3Errors(self.endpoint), deadline_s=config.deadline_s,
-            max_in_flight=lambda: config.process_requests(world_size()))
+        endpoint = config.resolved_endpoint() or "AWS S3"
+        super().__init__(config, endpoint, S3Errors(endpoint))
         self._session = AioSession(profile=config.profile)
         use_service_model_loader(self._session)
-        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopClient] = (
-            weakref.WeakKeyDictionary())
-        self._opening: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
-            weakref.WeakKeyDictionary())
-        close_at_exit(self)
-        close_when_collected(self, self._clients)
-
-    @property
-    def most_in_flight(self) -> int:
-        return self.requests.most_in_flight
 
     def _region(self) -> str:
         return (self.config.region or os.environ.get("AWS_REGION")
                 or self._session.get_config_variable("region") or "us-east-1")
 
-    async def _loop_client(self) -> _LoopClient:
-        loop = asyncio.get_running_loop()
-        found = self._clients.get(loop)
-        if found is not None:
-            return found
-        lock = self._opening.setdefault(loop, asyncio.Lock())
-        async with lock:
-            found = self._clients.get(loop)
-            if found is None:
-                found = self._clients[loop] = _LoopClient(await self._open_client(),
-                                                          self.config)
-        return found
-
-    async def _open_client(self) -> Any:
+    async def _connect(self) -> _LoopClient:
         config = self.config
         checksums = "when_supported" if config.store_checksums else "when_required"
         client_config = AioConfig(
@@ -238,7 +211,7 @@ class S3Client:
             aws_access_key_id=config.access_key_id,
             aws_secret_access_key=config.secret_access_key,
             aws_session_token=config.session_token, config=client_config)
-        return await creator.__aenter__()
+        return _LoopClient(await creator.__aenter__(), config)
 
     def _body(self, buffer: memoryview | bytes) -> dict[str, Any]:
         """The `Body` and `ContentLength` parameters that send `buffer`: as it lies, unless
@@ -402,22 +375,14 @@ class S3Client:
             params.update(KeyMarker=page.get("NextKeyMarker", ""),
                           UploadIdMarker=page.get("NextUploadIdMarker", ""))
 
-    async def aclose(self) -> None:
-        """On the I/O loop: close its client (its connections)."""
-        found = self._clients.pop(asyncio.get_running_loop(), None)
-        if found is not None:
-            await found.aclose()
 
 
 def _client_error(status: int, body: bytes) -> botocore.exceptions.ClientError:
     """A failed plain GET as botocore reports one (the S3 error document's code and message),
     so it is retried and translated like any request."""
-    text = body.decode("utf-8", "replace")
-    code = re.search(r"<Code>([^<]*)</Code>", text)
-    message = re.search(r"<Message>([^<]*)</Message>", text)
+    code, message = error_document(status, body)
     return botocore.exceptions.ClientError(
-        {"Error": {"Code": code[1] if code else str(status),
-                   "Message": message[1] if message else text[:200]},
+        {"Error": {"Code": code, "Message": message},
          "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
 
 
