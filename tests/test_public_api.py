@@ -225,6 +225,7 @@ def test_the_faces_asynctrons_parts_build_on() -> None:
             "ObjectUrl", "ObjectWrites", "OpenUpload", "PartLimits", "PartUploads",
             "PreconditionFailedError", "StoreConfig",
         },
+        "asynctron.engine.tiers": {"RestoreResult", "Tiers", "parse_shard"},
         "asynctron.engine.lowlevel": {
             "SLAB_CACHE", "SaveRequest", "SaveResources", "Slab", "SlabFill", "SlabFiller",
             "build_request", "dcp_items", "file_plan", "launch_copies", "mark_ready",

@@ -41,7 +41,7 @@ from asynctron.bench._baselines import evict_page_cache
 from asynctron.bench._fsdp_job import STEP_BYTES_PER_PARAMETER, fsdp_job, local_shards
 from asynctron.bench._rank_clock import Clock
 from asynctron.bench._s3_endpoint import fsspec, s3_backend, s3torch
-from asynctron.engine.tiers._layout import parse_shard
+from asynctron.engine.tiers import parse_shard
 from asynctron.testing.layouts import Job, build, full_nbytes
 
 MiB = 1 << 20

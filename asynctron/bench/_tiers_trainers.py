@@ -83,8 +83,13 @@ async def _accelerated(rank: int, world: int, config: RunConfig, clock: Clock, s
 
 
 async def _cpu(rank: int, world: int, config: RunConfig, clock: Clock, steps: int) -> None:
-    from asynctron._demo._corpus import write_corpus
-    from asynctron._demo._trainer import DemoConfig, TieredCheckpoints, dataset, train
+    from asynctron._demo import (
+        DemoConfig,
+        TieredCheckpoints,
+        dataset,
+        train,
+        write_corpus,
+    )
 
     out = f"{config.base}/cpu-trainer"
     prefix = os.path.join(out, "corpus", "corpus_text_document")

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import uvloop
 
-from asynctron._demo._model import TinyGPT, language_model_loss
+from asynctron._demo import TinyGPT, language_model_loss
 from asynctron.bench import _peers, _results, _savers
 from asynctron.bench.train import _flat_training_state
 

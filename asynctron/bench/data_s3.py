@@ -165,13 +165,9 @@ def upload(local_prefix: str, url: str) -> float:
 
 
 def _evict_under(*roots: str) -> None:
-    from asynctron.datasets.loader import _pages
+    from asynctron.bench._baselines import evict_page_cache
 
-    os.sync()
-    for root in roots:
-        for directory, _, names in os.walk(root):
-            for name in names:
-                _pages.evict(os.path.join(directory, name))
+    evict_page_cache(roots)
 
 
 def _spawn(job: Job, sample_cache: bool) -> dict[str, Any]:

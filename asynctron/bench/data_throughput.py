@@ -44,6 +44,7 @@ import xxhash
 
 from asynctron import Engine
 from asynctron.bench import _results
+from asynctron.bench._baselines import evict_page_cache
 from asynctron.bench._corpus import BenchTokenizer, megatron_modules, write_corpus
 from asynctron.bench._rounds import round_order
 from asynctron.datasets import (
@@ -55,7 +56,6 @@ from asynctron.datasets import (
     build_blending_indices,
     build_sample_index,
 )
-from asynctron.datasets.loader import _pages
 from asynctron.testing import LoopWatchdog
 
 MiB = 1 << 20
@@ -272,9 +272,7 @@ def bench_warm(megatron: Any, prefix: str, cache: str, num_reads: int, repeats: 
 
 def _evict_all(paths: list[str]) -> None:
     gc.collect()
-    os.sync()
-    for path in paths:
-        _pages.evict(path)
+    evict_page_cache(paths)
 
 
 def bench_cold(megatron: Any, prefix: str, cache: str, num_samples: int, repeats: int,

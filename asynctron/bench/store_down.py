@@ -119,7 +119,7 @@ def _write_corpus(server: Any, fault: str, work: str) -> None:
     its own, far from the first)."""
     import botocore.session
 
-    from asynctron.datasets.formats._builder import write_indexed_dataset
+    from asynctron.datasets import write_indexed_dataset
 
     rng = np.random.default_rng(0)
     documents = [rng.integers(0, 50_000, 4096, dtype=np.uint16) for _ in range(512)]

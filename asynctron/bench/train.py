@@ -39,7 +39,7 @@ import torch
 import uvloop
 
 from asynctron import Engine
-from asynctron._demo._model import TinyGPT, language_model_loss
+from asynctron._demo import TinyGPT, language_model_loss
 from asynctron.bench import _baselines, _peers, _results
 from asynctron.bench._rounds import round_order
 from asynctron.bench._trainers import TrainerThread

@@ -247,11 +247,9 @@ def _rate_alone(trainer: TrainerThread | None, window_s: float) -> float:
 # the harness ----------------------------------------------------------------------------------
 
 def _evict(paths: list[str]) -> None:
-    from asynctron.datasets.loader import _pages
+    from asynctron.bench._baselines import evict_page_cache
 
-    os.sync()
-    for path in paths:
-        _pages.evict(path)
+    evict_page_cache(paths)
 
 
 def _files(work: str) -> list[str]:

@@ -12,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from asynctron.bench._baselines import evict_page_cache
 from asynctron.datasets.loader import _pages
 from asynctron.datasets.loader._pages import PAGE_BYTES
 
@@ -34,8 +35,7 @@ def test_page_ranges_closer_than_the_gap_are_read_as_one() -> None:
 def test_willneed_reads_evicted_pages_in(tmp_path) -> None:
     path = tmp_path / "data.bin"
     path.write_bytes(os.urandom(64 * PAGE_BYTES))
-    os.sync()
-    _pages.evict(str(path))
+    evict_page_cache([str(path)])
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     view = np.frombuffer(mapped, np.uint8)

@@ -129,13 +129,3 @@ def _resident_pages(address: int, nbytes: int) -> np.ndarray:
 def resident_bytes(ranges: Sequence[Range]) -> int:
     """Bytes of `ranges` now in the page cache (mincore; for tests and benchmarks)."""
     return sum(int(_resident_pages(a, n).sum()) * PAGE_BYTES for a, n in ranges)
-
-
-def evict(path: str) -> None:
-    """Drop the local file `path`'s clean pages from the page cache (fadvise DONTNEED), for
-    cold-cache runs. Pages still mapped by a process may stay. Blocking call."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)

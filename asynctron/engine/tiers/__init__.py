@@ -17,6 +17,7 @@ another node's tier at restore), `_restore` (the restore's rounds).
 """
 
 from asynctron.engine.tiers._config import Tiers
+from asynctron.engine.tiers._layout import parse_shard
 from asynctron.engine.tiers._restore import RestoreResult
 
-__all__ = ["RestoreResult", "Tiers"]
+__all__ = ["RestoreResult", "Tiers", "parse_shard"]
