@@ -8,11 +8,13 @@ TORCH_PIN ?= torch==2.13.0
 # CPU, in a venv of its own. Keep it equal to the floor of `torch>=` in pyproject.toml.
 TORCH_OLDEST ?= torch==2.9.0
 VENV_OLDEST  := .venv-oldest
-# pytest-xdist workers: most slow tests wait on child processes and servers, not the CPU.
-# worksteal: each worker starts on its half of the suite (bench/ on one, megatron_core/, s3/
-# on the other) and a worker that runs out takes half of the other's queue, so both end
-# within a test of each other ('load' left one idle for ~120 s)
-TEST_WORKERS ?= 2
+# pytest-xdist workers: many slow tests wait on child processes, servers and store deadlines,
+# so a third worker overlaps those waits with the other two's CPU work (596 s -> 551 s here;
+# a fourth only adds contention: 569 s, and a 2 s store deadline missed).
+# worksteal: each worker starts on its share of the slow test files, heaviest first
+# (tests/conftest.py orders them), and a worker that runs out takes half of another's queue,
+# so all end within a test of each other ('load' left one idle for ~120 s)
+TEST_WORKERS ?= 3
 TEST_DIST    ?= --dist worksteal
 PY_OLDEST    := $(VENV_OLDEST)/bin/python
 # Azurite (the Azure Blob tests' and `asynctron bench azure`'s server,

@@ -21,6 +21,47 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> M
     return {"uvloop": uvloop.new_event_loop}
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under xdist's worksteal (`make test`), every worker starts on its share of the slow
+    test files, the longest first, and ends on fast ones.
+
+    Worksteal hands worker w the w-th contiguous part of this order and lets an idle worker
+    take the tail of the busiest one's queue, so a long test left for the end of a queue is
+    what keeps the suite running while the other workers idle. A file stays whole (its
+    module fixtures, rank pools among them, are made once).
+    """
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 2:
+        return
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+
+    def weight(path: str) -> float:
+        slow = sum(1 for item in files[path] if item.get_closest_marker("slow"))
+        return slow * (_BENCH_WEIGHT if path.startswith("tests/bench/") else 1)
+
+    slow_files = sorted((path for path in files if weight(path)), key=weight, reverse=True)
+    loads = [0.0] * workers
+    queues: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    for path in slow_files:  # the heaviest to the least loaded queue
+        least = loads.index(min(loads))
+        loads[least] += weight(path)
+        queues[least].extend(files[path])
+    fast = [item for path in files if not weight(path) for item in files[path]]
+    ordered: list[pytest.Item] = []
+    for worker, queue in enumerate(queues):
+        share = len(items) * (worker + 1) // workers - len(items) * worker // workers
+        fill = max(0, share - len(queue))
+        ordered += queue + fast[:fill]
+        fast = fast[fill:]
+    items[:] = ordered + fast
+
+
+_BENCH_WEIGHT = 6
+"""A benchmark's smoke run costs about what six other slow tests do (30-50 s against 5-8 s)."""
+
+
 @pytest.fixture
 def shm_path(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A fresh directory in RAM (/dev/shm) when available, for tests that write many bytes."""
