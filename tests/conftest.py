@@ -37,18 +37,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
 
-    def weight(path: str) -> float:
-        slow = sum(1 for item in files[path] if item.get_closest_marker("slow"))
-        return slow * (_BENCH_WEIGHT if path.startswith("tests/bench/") else 1)
-
-    slow_files = sorted((path for path in files if weight(path)), key=weight, reverse=True)
+    weight = {path: sum(1 for item in tests if item.get_closest_marker("slow"))
+              * (_BENCH_WEIGHT if path.startswith("tests/bench/") else 1)
+              for path, tests in files.items()}
+    slow_files = sorted((path for path in files if weight[path]), key=weight.__getitem__,
+                        reverse=True)
     loads = [0.0] * workers
     queues: list[list[pytest.Item]] = [[] for _ in range(workers)]
     for path in slow_files:  # the heaviest to the least loaded queue
         least = loads.index(min(loads))
-        loads[least] += weight(path)
+        loads[least] += weight[path]
         queues[least].extend(files[path])
-    fast = [item for path in files if not weight(path) for item in files[path]]
+    fast = [item for path in files if not weight[path] for item in files[path]]
     ordered: list[pytest.Item] = []
     for worker, queue in enumerate(queues):
         share = len(items) * (worker + 1) // workers - len(items) * worker // workers
